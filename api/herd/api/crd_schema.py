@@ -1,0 +1,169 @@
+"""Render the ModelDeployment CustomResourceDefinition from the pydantic models.
+
+pydantic emits JSON Schema (2020-12); Kubernetes wants a *structural* OpenAPI v3.0 schema. The
+conversion inlines ``$ref``s, drops ``null`` branches (optional means "may be absent"), folds the
+routing discriminated union into one object whose ``strategy`` enum lists every variant (structural
+schemas allow no ``oneOf`` of differing shapes; pydantic still enforces the per-strategy keys), turns
+``const`` into a one-value enum and 2020-12 ``exclusiveMinimum`` into the 3.0 boolean form, and marks
+free-form maps with ``x-kubernetes-preserve-unknown-fields``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from herd.api.crd import (
+    GROUP,
+    KIND,
+    PLURAL,
+    SHORT_NAME,
+    VERSION,
+    ModelDeploymentSpec,
+    ModelDeploymentStatus,
+)
+
+__all__ = ["crd_manifest", "openapi_schema"]
+
+Schema = dict[str, Any]
+_DROP = {"title", "discriminator", "$defs"}
+
+
+def _resolve(node: Schema, defs: dict[str, Schema]) -> Schema:
+    if "$ref" in node:
+        target = defs[node["$ref"].rsplit("/", 1)[-1]]
+        return _resolve({**target, **{k: v for k, v in node.items() if k != "$ref"}}, defs)
+    return node
+
+
+def _merge_variants(variants: list[Schema]) -> Schema:
+    merged: Schema = {"type": "object", "properties": {}}
+    required = set(variants[0].get("required", []))
+    for variant in variants:
+        required &= set(variant.get("required", []))
+        for name, prop in variant.get("properties", {}).items():
+            # No defaults inside a union: the API server would add one variant's keys to another.
+            prop = {k: v for k, v in prop.items() if k != "default"}
+            seen = merged["properties"].setdefault(name, prop)
+            if "enum" in prop and seen is not prop:
+                seen["enum"] = sorted(set(seen.get("enum", [])) | set(prop["enum"]))
+    if required:
+        merged["required"] = sorted(required)
+    return merged
+
+
+def _convert(node: Schema, defs: dict[str, Schema]) -> Schema:
+    node = _resolve(node, defs)
+    if "oneOf" in node:
+        variants = [_convert(v, defs) for v in node["oneOf"]]
+        extra = {k: v for k, v in node.items() if k in ("description", "default")}
+        return {**_merge_variants(variants), **extra}
+    if "anyOf" in node:
+        branches = [b for b in node["anyOf"] if b.get("type") != "null"]
+        rest = {k: v for k, v in node.items() if k != "anyOf"}
+        if len(branches) == 1:
+            return _convert({**branches[0], **rest}, defs)
+        return {"x-kubernetes-int-or-string": True, **{k: v for k, v in rest.items() if k != "default"}}
+    out: Schema = {}
+    for key, value in node.items():
+        if key in _DROP or (key == "default" and value is None):
+            continue
+        if key == "const":
+            out["enum"] = [value]
+            out.setdefault("type", "string")
+        elif key in ("exclusiveMinimum", "exclusiveMaximum"):
+            out["minimum" if key == "exclusiveMinimum" else "maximum"] = value
+            out[key] = True
+        elif key == "properties":
+            out[key] = {name: _convert(prop, defs) for name, prop in value.items()}
+        elif key == "items":
+            out[key] = _convert(value, defs)
+        elif key == "additionalProperties":
+            # `false` is implied: the API server prunes unknown fields of a structural schema.
+            if value is True or value == {}:
+                out["x-kubernetes-preserve-unknown-fields"] = True
+            elif isinstance(value, dict):
+                out[key] = _convert(value, defs)
+        else:
+            out[key] = value
+    if out.get("type") == "array" and out.get("items") == {}:
+        out["items"] = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+    is_free_form = "properties" not in out and "additionalProperties" not in out
+    if out.get("type") == "object" and is_free_form:
+        out["x-kubernetes-preserve-unknown-fields"] = True
+    return out
+
+
+def openapi_schema(model: type[ModelDeploymentSpec] | type[ModelDeploymentStatus]) -> Schema:
+    """A structural OpenAPI v3.0 schema for one of the resource's parts."""
+    raw = model.model_json_schema(by_alias=True, mode="validation")
+    return _convert(raw, raw.get("$defs", {}))
+
+
+def _printer_columns() -> list[Schema]:
+    def pool(name: str) -> Schema:
+        return {
+            "name": name.capitalize(),
+            "type": "string",
+            "jsonPath": f".status.pools.{name}.ready",
+            "description": f"ready/desired replicas of the {name} pool",
+        }
+
+    return [
+        {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
+        {"name": "Mode", "type": "string", "jsonPath": ".spec.serving.mode"},
+        pool("workers"),
+        pool("prefill"),
+        pool("decode"),
+        {"name": "Strategy", "type": "string", "jsonPath": ".spec.routing.strategy"},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ]
+
+
+def crd_manifest() -> Schema:
+    """The whole ``apiextensions.k8s.io/v1`` CustomResourceDefinition object."""
+    status = openapi_schema(ModelDeploymentStatus)
+    root: Schema = {
+        "type": "object",
+        "required": ["spec"],
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": openapi_schema(ModelDeploymentSpec),
+            "status": status,
+        },
+    }
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{PLURAL}.{GROUP}", "labels": {"app.kubernetes.io/part-of": "herd"}},
+        "spec": {
+            "group": GROUP,
+            "names": {
+                "kind": KIND,
+                "listKind": f"{KIND}List",
+                "plural": PLURAL,
+                "singular": KIND.lower(),
+                "shortNames": [SHORT_NAME],
+                "categories": ["herd"],
+            },
+            "scope": "Namespaced",
+            "versions": [
+                {
+                    "name": VERSION,
+                    "served": True,
+                    "storage": True,
+                    "schema": {"openAPIV3Schema": root},
+                    "subresources": {
+                        "status": {},
+                        "scale": {
+                            "specReplicasPath": ".spec.replicas",
+                            "statusReplicasPath": ".status.replicas",
+                            "labelSelectorPath": ".status.selector",
+                        },
+                    },
+                    "additionalPrinterColumns": _printer_columns(),
+                }
+            ],
+        },
+    }

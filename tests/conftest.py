@@ -1,0 +1,42 @@
+"""Fixtures shared by the whole suite."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from support.procs import redis_server
+from support.tiny_models import make_tiny_model
+
+REPO = Path(__file__).resolve().parent.parent
+DEMO_MODEL = REPO / ".cache" / "models" / "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama checkpoint with a trained BPE tokenizer and a ChatML template."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen3 checkpoint (q/k norms, tied embeddings)."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), "qwen3")
+
+
+@pytest.fixture(scope="session")
+def demo_model() -> Path:
+    """The real SmolLM2-135M-Instruct checkpoint, prepared once into the repo's cache folder."""
+    if not (DEMO_MODEL / "config.json").exists():
+        from herd.cli.model import prepare_smollm2
+
+        prepare_smollm2(DEMO_MODEL)
+    return DEMO_MODEL
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real redis-server on a free loopback port for this test session."""
+    with redis_server(tmp_path_factory.mktemp("redis")) as url:
+        yield url
