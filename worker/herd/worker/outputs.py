@@ -1,0 +1,39 @@
+"""What the engine reports after each step, per request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = ["FinishReason", "RequestOutput", "TokenLogprob"]
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One sampled token's log-probability and the ``k`` most likely alternatives at that step."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass
+class RequestOutput:
+    """Progress of one request in one engine step.
+
+    ``new_text`` is the detokenized delta of ``new_token_ids`` with stop strings removed; it may lag
+    the tokens by a few bytes while a multi-byte character is incomplete.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    logprobs: list[TokenLogprob] | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
