@@ -1,0 +1,31 @@
+"""Routing: one small interface (``RoutingStrategy.select``) and six strategies, one per module."""
+
+from herd.orchestrator.routing.base import (
+    Phase,
+    RequestContext,
+    RoutingStrategy,
+    WorkerView,
+    build_strategy,
+    healthy,
+)
+from herd.orchestrator.routing.kv_cache_aware import KVCacheAware
+from herd.orchestrator.routing.least_request import LeastRequest
+from herd.orchestrator.routing.prefix_hash import PrefixHash
+from herd.orchestrator.routing.random_choice import RandomChoice
+from herd.orchestrator.routing.round_robin import RoundRobin
+from herd.orchestrator.routing.sticky_session import StickySession
+
+__all__ = [
+    "KVCacheAware",
+    "LeastRequest",
+    "Phase",
+    "PrefixHash",
+    "RandomChoice",
+    "RequestContext",
+    "RoundRobin",
+    "RoutingStrategy",
+    "StickySession",
+    "WorkerView",
+    "build_strategy",
+    "healthy",
+]

@@ -1,0 +1,76 @@
+"""KV-cache aware: the worker that already holds the longest leading run of the prompt's blocks,
+weighed against how busy it is, among the workers under the bounded-load cap.
+
+For each candidate ``w`` (``num_in_flight`` under the cap of ``_load``):
+
+    score(w) = cache_weight * matched(w) / num_blocks  -  load_weight * load(w)
+    load(w)  = ( queued(w) / max queued  +  requests(w) / max requests  +  kv_usage(w) ) / 3
+
+``matched(w)`` is the leading run the ``KVIndex`` says ``w`` holds (0 when the prompt has no full
+block), ``queued`` the uncached prompt tokens waiting on ``w`` and ``requests`` the larger of its
+reported running + waiting requests and this orchestrator's own in-flight count (the report covers
+other orchestrator replicas, the in-flight count covers what the report has not seen yet). Each
+load term is normalized by its maximum over the candidates (a term whose maximum is 0 counts 0), so
+both sides of the score lie in [0, 1] and the weights read as plain trade-offs. The best score
+wins; ties go to the fewest in flight, then at random.
+
+Cost: ``KVIndex.match`` (O(matched blocks x holders)) plus two O(n) passes over the candidates.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import ClassVar
+
+from herd.orchestrator.kv_index import KVIndex
+from herd.orchestrator.routing._load import bounded_load_cap, least_in_flight
+from herd.orchestrator.routing.base import RequestContext, RoutingStrategy, WorkerView
+
+__all__ = ["KVCacheAware"]
+
+
+class KVCacheAware(RoutingStrategy):
+    name: ClassVar[str] = "kv_cache_aware"
+    needs_tokens: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        *,
+        kv_index: KVIndex,
+        load_factor: float,
+        cache_weight: float,
+        load_weight: float,
+        rng: random.Random,
+    ) -> None:
+        self._kv_index = kv_index
+        self._load_factor = load_factor
+        self._cache_weight = cache_weight
+        self._load_weight = load_weight
+        self._rng = rng
+
+    def select(self, workers: Sequence[WorkerView], ctx: RequestContext) -> WorkerView | None:
+        cap = bounded_load_cap(workers, self._load_factor)
+        candidates = [worker for worker in workers if worker.num_in_flight < cap]
+        scores = self._scores(candidates, ctx.block_hashes)
+        best = max(scores)
+        tied = [worker for worker, score in zip(candidates, scores, strict=True) if score == best]
+        return tied[0] if len(tied) == 1 else least_in_flight(tied, self._rng)
+
+    def _scores(self, candidates: Sequence[WorkerView], block_hashes: Sequence[int]) -> list[float]:
+        matched = self._kv_index.match(block_hashes) if block_hashes else {}
+        cache_unit = self._cache_weight / len(block_hashes) if block_hashes else 0.0
+        requests = [max(w.num_running + w.num_waiting, w.num_in_flight) for w in candidates]
+        queued_unit = _unit(max(w.num_waiting_prefill_tokens for w in candidates))
+        requests_unit = _unit(max(requests))
+        load_unit = self._load_weight / 3
+        return [
+            cache_unit * matched.get(w.id, 0)
+            - load_unit * (w.num_waiting_prefill_tokens * queued_unit + r * requests_unit + w.kv_usage)
+            for w, r in zip(candidates, requests, strict=True)
+        ]
+
+
+def _unit(maximum: float) -> float:
+    """The factor that maps ``[0, maximum]`` onto ``[0, 1]`` (0 when everything is 0)."""
+    return 1.0 / maximum if maximum > 0 else 0.0
