@@ -19,7 +19,9 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def wait_until(check: Callable[[], bool], *, timeout: float, interval: float = 0.05, what: str = "condition") -> None:
+def wait_until(
+    check: Callable[[], bool], *, timeout: float, interval: float = 0.05, what: str = "condition"
+) -> None:
     """Poll ``check`` until it holds; bounded in time, raises naming ``what`` otherwise."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -43,10 +45,14 @@ def stop_process(process: subprocess.Popen[bytes], *, grace: float = 10.0) -> No
 
 
 @contextlib.contextmanager
-def running(argv: Sequence[str], *, log: Path, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
+def running(
+    argv: Sequence[str], *, log: Path, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
     """Run ``argv`` with output to ``log``; always stopped by its own pid on exit."""
     with log.open("wb") as sink:
-        process = subprocess.Popen(list(argv), stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        process = subprocess.Popen(
+            list(argv), stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
         try:
             yield process
         finally:
@@ -58,10 +64,25 @@ def redis_server(workdir: Path) -> Iterator[str]:
     """A throwaway ``redis-server`` on a free loopback port, without persistence; yields its URL."""
     binary = shutil.which("redis-server")
     if binary is None:
-        raise RuntimeError("redis-server is not installed: run `make test` (it installs Debian's redis-server)")
+        raise RuntimeError(
+            "redis-server is not installed: run `make test` (it installs Debian's redis-server)"
+        )
     port = free_port()
-    argv = [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no", "--dir", str(workdir)]
+    argv = [
+        binary,
+        "--bind",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        str(workdir),
+    ]
     with running(argv, log=workdir / "redis.log") as process:
+
         def is_up() -> bool:
             with socket.create_connection(("127.0.0.1", port), timeout=0.2) as sock:
                 sock.sendall(b"PING\r\n")

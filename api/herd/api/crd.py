@@ -113,7 +113,8 @@ class KVCacheSpec(_Spec):
     memory_gib: float | None = Field(
         default=None,
         alias="memoryGiB",
-        gt=0.0, description="KV pool size in GiB; overrides memoryUtilization (CPU default 1)."
+        gt=0.0,
+        description="KV pool size in GiB; overrides memoryUtilization (CPU default 1).",
     )
     prefix_caching: bool = True
 
@@ -274,9 +275,17 @@ class ModelDeploymentSpec(_Spec):
         """The pools this spec runs, with the scale target applied to the scalable pool."""
         if self.serving.mode == "disaggregated":
             assert self.prefill is not None and self.decode is not None
-            decode = self.decode if self.replicas is None else self.decode.model_copy(update={"replicas": self.replicas})
+            decode = (
+                self.decode
+                if self.replicas is None
+                else self.decode.model_copy(update={"replicas": self.replicas})
+            )
             return {"prefill": self.prefill, "decode": decode}
-        workers = self.workers if self.replicas is None else self.workers.model_copy(update={"replicas": self.replicas})
+        workers = (
+            self.workers
+            if self.replicas is None
+            else self.workers.model_copy(update={"replicas": self.replicas})
+        )
         return {"workers": workers}
 
 

@@ -33,7 +33,12 @@ def format_validation_error(error: ValidationError, *, root: str = "") -> str:
 def _is_union_tag(part: Any) -> bool:
     # pydantic puts the discriminator value (e.g. 'prefix_hash') into the location of union errors.
     return isinstance(part, str) and part in {
-        "round_robin", "least_request", "random", "prefix_hash", "sticky_session", "kv_cache_aware"
+        "round_robin",
+        "least_request",
+        "random",
+        "prefix_hash",
+        "sticky_session",
+        "kv_cache_aware",
     }
 
 

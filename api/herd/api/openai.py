@@ -14,10 +14,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = [
+    "ChatChoice",
     "ChatCompletionChunk",
     "ChatCompletionRequest",
     "ChatCompletionResponse",
-    "ChatChoice",
     "ChatMessage",
     "ChunkChoice",
     "CompletionChoice",
@@ -300,7 +300,11 @@ class ErrorResponse(BaseModel):
 
     @classmethod
     def of(cls, status: int, message: str, *, param: str | None = None) -> ErrorResponse:
-        return cls(error=ErrorBody(message=message, type=_ERROR_TYPES.get(status, "server_error"), param=param, code=status))
+        return cls(
+            error=ErrorBody(
+                message=message, type=_ERROR_TYPES.get(status, "server_error"), param=param, code=status
+            )
+        )
 
 
 _ERROR_TYPES: dict[int, ErrorType] = {

@@ -10,7 +10,7 @@ template writes them itself; text completions add them (a Llama BOS, say).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -47,7 +47,7 @@ class PromptRenderer:
         chat_template: str | None,
         bos_token: str | None = None,
         eos_token: str | None = None,
-        eos_token_ids: Sequence[int] = (),
+        eos_token_ids: Iterable[int] = (),
     ) -> None:
         self.tokenizer = tokenizer
         self.bos_token = bos_token
@@ -55,7 +55,9 @@ class PromptRenderer:
         self.eos_token_ids = frozenset(eos_token_ids)
         self._template: jinja2.Template | None = None
         if chat_template:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+            env = ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+            )
             env.globals["raise_exception"] = _raise_exception
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             env.filters["tojson"] = lambda v, indent=None: json.dumps(v, indent=indent, ensure_ascii=False)
@@ -135,7 +137,9 @@ class PromptRenderer:
         add_generation_prompt: bool = True,
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        text = self.render_chat(messages, add_generation_prompt=add_generation_prompt, template_kwargs=template_kwargs)
+        text = self.render_chat(
+            messages, add_generation_prompt=add_generation_prompt, template_kwargs=template_kwargs
+        )
         return self.encode(text, add_special_tokens=False)
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:

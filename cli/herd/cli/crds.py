@@ -30,7 +30,9 @@ def run(args: argparse.Namespace) -> int:
     text = render()
     if args.check:
         if not target.exists() or target.read_text() != text:
-            print(f"{target} is out of date with herd.api.crd: run `make crds` and commit it", file=sys.stderr)
+            print(
+                f"{target} is out of date with herd.api.crd: run `make crds` and commit it", file=sys.stderr
+            )
             return 1
         print(f"{target} is up to date")
         return 0

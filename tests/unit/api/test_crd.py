@@ -1,0 +1,123 @@
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from herd.api import ManifestError, parse_manifest
+from herd.api.crd import KVCacheAwareRouting, ModelDeployment, PrefixHashRouting
+
+
+def manifest(**spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "herd.dev/v1alpha1",
+        "kind": "ModelDeployment",
+        "metadata": {"name": "demo"},
+        "spec": {"model": {"source": "hf://Org/Name"}, **spec},
+    }
+
+
+def test_defaults_fill_a_minimal_manifest() -> None:
+    md = parse_manifest(manifest())
+    assert md.served_name == "demo"
+    assert md.spec.engine.kv_cache.block_size == 16
+    assert md.spec.serving.mode == "aggregated"
+    assert isinstance(md.spec.routing, KVCacheAwareRouting)
+    assert md.spec.routing.load_factor == 1.25
+    assert list(md.spec.pools()) == ["workers"]
+
+
+def test_routing_is_a_discriminated_union() -> None:
+    md = parse_manifest(manifest(routing={"strategy": "prefix_hash", "loadFactor": 1.5, "prefixBlocks": 2}))
+    assert isinstance(md.spec.routing, PrefixHashRouting)
+    assert (md.spec.routing.load_factor, md.spec.routing.prefix_blocks) == (1.5, 2)
+
+
+def test_scale_target_overrides_the_scalable_pool() -> None:
+    aggregated = parse_manifest(manifest(replicas=5, workers={"replicas": 2}))
+    assert aggregated.spec.pools()["workers"].replicas == 5
+    disaggregated = parse_manifest(
+        manifest(
+            replicas=3, serving={"mode": "disaggregated"}, prefill={"replicas": 1}, decode={"replicas": 1}
+        )
+    )
+    pools = disaggregated.spec.pools()
+    assert (pools["prefill"].replicas, pools["decode"].replicas) == (1, 3)
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ({"serving": {"mode": "disaggregated"}}, "needs spec.prefill and spec.decode"),
+        ({"prefill": {"replicas": 1}}, "spec.prefill is only used with serving.mode: disaggregated"),
+        ({"workers": {"replicas": -1}}, "spec.workers.replicas: Input should be greater than or equal to 0"),
+        (
+            {"engine": {"kvCache": {"blockSize": 24}}},
+            "spec.engine.kvCache.blockSize: engine.kvCache.blockSize must be a power of two",
+        ),
+        ({"routing": {"strategy": "fastest"}}, "spec.routing"),
+        ({"routing": {"strategy": "round_robin", "loadFactor": 2}}, "spec.routing.loadFactor: unknown field"),
+        ({"engine": {"maxModelLen": "long"}}, "spec.engine.maxModelLen: Input should be a valid integer"),
+        ({"engine": {"dtypes": "float32"}}, "spec.engine.dtypes: unknown field"),
+        ({"autoscaling": {"minReplicas": 4, "maxReplicas": 2}}, "minReplicas (4) exceeds maxReplicas (2)"),
+    ],
+    ids=[
+        "disagg-without-pools",
+        "pool-without-disagg",
+        "negative-replicas",
+        "block-size-not-power-of-two",
+        "unknown-strategy",
+        "setting-of-another-strategy",
+        "wrong-type",
+        "typo",
+        "autoscaling-bounds",
+    ],
+)
+def test_invalid_specs_name_the_field(spec: dict[str, Any], expected: str) -> None:
+    with pytest.raises(ManifestError) as error:
+        parse_manifest(manifest(**spec))
+    assert expected in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "source",
+    ["gs://bucket/model", "Org/Name", "hf://", "http://example/x"],
+    ids=["gs", "bare", "empty", "http"],
+)
+def test_unknown_source_schemes_are_refused(source: str) -> None:
+    doc = manifest()
+    doc["spec"]["model"]["source"] = source
+    with pytest.raises(ManifestError, match=r"spec\.model\.source: model\.source .* has no known scheme"):
+        parse_manifest(doc)
+
+
+@pytest.mark.parametrize(
+    ("source", "scheme", "location"),
+    [
+        ("hf://Org/Name", "hf", "Org/Name"),
+        ("s3://bucket/prefix", "s3", "bucket/prefix"),
+        ("pvc://cache/llama", "pvc", "cache/llama"),
+        ("file:///models/x", "file", "/models/x"),
+    ],
+    ids=["hf", "s3", "pvc", "file"],
+)
+def test_source_parts(source: str, scheme: str, location: str) -> None:
+    doc = manifest()
+    doc["spec"]["model"]["source"] = source
+    model = parse_manifest(doc).spec.model
+    assert (model.scheme, model.location) == (scheme, location)
+
+
+def test_metadata_name_must_be_a_short_dns_label() -> None:
+    doc = manifest()
+    doc["metadata"]["name"] = "Not_A_Label"
+    with pytest.raises(ManifestError, match=r"metadata\.name"):
+        parse_manifest(doc)
+
+
+def test_round_trip_uses_camel_case() -> None:
+    md = parse_manifest(manifest(engine={"maxModelLen": 1024, "kvCache": {"memoryGiB": 2}}))
+    dumped = md.model_dump(by_alias=True, exclude_none=True)
+    assert dumped["spec"]["engine"]["maxModelLen"] == 1024
+    assert dumped["spec"]["engine"]["kvCache"]["memoryGiB"] == 2
+    assert ModelDeployment.model_validate(dumped) == md
