@@ -1,0 +1,105 @@
+"""The pod template of one worker pool: the ``herd worker`` container and everything around it."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from herd.api.crd import ModelDeployment, PoolSpec, Resources
+from herd.api.protocol import Role
+from herd.operator.settings import PlanSettings
+from herd.operator.source import plan_source
+
+__all__ = ["HTTP_PORT", "INTERNAL_PORT", "TOKEN_ENV", "plan_pod_spec", "worker_argv"]
+
+HTTP_PORT = 8000
+INTERNAL_PORT = 9000
+TOKEN_ENV = "HERD_INTERNAL_TOKEN"
+_GPU_RESOURCE = {"nvidia": "nvidia.com/gpu", "amd": "amd.com/gpu"}
+
+Object = dict[str, Any]
+
+
+def worker_argv(md: ModelDeployment, role: Role, model_path: str) -> list[str]:
+    """The worker command line; the engine settings travel as one camelCase JSON argument."""
+    engine = md.spec.engine.model_dump(by_alias=True, mode="json", exclude_none=True)
+    return [
+        "herd", "worker",
+        "--model", model_path,
+        "--served-name", md.served_name,
+        "--role", role,
+        "--engine-json", json.dumps(engine, sort_keys=True, separators=(",", ":")),
+        "--port", str(HTTP_PORT),
+        "--internal-port", str(INTERNAL_PORT),
+    ]  # fmt: skip
+
+
+def plan_pod_spec(md: ModelDeployment, pool: PoolSpec, role: Role, settings: PlanSettings) -> Object:
+    image = pool.image or settings.worker_image
+    source = plan_source(md.spec.model, settings, worker_image=image)
+    container: Object = {
+        "name": "worker",
+        "image": image,
+        "command": worker_argv(md, role, source.path),
+        "ports": [
+            {"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
+            {"name": "internal", "containerPort": INTERNAL_PORT, "protocol": "TCP"},
+        ],
+        "env": _env(pool, settings),
+        "resources": plan_resources(pool.resources),
+        **_probes(),
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(settings.drain_seconds)]}}},
+        "volumeMounts": source.mounts,
+    }
+    container = _without_empty(container, keep=set())
+    spec: Object = {
+        "containers": [container],
+        "initContainers": source.init_containers,
+        "volumes": source.volumes,
+        "nodeSelector": dict(pool.node_selector),
+        "tolerations": list(pool.tolerations),
+        # The preStop pause runs inside the grace period, so the drain budget comes on top of it.
+        "terminationGracePeriodSeconds": settings.drain_seconds + settings.grace_seconds,
+    }
+    return _without_empty(spec, keep={"containers"})
+
+
+def plan_resources(resources: Resources) -> Object:
+    """Accelerators are limits (Kubernetes wants them there); cpu and memory are requests."""
+    requests = {
+        name: value for name, value in (("cpu", resources.cpu), ("memory", resources.memory)) if value
+    }
+    accelerator = resources.accelerator
+    limits = {}
+    if accelerator.vendor != "none" and accelerator.count > 0:
+        limits[_GPU_RESOURCE[accelerator.vendor]] = str(accelerator.count)
+    return {key: value for key, value in (("requests", requests), ("limits", limits)) if value}
+
+
+def _without_empty(fields: Object, *, keep: set[str]) -> Object:
+    # The API server drops empty lists and maps; leaving them out keeps desired and observed alike.
+    return {key: value for key, value in fields.items() if value or key in keep}
+
+
+def _env(pool: PoolSpec, settings: PlanSettings) -> list[Object]:
+    token = {
+        "name": TOKEN_ENV,
+        "valueFrom": {"secretKeyRef": {"name": settings.token_secret, "key": "token"}},
+    }
+    return [token, *({"name": name, "value": value} for name, value in sorted(pool.env.items()))]
+
+
+def _probes() -> Object:
+    def probe(path: str, period: int, failures: int) -> Object:
+        return {
+            "httpGet": {"path": path, "port": "http"},
+            "periodSeconds": period,
+            "failureThreshold": failures,
+        }
+
+    # Loading a large model takes minutes: the startup probe holds liveness off until /health answers.
+    return {
+        "startupProbe": probe("/health", 5, 120),
+        "livenessProbe": probe("/health", 10, 3),
+        "readinessProbe": probe("/ready", 2, 1),
+    }

@@ -1,0 +1,28 @@
+"""Operator-wide settings: what the planner needs beyond the ModelDeployment itself."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["PlanSettings"]
+
+
+class PlanSettings(BaseModel):
+    """Cluster-level choices shared by every ModelDeployment the operator reconciles."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    worker_image: str = Field(default="herd-worker:0.1.0", description="Image of pools that set none.")
+    s3_image: str = Field(
+        default="amazon/aws-cli:2.22.35", description="Init image that syncs s3:// sources."
+    )
+    token_secret: str = Field(
+        default="herd-internal-token", description="Secret whose key `token` guards the internal port."
+    )
+    orchestrator_service: str = "herd-orchestrator"
+    orchestrator_namespace: str | None = Field(
+        default=None, description="Namespace of the orchestrator Service; defaults to the resource's."
+    )
+    drain_seconds: int = Field(
+        default=5, ge=0, description="preStop pause so the orchestrator stops routing before SIGTERM."
+    )
+    grace_seconds: int = Field(default=120, ge=1, description="Time a worker has to finish in-flight work.")
