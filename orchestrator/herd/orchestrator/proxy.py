@@ -1,0 +1,133 @@
+"""The streaming proxy: open a request on a worker, then relay its bytes to the client as they arrive.
+
+``open_upstream`` sends the request and reads the first chunk before anything goes to the client,
+so a worker that fails before its first byte can still be replaced by another (the caller retries).
+``RelayResponse`` then writes each chunk the moment it arrives (no buffering), watches the client
+for a disconnect and, on one, closes the upstream stream so the worker aborts the request. A worker
+failing mid-stream ends the client's stream with an SSE error event rather than leaving it hanging.
+The upstream response is always closed, shielded from cancellation, and ``on_done`` always runs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+
+import anyio
+import httpx
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from herd.api.openai import ErrorResponse
+
+__all__ = ["RelayResponse", "Upstream", "build_http_client", "open_upstream", "sse_error"]
+
+log = logging.getLogger(__name__)
+
+_FORWARDED_RESPONSE_HEADERS = ("content-type", "retry-after")
+
+
+def build_http_client(*, max_connections: int = 1024, connect_timeout: float = 2.0) -> httpx.AsyncClient:
+    """The one client every upstream call shares: pooled keep-alive connections, bounded."""
+    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+    return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(60.0, connect=connect_timeout))
+
+
+@dataclass(eq=False)
+class Upstream:
+    """An open worker response whose first chunk has been read already."""
+
+    response: httpx.Response
+    chunks: AsyncIterator[bytes]
+    first_chunk: bytes
+
+    @property
+    def status_code(self) -> int:
+        return self.response.status_code
+
+    def headers_for_client(self) -> dict[str, str]:
+        return {
+            name: value for name in _FORWARDED_RESPONSE_HEADERS if (value := self.response.headers.get(name))
+        }
+
+    async def read_rest(self) -> bytes:
+        """The whole body (for non-streaming requests); the response is closed afterwards."""
+        try:
+            return self.first_chunk + b"".join([chunk async for chunk in self.chunks])
+        finally:
+            await self.response.aclose()
+
+    async def aclose(self) -> None:
+        with anyio.CancelScope(shield=True):
+            await self.response.aclose()
+
+
+async def open_upstream(
+    http: httpx.AsyncClient, url: str, body: bytes, headers: Mapping[str, str], timeouts: httpx.Timeout
+) -> Upstream:
+    """POST ``body`` to ``url`` and wait for the first chunk; raises ``httpx.HTTPError`` on failure."""
+    request = http.build_request("POST", url, content=body, headers=dict(headers), timeout=timeouts)
+    response = await http.send(request, stream=True)
+    chunks = response.aiter_raw()
+    try:
+        first_chunk = await anext(chunks, b"")
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await response.aclose()
+        raise
+    return Upstream(response, chunks, first_chunk)
+
+
+def sse_error(message: str, status: int = 502) -> bytes:
+    """An SSE event carrying the OpenAI error envelope (the openai SDK raises it as an APIError)."""
+    return b"data: " + json.dumps(ErrorResponse.of(status, message).model_dump()).encode() + b"\n\n"
+
+
+class RelayResponse(Response):
+    """Relays an ``Upstream`` to the client chunk by chunk; see the module docstring for guarantees."""
+
+    def __init__(
+        self, upstream: Upstream, *, headers: Mapping[str, str], on_done: Callable[[bool], None]
+    ) -> None:
+        super().__init__(
+            status_code=upstream.status_code, headers={**upstream.headers_for_client(), **headers}
+        )
+        self.upstream = upstream
+        self.on_done = on_done
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        is_complete = False
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(self._cancel_on_disconnect, receive, group.cancel_scope)
+                await send(
+                    {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+                )
+                is_complete = await self._relay(send)
+                group.cancel_scope.cancel()
+        finally:
+            await self.upstream.aclose()
+            self.on_done(is_complete)
+
+    async def _relay(self, send: Send) -> bool:
+        """Send every chunk; ``False`` when the worker failed mid-stream (the client got an error event)."""
+        is_clean = True
+        await send({"type": "http.response.body", "body": self.upstream.first_chunk, "more_body": True})
+        try:
+            async for chunk in self.upstream.chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except httpx.HTTPError as error:
+            log.warning("upstream failed mid-stream", extra={"error": f"{type(error).__name__}: {error}"})
+            message = "the worker failed mid-response; retry the request"
+            await send({"type": "http.response.body", "body": sse_error(message), "more_body": True})
+            is_clean = False
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return is_clean
+
+    @staticmethod
+    async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        scope.cancel()

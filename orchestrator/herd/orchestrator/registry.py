@@ -1,0 +1,223 @@
+"""The worker registry: membership from a ``WorkerSource``, health, load and KV events per worker.
+
+One polling task per worker runs every ``poll_interval`` seconds: ``/ready`` on the public port
+(``failures_to_eject`` failures in a row eject it, one success re-admits it), then the load report,
+then (for cache-aware models) KV events after the index's last ``seq``. A new epoch, a gap or a
+re-admission makes the next poll fetch a snapshot. KV payloads go through ``State.publish_kv`` so
+that with Redis every replica's index receives them; ``receive_kv`` applies them here. A proxy
+error ejects a worker at once (``report_failure``) instead of waiting for the next poll.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import httpx
+
+from herd.api.protocol import KVSnapshot, LoadReport
+from herd.orchestrator.discovery import Membership, ModelConfig, WorkerEndpoint, WorkerSource
+from herd.orchestrator.routing import WorkerView
+from herd.orchestrator.served import ServedModel
+from herd.orchestrator.state import KVPayload, State
+from herd.orchestrator.worker_client import WorkerClient
+
+__all__ = ["Registry", "RegistrySettings", "WorkerState"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RegistrySettings:
+    """Polling cadence; the defaults eject an unreachable worker within 2 s."""
+
+    poll_interval: float = 0.25
+    failures_to_eject: int = 2
+
+
+@dataclass(eq=False)
+class WorkerState:
+    endpoint: WorkerEndpoint
+    is_healthy: bool = False
+    num_failures: int = 0
+    num_in_flight: int = 0
+    report: LoadReport = field(default_factory=LoadReport)
+    needs_snapshot: bool = True
+    task: asyncio.Task[None] | None = None
+
+    def view(self) -> WorkerView:
+        report = self.report
+        return WorkerView(
+            id=self.endpoint.id,
+            url=self.endpoint.url,
+            role=self.endpoint.role,
+            num_in_flight=self.num_in_flight,
+            num_running=report.num_running,
+            num_waiting=report.num_waiting,
+            num_waiting_prefill_tokens=report.num_waiting_prefill_tokens,
+            kv_usage=report.kv_usage,
+            is_healthy=self.is_healthy and not report.is_draining,
+        )
+
+
+class Registry:
+    """Models and workers currently known, with live health and load."""
+
+    def __init__(self, client: WorkerClient, state: State, settings: RegistrySettings | None = None) -> None:
+        self.client = client
+        self.state = state
+        self.settings = settings or RegistrySettings()
+        self.models: dict[str, ServedModel] = {}
+        self.workers: dict[str, WorkerState] = {}
+
+    async def run(self, source: WorkerSource) -> None:
+        """Follow the source until cancelled; every worker task stops with it."""
+        await self.state.start(self.receive_kv)
+        try:
+            async for membership in source.watch():
+                self.apply_membership(membership)
+        finally:
+            await self._stop_all()
+
+    def apply_membership(self, membership: Membership) -> None:
+        self._apply_models(membership.models)
+        wanted = {endpoint.id: endpoint for endpoint in membership.endpoints if endpoint.model in self.models}
+        for worker_id in [worker_id for worker_id in self.workers if worker_id not in wanted]:
+            self._remove_worker(worker_id)
+        for endpoint in wanted.values():
+            current = self.workers.get(endpoint.id)
+            if current is None or current.endpoint != endpoint:
+                self._remove_worker(endpoint.id)
+                self._add_worker(endpoint)
+
+    def model_workers(self, model: str) -> list[WorkerState]:
+        return [worker for worker in self.workers.values() if worker.endpoint.model == model]
+
+    def views(self, model: str) -> list[WorkerView]:
+        """Views of the model's workers; a disaggregated model offers only its decode pool for now."""
+        served = self.models[model]
+        workers = self.model_workers(model)
+        if served.config.mode == "disaggregated":
+            workers = [worker for worker in workers if worker.endpoint.role == "decode"]
+        return [worker.view() for worker in workers]
+
+    def begin(self, worker_id: str) -> None:
+        if (worker := self.workers.get(worker_id)) is not None:
+            worker.num_in_flight += 1
+
+    def end(self, worker_id: str) -> None:
+        if (worker := self.workers.get(worker_id)) is not None:
+            worker.num_in_flight = max(0, worker.num_in_flight - 1)
+
+    def report_failure(self, worker_id: str, reason: str) -> None:
+        """Eject a worker the proxy could not reach; the poller re-admits it once it answers."""
+        worker = self.workers.get(worker_id)
+        if worker is not None and worker.is_healthy:
+            worker.num_failures = self.settings.failures_to_eject
+            self._eject(worker, reason)
+
+    def receive_kv(self, worker_id: str, payload: KVPayload) -> None:
+        """Apply a worker's KV batch or snapshot to its model's index (the ``State`` sink)."""
+        worker = self.workers.get(worker_id)
+        served = None if worker is None else self.models.get(worker.endpoint.model)
+        if worker is None or served is None:
+            return
+        index = served.kv_index
+        if isinstance(payload, KVSnapshot):
+            position = index.position(worker_id)
+            if position is None or position[0] != payload.epoch or position[1] < payload.seq:
+                index.reset(worker_id, payload)
+        elif not index.apply(worker_id, payload):
+            worker.needs_snapshot = True
+
+    def _apply_models(self, configs: Iterable[ModelConfig]) -> None:
+        wanted = {config.served_name: config for config in configs}
+        for name in [name for name in self.models if name not in wanted]:
+            del self.models[name]
+        for name, config in wanted.items():
+            if name not in self.models or self.models[name].config != config:
+                self.models[name] = ServedModel(config)
+                for worker in self.model_workers(name):
+                    worker.needs_snapshot = True
+
+    def _add_worker(self, endpoint: WorkerEndpoint) -> None:
+        worker = WorkerState(endpoint)
+        worker.task = asyncio.create_task(self._poll_forever(worker), name=f"herd-poll-{endpoint.id}")
+        self.workers[endpoint.id] = worker
+        log.info("worker joined", extra={"worker": endpoint.id, "model": endpoint.model, "url": endpoint.url})
+
+    def _remove_worker(self, worker_id: str) -> None:
+        worker = self.workers.pop(worker_id, None)
+        if worker is None:
+            return
+        if worker.task is not None:
+            worker.task.cancel()
+        served = self.models.get(worker.endpoint.model)
+        if served is not None:
+            served.kv_index.remove_worker(worker_id)
+            served.strategy.forget_worker(worker_id)
+        log.info("worker left", extra={"worker": worker_id, "model": worker.endpoint.model})
+
+    async def _stop_all(self) -> None:
+        tasks = [worker.task for worker in self.workers.values() if worker.task is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self.state.close()
+
+    async def _poll_forever(self, worker: WorkerState) -> None:
+        while True:
+            await self.poll_once(worker)
+            await asyncio.sleep(self.settings.poll_interval)
+
+    async def poll_once(self, worker: WorkerState) -> None:
+        """One health, load and KV round for a worker; never raises for a worker's failure."""
+        try:
+            is_ready = await self.client.is_ready(worker.endpoint)
+            if is_ready:
+                worker.report = await self.client.load(worker.endpoint)
+                await self._sync_kv(worker)
+        except (httpx.HTTPError, ValueError) as error:
+            self._record_failure(worker, f"{type(error).__name__}: {error}")
+            return
+        if is_ready:
+            self._record_success(worker)
+        else:
+            self._record_failure(worker, "/ready answered not ready")
+
+    def _record_success(self, worker: WorkerState) -> None:
+        worker.num_failures = 0
+        if not worker.is_healthy:
+            worker.is_healthy = True
+            log.info("worker admitted", extra={"worker": worker.endpoint.id})
+
+    def _record_failure(self, worker: WorkerState, reason: str) -> None:
+        worker.num_failures += 1
+        if worker.is_healthy and worker.num_failures >= self.settings.failures_to_eject:
+            self._eject(worker, reason)
+
+    def _eject(self, worker: WorkerState, reason: str) -> None:
+        worker.is_healthy = False
+        worker.needs_snapshot = True
+        log.warning("worker ejected", extra={"worker": worker.endpoint.id, "reason": reason})
+
+    async def _sync_kv(self, worker: WorkerState) -> None:
+        served = self.models.get(worker.endpoint.model)
+        if served is None or not served.polls_kv_events:
+            return
+        position = served.kv_index.position(worker.endpoint.id)
+        if position is not None and not worker.needs_snapshot:
+            batch = await self.client.kv_events(worker.endpoint, after=position[1])
+            if batch.epoch == position[0]:
+                if batch.events:
+                    await self.state.publish_kv(worker.endpoint.id, batch)
+                if not worker.needs_snapshot:
+                    return
+        worker.needs_snapshot = False
+        snapshot = await self.client.kv_snapshot(worker.endpoint)
+        await self.state.publish_kv(worker.endpoint.id, snapshot)

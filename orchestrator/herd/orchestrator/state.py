@@ -1,0 +1,223 @@
+"""State shared between orchestrator replicas: session pins and KV event distribution.
+
+``MemoryState`` keeps everything in this process (one replica). ``RedisState`` shares it: pins are
+Redis keys set with ``EX`` (first writer wins with ``NX``, so two replicas racing on a new session
+agree), and every KV batch or snapshot a replica polls from a worker is applied locally at once and
+appended to one Redis stream that every replica tails into its own index. The index skips events it
+already holds (``seq``), so receiving a batch twice is harmless. When Redis cannot be reached, each
+call falls back to the local ``MemoryState`` with one warning, and Redis is tried again after
+``retry_seconds``; on success a recovery is logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, TypeVar
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from herd.api.protocol import KVEventBatch, KVSnapshot
+
+__all__ = ["KVPayload", "KVSink", "MemoryState", "RedisState", "State", "build_state"]
+
+log = logging.getLogger(__name__)
+
+KVPayload = KVEventBatch | KVSnapshot
+KVSink = Callable[[str, KVPayload], None]
+"""Receives ``(worker_id, batch or snapshot)`` for the local KV index."""
+
+_T = TypeVar("_T")
+_STREAM = "herd:kv"
+_PIN_PREFIX = "herd:pin:"
+_STREAM_MAXLEN = 100_000
+
+
+class State(Protocol):
+    """Session pins and KV event distribution; ``start`` before use, ``close`` at shutdown."""
+
+    @property
+    def is_degraded(self) -> bool: ...
+    async def start(self, sink: KVSink) -> None: ...
+    async def close(self) -> None: ...
+    async def get_pin(self, key: str) -> str | None: ...
+    async def claim_pin(self, key: str, worker_id: str, ttl_seconds: int) -> str: ...
+    async def set_pin(self, key: str, worker_id: str, ttl_seconds: int) -> None: ...
+    async def publish_kv(self, worker_id: str, payload: KVPayload) -> None: ...
+
+
+class MemoryState:
+    """Pins in a dict with expiry times; KV payloads go straight to the sink."""
+
+    def __init__(self) -> None:
+        self._pins: dict[str, tuple[str, float]] = {}
+        self._sink: KVSink | None = None
+
+    @property
+    def is_degraded(self) -> bool:
+        return False
+
+    async def start(self, sink: KVSink) -> None:
+        self._sink = sink
+
+    async def close(self) -> None:
+        self._pins.clear()
+
+    async def get_pin(self, key: str) -> str | None:
+        entry = self._pins.get(key)
+        if entry is None or entry[1] <= time.monotonic():
+            self._pins.pop(key, None)
+            return None
+        return entry[0]
+
+    async def claim_pin(self, key: str, worker_id: str, ttl_seconds: int) -> str:
+        existing = await self.get_pin(key)
+        if existing is not None:
+            return existing
+        await self.set_pin(key, worker_id, ttl_seconds)
+        return worker_id
+
+    async def set_pin(self, key: str, worker_id: str, ttl_seconds: int) -> None:
+        self._pins[key] = (worker_id, time.monotonic() + ttl_seconds)
+
+    async def publish_kv(self, worker_id: str, payload: KVPayload) -> None:
+        if self._sink is not None:
+            self._sink(worker_id, payload)
+
+
+class RedisState:
+    """Pins and KV events in Redis, degrading to a local ``MemoryState`` while Redis is away."""
+
+    def __init__(self, url: str, *, retry_seconds: float = 1.0, timeout_seconds: float = 0.5) -> None:
+        self.url = url
+        self.retry_seconds = retry_seconds
+        self._redis = aioredis.Redis.from_url(
+            url, socket_timeout=timeout_seconds, socket_connect_timeout=timeout_seconds
+        )
+        self._local = MemoryState()
+        self._retry_at = 0.0
+        self._is_degraded = False
+        self._consumer: asyncio.Task[None] | None = None
+
+    @property
+    def is_degraded(self) -> bool:
+        return self._is_degraded
+
+    async def start(self, sink: KVSink) -> None:
+        await self._local.start(sink)
+        self._consumer = asyncio.create_task(self._consume(sink), name="herd-redis-kv-consumer")
+
+    async def close(self) -> None:
+        if self._consumer is not None:
+            self._consumer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._consumer
+        await self._redis.aclose()
+
+    async def get_pin(self, key: str) -> str | None:
+        async def remote() -> str | None:
+            value = await self._redis.get(_PIN_PREFIX + key)
+            return None if value is None else _text(value)
+
+        return await self._either(remote, lambda: self._local.get_pin(key))
+
+    async def claim_pin(self, key: str, worker_id: str, ttl_seconds: int) -> str:
+        async def remote() -> str:
+            name = _PIN_PREFIX + key
+            if await self._redis.set(name, worker_id, ex=ttl_seconds, nx=True):
+                return worker_id
+            winner = await self._redis.get(name)
+            return worker_id if winner is None else _text(winner)
+
+        return await self._either(remote, lambda: self._local.claim_pin(key, worker_id, ttl_seconds))
+
+    async def set_pin(self, key: str, worker_id: str, ttl_seconds: int) -> None:
+        async def remote() -> None:
+            await self._redis.set(_PIN_PREFIX + key, worker_id, ex=ttl_seconds)
+
+        await self._either(remote, lambda: self._local.set_pin(key, worker_id, ttl_seconds))
+
+    async def publish_kv(self, worker_id: str, payload: KVPayload) -> None:
+        await self._local.publish_kv(worker_id, payload)
+
+        async def remote() -> None:
+            fields: dict[Any, Any] = {
+                "worker": worker_id,
+                "kind": _kind(payload),
+                "data": payload.model_dump_json(),
+            }
+            await self._redis.xadd(_STREAM, fields, maxlen=_STREAM_MAXLEN, approximate=True)
+
+        async def skip() -> None:
+            return None
+
+        await self._either(remote, skip)
+
+    async def _either(self, remote: Callable[[], Awaitable[_T]], local: Callable[[], Awaitable[_T]]) -> _T:
+        """Run ``remote`` unless Redis is known to be away; fall back to ``local`` on failure."""
+        if self._is_degraded and time.monotonic() < self._retry_at:
+            return await local()
+        try:
+            result = await remote()
+        except (RedisError, OSError) as error:
+            self._mark_degraded(error)
+            return await local()
+        self._mark_recovered()
+        return result
+
+    def _mark_degraded(self, error: Exception) -> None:
+        self._retry_at = time.monotonic() + self.retry_seconds
+        if not self._is_degraded:
+            self._is_degraded = True
+            log.warning(
+                "redis is unreachable; using local state until it returns (check the redis server)",
+                extra={"redis_url": self.url, "error": str(error)},
+            )
+
+    def _mark_recovered(self) -> None:
+        if self._is_degraded:
+            self._is_degraded = False
+            log.info("redis is reachable again; shared state resumed", extra={"redis_url": self.url})
+
+    async def _consume(self, sink: KVSink) -> None:
+        """Tail the KV stream from now on, forever; survives Redis going away and coming back."""
+        last_id = "$"
+        while True:
+            try:
+                replies: Any = await self._redis.xread({_STREAM: last_id}, count=500, block=250)
+            except (RedisError, OSError) as error:
+                self._mark_degraded(error)
+                await asyncio.sleep(self.retry_seconds)
+                continue
+            for _stream, entries in replies or []:
+                for entry_id, fields in entries:
+                    last_id = _text(entry_id)
+                    _deliver(sink, fields)
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _kind(payload: KVPayload) -> str:
+    return "snapshot" if isinstance(payload, KVSnapshot) else "batch"
+
+
+def _deliver(sink: KVSink, fields: dict[bytes, bytes]) -> None:
+    try:
+        worker_id, data = fields[b"worker"].decode(), fields[b"data"]
+        model = KVSnapshot if fields[b"kind"] == b"snapshot" else KVEventBatch
+        payload: KVPayload = model.model_validate_json(data)
+    except (KeyError, ValueError) as error:
+        log.warning("skipping a malformed KV stream entry", extra={"error": str(error)})
+        return
+    sink(worker_id, payload)
+
+
+def build_state(redis_url: str | None) -> State:
+    """``RedisState`` for a URL, else ``MemoryState``."""
+    return MemoryState() if redis_url is None else RedisState(redis_url)

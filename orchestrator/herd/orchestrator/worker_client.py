@@ -1,0 +1,54 @@
+"""Calls from the orchestrator to one worker: readiness on its public port, the internal protocol.
+
+Every call is short and bounded by the client's timeout; failures surface as ``httpx.HTTPError``
+(transport errors and non-2xx statuses alike) so the registry handles one exception type.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import httpx
+from pydantic import BaseModel
+
+from herd.api.protocol import INTERNAL_PATHS, TOKEN_HEADER, KVEventBatch, KVSnapshot, LoadReport, WorkerInfo
+from herd.orchestrator.discovery import WorkerEndpoint
+
+__all__ = ["WorkerClient"]
+
+_M = TypeVar("_M", bound=BaseModel)
+
+
+class WorkerClient:
+    """The internal worker protocol over one shared ``httpx.AsyncClient``."""
+
+    def __init__(self, http: httpx.AsyncClient, *, token: str | None, timeout_seconds: float = 0.5) -> None:
+        self.http = http
+        self.headers = {TOKEN_HEADER: token} if token else {}
+        self.timeout = httpx.Timeout(timeout_seconds)
+
+    async def is_ready(self, endpoint: WorkerEndpoint) -> bool:
+        """``GET /ready`` on the public port: 200 means it takes requests; raises if unreachable."""
+        response = await self.http.get(f"{endpoint.url}/ready", timeout=self.timeout)
+        return response.status_code == httpx.codes.OK
+
+    async def info(self, endpoint: WorkerEndpoint) -> WorkerInfo:
+        return await self._get(endpoint, INTERNAL_PATHS.info, WorkerInfo)
+
+    async def load(self, endpoint: WorkerEndpoint) -> LoadReport:
+        return await self._get(endpoint, INTERNAL_PATHS.load, LoadReport)
+
+    async def kv_events(self, endpoint: WorkerEndpoint, *, after: int) -> KVEventBatch:
+        return await self._get(endpoint, INTERNAL_PATHS.kv_events, KVEventBatch, params={"after": after})
+
+    async def kv_snapshot(self, endpoint: WorkerEndpoint) -> KVSnapshot:
+        return await self._get(endpoint, INTERNAL_PATHS.kv_snapshot, KVSnapshot)
+
+    async def _get(
+        self, endpoint: WorkerEndpoint, path: str, model: type[_M], params: dict[str, int] | None = None
+    ) -> _M:
+        response = await self.http.get(
+            f"{endpoint.internal_url}{path}", headers=self.headers, params=params, timeout=self.timeout
+        )
+        response.raise_for_status()
+        return model.model_validate_json(response.content)

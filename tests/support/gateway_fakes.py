@@ -1,0 +1,182 @@
+"""Fake workers behind ``httpx.MockTransport`` for orchestrator unit tests (no sockets).
+
+Each ``FakeWorker`` answers the public and internal worker contract for one host; its fields
+switch behaviours (down, not ready, busy, failing mid-stream) and record what it saw.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+
+import httpx
+from fastapi import FastAPI
+
+from herd.api.crd import RoutingSpec, RoundRobinRouting
+from herd.api.protocol import KVEvent, KVEventBatch, KVSnapshot, LoadReport
+from herd.orchestrator.app import AppSettings, build_app
+from herd.orchestrator.discovery import ModelConfig, StaticSource, WorkerEndpoint
+from herd.orchestrator.registry import RegistrySettings
+
+MODEL = "tiny"
+
+
+class FakeStream(httpx.AsyncByteStream):
+    """SSE chunks with a pause between them; can fail after ``fail_after`` chunks; records closing."""
+
+    def __init__(
+        self, chunks: list[bytes], *, delay: float, fail_after: int | None, worker: FakeWorker
+    ) -> None:
+        self.chunks, self.delay, self.fail_after, self.worker = chunks, delay, fail_after, worker
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for number, chunk in enumerate(self.chunks):
+            if number == self.fail_after:
+                raise httpx.RemoteProtocolError("peer closed connection (fake worker killed)")
+            if number:
+                await asyncio.sleep(self.delay)
+            yield chunk
+
+    async def aclose(self) -> None:
+        self.worker.num_streams_closed += 1
+
+
+@dataclass(eq=False)
+class FakeWorker:
+    id: str
+    is_up: bool = True
+    is_ready: bool = True
+    status: int = 200
+    fail_after_chunks: int | None = None
+    chunk_delay: float = 0.0
+    num_chunks: int = 3
+    load: LoadReport = field(default_factory=LoadReport)
+    epoch: str = "e1"
+    events: list[KVEvent] = field(default_factory=list)
+    snapshot_blocks: list[int] = field(default_factory=list)
+    num_requests: int = 0
+    num_snapshots: int = 0
+    num_streams_closed: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.id}.test"
+
+    @property
+    def endpoint(self) -> WorkerEndpoint:
+        return WorkerEndpoint(self.id, MODEL, self.url, f"http://{self.id}.internal", "unified")
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        if not self.is_up:
+            raise httpx.ConnectError("connection refused (fake worker down)", request=request)
+        path = request.url.path
+        if path == "/ready":
+            return httpx.Response(200 if self.is_ready else 503)
+        if path.startswith("/internal/"):
+            return self._internal(request)
+        self.num_requests += 1
+        return self._completion(json.loads(request.content))
+
+    def _internal(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if path == "/internal/load":
+            return httpx.Response(200, content=self.load.model_dump_json())
+        if path == "/internal/kv/snapshot":
+            self.num_snapshots += 1
+            seq = self.events[-1].seq if self.events else 0
+            snapshot = KVSnapshot(epoch=self.epoch, seq=seq, block_size=4, block_hashes=self.snapshot_blocks)
+            return httpx.Response(200, content=snapshot.model_dump_json())
+        after = int(request.url.params.get("after", "0"))
+        batch = KVEventBatch(epoch=self.epoch, events=[event for event in self.events if event.seq > after])
+        return httpx.Response(200, content=batch.model_dump_json())
+
+    def _completion(self, payload: dict[str, object]) -> httpx.Response:
+        if self.status != 200:
+            error = {"error": {"message": "busy", "type": "x", "code": self.status}}
+            return self._streamed(self.status, [json.dumps(error).encode()], "application/json")
+        if not payload.get("stream"):
+            body = json.dumps({"id": "x", "worker": self.id, "choices": []}).encode()
+            return self._streamed(200, [body], "application/json")
+        chunks = [f'data: {{"n": {n}, "worker": "{self.id}"}}\n\n'.encode() for n in range(self.num_chunks)]
+        return self._streamed(200, [*chunks, b"data: [DONE]\n\n"], "text/event-stream")
+
+    def _streamed(self, status: int, chunks: list[bytes], content_type: str) -> httpx.Response:
+        # A stream, not `content=`: MockTransport would hand back an already-read body otherwise.
+        stream = FakeStream(chunks, delay=self.chunk_delay, fail_after=self.fail_after_chunks, worker=self)
+        return httpx.Response(status, headers={"content-type": content_type}, stream=stream)
+
+
+@dataclass(eq=False)
+class FakeCluster:
+    workers: list[FakeWorker]
+
+    def transport(self) -> httpx.MockTransport:
+        by_host = {}
+        for worker in self.workers:
+            by_host[f"{worker.id}.test"] = worker
+            by_host[f"{worker.id}.internal"] = worker
+
+        def handle(request: httpx.Request) -> httpx.Response:
+            return by_host[request.url.host].handle(request)
+
+        return httpx.MockTransport(handle)
+
+    def source(self, routing: RoutingSpec | None = None, **config: object) -> StaticSource:
+        model = ModelConfig(MODEL, routing or RoundRobinRouting(strategy="round_robin"), **config)  # type: ignore[arg-type]
+        return StaticSource([model], [worker.endpoint for worker in self.workers])
+
+
+FAST_REGISTRY = RegistrySettings(poll_interval=0.02, failures_to_eject=2)
+
+
+@contextlib.asynccontextmanager
+async def running_gateway(
+    cluster: FakeCluster,
+    *,
+    routing: RoutingSpec | None = None,
+    settings: AppSettings | None = None,
+    **kwargs: object,
+) -> AsyncIterator[tuple[FastAPI, httpx.AsyncClient]]:
+    """The orchestrator app over ``cluster``, started, with every up worker admitted."""
+    upstream = httpx.AsyncClient(transport=cluster.transport())
+    settings = settings or AppSettings(registry=FAST_REGISTRY)
+    app = build_app(cluster.source(routing), settings=settings, http=upstream, **kwargs)  # type: ignore[arg-type]
+    registry = app.state.registry
+    try:
+        async with app.router.lifespan_context(app):
+            await wait_for(
+                lambda: (
+                    len(registry.workers) == len(cluster.workers)
+                    and all(w.is_healthy for w in registry.workers.values() if _is_up(cluster, w.endpoint.id))
+                )
+            )
+            async with httpx.AsyncClient(
+                transport=httpx.ASGITransport(app), base_url="http://orchestrator"
+            ) as client:
+                yield app, client
+    finally:
+        await upstream.aclose()
+
+
+def _is_up(cluster: FakeCluster, worker_id: str) -> bool:
+    return next(worker for worker in cluster.workers if worker.id == worker_id).is_up
+
+
+async def wait_for(check: Callable[[], bool], *, timeout: float = 3.0) -> float:
+    """Poll ``check()`` until true; returns the seconds it took; bounded by ``timeout``."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    while loop.time() - start < timeout:
+        if check():
+            return loop.time() - start
+        await asyncio.sleep(0.01)
+    raise TimeoutError(f"condition not met within {timeout}s")
+
+
+def sse_events(body: bytes) -> Iterator[str]:
+    for line in body.decode().splitlines():
+        if line.startswith("data: "):
+            yield line.removeprefix("data: ")
