@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import httpx
 from fastapi import FastAPI
 
-from herd.api.crd import RoutingSpec, RoundRobinRouting
+from herd.api.crd import RoundRobinRouting, RoutingSpec
 from herd.api.protocol import KVEvent, KVEventBatch, KVSnapshot, LoadReport
 from herd.orchestrator.app import AppSettings, build_app
 from herd.orchestrator.discovery import ModelConfig, StaticSource, WorkerEndpoint
@@ -165,15 +165,15 @@ def _is_up(cluster: FakeCluster, worker_id: str) -> bool:
     return next(worker for worker in cluster.workers if worker.id == worker_id).is_up
 
 
-async def wait_for(check: Callable[[], bool], *, timeout: float = 3.0) -> float:
-    """Poll ``check()`` until true; returns the seconds it took; bounded by ``timeout``."""
+async def wait_for(check: Callable[[], bool], *, within: float = 3.0) -> float:
+    """Poll ``check()`` until true; returns the seconds it took; bounded by ``within`` seconds."""
     loop = asyncio.get_running_loop()
     start = loop.time()
-    while loop.time() - start < timeout:
+    while loop.time() - start < within:
         if check():
             return loop.time() - start
         await asyncio.sleep(0.01)
-    raise TimeoutError(f"condition not met within {timeout}s")
+    raise TimeoutError(f"condition not met within {within}s")
 
 
 def sse_events(body: bytes) -> Iterator[str]:
