@@ -4,21 +4,26 @@ weighed against how busy it is, among the workers under the bounded-load cap.
 For each candidate ``w`` (``num_in_flight`` under the cap of ``_load``):
 
     score(w) = cache_weight * matched(w) / num_blocks  -  load_weight * load(w)
-    load(w)  = ( queued(w) / max queued  +  requests(w) / max requests  +  kv_usage(w) ) / 3
+    load(w)  = ( min(1, requests(w) / scale)  +  min(1, queued(w) / (scale * prompt_tokens))
+                 + kv_usage(w) ) / 3
+    scale    = ceil(load_factor * (sum of requests + 1) / n)
 
 ``matched(w)`` is the leading run the ``KVIndex`` says ``w`` holds (0 when the prompt has no full
-block), ``queued`` the uncached prompt tokens waiting on ``w`` and ``requests`` the larger of its
-reported running + waiting requests and this orchestrator's own in-flight count (the report covers
-other orchestrator replicas, the in-flight count covers what the report has not seen yet). Each
-load term is normalized by its maximum over the candidates (a term whose maximum is 0 counts 0), so
-both sides of the score lie in [0, 1] and the weights read as plain trade-offs. The best score
-wins; ties go to the fewest in flight, then at random.
+block); ``requests(w)`` the larger of its reported running + waiting requests and this
+orchestrator's own in-flight count (the report covers other orchestrator replicas, the in-flight
+count what the report has not seen yet); ``queued(w)`` the uncached prompt tokens waiting on it.
+``scale`` is the bounded-load cap applied to ``requests``: a worker holding that many requests, or
+that many prompts like this one in its prefill queue, counts as fully loaded. Both sides of the
+score lie in [0, 1], so the weights read as plain trade-offs, and a light load (one request more
+than an idle peer) does not outweigh a long cached prefix. The best score wins; ties go to the
+fewest in flight, then at random.
 
 Cost: ``KVIndex.match`` (O(matched blocks x holders)) plus two O(n) passes over the candidates.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from typing import ClassVar
@@ -52,25 +57,22 @@ class KVCacheAware(RoutingStrategy):
     def select(self, workers: Sequence[WorkerView], ctx: RequestContext) -> WorkerView | None:
         cap = bounded_load_cap(workers, self._load_factor)
         candidates = [worker for worker in workers if worker.num_in_flight < cap]
-        scores = self._scores(candidates, ctx.block_hashes)
+        scores = self._scores(candidates, ctx)
         best = max(scores)
         tied = [worker for worker, score in zip(candidates, scores, strict=True) if score == best]
         return tied[0] if len(tied) == 1 else least_in_flight(tied, self._rng)
 
-    def _scores(self, candidates: Sequence[WorkerView], block_hashes: Sequence[int]) -> list[float]:
-        matched = self._kv_index.match(block_hashes) if block_hashes else {}
-        cache_unit = self._cache_weight / len(block_hashes) if block_hashes else 0.0
+    def _scores(self, candidates: Sequence[WorkerView], ctx: RequestContext) -> list[float]:
+        hashes = ctx.block_hashes
+        matched = self._kv_index.match(hashes) if hashes else {}
+        cache_unit = self._cache_weight / len(hashes) if hashes else 0.0
         requests = [max(w.num_running + w.num_waiting, w.num_in_flight) for w in candidates]
-        queued_unit = _unit(max(w.num_waiting_prefill_tokens for w in candidates))
-        requests_unit = _unit(max(requests))
+        scale = math.ceil(self._load_factor * (sum(requests) + 1) / len(candidates))
+        queued_scale = scale * max(len(ctx.token_ids), 1)
         load_unit = self._load_weight / 3
         return [
             cache_unit * matched.get(w.id, 0)
-            - load_unit * (w.num_waiting_prefill_tokens * queued_unit + r * requests_unit + w.kv_usage)
+            - load_unit
+            * (min(1.0, r / scale) + min(1.0, w.num_waiting_prefill_tokens / queued_scale) + w.kv_usage)
             for w, r in zip(candidates, requests, strict=True)
         ]
-
-
-def _unit(maximum: float) -> float:
-    """The factor that maps ``[0, maximum]`` onto ``[0, 1]`` (0 when everything is 0)."""
-    return 1.0 / maximum if maximum > 0 else 0.0

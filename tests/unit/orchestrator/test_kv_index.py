@@ -1,0 +1,111 @@
+"""KVIndex: event ordering (duplicates, gaps, epochs), snapshot resync, removal, leading-run matching."""
+
+from __future__ import annotations
+
+import pytest
+
+from herd.api.protocol import KVEvent, KVEventBatch, KVSnapshot
+from herd.orchestrator.kv_index import KVIndex
+
+
+def _snapshot(blocks: list[int], *, seq: int = 0, epoch: str = "e1") -> KVSnapshot:
+    return KVSnapshot(epoch=epoch, seq=seq, block_size=16, block_hashes=blocks)
+
+
+def _batch(*events: tuple[int, str, list[int]], epoch: str = "e1") -> KVEventBatch:
+    return KVEventBatch(
+        epoch=epoch,
+        events=[KVEvent(seq=seq, kind=kind, block_hashes=blocks) for seq, kind, blocks in events],
+    )
+
+
+@pytest.fixture
+def index() -> KVIndex:
+    index = KVIndex()
+    index.reset("a", _snapshot([1, 2, 3], seq=5))
+    index.reset("b", _snapshot([1, 2], seq=0))
+    return index
+
+
+def test_unknown_worker_needs_a_snapshot_first() -> None:
+    index = KVIndex()
+    assert index.apply("a", _batch((1, "stored", [1]))) is False
+    assert index.match([1]) == {}
+    assert index.workers() == []
+
+
+def test_in_order_events_are_applied(index: KVIndex) -> None:
+    assert index.apply("b", _batch((1, "stored", [3, 4]), (2, "removed", [1]))) is True
+    assert index.num_blocks("b") == 3
+    assert index.position("b") == ("e1", 2)
+    assert index.match([1, 2, 3]) == {"a": 3}
+    assert index.match([2, 3, 4]) == {"a": 2, "b": 3}
+
+
+def test_already_applied_events_are_skipped(index: KVIndex) -> None:
+    batch = _batch((1, "stored", [9]), (2, "removed", [9]))
+    assert index.apply("b", batch) is True
+    assert index.apply("b", batch) is True
+    assert index.apply("b", _batch((2, "stored", [9]))) is True
+    assert index.match([9]) == {}
+    assert index.position("b") == ("e1", 2)
+
+
+@pytest.mark.parametrize(
+    ("batch", "expected_blocks"),
+    [
+        (_batch((7, "stored", [9])), 3),
+        (_batch((6, "stored", [9]), (8, "stored", [10])), 4),
+        (_batch((6, "stored", [9]), epoch="e2"), 3),
+    ],
+    ids=["gap-at-start", "gap-after-one-applied", "new-epoch"],
+)
+def test_gap_or_new_epoch_asks_for_a_resync(
+    index: KVIndex, batch: KVEventBatch, expected_blocks: int
+) -> None:
+    assert index.apply("a", batch) is False
+    assert index.num_blocks("a") == expected_blocks
+    assert index.match([10]) == {}
+
+
+def test_snapshot_resync_replaces_the_workers_entries(index: KVIndex) -> None:
+    assert index.apply("a", _batch((6, "stored", [4]), epoch="e2")) is False
+    index.reset("a", _snapshot([7, 8], seq=3, epoch="e2"))
+    assert index.match([1, 2, 3]) == {"b": 2}
+    assert index.match([7, 8]) == {"a": 2}
+    assert index.apply("a", _batch((4, "stored", [9]), epoch="e2")) is True
+    assert index.num_blocks("a") == 3
+
+
+def test_cleared_event_drops_every_block(index: KVIndex) -> None:
+    assert index.apply("a", _batch((6, "cleared", []), (7, "stored", [5]))) is True
+    assert index.match([1, 2]) == {"b": 2}
+    assert index.match([5]) == {"a": 1}
+
+
+def test_remove_worker_drops_its_entries(index: KVIndex) -> None:
+    index.remove_worker("a")
+    index.remove_worker("never-seen")
+    assert index.workers() == ["b"]
+    assert index.num_blocks("a") == 0
+    assert index.match([1, 2, 3]) == {"b": 2}
+    index.remove_worker("b")
+    assert index.match([1]) == {}
+
+
+@pytest.mark.parametrize(
+    ("query", "expected"),
+    [
+        ([1, 2, 3, 4], {"a": 3, "b": 2}),
+        ([2, 3], {"a": 2, "b": 1, "c": 2}),
+        ([1, 5, 3], {"a": 1, "b": 1}),
+        ([], {}),
+        ([6, 1], {}),
+    ],
+    ids=["longest-runs", "other-first-block", "stops-at-first-miss", "empty", "miss-first"],
+)
+def test_match_counts_the_leading_run_only(
+    index: KVIndex, query: list[int], expected: dict[str, int]
+) -> None:
+    index.reset("c", _snapshot([2, 3]))
+    assert index.match(query) == expected
