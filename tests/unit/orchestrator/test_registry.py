@@ -1,0 +1,88 @@
+"""The registry over fake workers: ejection within 2 s, re-admission, load, KV sync and resync."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import httpx
+from support.gateway_fakes import MODEL, FakeCluster, FakeWorker, wait_for
+
+from herd.api.crd import KVCacheAwareRouting
+from herd.api.protocol import KVEvent, LoadReport
+from herd.orchestrator.discovery import Membership, ModelConfig
+from herd.orchestrator.registry import Registry, RegistrySettings
+from herd.orchestrator.state import MemoryState
+from herd.orchestrator.worker_client import WorkerClient
+
+KV_AWARE = KVCacheAwareRouting(strategy="kv_cache_aware")
+
+
+@contextlib.asynccontextmanager
+async def registry_for(
+    cluster: FakeCluster, settings: RegistrySettings | None = None
+) -> AsyncIterator[Registry]:
+    async with httpx.AsyncClient(transport=cluster.transport()) as http:
+        registry = Registry(WorkerClient(http, token="t"), MemoryState(), settings or RegistrySettings())
+        task = asyncio.create_task(registry.run(cluster.source(KV_AWARE)))
+        try:
+            await wait_for(lambda: len(registry.workers) == len(cluster.workers))
+            yield registry
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+async def test_ejects_within_two_seconds_and_readmits() -> None:
+    cluster = FakeCluster([FakeWorker("w0"), FakeWorker("w1")])
+    async with registry_for(cluster) as registry:
+        await wait_for(lambda: all(view.is_healthy for view in registry.views(MODEL)))
+        cluster.workers[0].is_up = False
+        ejected_after = await wait_for(lambda: not registry.workers["w0"].is_healthy)
+        assert registry.workers["w1"].is_healthy
+        cluster.workers[0].is_up = True
+        await wait_for(lambda: registry.workers["w0"].is_healthy)
+    assert ejected_after < 2.0
+
+
+async def test_not_ready_worker_is_ejected_and_draining_is_unhealthy() -> None:
+    cluster = FakeCluster([FakeWorker("w0"), FakeWorker("w1")])
+    async with registry_for(cluster, RegistrySettings(poll_interval=0.02)) as registry:
+        await wait_for(lambda: all(view.is_healthy for view in registry.views(MODEL)))
+        cluster.workers[0].is_ready = False
+        cluster.workers[1].load = LoadReport(num_running=3, kv_usage=0.5, is_draining=True)
+        await wait_for(lambda: not registry.workers["w0"].is_healthy)
+        await wait_for(lambda: registry.workers["w1"].report.num_running == 3)
+        views = {view.id: view for view in registry.views(MODEL)}
+    assert not views["w1"].is_healthy and views["w1"].kv_usage == 0.5
+
+
+async def test_kv_events_snapshot_gap_epoch_and_leave() -> None:
+    worker = FakeWorker("w0", snapshot_blocks=[1, 2])
+    cluster = FakeCluster([worker])
+    async with registry_for(cluster, RegistrySettings(poll_interval=0.02)) as registry:
+        index = registry.models[MODEL].kv_index
+        await wait_for(lambda: index.match([1, 2]) == {"w0": 2})
+        assert worker.num_snapshots == 1
+        worker.events.append(KVEvent(seq=1, kind="stored", block_hashes=[3]))
+        await wait_for(lambda: index.match([1, 2, 3]) == {"w0": 3})
+        assert worker.num_snapshots == 1
+        worker.events.append(KVEvent(seq=3, kind="stored", block_hashes=[9]))  # seq 2 lost: a gap
+        worker.snapshot_blocks = [1, 2, 3, 4]
+        await wait_for(lambda: index.match([1, 2, 3, 4]) == {"w0": 4})
+        assert worker.num_snapshots == 2
+        worker.epoch, worker.events, worker.snapshot_blocks = "e2", [], [7]  # the worker restarted
+        await wait_for(lambda: index.match([7]) == {"w0": 1} and index.match([1]) == {})
+        registry.apply_membership(Membership(models=(ModelConfig(MODEL, KV_AWARE),), endpoints=()))
+        assert index.match([7]) == {} and registry.workers == {}
+
+
+async def test_in_flight_counts_feed_the_views() -> None:
+    cluster = FakeCluster([FakeWorker("w0")])
+    async with registry_for(cluster) as registry:
+        registry.begin("w0")
+        registry.begin("w0")
+        registry.end("w0")
+        assert registry.views(MODEL)[0].num_in_flight == 1
