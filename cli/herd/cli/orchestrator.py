@@ -1,0 +1,120 @@
+"""``herd orchestrator``: the OpenAI gateway in front of the workers of one or more models."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from herd.api.logs import configure_logging
+from herd.api.manifest import ManifestError, load_manifest
+from herd.api.protocol import Role
+from herd.orchestrator.app import AppSettings, build_app
+from herd.orchestrator.auth import load_api_keys
+from herd.orchestrator.discovery import ModelConfig, StaticSource, WorkerEndpoint, WorkerSource
+from herd.orchestrator.gateway import GatewaySettings
+from herd.orchestrator.server import serve
+from herd.orchestrator.state import build_state
+
+__all__ = ["local_model_path", "model_configs", "parse_worker", "register"]
+
+_ROLES: tuple[Role, ...] = ("unified", "prefill", "decode")
+TOKEN_ENV = "HERD_INTERNAL_TOKEN"
+
+
+def local_model_path(source: str, *, cwd: Path | None = None) -> Path | None:
+    """The folder of a ``file://`` source (relative paths from ``cwd``); ``None`` for other schemes."""
+    if not source.startswith("file://"):
+        return None
+    return ((cwd or Path.cwd()) / source.removeprefix("file://")).resolve()
+
+
+def model_configs(manifests: Sequence[Path]) -> list[ModelConfig]:
+    """Every ModelDeployment in the files, as model configs; raises ``ManifestError``."""
+    return [
+        ModelConfig.from_deployment(deployment, model_path=local_model_path(deployment.spec.model.source))
+        for path in manifests
+        for deployment in load_manifest(path)
+    ]
+
+
+def parse_worker(value: str, models: Sequence[ModelConfig], number: int) -> WorkerEndpoint:
+    """``[MODEL=]URL,INTERNAL_URL[,ROLE]``; MODEL may be left out when one model is served."""
+    model, _, rest = value.rpartition("=") if "=" in value.split(",")[0] else ("", "", value)
+    parts = rest.split(",")
+    if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in _ROLES):
+        raise ValueError(f"--worker {value!r}: expected [MODEL=]URL,INTERNAL_URL[,{'|'.join(_ROLES)}]")
+    if not model:
+        if len(models) != 1:
+            raise ValueError(f"--worker {value!r}: name its model (MODEL=URL,...) when several are served")
+        model = models[0].served_name
+    role: Role = parts[2] if len(parts) == 3 else "unified"  # type: ignore[assignment]
+    return WorkerEndpoint(f"worker-{number}", model, parts[0].rstrip("/"), parts[1].rstrip("/"), role)
+
+
+def _source(args: argparse.Namespace, models: list[ModelConfig]) -> WorkerSource:
+    if args.kubernetes:
+        # Kubernetes discovery lives in its own module, loaded only when asked for (it needs kopf's stack).
+        module = importlib.import_module("herd.orchestrator.kube_discovery")
+        source: WorkerSource = module.KubernetesSource(namespace=args.namespace)
+        return source
+    endpoints = [parse_worker(value, models, number) for number, value in enumerate(args.worker)]
+    return StaticSource(models, endpoints)
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging("orchestrator", args.log_level)
+    try:
+        models = model_configs(args.manifest)
+        source = _source(args, models)
+        api_keys = load_api_keys(args.api_keys_file)
+    except (ManifestError, ValueError, OSError) as error:
+        print(f"herd orchestrator: {error}", file=sys.stderr)
+        return 2
+    if not args.kubernetes and not args.worker:
+        print(
+            "herd orchestrator: give --worker URL,INTERNAL_URL (repeatable) or --kubernetes", file=sys.stderr
+        )
+        return 2
+    settings = AppSettings(
+        internal_token=args.internal_token or os.environ.get(TOKEN_ENV),
+        max_body_bytes=args.max_body_bytes,
+        gateway=GatewaySettings(request_timeout=args.request_timeout),
+    )
+    app = build_app(source, settings=settings, state=build_state(args.redis), api_keys=api_keys)
+    asyncio.run(serve(app, host=args.host, port=args.port))
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser("orchestrator", help="run the OpenAI gateway and router")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--manifest", type=Path, action="append", default=[], help="ModelDeployment YAML (repeatable)"
+    )
+    parser.add_argument(
+        "--worker",
+        action="append",
+        default=[],
+        help="a static worker: [MODEL=]URL,INTERNAL_URL[,ROLE] (repeatable)",
+    )
+    parser.add_argument("--kubernetes", action="store_true", help="discover workers from Kubernetes pods")
+    parser.add_argument(
+        "--namespace", default=None, help="with --kubernetes: watch one namespace (default: all)"
+    )
+    parser.add_argument("--redis", default=None, help="redis://HOST:PORT/DB to share sessions and KV events")
+    parser.add_argument("--api-keys-file", type=Path, default=None, help="accepted API keys, one per line")
+    parser.add_argument(
+        "--internal-token", default=None, help=f"the workers' shared internal token (or {TOKEN_ENV})"
+    )
+    parser.add_argument(
+        "--request-timeout", type=float, default=600.0, help="seconds to wait for a worker's next byte"
+    )
+    parser.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    parser.add_argument("--log-level", default="INFO")
+    parser.set_defaults(func=run)
