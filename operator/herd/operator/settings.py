@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["PlanSettings"]
+__all__ = ["OperatorConfig", "PlanSettings"]
 
 
 class PlanSettings(BaseModel):
@@ -26,3 +26,21 @@ class PlanSettings(BaseModel):
         default=5, ge=0, description="preStop pause so the orchestrator stops routing before SIGTERM."
     )
     grace_seconds: int = Field(default=120, ge=1, description="Time a worker has to finish in-flight work.")
+
+
+class OperatorConfig(BaseModel):
+    """What ``herd operator`` is started with; kept in ``kopf.Memo`` for every handler."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    kubeconfig: str | None = Field(
+        default=None, description="None: in-cluster credentials, else $KUBECONFIG."
+    )
+    plan: PlanSettings = Field(default_factory=PlanSettings)
+    retry_delay: float = Field(
+        default=10.0, gt=0.0, description="Seconds between passes while pods are not ready."
+    )
+    resync_interval: float = Field(
+        default=60.0,
+        gt=0.0,
+        description="A full pass per resource this often, in case a watch event was missed.",
+    )

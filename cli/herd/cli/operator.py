@@ -1,0 +1,53 @@
+"""``herd operator``: run the kopf operator that reconciles ModelDeployments."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from herd.api.logs import configure_logging
+from herd.operator.settings import OperatorConfig, PlanSettings
+
+__all__ = ["register", "run"]
+
+
+def run(args: argparse.Namespace) -> int:
+    from herd.operator.runner import run_operator  # kopf is imported only when the operator runs
+
+    configure_logging("operator", args.log_level)
+    plan = PlanSettings(worker_image=args.worker_image, token_secret=args.token_secret)
+    config = OperatorConfig(kubeconfig=args.kubeconfig, plan=plan, retry_delay=args.retry_delay)
+    namespaces = [] if args.all_namespaces else args.namespace
+    asyncio.run(
+        run_operator(
+            config, namespaces=namespaces, standalone=args.standalone, liveness_endpoint=args.liveness
+        )
+    )
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser("operator", help="run the Kubernetes operator (kopf)")
+    scope = parser.add_mutually_exclusive_group(required=True)
+    scope.add_argument(
+        "-n", "--namespace", action="append", default=[], help="serve this namespace (repeatable)"
+    )
+    scope.add_argument("-A", "--all-namespaces", action="store_true", help="serve every namespace")
+    parser.add_argument("--standalone", action="store_true", help="no peering with other operator replicas")
+    parser.add_argument(
+        "--liveness", metavar="URL", help="kopf liveness endpoint, e.g. http://0.0.0.0:8080/healthz"
+    )
+    parser.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, else $KUBECONFIG)")
+    defaults = PlanSettings()
+    parser.add_argument("--worker-image", default=defaults.worker_image, help="image of pools that name none")
+    parser.add_argument(
+        "--token-secret", default=defaults.token_secret, help="Secret with the internal token"
+    )
+    parser.add_argument(
+        "--retry-delay",
+        type=float,
+        default=OperatorConfig().retry_delay,
+        help="seconds between passes while pods start",
+    )
+    parser.add_argument("--log-level", default="INFO")
+    parser.set_defaults(func=run)

@@ -1,0 +1,97 @@
+"""kopf handlers: thin, typed, each one call into the shared level-based reconcile.
+
+* create / update / resume of a ModelDeployment: one pass; while pools are short of ready pods the
+  handler raises ``TemporaryError`` so kopf runs it again; an invalid spec is a ``PermanentError``.
+* events of owned Deployments, Services and Pods (by herd's labels): a pass for the owner, so status
+  follows pods and manual edits are reverted at once; a timer repeats it in case an event was lost.
+* deletion: children carry owner references, so a cluster's garbage collector removes them; the
+  operator also deletes them itself when it sees the DELETED event (test emulators have no GC), with
+  no finalizer, so a stopped operator never blocks a ``kubectl delete``.
+kopf's own bookkeeping lives in annotations (``operator.herd.dev/...``), never in ``status``.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+import kopf
+
+from herd.api.crd import GROUP, PLURAL, VERSION
+from herd.api.protocol import LABEL_DEPLOYMENT, LABEL_MANAGED_BY, MANAGED_BY
+from herd.operator.kube import KubeApi, load_connection
+from herd.operator.reconcile import Reconciler
+from herd.operator.settings import OperatorConfig
+
+__all__ = ["ANNOTATION_PREFIX", "registry"]
+
+ANNOTATION_PREFIX = "operator.herd.dev"
+registry = kopf.OperatorRegistry()
+_MD = (GROUP, VERSION, PLURAL)
+_OWNED = {LABEL_MANAGED_BY: MANAGED_BY}
+# Child events keep status current; the timer only repairs what a lost watch event would leave stale.
+_RESYNC_SECONDS = 60.0
+
+
+@kopf.on.startup(registry=registry)
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    config: OperatorConfig = memo.config
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
+    )
+    settings.posting.level = logging.WARNING  # herd posts its own Events for transitions
+    memo.connection = load_connection(config.kubeconfig)
+    memo.reconciler = Reconciler(KubeApi(memo.connection.http_client()), config.plan)
+
+
+@kopf.on.login(registry=registry)
+def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
+    config: OperatorConfig = memo.config
+    return load_connection(config.kubeconfig).kopf_info()
+
+
+@kopf.on.cleanup(registry=registry)
+async def close(memo: kopf.Memo, **_: Any) -> None:
+    if "reconciler" in memo:
+        await memo.reconciler.api.http.aclose()
+
+
+@kopf.on.resume(*_MD, registry=registry)
+@kopf.on.create(*_MD, registry=registry)
+@kopf.on.update(*_MD, registry=registry)
+async def reconcile(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+    outcome = await memo.reconciler.reconcile(_raw(body), logger)
+    if not outcome.is_ready:
+        raise kopf.TemporaryError(f"waiting for ready pods: {outcome.waiting}", delay=memo.config.retry_delay)
+
+
+@kopf.on.event(*_MD, registry=registry)
+async def deleted(
+    type: str, name: str, namespace: str | None, memo: kopf.Memo, logger: kopf.Logger, **_: Any
+) -> None:
+    if type == "DELETED" and namespace:
+        count = await memo.reconciler.delete_children(namespace, name)
+        logger.info(f"deleted {count} children of {namespace}/{name}")
+
+
+@kopf.timer(*_MD, registry=registry, interval=_RESYNC_SECONDS, initial_delay=_RESYNC_SECONDS)
+async def resync(name: str, namespace: str | None, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+    if namespace:
+        await memo.reconciler.poke(namespace, name, logger)
+
+
+@kopf.on.event("apps/v1", "deployments", labels=_OWNED, registry=registry)
+@kopf.on.event("v1", "services", labels=_OWNED, registry=registry)
+@kopf.on.event("v1", "pods", labels=_OWNED, registry=registry)
+async def child_changed(
+    labels: kopf.Labels, namespace: str | None, memo: kopf.Memo, logger: kopf.Logger, **_: Any
+) -> None:
+    owner = labels.get(LABEL_DEPLOYMENT)
+    if owner and namespace:
+        await memo.reconciler.poke(namespace, owner, logger)
+
+
+def _raw(body: kopf.Body) -> dict[str, Any]:
+    return copy.deepcopy(dict(body))

@@ -1,0 +1,138 @@
+"""A small async Kubernetes API client for the objects the operator owns.
+
+kopf watches ModelDeployments with its own client; the children (Deployments, Services, Pods) and
+the status are read and written here, through plain REST calls on one ``httpx.AsyncClient``.
+Credentials come from the ``kubernetes`` package's loaders (in-cluster service account, else a
+kubeconfig), so kopf and this client always talk to the same server as the same user.
+"""
+
+from __future__ import annotations
+
+import ssl
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import kopf
+from kubernetes import client as k8s_client
+from kubernetes import config as k8s_config
+
+__all__ = ["Connection", "KubeApi", "KubeError", "load_connection", "resource_path"]
+
+Object = dict[str, Any]
+_MERGE_PATCH = {"Content-Type": "application/merge-patch+json"}
+
+
+class KubeError(RuntimeError):
+    """An API answer that is neither success nor a benign AlreadyExists/NotFound."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"Kubernetes API answered {status}: {message}")
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Connection:
+    server: str
+    token: str | None = None
+    ca_path: str | None = None
+    cert_path: str | None = None
+    key_path: str | None = None
+    verify: bool = True
+
+    def kopf_info(self) -> kopf.ConnectionInfo:
+        return kopf.ConnectionInfo(
+            server=self.server,
+            ca_path=self.ca_path,
+            insecure=not self.verify,
+            scheme="Bearer" if self.token else None,
+            token=self.token,
+            certificate_path=self.cert_path,
+            private_key_path=self.key_path,
+        )
+
+    def http_client(self) -> httpx.AsyncClient:
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        verify: ssl.SSLContext | bool = self.verify
+        if self.verify and (self.ca_path or self.cert_path):
+            verify = ssl.create_default_context(cafile=self.ca_path)
+            if self.cert_path and self.key_path:
+                verify.load_cert_chain(self.cert_path, self.key_path)
+        return httpx.AsyncClient(base_url=self.server, headers=headers, verify=verify, timeout=30.0)
+
+
+def load_connection(kubeconfig: str | None = None) -> Connection:
+    """In-cluster credentials when running in a pod (and no kubeconfig is named), else the kubeconfig."""
+    config = k8s_client.Configuration()
+    try:
+        if kubeconfig is not None:
+            raise k8s_config.ConfigException("a kubeconfig was named")
+        k8s_config.load_incluster_config(client_configuration=config)  # type: ignore[no-untyped-call]
+    except k8s_config.ConfigException:
+        k8s_config.load_kube_config(config_file=kubeconfig, client_configuration=config)  # type: ignore[no-untyped-call]
+    token = config.api_key.get("authorization", "").removeprefix("Bearer ").strip() or None
+    return Connection(
+        server=config.host,
+        token=token,
+        ca_path=config.ssl_ca_cert,
+        cert_path=config.cert_file,
+        key_path=config.key_file,
+        verify=bool(config.verify_ssl),
+    )
+
+
+def resource_path(api_version: str, plural: str, namespace: str, name: str | None = None) -> str:
+    prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    path = f"{prefix}/namespaces/{namespace}/{plural}"
+    return f"{path}/{name}" if name else path
+
+
+class KubeApi:
+    """get/list/create/replace/delete/patch-status; AlreadyExists and NotFound count as success."""
+
+    def __init__(self, http: httpx.AsyncClient) -> None:
+        self.http = http
+
+    async def get(self, api_version: str, plural: str, namespace: str, name: str) -> Object | None:
+        response = await self.http.get(resource_path(api_version, plural, namespace, name))
+        return None if response.status_code == 404 else _json(response)
+
+    async def list(self, api_version: str, plural: str, namespace: str, selector: str) -> list[Object]:
+        path = resource_path(api_version, plural, namespace)
+        items: list[Object] = _json(await self.http.get(path, params={"labelSelector": selector}))["items"]
+        return items
+
+    async def create(self, api_version: str, plural: str, body: Object) -> Object | None:
+        path = resource_path(api_version, plural, body["metadata"]["namespace"])
+        response = await self.http.post(path, json=body)
+        return None if response.status_code == 409 else _json(response)
+
+    async def replace(self, api_version: str, plural: str, body: Object) -> Object | None:
+        meta = body["metadata"]
+        response = await self.http.put(
+            resource_path(api_version, plural, meta["namespace"], meta["name"]), json=body
+        )
+        return None if response.status_code == 404 else _json(response)
+
+    async def delete(self, api_version: str, plural: str, namespace: str, name: str) -> None:
+        response = await self.http.delete(resource_path(api_version, plural, namespace, name))
+        if response.status_code != 404:
+            _json(response)
+
+    async def patch_status(
+        self, api_version: str, plural: str, namespace: str, name: str, status: Object
+    ) -> None:
+        path = resource_path(api_version, plural, namespace, name) + "/status"
+        response = await self.http.patch(path, json={"status": status}, headers=_MERGE_PATCH)
+        if response.status_code != 404:
+            _json(response)
+
+
+def _json(response: httpx.Response) -> Any:
+    if response.is_success:
+        return response.json()
+    try:
+        message = response.json().get("message", response.text)
+    except ValueError:
+        message = response.text
+    raise KubeError(response.status_code, f"{response.request.method} {response.request.url.path}: {message}")

@@ -1,0 +1,179 @@
+"""The one level-based reconcile pass shared by create, update, resume and child events.
+
+A pass reads the ModelDeployment as it is now, plans the desired children, compares each with the
+server's copy (create when missing, replace when the spec hash or an owned field differs, else
+leave it alone), observes the pools' pods, and writes the status once if it changed. Running it
+twice changes nothing; so a restarted operator, a missed event or a manual edit all converge.
+Passes for one resource never overlap (a lock per resource), and child events that arrive while a
+pass is queued fold into it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import logging
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Literal, cast
+
+import kopf
+from pydantic import ValidationError
+
+from herd.api.crd import API_VERSION, PLURAL, ModelDeployment
+from herd.api.manifest import format_validation_error
+from herd.api.protocol import LABEL_DEPLOYMENT, LABEL_MANAGED_BY, MANAGED_BY
+from herd.operator.drift import is_drifted, replacement
+from herd.operator.events import announce_transitions
+from herd.operator.kube import KubeApi
+from herd.operator.plan import ANNOTATION_SPEC_HASH, DesiredObject, plan, selector_string
+from herd.operator.settings import PlanSettings
+from herd.operator.status import invalid_status, plan_status
+
+__all__ = ["Change", "Outcome", "Reconciler"]
+
+Object = dict[str, Any]
+Change = Literal["created", "updated", "reverted", "unchanged"]
+_CHILD_KINDS = (("apps/v1", "deployments"), ("v1", "services"))
+
+
+@dataclass(frozen=True)
+class Outcome:
+    is_ready: bool
+    waiting: str
+    changes: dict[str, Change]
+
+
+class Reconciler:
+    """Operator-wide reconcile state: the API client, the plan settings and per-resource locks."""
+
+    def __init__(self, api: KubeApi, settings: PlanSettings) -> None:
+        self.api = api
+        self.settings = settings
+        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self._queued: set[tuple[str, str]] = set()
+
+    async def reconcile(self, body: Object, logger: logging.Logger | logging.LoggerAdapter[Any]) -> Outcome:
+        """One pass for ``body``; raises ``kopf.PermanentError`` naming the field if the spec is invalid."""
+        meta = body["metadata"]
+        async with self._lock(meta["namespace"], meta["name"]):
+            return await self._pass(body, logger)
+
+    async def poke(
+        self, namespace: str, name: str, logger: logging.Logger | logging.LoggerAdapter[Any]
+    ) -> None:
+        """Run a pass for a resource whose child changed; passes already queued for it absorb this one."""
+        key = (namespace, name)
+        if key in self._queued:
+            return
+        self._queued.add(key)
+        async with self._lock(namespace, name):
+            self._queued.discard(key)
+            body = await self.api.get(API_VERSION, PLURAL, namespace, name)
+            if body is not None:
+                # An invalid spec is already reported in the status and as an event.
+                with contextlib.suppress(kopf.PermanentError):
+                    await self._pass(body, logger)
+
+    async def delete_children(self, namespace: str, name: str) -> int:
+        """Delete what a deleted ModelDeployment owned (garbage collection does the same on a real cluster)."""
+        selector = selector_string({LABEL_MANAGED_BY: MANAGED_BY, LABEL_DEPLOYMENT: name})
+        deleted = 0
+        for api_version, plural in _CHILD_KINDS:
+            for child in await self.api.list(api_version, plural, namespace, selector):
+                await self.api.delete(api_version, plural, namespace, child["metadata"]["name"])
+                deleted += 1
+        return deleted
+
+    def _lock(self, namespace: str, name: str) -> asyncio.Lock:
+        return self._locks.setdefault((namespace, name), asyncio.Lock())
+
+    async def _pass(self, body: Object, logger: logging.Logger | logging.LoggerAdapter[Any]) -> Outcome:
+        md = await self._parse(body)
+        desired = plan(md, self.settings)
+        children = [copy.deepcopy(obj) for obj in desired.objects]
+        owner = _as_kopf_body(body)
+        kopf.adopt([obj.body for obj in children], owner=owner)
+        changes = {f"{obj.kind}/{obj.name}": await self._apply(obj, owner) for obj in children}
+        logger.info(
+            f"plan {desired.summary()}: "
+            + (
+                ", ".join(f"{key} {change}" for key, change in changes.items() if change != "unchanged")
+                or "no change"
+            )
+        )
+        observed = await self._observe(md)
+        status = plan_status(
+            md, desired, observed, body.get("status") or {}, now=_now(), settings=self.settings
+        )
+        await self._write_status(body, status)
+        waiting = [
+            f"{name} {pool['ready']}"
+            for name, pool in status["pools"].items()
+            if _is_short(pool, desired.replicas[name])
+        ]
+        return Outcome(is_ready=not waiting, waiting=", ".join(waiting), changes=changes)
+
+    async def _parse(self, body: Object) -> ModelDeployment:
+        try:
+            return ModelDeployment.model_validate(
+                {key: body.get(key) for key in ("apiVersion", "kind", "metadata", "spec")}
+            )
+        except ValidationError as error:
+            message = format_validation_error(error)
+            meta = body["metadata"]
+            status = invalid_status(meta.get("generation"), message, body.get("status") or {}, now=_now())
+            await self._write_status(body, status)
+            raise kopf.PermanentError(
+                f"invalid ModelDeployment {meta['namespace']}/{meta['name']}: {message}"
+            ) from None
+
+    async def _apply(self, obj: DesiredObject, owner: kopf.Body) -> Change:
+        namespace = obj.body["metadata"]["namespace"]
+        observed = await self.api.get(obj.api_version, obj.plural, namespace, obj.name)
+        if observed is None:
+            await self.api.create(obj.api_version, obj.plural, obj.body)
+            kopf.info(owner, reason="Created", message=f"created {obj.kind}/{obj.name}")
+            return "created"
+        if not is_drifted(observed, obj.body):
+            return "unchanged"
+        await self.api.replace(obj.api_version, obj.plural, replacement(observed, obj.body))
+        if observed["metadata"].get("annotations", {}).get(ANNOTATION_SPEC_HASH) == obj.spec_hash:
+            kopf.warn(
+                owner, reason="DriftReverted", message=f"reverted manual edits of {obj.kind}/{obj.name}"
+            )
+            return "reverted"
+        kopf.info(owner, reason="Updated", message=f"updated {obj.kind}/{obj.name} to the current spec")
+        return "updated"
+
+    async def _observe(self, md: ModelDeployment) -> tuple[list[Object], list[Object]]:
+        selector = selector_string({LABEL_MANAGED_BY: MANAGED_BY, LABEL_DEPLOYMENT: md.metadata.name})
+        namespace = md.metadata.namespace
+        pods = await self.api.list("v1", "pods", namespace, selector)
+        deployments = await self.api.list("apps/v1", "deployments", namespace, selector)
+        return pods, deployments
+
+    async def _write_status(self, body: Object, status: Object) -> None:
+        previous = body.get("status") or {}
+        if all(previous.get(key) == value for key, value in status.items()):
+            return
+        removed_pools = {
+            name: None for name in previous.get("pools") or {} if name not in status.get("pools", {})
+        }
+        patch = {**status, "pools": {**removed_pools, **status["pools"]}} if "pools" in status else status
+        meta = body["metadata"]
+        await self.api.patch_status(API_VERSION, PLURAL, meta["namespace"], meta["name"], patch)
+        announce_transitions(_as_kopf_body(body), previous.get("conditions") or [], status["conditions"])
+
+
+def _as_kopf_body(body: Object) -> kopf.Body:
+    return kopf.Body(cast("kopf.RawBody", body))
+
+
+def _is_short(pool: Object, desired: int) -> bool:
+    return int(pool["readyReplicas"]) < desired
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
