@@ -1,0 +1,235 @@
+"""Kubernetes discovery: workers are the Ready pods of ModelDeployments, found by herd's labels.
+
+Two informers (list, then watch from the list's resourceVersion; relist after a gap or an error)
+keep the ModelDeployments and the worker Pods (``app.kubernetes.io/managed-by=herd``) in memory.
+After every event the full membership is recomputed and yielded when it differs from the last:
+a pod is routable while it is Ready, has an IP and no ``deletionTimestamp``, so it leaves at once
+when it is deleted, turns unready or starts terminating. Each model's settings (routing, block
+size, mode) come from its ModelDeployment; pods of an unknown or invalid one are not routed to.
+Plain REST over ``httpx``; credentials from the ``kubernetes`` package's loaders.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import ssl
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+from kubernetes import client as k8s_client
+from kubernetes import config as k8s_config
+from pydantic import ValidationError
+
+from herd.api.crd import API_VERSION, PLURAL, ModelDeployment
+from herd.api.protocol import LABEL_DEPLOYMENT, LABEL_MANAGED_BY, LABEL_ROLE, MANAGED_BY, Role
+from herd.orchestrator.discovery import Membership, ModelConfig, WorkerEndpoint
+
+__all__ = ["KubeSource", "KubernetesSource", "is_routable", "membership_of", "pod_endpoint"]
+
+Object = dict[str, Any]
+log = logging.getLogger(__name__)
+_ROLES: tuple[Role, ...] = ("unified", "prefill", "decode")
+_DEFAULT_PORTS = {"http": 8000, "internal": 9000}
+_WATCH_SECONDS = 240
+_RETRY_SECONDS = 1.0
+
+
+def is_routable(pod: Object) -> bool:
+    if pod.get("metadata", {}).get("deletionTimestamp") or not pod.get("status", {}).get("podIP"):
+        return False
+    conditions = pod.get("status", {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def pod_endpoint(pod: Object, model: str) -> WorkerEndpoint | None:
+    """The endpoint of a routable worker pod; its ports are the container ports named http/internal."""
+    role = pod["metadata"].get("labels", {}).get(LABEL_ROLE)
+    if role not in _ROLES or not is_routable(pod):
+        return None
+    ports = dict(_DEFAULT_PORTS)
+    for container in pod.get("spec", {}).get("containers") or []:
+        for port in container.get("ports") or []:
+            if port.get("name") in ports:
+                ports[port["name"]] = int(port["containerPort"])
+    ip = pod["status"]["podIP"]
+    pod_id = f"{pod['metadata'].get('namespace', 'default')}/{pod['metadata']['name']}"
+    return WorkerEndpoint(
+        pod_id, model, f"http://{ip}:{ports['http']}", f"http://{ip}:{ports['internal']}", role
+    )
+
+
+def membership_of(deployments: list[Object], pods: list[Object]) -> Membership:
+    """The full membership implied by the ModelDeployments and pods currently known."""
+    models: dict[tuple[str, str], ModelConfig] = {}
+    for body in deployments:
+        md = _parse(body)
+        if md is not None:
+            models[(md.metadata.namespace, md.metadata.name)] = ModelConfig.from_deployment(
+                md, model_path=_local_path(md)
+            )
+    endpoints = []
+    for pod in pods:
+        meta = pod.get("metadata", {})
+        config = models.get(
+            (meta.get("namespace", "default"), meta.get("labels", {}).get(LABEL_DEPLOYMENT, ""))
+        )
+        endpoint = pod_endpoint(pod, config.served_name) if config else None
+        if endpoint is not None:
+            endpoints.append(endpoint)
+    unique = {config.served_name: config for config in sorted(models.values(), key=lambda c: c.served_name)}
+    return Membership(tuple(unique.values()), tuple(sorted(endpoints, key=lambda e: e.id)))
+
+
+class KubeSource:
+    """A ``WorkerSource`` over the Kubernetes API (one namespace, or all of them)."""
+
+    def __init__(
+        self,
+        namespace: str | None = None,
+        *,
+        kubeconfig: str | None = None,
+        http: httpx.AsyncClient | None = None,
+    ) -> None:
+        self.namespace = namespace
+        self.kubeconfig = kubeconfig
+        self.http = http
+
+    async def watch(self) -> AsyncIterator[Membership]:
+        http = self.http or _client(self.kubeconfig)
+        changed = asyncio.Event()
+        selector = f"{LABEL_MANAGED_BY}={MANAGED_BY}"
+        deployments = _Informer(http, self._path(f"/apis/{API_VERSION}", PLURAL), None, changed.set)
+        pods = _Informer(http, self._path("/api/v1", "pods"), selector, changed.set)
+        tasks = [asyncio.create_task(informer.run()) for informer in (deployments, pods)]
+        try:
+            last: Membership | None = None
+            while True:
+                await changed.wait()
+                changed.clear()
+                if not (deployments.is_synced and pods.is_synced):
+                    continue
+                current = membership_of(list(deployments.objects.values()), list(pods.objects.values()))
+                if current != last:
+                    last = current
+                    yield current
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if self.http is None:
+                await http.aclose()
+
+    def _path(self, prefix: str, plural: str) -> str:
+        return f"{prefix}/namespaces/{self.namespace}/{plural}" if self.namespace else f"{prefix}/{plural}"
+
+
+KubernetesSource = KubeSource
+"""The name ``herd orchestrator --kubernetes`` looks up."""
+
+
+class _Informer:
+    """List, then watch from the list's resourceVersion; on any break, list again."""
+
+    def __init__(
+        self, http: httpx.AsyncClient, path: str, selector: str | None, on_change: Callable[[], None]
+    ) -> None:
+        self.http = http
+        self.path = path
+        self.params = {"labelSelector": selector} if selector else {}
+        self.on_change = on_change
+        self.objects: dict[str, Object] = {}
+        self.is_synced = False
+
+    async def run(self) -> None:
+        while True:
+            try:
+                version = await self._list()
+                await self._watch(version)
+            except (httpx.HTTPError, ValueError, KeyError) as error:
+                log.warning(
+                    "watch of %s broke (%s); listing again in %.0fs", self.path, error, _RETRY_SECONDS
+                )
+                await asyncio.sleep(_RETRY_SECONDS)
+
+    async def _list(self) -> str:
+        response = await self.http.get(self.path, params=self.params)
+        response.raise_for_status()
+        listing = response.json()
+        self.objects = {_key(item): item for item in listing.get("items") or []}
+        self.is_synced = True
+        self.on_change()
+        return str(listing.get("metadata", {}).get("resourceVersion", ""))
+
+    async def _watch(self, version: str) -> None:
+        params = {
+            **self.params,
+            "watch": "true",
+            "resourceVersion": version,
+            "timeoutSeconds": str(_WATCH_SECONDS),
+        }
+        async with self.http.stream("GET", self.path, params=params, timeout=_WATCH_SECONDS + 30) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                if line.strip() and not self._apply(json.loads(line)):
+                    return
+
+    def _apply(self, event: Object) -> bool:
+        """Fold one watch event in; False when the watch must restart from a fresh list."""
+        kind, obj = event.get("type"), event.get("object") or {}
+        if kind == "ERROR":
+            return False
+        if kind in ("ADDED", "MODIFIED"):
+            self.objects[_key(obj)] = obj
+        elif kind == "DELETED":
+            self.objects.pop(_key(obj), None)
+        if kind != "BOOKMARK":
+            self.on_change()
+        return True
+
+
+def _key(obj: Object) -> str:
+    meta = obj.get("metadata", {})
+    return f"{meta.get('namespace', '')}/{meta.get('name', '')}"
+
+
+def _parse(body: Object) -> ModelDeployment | None:
+    try:
+        return ModelDeployment.model_validate(
+            {key: body.get(key) for key in ("apiVersion", "kind", "metadata", "spec")}
+        )
+    except ValidationError:
+        return None  # The operator reports it (Ready=False, InvalidSpec); nothing to route to.
+
+
+def _local_path(md: ModelDeployment) -> Path | None:
+    """The tokenizer folder: a ``file://`` source that also exists where the orchestrator runs."""
+    if md.spec.model.scheme != "file":
+        return None
+    path = Path(md.spec.model.location).resolve()
+    return path if path.is_dir() else None
+
+
+def _client(kubeconfig: str | None) -> httpx.AsyncClient:
+    config = k8s_client.Configuration()
+    with contextlib.suppress(k8s_config.ConfigException):
+        if kubeconfig is None:
+            k8s_config.load_incluster_config(client_configuration=config)  # type: ignore[no-untyped-call]
+            return _http_client(config)
+    k8s_config.load_kube_config(config_file=kubeconfig, client_configuration=config)  # type: ignore[no-untyped-call]
+    return _http_client(config)
+
+
+def _http_client(config: k8s_client.Configuration) -> httpx.AsyncClient:
+    token = config.api_key.get("authorization", "").removeprefix("Bearer ").strip()
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    verify: ssl.SSLContext | bool = bool(config.verify_ssl)
+    if verify and (config.ssl_ca_cert or config.cert_file):
+        verify = ssl.create_default_context(cafile=config.ssl_ca_cert)
+        if config.cert_file and config.key_file:
+            verify.load_cert_chain(config.cert_file, config.key_file)
+    return httpx.AsyncClient(base_url=config.host, headers=headers, verify=verify, timeout=30.0)

@@ -1,0 +1,84 @@
+"""Kubernetes discovery, the pure part: which pods are routable workers of which model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from herd.orchestrator.discovery import WorkerEndpoint
+from herd.orchestrator.kube_discovery import membership_of
+
+MD = {
+    "apiVersion": "herd.dev/v1alpha1",
+    "kind": "ModelDeployment",
+    "metadata": {"name": "chat", "namespace": "ml"},
+    "spec": {
+        "model": {"source": "hf://Org/Chat", "servedName": "chatty"},
+        "engine": {"maxModelLen": 1024, "kvCache": {"blockSize": 32}},
+        "routing": {"strategy": "prefix_hash", "loadFactor": 1.5},
+    },
+}
+
+
+def pod(name: str, **state: Any) -> dict[str, Any]:
+    labels = {"herd.dev/deployment": state.get("md", "chat"), "herd.dev/role": state.get("role", "unified")}
+    metadata: dict[str, Any] = {"name": name, "namespace": state.get("namespace", "ml"), "labels": labels}
+    if state.get("terminating"):
+        metadata["deletionTimestamp"] = "2026-11-22T00:00:00Z"
+    status: dict[str, Any] = {
+        "conditions": [{"type": "Ready", "status": "True" if state.get("ready", True) else "False"}]
+    }
+    if state.get("ip", "10.0.0.1"):
+        status["podIP"] = state.get("ip", "10.0.0.1")
+    ports = [{"name": "http", "containerPort": 8000}, {"name": "internal", "containerPort": 9000}]
+    return {
+        "metadata": metadata,
+        "spec": {"containers": [{"name": "worker", "ports": state.get("ports", ports)}]},
+        "status": status,
+    }
+
+
+CASES = {
+    "ready": (pod("a"), True),
+    "not-ready": (pod("a", ready=False), False),
+    "terminating": (pod("a", terminating=True), False),
+    "no-ip-yet": (pod("a", ip=""), False),
+    "unknown-deployment": (pod("a", md="other"), False),
+    "other-namespace": (pod("a", namespace="prod"), False),
+    "unknown-role": (pod("a", role="sidecar"), False),
+}
+
+
+@pytest.mark.parametrize(("worker", "is_routed"), CASES.values(), ids=CASES.keys())
+def test_which_pods_are_routed(worker: dict[str, Any], is_routed: bool) -> None:
+    membership = membership_of([MD], [worker])
+    assert len(membership.endpoints) == int(is_routed)
+
+
+def test_endpoint_urls_come_from_named_ports() -> None:
+    ports = [{"name": "http", "containerPort": 18000}, {"name": "internal", "containerPort": 19000}]
+    membership = membership_of([MD], [pod("p1", role="decode", ip="127.0.0.1", ports=ports)])
+    assert membership.endpoints == (
+        WorkerEndpoint("ml/p1", "chatty", "http://127.0.0.1:18000", "http://127.0.0.1:19000", "decode"),
+    )
+
+
+def test_model_settings_come_from_the_deployment() -> None:
+    (config,) = membership_of([MD], []).models
+    assert config.served_name == "chatty"
+    assert (config.block_size, config.max_model_len, config.mode) == (32, 1024, "aggregated")
+    assert config.routing.strategy == "prefix_hash"
+    assert config.model_path is None
+
+
+def test_an_invalid_deployment_serves_nothing() -> None:
+    invalid = {**MD, "spec": {**MD["spec"], "serving": {"mode": "disaggregated"}}}
+    assert membership_of([invalid], [pod("a")]).endpoints == ()
+    assert membership_of([invalid], [pod("a")]).models == ()
+
+
+def test_membership_is_ordered_and_comparable() -> None:
+    first = membership_of([MD], [pod("b", ip="10.0.0.2"), pod("a")])
+    assert [e.id for e in first.endpoints] == ["ml/a", "ml/b"]
+    assert first == membership_of([MD], [pod("a"), pod("b", ip="10.0.0.2")])
