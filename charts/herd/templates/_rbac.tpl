@@ -1,0 +1,108 @@
+{{/*
+What the operator may do in a watched namespace: reconcile ModelDeployments into Deployments and
+Services, read worker pods for status, post Events, and keep a copy of the internal-token Secret next
+to the workers. Secrets are limited by name except `create`, which RBAC cannot restrict by name.
+*/}}
+{{- define "herd.operator.rules" -}}
+- apiGroups: [herd.dev]
+  resources: [modeldeployments]
+  verbs: [get, list, watch, patch]
+- apiGroups: [herd.dev]
+  resources: [modeldeployments/status]
+  verbs: [get, patch]
+- apiGroups: [herd.dev]
+  resources: [modeldeployments/scale]
+  verbs: [get, patch]
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, list, watch, create, update, patch, delete]
+- apiGroups: [""]
+  resources: [services]
+  verbs: [get, list, watch, create, update, patch, delete]
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [get, list, watch]
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create, patch]
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [create]
+- apiGroups: [""]
+  resources: [secrets]
+  resourceNames: [{{ include "herd.tokenSecretName" . }}]
+  verbs: [get, update, patch]
+{{- end }}
+
+{{/* Cluster-scoped reads of the operator: kopf follows CRD changes (it only warns without them). */}}
+{{- define "herd.operator.clusterRules" -}}
+- apiGroups: [apiextensions.k8s.io]
+  resources: [customresourcedefinitions]
+  verbs: [get, list, watch]
+{{- end }}
+
+{{/* The orchestrator only discovers: ModelDeployments (routing settings) and worker pods. */}}
+{{- define "herd.orchestrator.rules" -}}
+- apiGroups: [herd.dev]
+  resources: [modeldeployments]
+  verbs: [get, list, watch]
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [get, list, watch]
+{{- end }}
+
+{{/*
+A component's RBAC: (dict "root" $ "component" "operator" "rules" LIST "clusterRules" LIST).
+watch.allNamespaces: one ClusterRole with every rule. Otherwise a Role and RoleBinding in each
+watched namespace, plus a ClusterRole for the cluster-scoped rules alone.
+*/}}
+{{- define "herd.rbac" -}}
+{{- $root := .root }}
+{{- $name := include "herd.componentName" . }}
+{{- $labels := include "herd.labels" . }}
+{{- $subject := dict "name" (include "herd.serviceAccountName" .) "namespace" $root.Release.Namespace }}
+{{- if $root.Values.watch.allNamespaces }}
+{{- include "herd.rbacPair" (dict "kind" "ClusterRole" "name" $name "labels" $labels "rules" (concat .rules .clusterRules) "subject" $subject) }}
+{{- else }}
+{{- range include "herd.watchNamespaces" $root | fromJsonArray }}
+{{- include "herd.rbacPair" (dict "kind" "Role" "name" $name "namespace" . "labels" $labels "rules" $.rules "subject" $subject) }}
+{{- end }}
+{{- with .clusterRules }}
+{{- include "herd.rbacPair" (dict "kind" "ClusterRole" "name" $name "labels" $labels "rules" . "subject" $subject) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* One (Cluster)Role and its (Cluster)RoleBinding, each as its own YAML document. */}}
+{{- define "herd.rbacPair" }}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: {{ .kind }}
+metadata:
+  name: {{ .name }}
+  {{- with .namespace }}
+  namespace: {{ . }}
+  {{- end }}
+  labels:
+    {{- .labels | nindent 4 }}
+rules:
+  {{- toYaml .rules | nindent 2 }}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: {{ .kind }}Binding
+metadata:
+  name: {{ .name }}
+  {{- with .namespace }}
+  namespace: {{ . }}
+  {{- end }}
+  labels:
+    {{- .labels | nindent 4 }}
+roleRef:
+  apiGroup: rbac.authorization.k8s.io
+  kind: {{ .kind }}
+  name: {{ .name }}
+subjects:
+  - kind: ServiceAccount
+    name: {{ .subject.name }}
+    namespace: {{ .subject.namespace }}
+{{- end }}

@@ -1,0 +1,164 @@
+"""The operator and orchestrator Deployments run the right commands with the right wiring."""
+
+from __future__ import annotations
+
+import base64
+import string
+from typing import Any
+
+import pytest
+from support.chart import find, render_chart
+
+
+def _container(manifests: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    (deployment,) = find(manifests, "Deployment", name)
+    container: dict[str, Any] = deployment["spec"]["template"]["spec"]["containers"][0]
+    return container
+
+
+def _flag(args: list[str], flag: str) -> list[str]:
+    """Every value given to ``flag``."""
+    return [args[index + 1] for index, arg in enumerate(args) if arg == flag]
+
+
+WATCH_SCOPES = {
+    "all-namespaces": ({}, ["--all-namespaces"]),
+    "listed": (
+        {"watch": {"allNamespaces": False, "namespaces": ["team-a", "team-b"]}},
+        ["--namespace", "team-a", "--namespace", "team-b"],
+    ),
+    "release-namespace": ({"watch": {"allNamespaces": False}}, ["--namespace", "herd"]),
+}
+
+
+@pytest.mark.parametrize(("values", "expected"), WATCH_SCOPES.values(), ids=WATCH_SCOPES.keys())
+def test_operator_and_orchestrator_watch_the_configured_namespaces(
+    values: dict[str, Any], expected: list[str]
+) -> None:
+    manifests = render_chart(values)
+    operator_args = _container(manifests, "herd-operator")["args"]
+    assert operator_args[: 1 + len(expected)] == ["operator", *expected]
+    assert "--standalone" in operator_args
+    orchestrator_args = _container(manifests, "herd-orchestrator")["args"]
+    assert orchestrator_args[: 2 + len(expected)] == ["orchestrator", "--kubernetes", *expected]
+
+
+REDIS = {
+    "none": ({}, []),
+    "in-cluster": ({"redis": {"enabled": True}}, ["redis://herd-redis.herd.svc:6379/0"]),
+    "external": ({"redis": {"externalUrl": "rediss://cache:6380/2"}}, ["rediss://cache:6380/2"]),
+}
+
+
+@pytest.mark.parametrize(("values", "expected"), REDIS.values(), ids=REDIS.keys())
+def test_orchestrator_gets_redis_only_when_there_is_one(values: dict[str, Any], expected: list[str]) -> None:
+    manifests = render_chart(values)
+    assert _flag(_container(manifests, "herd-orchestrator")["args"], "--redis") == expected
+    assert len(find(manifests, "Service", "herd-redis")) == (values.get("redis", {}).get("enabled") is True)
+
+
+def test_orchestrator_serves_on_its_port_with_probes_and_replicas() -> None:
+    manifests = render_chart({"orchestrator": {"replicas": 3, "port": 8080}})
+    (deployment,) = find(manifests, "Deployment", "herd-orchestrator")
+    assert deployment["spec"]["replicas"] == 3
+    container = _container(manifests, "herd-orchestrator")
+    assert _flag(container["args"], "--port") == ["8080"]
+    assert _flag(container["args"], "--host") == ["0.0.0.0"]
+    assert container["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]
+    assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    (service,) = find(manifests, "Service", "herd-orchestrator")
+    assert service["spec"]["ports"][0]["targetPort"] == "http"
+
+
+def _token_env(container: dict[str, Any]) -> dict[str, Any]:
+    (entry,) = [env for env in container["env"] if env["name"] == "HERD_INTERNAL_TOKEN"]
+    ref: dict[str, Any] = entry["valueFrom"]["secretKeyRef"]
+    return ref
+
+
+def test_generated_token_is_long_random_and_shared_by_both_components() -> None:
+    manifests = render_chart({})
+    (secret,) = find(manifests, "Secret")
+    token = base64.b64decode(secret["data"]["token"]).decode()
+    assert len(token) == 48 and set(token) <= set(string.ascii_letters + string.digits)
+    for name in ("herd-operator", "herd-orchestrator"):
+        assert _token_env(_container(manifests, name)) == {"name": secret["metadata"]["name"], "key": "token"}
+    # The orchestrator passes it by env expansion, so the pod spec never holds the token itself.
+    assert _flag(_container(manifests, "herd-orchestrator")["args"], "--internal-token") == [
+        "$(HERD_INTERNAL_TOKEN)"
+    ]
+    (other,) = find(render_chart({}), "Secret")
+    assert other["data"]["token"] != secret["data"]["token"]
+
+
+def test_given_token_is_used_as_is() -> None:
+    (secret,) = find(render_chart({"internalToken": {"value": "s3cret-token"}}), "Secret")
+    assert base64.b64decode(secret["data"]["token"]) == b"s3cret-token"
+
+
+def test_existing_token_secret_is_referenced_not_rendered() -> None:
+    manifests = render_chart({"internalToken": {"existingSecret": "vault-token"}})
+    assert find(manifests, "Secret") == []
+    assert _token_env(_container(manifests, "herd-orchestrator"))["name"] == "vault-token"
+    operator_env = {env["name"]: env.get("value") for env in _container(manifests, "herd-operator")["env"]}
+    assert operator_env["HERD_TOKEN_SECRET"] == "vault-token"
+
+
+def test_operator_is_told_the_worker_image_and_the_orchestrator_service() -> None:
+    values = {"worker": {"image": {"repository": "registry.local/herd-worker", "tag": "cuda-1"}}}
+    env = {
+        entry["name"]: entry.get("value")
+        for entry in _container(render_chart(values), "herd-operator")["env"]
+    }
+    assert env["HERD_WORKER_IMAGE"] == "registry.local/herd-worker:cuda-1"
+    assert env["HERD_ORCHESTRATOR_SERVICE"] == "herd-orchestrator"
+    assert env["HERD_ORCHESTRATOR_NAMESPACE"] == "herd"
+
+
+def test_operator_runs_alone() -> None:
+    (deployment,) = find(render_chart({}), "Deployment", "herd-operator")
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+
+
+def test_api_keys_are_mounted_from_their_secret() -> None:
+    manifests = render_chart({"orchestrator": {"apiKeys": {"existingSecret": "keys", "key": "list"}}})
+    container = _container(manifests, "herd-orchestrator")
+    assert _flag(container["args"], "--api-keys-file") == ["/etc/herd/api-keys/list"]
+    (deployment,) = find(manifests, "Deployment", "herd-orchestrator")
+    volumes = deployment["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "api-keys", "secret": {"secretName": "keys"}} in volumes
+
+
+SCHEDULING = {
+    "nodeSelector": {"pool": "cpu"},
+    "tolerations": [{"key": "k", "operator": "Exists"}],
+    "affinity": {},
+}
+
+
+@pytest.mark.parametrize("component", ["operator", "orchestrator"])
+def test_scheduling_values_reach_the_pod(component: str) -> None:
+    (deployment,) = find(render_chart({component: SCHEDULING}), "Deployment", f"herd-{component}")
+    spec = deployment["spec"]["template"]["spec"]
+    assert spec["nodeSelector"] == SCHEDULING["nodeSelector"]
+    assert spec["tolerations"] == SCHEDULING["tolerations"]
+    assert "affinity" not in spec
+
+
+BUDGETS = {
+    "max-unavailable": ({"enabled": True}, {"maxUnavailable": 1}),
+    "min-available-percent": (
+        {"enabled": True, "maxUnavailable": None, "minAvailable": "50%"},
+        {"minAvailable": "50%"},
+    ),
+}
+
+
+@pytest.mark.parametrize(("budget", "expected"), BUDGETS.values(), ids=BUDGETS.keys())
+def test_disruption_budget_bounds(budget: dict[str, Any], expected: dict[str, Any]) -> None:
+    (pdb,) = find(render_chart({"orchestrator": {"podDisruptionBudget": budget}}), "PodDisruptionBudget")
+    bounds = {key: value for key, value in pdb["spec"].items() if key != "selector"}
+    assert bounds == expected
+    assert pdb["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "orchestrator"
