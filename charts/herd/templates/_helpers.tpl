@@ -87,8 +87,8 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- default (list .Release.Namespace) .Values.watch.namespaces | uniq | toJson }}
 {{- end }}
 
-{{/* `--namespace NS` for each watched namespace, or `--all-namespaces`, as YAML list items. */}}
-{{- define "herd.watchArgs" -}}
+{{/* The operator's scope: `--all-namespaces`, or `--namespace NS` for each watched namespace. */}}
+{{- define "herd.operatorWatchArgs" -}}
 {{- if .Values.watch.allNamespaces }}
 - --all-namespaces
 {{- else }}
@@ -97,6 +97,30 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 - {{ . }}
 {{- end }}
 {{- end }}
+{{- end }}
+
+{{/* The orchestrator's scope: every namespace by default, or the one `--namespace` it can watch. */}}
+{{- define "herd.orchestratorWatchArgs" -}}
+{{- if not .Values.watch.allNamespaces }}
+{{- $namespaces := include "herd.watchNamespaces" . | fromJsonArray }}
+{{- if gt (len $namespaces) 1 }}
+{{- fail (printf "watch.namespaces lists %d namespaces but `herd orchestrator --kubernetes` watches one or all: list one, or set watch.allNamespaces=true" (len $namespaces)) }}
+{{- end }}
+- --namespace
+- {{ first $namespaces }}
+{{- end }}
+{{- end }}
+
+{{/*
+Namespaces that get a copy of the internal-token Secret: the release's (the orchestrator reads it
+there) and every watched one, because worker pods read the Secret from their own namespace.
+*/}}
+{{- define "herd.tokenNamespaces" -}}
+{{- $namespaces := list .Release.Namespace }}
+{{- if not .Values.watch.allNamespaces }}
+{{- $namespaces = concat $namespaces (include "herd.watchNamespaces" . | fromJsonArray) | uniq }}
+{{- end }}
+{{- toJson $namespaces }}
 {{- end }}
 
 {{/* A pod's security context: (dict "root" $ "runAsUser" 999); runAsUser/runAsGroup/fsGroup override. */}}

@@ -37,7 +37,7 @@ FULL: dict[str, Any] = {
     "imagePullSecrets": [{"name": "registry"}],
     "test": {"apiKey": {"existingSecret": "herd-api-keys", "key": "test-key"}},
 }
-NAMESPACED: dict[str, Any] = {"watch": {"allNamespaces": False, "namespaces": ["team-a", "team-b"]}}
+NAMESPACED: dict[str, Any] = {"watch": {"allNamespaces": False, "namespaces": ["team-a"]}}
 EXTERNAL_REDIS: dict[str, Any] = {"redis": {"externalUrl": "rediss://cache.example.internal:6380/2"}}
 
 SCENARIOS: dict[str, dict[str, Any]] = {

@@ -39,7 +39,7 @@ def test_every_object_is_namespaced_into_the_release_or_cluster_scoped(
     manifests: list[dict[str, Any]],
 ) -> None:
     cluster_scoped = {"CustomResourceDefinition", "ClusterRole", "ClusterRoleBinding"}
-    watched = {"herd", "team-a", "team-b"}
+    watched = {"herd", "team-a"}
     for manifest in manifests:
         namespace = manifest["metadata"].get("namespace")
         assert (namespace is None) == (manifest["kind"] in cluster_scoped), manifest["metadata"]["name"]

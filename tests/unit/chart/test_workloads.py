@@ -6,6 +6,7 @@ import base64
 import string
 from typing import Any
 
+import helm_python as helm
 import pytest
 from support.chart import find, render_chart
 
@@ -22,25 +23,43 @@ def _flag(args: list[str], flag: str) -> list[str]:
 
 
 WATCH_SCOPES = {
-    "all-namespaces": ({}, ["--all-namespaces"]),
+    "all-namespaces": ({}, ["--all-namespaces"], []),
     "listed": (
-        {"watch": {"allNamespaces": False, "namespaces": ["team-a", "team-b"]}},
-        ["--namespace", "team-a", "--namespace", "team-b"],
+        {"watch": {"allNamespaces": False, "namespaces": ["team-a"]}},
+        ["--namespace", "team-a"],
+        None,
     ),
-    "release-namespace": ({"watch": {"allNamespaces": False}}, ["--namespace", "herd"]),
+    "release-namespace": ({"watch": {"allNamespaces": False}}, ["--namespace", "herd"], None),
 }
 
 
-@pytest.mark.parametrize(("values", "expected"), WATCH_SCOPES.values(), ids=WATCH_SCOPES.keys())
+@pytest.mark.parametrize(
+    ("values", "operator_scope", "orchestrator_scope"), WATCH_SCOPES.values(), ids=WATCH_SCOPES.keys()
+)
 def test_operator_and_orchestrator_watch_the_configured_namespaces(
-    values: dict[str, Any], expected: list[str]
+    values: dict[str, Any], operator_scope: list[str], orchestrator_scope: list[str] | None
 ) -> None:
     manifests = render_chart(values)
     operator_args = _container(manifests, "herd-operator")["args"]
-    assert operator_args[: 1 + len(expected)] == ["operator", *expected]
+    assert operator_args[: 1 + len(operator_scope)] == ["operator", *operator_scope]
     assert "--standalone" in operator_args
+    # The orchestrator watches every namespace unless it is given one.
+    expected = operator_scope if orchestrator_scope is None else orchestrator_scope
     orchestrator_args = _container(manifests, "herd-orchestrator")["args"]
     assert orchestrator_args[: 2 + len(expected)] == ["orchestrator", "--kubernetes", *expected]
+
+
+def test_several_namespaces_are_refused_because_the_orchestrator_watches_one_or_all() -> None:
+    with pytest.raises(
+        helm.HelmRenderError, match=r"watches one or all: list one, or set watch\.allNamespaces=true"
+    ):
+        render_chart({"watch": {"allNamespaces": False, "namespaces": ["team-a", "team-b"]}})
+
+
+def test_the_token_secret_is_copied_into_each_watched_namespace() -> None:
+    secrets = find(render_chart({"watch": {"allNamespaces": False, "namespaces": ["team-a"]}}), "Secret")
+    assert sorted(secret["metadata"]["namespace"] for secret in secrets) == ["herd", "team-a"]
+    assert len({secret["data"]["token"] for secret in secrets}) == 1
 
 
 REDIS = {
@@ -82,8 +101,10 @@ def test_generated_token_is_long_random_and_shared_by_both_components() -> None:
     (secret,) = find(manifests, "Secret")
     token = base64.b64decode(secret["data"]["token"]).decode()
     assert len(token) == 48 and set(token) <= set(string.ascii_letters + string.digits)
-    for name in ("herd-operator", "herd-orchestrator"):
-        assert _token_env(_container(manifests, name)) == {"name": secret["metadata"]["name"], "key": "token"}
+    assert _token_env(_container(manifests, "herd-orchestrator")) == {
+        "name": secret["metadata"]["name"],
+        "key": "token",
+    }
     # The orchestrator passes it by env expansion, so the pod spec never holds the token itself.
     assert _flag(_container(manifests, "herd-orchestrator")["args"], "--internal-token") == [
         "$(HERD_INTERNAL_TOKEN)"
@@ -101,19 +122,14 @@ def test_existing_token_secret_is_referenced_not_rendered() -> None:
     manifests = render_chart({"internalToken": {"existingSecret": "vault-token"}})
     assert find(manifests, "Secret") == []
     assert _token_env(_container(manifests, "herd-orchestrator"))["name"] == "vault-token"
-    operator_env = {env["name"]: env.get("value") for env in _container(manifests, "herd-operator")["env"]}
-    assert operator_env["HERD_TOKEN_SECRET"] == "vault-token"
+    assert _flag(_container(manifests, "herd-operator")["args"], "--token-secret") == ["vault-token"]
 
 
-def test_operator_is_told_the_worker_image_and_the_orchestrator_service() -> None:
+def test_operator_is_told_the_worker_image_and_the_token_secret() -> None:
     values = {"worker": {"image": {"repository": "registry.local/herd-worker", "tag": "cuda-1"}}}
-    env = {
-        entry["name"]: entry.get("value")
-        for entry in _container(render_chart(values), "herd-operator")["env"]
-    }
-    assert env["HERD_WORKER_IMAGE"] == "registry.local/herd-worker:cuda-1"
-    assert env["HERD_ORCHESTRATOR_SERVICE"] == "herd-orchestrator"
-    assert env["HERD_ORCHESTRATOR_NAMESPACE"] == "herd"
+    args = _container(render_chart(values), "herd-operator")["args"]
+    assert _flag(args, "--worker-image") == ["registry.local/herd-worker:cuda-1"]
+    assert _flag(args, "--token-secret") == ["herd-internal-token"]
 
 
 def test_operator_runs_alone() -> None:
