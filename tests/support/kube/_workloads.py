@@ -1,0 +1,82 @@
+"""What the missing controllers would write: a started pod's status and a Deployment's counts.
+
+The emulator runs no controllers; tests call these (through ``Emulator.set_pod_ready`` and
+``Emulator.sync_deployment_status``) when their scenario needs pods to run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._meta import now
+from ._selectors import parse_label_selector, selector_to_string
+
+__all__ = ["deployment_status", "is_pod_ready", "pod_status"]
+
+
+def pod_status(pod: dict[str, Any], *, is_ready: bool, pod_ip: str) -> dict[str, Any]:
+    """A running pod's status, Ready or not, as the kubelet would report it."""
+    flag, stamp = ("True" if is_ready else "False"), now()
+    conditions = [
+        {"type": kind, "status": status, "lastTransitionTime": stamp}
+        for kind, status in (
+            ("PodScheduled", "True"),
+            ("Initialized", "True"),
+            ("ContainersReady", flag),
+            ("Ready", flag),
+        )
+    ]
+    containers = [
+        {
+            "name": container.get("name", ""),
+            "image": container.get("image", ""),
+            "imageID": "",
+            "ready": is_ready,
+            "started": True,
+            "restartCount": 0,
+            "state": {"running": {"startedAt": stamp}},
+        }
+        for container in pod.get("spec", {}).get("containers", ())
+    ]
+    return {
+        "phase": "Running",
+        "hostIP": pod_ip,
+        "podIP": pod_ip,
+        "podIPs": [{"ip": pod_ip}],
+        "startTime": stamp,
+        "conditions": conditions,
+        "containerStatuses": containers,
+    }
+
+
+def is_pod_ready(pod: dict[str, Any]) -> bool:
+    conditions = pod.get("status", {}).get("conditions", ())
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def deployment_status(deployment: dict[str, Any], pods: list[dict[str, Any]]) -> dict[str, Any]:
+    """Counts from the live pods that match the Deployment's selector (no ReplicaSets in between)."""
+    selector = parse_label_selector(selector_to_string(deployment.get("spec", {}).get("selector", {})))
+    owned = [
+        pod
+        for pod in pods
+        if selector.matches(pod["metadata"].get("labels", {}))
+        and not pod["metadata"].get("deletionTimestamp")
+    ]
+    ready = sum(is_pod_ready(pod) for pod in owned)
+    wanted = deployment.get("spec", {}).get("replicas", 1)
+    available = {
+        "type": "Available",
+        "status": "True" if ready >= wanted else "False",
+        "reason": "MinimumReplicasAvailable" if ready >= wanted else "MinimumReplicasUnavailable",
+        "lastTransitionTime": now(),
+    }
+    return {
+        "observedGeneration": deployment["metadata"].get("generation", 1),
+        "replicas": len(owned),
+        "updatedReplicas": len(owned),
+        "readyReplicas": ready,
+        "availableReplicas": ready,
+        "unavailableReplicas": max(wanted - ready, 0),
+        "conditions": [available],
+    }

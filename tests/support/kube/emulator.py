@@ -1,0 +1,256 @@
+"""The emulator's public face: a server on 127.0.0.1 in a background thread, plus test helpers.
+
+The server is kmock's handler behind aiohttp's own runner: ``kmock.Server`` also swaps aiohttp's
+resolver process-wide and insists on LIFO exits, which breaks with several emulators in threads.
+Helpers run their store operations on the server's event loop, so watches see their writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import aiohttp.web
+import yaml
+
+from ._handler import KubeHandler
+from ._patches import merge_patch
+from ._resources import ResourceType
+from ._router import Router
+from ._selectors import parse_field_selector, parse_label_selector
+from ._store import Store
+from ._workloads import deployment_status, pod_status
+
+if TYPE_CHECKING:
+    import kopf
+    import kubernetes.client
+
+__all__ = ["Emulator", "kube_emulator"]
+
+T = TypeVar("T")
+_START_TIMEOUT_S = 15.0
+_CALL_TIMEOUT_S = 15.0
+
+
+class Emulator:
+    """A Kubernetes API emulator for tests; use it through :func:`kube_emulator`.
+
+    ``url`` is ``http://127.0.0.1:PORT``; ``kubeconfig`` is a file for kubectl, kopf and the python client
+    (namespace ``default``). Helpers take a resource by any name kubectl accepts (``pods``, ``Pod``, ``po``,
+    ``deployments.apps``, ``md``) and a namespace (ignored for cluster-scoped types).
+    """
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.kubeconfig = workdir / "kubeconfig.yaml"
+        self.url = ""
+        self._ready = threading.Event()
+        self._thread = threading.Thread(
+            target=asyncio.run, args=(self._serve(),), name="kube-emulator", daemon=True
+        )
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping: asyncio.Event | None = None
+        self._store: Store | None = None
+        self._handler: KubeHandler | None = None
+        self._failure: BaseException | None = None
+
+    # Lifecycle.
+
+    def start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self._thread.start()
+        if not self._ready.wait(_START_TIMEOUT_S) or self._failure is not None:
+            raise RuntimeError(
+                f"the kube emulator did not start within {_START_TIMEOUT_S}s"
+            ) from self._failure
+        self._write_kubeconfig()
+
+    def stop(self) -> None:
+        if self._loop is not None and self._stopping is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stopping.set)
+        self._thread.join(_START_TIMEOUT_S)
+
+    async def _serve(self) -> None:
+        try:
+            self._loop, self._stopping, self._store = asyncio.get_running_loop(), asyncio.Event(), Store()
+            router = Router(self._store, address="")
+            self._handler = KubeHandler(router=router)
+            runner = aiohttp.web.ServerRunner(aiohttp.web.Server(self._handler), shutdown_timeout=5.0)
+            await runner.setup()
+            await aiohttp.web.TCPSite(runner, "127.0.0.1", 0).start()
+        except BaseException as error:
+            self._failure = error
+            self._ready.set()
+            raise
+        host, port = runner.addresses[0][:2]
+        router.address, self.url = f"{host}:{port}", f"http://{host}:{port}"
+        async with self._handler:
+            self._ready.set()
+            await self._stopping.wait()
+            self._store.log.close()
+            await runner.cleanup()
+
+    def _write_kubeconfig(self) -> None:
+        config = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "current-context": "emulator",
+            "preferences": {},
+            "clusters": [{"name": "emulator", "cluster": {"server": self.url}}],
+            "users": [{"name": "emulator", "user": {"token": "emulator"}}],
+            "contexts": [
+                {
+                    "name": "emulator",
+                    "context": {"cluster": "emulator", "user": "emulator", "namespace": "default"},
+                }
+            ],
+        }
+        self.kubeconfig.write_text(yaml.safe_dump(config))
+
+    # Running code against the store, on the server's loop.
+
+    def call(self, operation: Callable[[Store], T]) -> T:
+        """Run ``operation(store)`` on the server's event loop and return its result (or raise its error)."""
+        assert self._loop is not None and self._store is not None, "start() the emulator first"
+        store = self._store
+
+        async def invoke() -> T:
+            return operation(store)
+
+        return asyncio.run_coroutine_threadsafe(invoke(), self._loop).result(_CALL_TIMEOUT_S)
+
+    @property
+    def kmock(self) -> KubeHandler:
+        """The kmock handler: its recorded requests and reactions (add reactions before the traffic)."""
+        assert self._handler is not None, "start() the emulator first"
+        return self._handler
+
+    def resource(self, name: str) -> ResourceType:
+        return self.call(lambda store: store.registry.resolve(name))
+
+    def _type_of(self, obj: Mapping[str, Any]) -> ResourceType:
+        api_version, kind = obj.get("apiVersion"), obj.get("kind")
+
+        def lookup(store: Store) -> ResourceType:
+            for rtype in store.registry:
+                if (rtype.api_version, rtype.kind) == (api_version, kind):
+                    return rtype
+            raise LookupError(f"no resource type serves {api_version}/{kind}: apply its CRD first")
+
+        return self.call(lookup)
+
+    # Helpers.
+
+    def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        rtype = self._type_of(obj)
+        return self.call(
+            lambda store: store.create(rtype, obj.get("metadata", {}).get("namespace"), dict(obj))
+        )
+
+    def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        """Create, or merge into the existing object; a given ``status`` is written through /status too."""
+        meta = obj.get("metadata", {})
+        name, namespace = meta["name"], meta.get("namespace", "default")
+        found = self.find(f"{obj.get('kind')}", name, namespace, api_version=str(obj.get("apiVersion")))
+        result = self.create(obj) if found is None else self.patch(obj["kind"], name, dict(obj), namespace)
+        if "status" in obj and self._type_of(obj).has_status:
+            result = self.patch(obj["kind"], name, {"status": obj["status"]}, namespace, subresource="status")
+        return result
+
+    def get(self, resource: str, name: str, namespace: str = "default") -> dict[str, Any]:
+        rtype = self.resource(resource)
+        return self.call(lambda store: store.get(rtype, namespace, name))
+
+    def find(
+        self, resource: str, name: str, namespace: str = "default", *, api_version: str | None = None
+    ) -> dict[str, Any] | None:
+        """The object, or None where it does not exist."""
+        rtype = self._type_of({"apiVersion": api_version, "kind": resource}) if api_version else None
+        rtype = rtype or self.resource(resource)
+        with contextlib.suppress(LookupError, Exception):
+            return self.call(lambda store: store.get(rtype, namespace, name))
+        return None
+
+    def list(
+        self,
+        resource: str,
+        namespace: str | None = None,
+        *,
+        label_selector: str = "",
+        field_selector: str = "",
+    ) -> list[dict[str, Any]]:
+        rtype = self.resource(resource)
+        labels, fields = parse_label_selector(label_selector), parse_field_selector(field_selector)
+        return self.call(lambda store: store.select(rtype, namespace, labels, fields))
+
+    def patch(
+        self,
+        resource: str,
+        name: str,
+        patch: Mapping[str, Any],
+        namespace: str = "default",
+        *,
+        subresource: str | None = None,
+    ) -> dict[str, Any]:
+        """A JSON merge patch to the object, or to its ``status`` subresource."""
+        rtype = self.resource(resource)
+        return self.call(
+            lambda store: store.update(
+                rtype, namespace, name, lambda obj: merge_patch(obj, patch), subresource
+            )
+        )
+
+    def delete(
+        self, resource: str, name: str, namespace: str = "default", *, propagation: str = "Background"
+    ) -> dict[str, Any]:
+        rtype = self.resource(resource)
+        return self.call(lambda store: store.delete(rtype, namespace, name, propagation))
+
+    def create_namespace(self, name: str) -> dict[str, Any]:
+        return self.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
+
+    def set_pod_ready(
+        self, namespace: str, name: str, ready: bool = True, *, pod_ip: str = "127.0.0.1"
+    ) -> dict[str, Any]:
+        """Mark a pod Running and Ready (or Running and not Ready), as the kubelet would."""
+        pod = self.get("pods", name, namespace)
+        status = pod_status(pod, is_ready=ready, pod_ip=pod_ip)
+        return self.patch("pods", name, {"status": status}, namespace, subresource="status")
+
+    def sync_deployment_status(self, namespace: str, name: str) -> dict[str, Any]:
+        """Write a Deployment's status from the pods matching its selector; the emulator never does this itself."""
+        deployment = self.get("deployments.apps", name, namespace)
+        status = deployment_status(deployment, self.list("pods", namespace))
+        return self.patch("deployments.apps", name, {"status": status}, namespace, subresource="status")
+
+    # Clients.
+
+    def api_client(self) -> kubernetes.client.ApiClient:
+        """A ``kubernetes`` client configured for this emulator (close it when done)."""
+        import kubernetes.config
+
+        client: kubernetes.client.ApiClient = kubernetes.config.new_client_from_config(  # type: ignore[no-untyped-call]
+            config_file=str(self.kubeconfig)
+        )
+        return client
+
+    def kopf_connection(self) -> kopf.ConnectionInfo:
+        """For an ``@kopf.on.login()`` handler: kopf's default login reads KUBECONFIG at import time."""
+        import kopf
+
+        return kopf.ConnectionInfo(server=self.url, default_namespace="default", token="emulator")
+
+
+@contextlib.contextmanager
+def kube_emulator(workdir: Path) -> Iterator[Emulator]:
+    """A started emulator whose files live in ``workdir``; stopped and joined on exit."""
+    emulator = Emulator(workdir)
+    emulator.start()
+    try:
+        yield emulator
+    finally:
+        emulator.stop()
