@@ -1,0 +1,154 @@
+"""Paged KV blocks with a prefix cache, in the nano-vllm manner.
+
+Every full block of computed tokens is registered under its chained ``herd.api.kv_hash`` hash in a
+``hash -> block`` dict. A new sequence walks its prompt's hashes and takes every leading block whose
+hash is present and whose tokens match (the token comparison guards against hash collisions),
+bumping reference counts. A block whose count drops to zero keeps its hash and joins the free list
+(an LRU queue: eviction takes the head); the blocks of a sequence are freed in reverse so the tail
+is evicted first and shared prefixes survive longest. Blocks that were never hashed go to the head,
+so they are reused before any cached block is evicted. Registering and evicting a hash emit
+``stored`` / ``removed`` events. Cost: one dict lookup and one token comparison per prompt block.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from herd.api.kv_hash import BlockHash, hash_block
+from herd.worker.kv_events import KVEventLog
+from herd.worker.sequence import Sequence
+
+__all__ = ["Block", "BlockManager"]
+
+
+@dataclass(eq=False)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: BlockHash | None = None
+    token_ids: list[int] = field(default_factory=list)
+
+
+class BlockManager:
+    """Owns the block pool: allocation, reference counts, the prefix cache and its events."""
+
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the KV pool needs at least one block, got {num_blocks}: raise the KV memory")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(block_id) for block_id in range(num_blocks)]
+        self.cached: dict[BlockHash, int] = {}
+        self.events = KVEventLog()
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+
+    @property
+    def num_total_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Share of blocks held by running sequences (free cached blocks count as free)."""
+        return 1.0 - len(self._free) / len(self.blocks)
+
+    def cached_hashes(self) -> list[BlockHash]:
+        return list(self.cached)
+
+    def computed_blocks(self, seq: Sequence) -> list[int]:
+        """Leading blocks of ``seq`` already in the cache; at least one token is left to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        for index, block_hash in enumerate(self._hashes(seq, (seq.num_tokens - 1) // self.block_size)):
+            block_id = self.cached.get(block_hash)
+            if block_id is None or self.blocks[block_id].token_ids != seq.block_tokens(
+                index, self.block_size
+            ):
+                break
+            hits.append(block_id)
+        return hits
+
+    def can_allocate(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> bool:
+        num_fresh = self._num_blocks(len(hits) * self.block_size + num_new_tokens) - len(hits)
+        num_revived = sum(1 for block_id in hits if self.blocks[block_id].ref_count == 0)
+        return num_fresh + num_revived <= len(self._free)
+
+    def allocate(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> None:
+        """Give a waiting ``seq`` its cached ``hits`` plus fresh blocks for ``num_new_tokens``."""
+        for block_id in hits:
+            self._take(block_id)
+        seq.block_table = list(hits)
+        seq.num_computed_tokens = len(hits) * self.block_size
+        seq.num_committed_blocks = len(hits)
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = seq.num_computed_tokens
+        self.append_slots(seq, num_new_tokens)
+
+    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self._num_missing_blocks(seq, num_new_tokens) <= len(self._free)
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Grow the block table so ``num_new_tokens`` more tokens have slots."""
+        for _ in range(self._num_missing_blocks(seq, num_new_tokens)):
+            seq.block_table.append(self._take_fresh())
+
+    def free(self, seq: Sequence) -> None:
+        """Release ``seq``'s blocks, tail first; hashed blocks stay in the cache until evicted."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+                if block.block_hash is None:
+                    self._free.move_to_end(block_id, last=False)
+        seq.block_table = []
+
+    def commit(self, seq: Sequence) -> None:
+        """Register ``seq``'s newly computed full blocks in the prefix cache."""
+        num_full = seq.num_computed_tokens // self.block_size
+        if not self.enable_prefix_caching or num_full <= seq.num_committed_blocks:
+            return
+        stored: list[BlockHash] = []
+        hashes = self._hashes(seq, num_full)
+        for index in range(seq.num_committed_blocks, num_full):
+            block = self.blocks[seq.block_table[index]]
+            if block.block_hash is None and hashes[index] not in self.cached:
+                block.block_hash, block.token_ids = hashes[index], seq.block_tokens(index, self.block_size)
+                self.cached[hashes[index]] = block.block_id
+                stored.append(hashes[index])
+        seq.num_committed_blocks = num_full
+        self.events.record("stored", stored)
+
+    def _hashes(self, seq: Sequence, num_blocks: int) -> list[BlockHash]:
+        """The chained hashes of ``seq``'s first ``num_blocks`` full blocks, extended lazily."""
+        hashes = seq.block_hashes
+        while len(hashes) < num_blocks:
+            parent = hashes[-1] if hashes else seq.root_hash
+            hashes.append(hash_block(parent, seq.block_tokens(len(hashes), self.block_size)))
+        return hashes[:num_blocks]
+
+    def _num_blocks(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _num_missing_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
+        return max(0, self._num_blocks(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table))
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._free[block_id]
+        block.ref_count += 1
+
+    def _take_fresh(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            del self.cached[block.block_hash]
+            self.events.record("removed", [block.block_hash])
+        block.block_hash, block.token_ids, block.ref_count = None, [], 1
+        return block_id

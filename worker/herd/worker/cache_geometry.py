@@ -1,0 +1,35 @@
+"""The KV pool's measured shape: an output of the model runner, the input of the block manager."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from herd.worker.models import ModelArgs
+
+__all__ = ["CacheGeometry", "bytes_per_block", "num_blocks_for_budget"]
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    num_blocks: int
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    bytes_per_block: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """``[layers, K and V, blocks, block_size, kv_heads, head_dim]``."""
+        return (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+
+def bytes_per_block(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
+    return 2 * args.num_layers * block_size * args.num_kv_heads * args.head_dim * dtype.itemsize
+
+
+def num_blocks_for_budget(budget_bytes: int, args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
+    return budget_bytes // bytes_per_block(args, block_size, dtype)

@@ -1,0 +1,249 @@
+"""LLMEngine: the synchronous core of a herd worker.
+
+A step: the scheduler plans which tokens of which sequences run (decodes first, then new or
+partly prefilled prompts, under the token budget, preempting on a full KV pool); the model runner
+executes the whole plan as one batched forward and returns logits for the sequences whose chunk
+reached their last token; the sampler picks one token each; the scheduler advances the computed
+counts and publishes newly full blocks to the prefix cache; then each sampled sequence is checked
+for stop tokens, stop strings, ``max_tokens`` and ``max_model_len``, and finished ones free their
+blocks at once. ``step`` returns a ``RequestOutput`` for every sequence that got a token.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from herd.api.kv_hash import root_hash
+from herd.api.prompt import PromptRenderer
+from herd.api.protocol import KVEvent, KVSnapshot, LoadReport, WorkerInfo
+from herd.worker.block_manager import BlockManager
+from herd.worker.config import EngineConfig
+from herd.worker.detokenizer import IncrementalDetokenizer
+from herd.worker.model_runner import ModelRunner
+from herd.worker.outputs import FinishReason, RequestOutput
+from herd.worker.sampler import SampledToken, Sampler
+from herd.worker.sampling_params import SamplingParams
+from herd.worker.scheduler import Scheduler, SchedulerOutput
+from herd.worker.sequence import Sequence
+from herd.worker.stats import EngineStats
+
+__all__ = ["LLMEngine", "PromptTooLongError", "QueueFullError"]
+
+log = logging.getLogger(__name__)
+
+
+class QueueFullError(Exception):
+    """The waiting queue holds ``engine.maxQueueLen`` requests; retry later (HTTP 429)."""
+
+
+class PromptTooLongError(ValueError):
+    """Prompt plus ``max_tokens`` exceed ``engine.maxModelLen`` (HTTP 400)."""
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer
+
+
+class LLMEngine:
+    """Continuous-batching inference over a paged, prefix-cached KV pool; not thread-safe."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.renderer = PromptRenderer.from_pretrained(config.model_path)
+        torch.manual_seed(config.seed)
+        self.runner = ModelRunner(config)
+        geometry = self.runner.geometry
+        self.block_manager = BlockManager(
+            geometry.num_blocks,
+            geometry.block_size,
+            enable_prefix_caching=config.engine.kv_cache.prefix_caching,
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_batch_tokens=config.engine.max_batch_tokens,
+            max_batch_size=config.engine.max_batch_size,
+        )
+        generator = torch.Generator(device=self.runner.device).manual_seed(config.seed)
+        self.sampler = Sampler(generator, self.renderer.eos_token_ids)
+        self.stats = EngineStats()
+        self.info = WorkerInfo(
+            model=config.served_name,
+            role=config.role,
+            block_size=geometry.block_size,
+            max_model_len=config.max_model_len,
+            epoch=uuid.uuid4().hex,
+            dtype=str(geometry.dtype).removeprefix("torch."),
+            num_layers=geometry.num_layers,
+            num_kv_heads=geometry.num_kv_heads,
+            head_dim=geometry.head_dim,
+        )
+        self._requests: dict[str, _Request] = {}
+        log.info("engine ready", extra={"model": config.served_name, "num_kv_blocks": geometry.num_blocks})
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Queue a request; raises ``QueueFullError``, ``PromptTooLongError`` or ``ValueError``."""
+        self._check_request(request_id, prompt_token_ids, params)
+        seq = Sequence(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            root_hash=root_hash(self.config.served_name, cache_salt),
+            arrival_time=time.monotonic(),
+            generator=None if params.seed is None else self._seeded_generator(params.seed),
+        )
+        detokenizer = IncrementalDetokenizer(self.renderer, prompt_token_ids, params.stop)
+        self._requests[request_id] = _Request(seq, detokenizer)
+        self.scheduler.add(seq)
+
+    def _check_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in the engine: use a unique id")
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty: send at least one token")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.config.max_model_len:
+            raise PromptTooLongError(
+                f"this model's maximum context length is {self.config.max_model_len} tokens, but the request "
+                f"has {len(prompt_token_ids)} prompt tokens plus max_tokens {params.max_tokens} ({total}): "
+                "shorten the prompt or lower max_tokens"
+            )
+        pool_tokens = self.block_manager.num_total_blocks * self.block_manager.block_size
+        if total > pool_tokens:
+            raise ValueError(
+                f"the request needs {total} tokens of KV cache but the whole pool holds {pool_tokens}: "
+                "lower max_tokens or give the engine more KV memory (engine.kvCache)"
+            )
+        if len(self.scheduler.waiting) >= self.config.engine.max_queue_len:
+            raise QueueFullError(
+                f"{len(self.scheduler.waiting)} requests are waiting (engine.maxQueueLen): retry later"
+            )
+
+    def _seeded_generator(self, seed: int) -> torch.Generator:
+        return torch.Generator(device=self.runner.device).manual_seed(seed)
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a request wherever it is and free its blocks now; unknown ids are ignored."""
+        request = self._requests.pop(request_id, None)
+        if request is not None:
+            self.scheduler.finish(request.seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        decision = self.scheduler.schedule()
+        self._count(decision)
+        if decision.is_empty:
+            return []
+        sampled = [chunk.seq for chunk in decision.chunks if chunk.is_sampled]
+        logits = self.runner.execute(decision.chunks)
+        tokens = self.sampler.sample(logits, sampled)
+        self.scheduler.update(decision)
+        return [self._advance(seq, token) for seq, token in zip(sampled, tokens, strict=True)]
+
+    def _count(self, decision: SchedulerOutput) -> None:
+        self.stats.num_steps += 1
+        self.stats.num_preemptions += len(decision.preempted)
+        self.stats.prefix_cache_queries += decision.num_cache_queries
+        self.stats.prefix_cache_hits += decision.num_cache_hits
+        self.stats.prompt_tokens += sum(
+            chunk.num_tokens for chunk in decision.chunks if chunk.start < chunk.seq.num_prompt_tokens
+        )
+
+    def _advance(self, seq: Sequence, sampled: SampledToken) -> RequestOutput:
+        seq.append_token(sampled.token_id, sampled.logprob)
+        self.stats.generation_tokens += 1
+        request = self._requests[seq.request_id]
+        reason = self._finish_reason(seq, sampled.token_id)
+        text = request.detokenizer.add([sampled.token_id], is_last=reason is not None)
+        if request.detokenizer.is_stopped:
+            reason = "stop"
+        if reason is not None:
+            seq.finish_reason = reason
+            self.scheduler.finish(seq)
+            del self._requests[seq.request_id]
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=[sampled.token_id],
+            new_text=text,
+            finished=reason is not None,
+            finish_reason=reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            logprobs=None if sampled.logprob is None else [sampled.logprob],
+        )
+
+    def _finish_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
+        params = seq.params
+        is_eos = not params.ignore_eos and token_id in self.renderer.eos_token_ids
+        if (is_eos or token_id in params.stop_token_ids) and seq.num_output_tokens >= params.min_tokens:
+            return "stop"
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None
+
+    def load_report(self) -> LoadReport:
+        waiting = self.scheduler.waiting
+        return LoadReport(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(waiting),
+            num_waiting_prefill_tokens=sum(seq.num_uncomputed_tokens for seq in waiting),
+            kv_usage=min(1.0, max(0.0, self.block_manager.usage)),
+            num_free_blocks=self.block_manager.num_free_blocks,
+            num_total_blocks=self.block_manager.num_total_blocks,
+        )
+
+    def drain_kv_events(self) -> list[KVEvent]:
+        return self.block_manager.events.drain()
+
+    def kv_snapshot(self) -> KVSnapshot:
+        return KVSnapshot(
+            epoch=self.info.epoch,
+            seq=self.block_manager.events.last_seq,
+            block_size=self.block_manager.block_size,
+            block_hashes=self.block_manager.cached_hashes(),
+        )
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[RequestOutput]:
+        """Run ``prompts`` to completion; one aggregated ``RequestOutput`` per prompt, in order."""
+        all_params = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"generate-{uuid.uuid4().hex}" for _ in prompts]
+        for request_id, prompt, request_params in zip(ids, prompts, all_params, strict=True):
+            self.add_request(request_id, prompt, request_params)
+        results = {request_id: _empty_result(request_id) for request_id in ids}
+        while any(not results[request_id].finished for request_id in ids):
+            for output in self.step():
+                if output.request_id in results:
+                    _merge(results[output.request_id], output)
+        return [results[request_id] for request_id in ids]
+
+
+def _empty_result(request_id: str) -> RequestOutput:
+    return RequestOutput(request_id, [], "", False, None, 0, 0, 0, logprobs=[])
+
+
+def _merge(result: RequestOutput, output: RequestOutput) -> None:
+    result.new_token_ids.extend(output.new_token_ids)
+    result.new_text += output.new_text
+    result.finished, result.finish_reason = output.finished, output.finish_reason
+    result.num_prompt_tokens, result.num_cached_tokens = output.num_prompt_tokens, output.num_cached_tokens
+    result.num_output_tokens = output.num_output_tokens
+    if result.logprobs is not None and output.logprobs:
+        result.logprobs.extend(output.logprobs)

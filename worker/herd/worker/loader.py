@@ -1,0 +1,81 @@
+"""Loads a HF-format folder (``config.json`` plus ``*.safetensors``, sharded or not) into a model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from herd.worker.layers.attention import AttentionBackend
+from herd.worker.models import SUPPORTED_ARCHITECTURES, LlamaForCausalLM, ModelArgs
+
+__all__ = ["load_model", "read_model_args", "safetensors_files"]
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def read_model_args(folder: Path) -> ModelArgs:
+    config: dict[str, Any] = json.loads((folder / "config.json").read_text())
+    args = ModelArgs.from_hf_config(config)
+    if args.architecture not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"{folder} holds a {args.architecture}, which herd cannot run: "
+            f"use one of {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+        )
+    return args
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The checkpoint's files: those named by ``model.safetensors.index.json``, else every ``*.safetensors``."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        return [folder / name for name in sorted(set(weight_map.values()))]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder} has no *.safetensors files: save the checkpoint with safetensors")
+    return files
+
+
+def load_model(
+    folder: Path,
+    args: ModelArgs,
+    backend: AttentionBackend,
+    *,
+    max_positions: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> LlamaForCausalLM:
+    """Build the model without initializing it, then fill every parameter from the checkpoint."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(args, backend, max_positions)
+    model.to_empty(device=device).to(dtype)
+    loaded = _copy_weights(model, safetensors_files(folder))
+    if args.tie_word_embeddings or "lm_head.weight" not in loaded:
+        model.tie_weights()
+        loaded.add("lm_head.weight")
+    missing = set(dict(model.named_parameters(remove_duplicate=False))) - loaded
+    if missing:
+        raise ValueError(
+            f"{folder} lacks weights {sorted(missing)[:5]}: the checkpoint does not match its config"
+        )
+    return model.eval()
+
+
+def _copy_weights(model: LlamaForCausalLM, files: list[Path]) -> set[str]:
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for file in files:
+        with safe_open(str(file), framework="pt") as shard:
+            for name in shard.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if name not in params:
+                    raise ValueError(f"{file.name} has an unexpected tensor {name!r}: is config.json right?")
+                with torch.no_grad():
+                    params[name].copy_(shard.get_tensor(name))
+                loaded.add(name)
+    return loaded

@@ -1,0 +1,126 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM) over a paged KV cache.
+
+Module and parameter names follow ``transformers`` so checkpoints load by name. The forward takes
+one step's tokens flattened across sequences (``[num_tokens]``), so a whole batch is one call.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional
+
+from herd.worker.layers.attention import AttentionBackend, AttentionMetadata
+from herd.worker.layers.rotary import RotaryEmbedding, apply_rotary
+from herd.worker.models.args import ModelArgs
+
+__all__ = ["LlamaForCausalLM", "RMSNorm"]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = functional.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return self.weight * normed
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, args: ModelArgs, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        self.q_proj = nn.Linear(args.hidden_size, args.num_heads * args.head_dim, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(args.num_heads * args.head_dim, args.hidden_size, bias=args.o_bias)
+        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.backend = backend
+        self.scale = args.head_dim**-0.5
+        self.kv_cache = torch.empty(0)
+
+    def forward(
+        self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        query = self.q_proj(x).view(-1, self.num_heads, self.head_dim)
+        key = self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim)
+        value = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            query, key = self.q_norm(query), self.k_norm(key)
+        query, key = apply_rotary(query, *rotary), apply_rotary(key, *rotary)
+        attended = self.backend.forward(query, key, value, self.kv_cache, metadata, self.scale)
+        return self.o_proj(attended.flatten(1))  # type: ignore[no-any-return]
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
+        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(functional.silu(self.gate_proj(x)) * self.up_proj(x))  # type: ignore[no-any-return]
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(args, backend)
+        self.mlp = LlamaMLP(args)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rotary, metadata)
+        return x + self.mlp(self.post_attention_layernorm(x))  # type: ignore[no-any-return]
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, args: ModelArgs, backend: AttentionBackend, max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(args, backend) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.rotary = RotaryEmbedding(args.head_dim, args.rope_theta, max_positions, args.rope_scaling)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        rotary = self.rotary(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, rotary, metadata)
+        return self.norm(x)  # type: ignore[no-any-return]
+
+
+class LlamaForCausalLM(nn.Module):
+    """``forward`` returns final hidden states; ``compute_logits`` projects only the rows sampled."""
+
+    def __init__(self, args: ModelArgs, backend: AttentionBackend, max_positions: int) -> None:
+        super().__init__()
+        self.args = args
+        self.model = LlamaModel(args, backend, max_positions)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def tie_weights(self) -> None:
+        self.lm_head.weight = self.model.embed_tokens.weight
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        """Give layer ``i`` its slice ``kv_cache[i]`` of the pool ``[layers, 2, blocks, bs, Hkv, D]``."""
+        for index, layer in enumerate(self.model.layers):
+            assert isinstance(layer, LlamaDecoderLayer)
+            layer.self_attn.kv_cache = kv_cache[index]
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, metadata)  # type: ignore[no-any-return]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # type: ignore[no-any-return]

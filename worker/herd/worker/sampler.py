@@ -1,0 +1,96 @@
+"""Chooses each sequence's next token from its logits row, with per-request settings.
+
+Order: penalties, logit bias and min_tokens masking edit the logits; greedy rows take the argmax;
+the others are divided by their temperature, filtered by top-k, top-p and min-p, and sampled with
+the exponential-race trick (``argmax(p / q)``, ``q ~ Exp(1)``) drawn from the sequence's own
+``torch.Generator`` when it has a seed, so its draws do not depend on the rest of the batch.
+Logprobs are those of the model's raw distribution, as in vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+
+import torch
+
+from herd.worker.logits_processors import apply_logit_bias, apply_min_tokens, apply_penalties
+from herd.worker.outputs import TokenLogprob
+from herd.worker.sequence import Sequence
+
+__all__ = ["SampledToken", "Sampler", "filter_logits"]
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token_id: int
+    logprob: TokenLogprob | None
+
+
+def filter_logits(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """Set to -inf every logit outside each row's top-k, top-p nucleus and min-p floor."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[-1], device=logits.device)
+    k = torch.where(top_k > 0, top_k, logits.shape[-1]).unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    outside_nucleus = probs.cumsum(dim=-1) - probs > top_p.unsqueeze(1)
+    below_floor = probs < min_p.unsqueeze(1) * probs[:, :1]
+    sorted_logits = sorted_logits.masked_fill(outside_nucleus | below_floor, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+
+
+class Sampler:
+    """``sample`` returns one token (and its logprobs when asked) per row of ``logits``."""
+
+    def __init__(self, generator: torch.Generator, eos_token_ids: Collection[int]) -> None:
+        self.generator = generator
+        self.eos_token_ids = frozenset(eos_token_ids)
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
+        raw_logprobs = (
+            logits.log_softmax(dim=-1) if any(s.params.logprobs is not None for s in seqs) else None
+        )
+        apply_penalties(logits, seqs)
+        apply_logit_bias(logits, seqs)
+        apply_min_tokens(logits, seqs, self.eos_token_ids)
+        token_ids = self._choose(logits, seqs).tolist()
+        return [
+            SampledToken(token_id, _logprob(raw_logprobs, row, token_id, seq.params.logprobs))
+            for row, (token_id, seq) in enumerate(zip(token_ids, seqs, strict=True))
+        ]
+
+    def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        chosen = logits.argmax(dim=-1)
+        rows = [row for row, seq in enumerate(seqs) if not seq.params.is_greedy]
+        if not rows:
+            return chosen
+        sampled = [seqs[row] for row in rows]
+        probs = self._probs(logits[rows], sampled)
+        for index, (row, seq) in enumerate(zip(rows, sampled, strict=True)):
+            race = torch.empty_like(probs[index]).exponential_(generator=seq.generator or self.generator)
+            chosen[row] = (probs[index] / race).argmax()
+        return chosen
+
+    @staticmethod
+    def _probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        def column(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=logits.dtype, device=logits.device)
+
+        logits = logits / column([s.params.temperature for s in seqs]).unsqueeze(1)
+        if any(s.params.top_k > 0 or s.params.top_p < 1.0 or s.params.min_p > 0.0 for s in seqs):
+            top_k = torch.tensor([s.params.top_k for s in seqs], device=logits.device)
+            logits = filter_logits(
+                logits, top_k, column([s.params.top_p for s in seqs]), column([s.params.min_p for s in seqs])
+            )
+        return logits.softmax(dim=-1)
+
+
+def _logprob(raw: torch.Tensor | None, row: int, token_id: int, num_top: int | None) -> TokenLogprob | None:
+    if raw is None or num_top is None:
+        return None
+    top = raw[row].topk(num_top) if num_top > 0 else None
+    alternatives = () if top is None else tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+    return TokenLogprob(token_id=token_id, logprob=float(raw[row, token_id]), top=alternatives)
