@@ -1,0 +1,105 @@
+"""``herd worker``: serve one model over the OpenAI API (and the internal protocol port)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from herd.api.crd import EngineSpec
+from herd.api.logs import configure_logging
+
+__all__ = ["engine_spec", "register"]
+
+TOKEN_ENV = "HERD_INTERNAL_TOKEN"
+
+# flag -> where it lands in the camelCase EngineSpec document
+_OVERRIDES: dict[str, tuple[str, ...]] = {
+    "max_model_len": ("maxModelLen",),
+    "max_batch_size": ("maxBatchSize",),
+    "max_batch_tokens": ("maxBatchTokens",),
+    "max_queue_len": ("maxQueueLen",),
+    "dtype": ("dtype",),
+    "device": ("device",),
+    "block_size": ("kvCache", "blockSize"),
+    "kv_memory_gib": ("kvCache", "memoryGiB"),
+}
+
+
+def engine_spec(engine_json: str | None, overrides: dict[str, Any]) -> EngineSpec:
+    """The manifest's engine block (camelCase JSON) with the convenience flags laid over it."""
+    document: dict[str, Any] = json.loads(engine_json) if engine_json else {}
+    for flag, path in _OVERRIDES.items():
+        if overrides.get(flag) is not None:
+            target = document
+            for key in path[:-1]:
+                target = target.setdefault(key, {})
+            target[path[-1]] = overrides[flag]
+    return EngineSpec.model_validate(document)
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging("worker", args.log_level)
+    from herd.worker.config import EngineConfig
+    from herd.worker.server import ServeOptions, serve
+
+    token = args.internal_token or os.environ.get(TOKEN_ENV, "")
+    if not token:
+        print(
+            f"herd worker: pass --internal-token or set {TOKEN_ENV} (the orchestrator sends it)",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        spec = engine_spec(args.engine_json, vars(args))
+        config = EngineConfig(
+            model_path=args.model,
+            served_name=args.served_name or args.model.name,
+            role=args.role,
+            engine=spec,
+            seed=args.seed,
+        )
+    except (ValidationError, ValueError) as error:
+        print(f"herd worker: invalid settings: {error}", file=sys.stderr)
+        return 2
+    options = ServeOptions(
+        host=args.host,
+        port=args.port,
+        internal_port=args.internal_port or args.port + 1000,
+        internal_token=token,
+        max_body_bytes=args.max_body_bytes,
+        drain_timeout_s=args.drain_timeout,
+    )
+    return serve(config, options)
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser("worker", help="serve a model over the OpenAI API")
+    parser.add_argument("--model", type=Path, required=True, help="HF-format model folder")
+    parser.add_argument("--served-name", help="the OpenAI model name (default: the folder's name)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8001, help="public OpenAI port (default 8001)")
+    parser.add_argument("--internal-port", type=int, help="internal protocol port (default: port + 1000)")
+    parser.add_argument("--internal-token", help=f"shared internal token (default: ${TOKEN_ENV})")
+    parser.add_argument("--role", choices=["unified", "prefill", "decode"], default="unified")
+    parser.add_argument("--engine-json", help="the manifest's engine block as camelCase JSON")
+    parser.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
+    parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--max-batch-size", type=int)
+    parser.add_argument("--max-batch-tokens", type=int)
+    parser.add_argument("--max-queue-len", type=int)
+    parser.add_argument("--block-size", type=int)
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--kv-memory-gib", type=float)
+    parser.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger bodies get 413")
+    parser.add_argument(
+        "--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight work on SIGTERM"
+    )
+    parser.add_argument("--log-level", default="INFO")
+    parser.set_defaults(func=run)

@@ -1,0 +1,107 @@
+"""Errors in the OpenAI envelope, and the mapping from engine failures to HTTP status codes."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
+
+from herd.api.openai import ErrorResponse
+from herd.api.prompt import PromptError
+from herd.worker.async_engine import EngineDeadError, EngineDrainingError
+from herd.worker.engine import PromptTooLongError, QueueFullError
+
+__all__ = ["ApiError", "as_api_error", "error_response", "install_error_handlers"]
+
+logger = logging.getLogger(__name__)
+
+RETRY_AFTER_S = "1"
+
+
+class ApiError(Exception):
+    """A request failure with its HTTP status, the offending field and extra headers."""
+
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, headers: dict[str, str] | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.headers = headers or {}
+
+    def envelope(self) -> ErrorResponse:
+        return ErrorResponse.of(self.status, self.message, param=self.param)
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.message, param=self.param, headers=self.headers)
+
+
+def error_response(
+    status: int, message: str, *, param: str | None = None, headers: Mapping[str, str] | None = None
+) -> JSONResponse:
+    body = ErrorResponse.of(status, message, param=param).model_dump()
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def as_api_error(error: Exception, *, prompt_param: str = "messages") -> ApiError:
+    """The HTTP meaning of an exception raised while serving a request."""
+    match error:
+        case ApiError():
+            return error
+        case QueueFullError():
+            return ApiError(429, f"{error}; retry later", headers={"Retry-After": RETRY_AFTER_S})
+        case PromptTooLongError() | PromptError():
+            return ApiError(400, str(error), param=prompt_param)
+        case ValueError():  # the engine's other refusals of a request (pool too small, ...)
+            return ApiError(400, str(error))
+        case EngineDrainingError() | EngineDeadError():
+            return ApiError(503, str(error), headers={"Retry-After": RETRY_AFTER_S})
+        case _:
+            logger.error("request failed", exc_info=error)
+            return ApiError(500, f"internal error: {type(error).__name__}: {error}")
+
+
+_EXPECTED: tuple[type[Exception], ...] = (
+    ApiError,
+    QueueFullError,
+    PromptTooLongError,
+    PromptError,
+    EngineDrainingError,
+    EngineDeadError,
+    ValueError,
+)
+
+
+def install_error_handlers(app: FastAPI, on_rejected: Callable[[int], None] | None = None) -> None:
+    """Every error leaves in the OpenAI envelope, routing errors (404, 405) included.
+
+    ``on_rejected`` hears the status of every refused request (for a metric).
+    """
+
+    async def on_api_error(_: Request, error: Exception) -> Response:
+        api_error = as_api_error(error)
+        if on_rejected is not None:
+            on_rejected(api_error.status)
+        return api_error.response()
+
+    async def on_http_error(_: Request, error: Exception) -> Response:
+        assert isinstance(error, HTTPException)
+        return error_response(error.status_code, str(error.detail), headers=error.headers)
+
+    async def on_invalid(_: Request, error: Exception) -> Response:
+        assert isinstance(error, RequestValidationError)
+        first = error.errors()[0]
+        param = ".".join(str(part) for part in first["loc"])
+        return error_response(400, f"invalid request: {param}: {first['msg']}", param=param)
+
+    app.add_exception_handler(RequestValidationError, on_invalid)
+    # Expected failures get their own handlers; the catch-all one (500) also logs and re-raises.
+    for expected in _EXPECTED:
+        app.add_exception_handler(expected, on_api_error)
+    app.add_exception_handler(HTTPException, on_http_error)
+    app.add_exception_handler(Exception, on_api_error)

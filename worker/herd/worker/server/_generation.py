@@ -1,0 +1,115 @@
+"""Running a request's choices on the engine: one task per choice, outputs merged as they come.
+
+Closing the merged iteration (the response ended, the client went away) cancels every choice's
+task, which aborts its sequence in the engine. Latencies are recorded per choice as vLLM does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+from herd.api.openai import PromptTokensDetails, Usage
+from herd.worker.async_engine import AsyncEngine
+from herd.worker.outputs import RequestOutput
+from herd.worker.server._metrics import WorkerMetrics
+from herd.worker.server._params import Choice
+
+__all__ = ["Generation"]
+
+
+@dataclass
+class _Timing:
+    started: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+    last_token: float | None = None
+    gaps: list[float] = field(default_factory=list)
+
+    def on_tokens(self) -> None:
+        at = time.monotonic()
+        if self.last_token is None:
+            self.first_token = at
+        else:
+            self.gaps.append(at - self.last_token)
+        self.last_token = at
+
+
+class Generation:
+    """The choices of one request, run concurrently; ``usage()`` totals what they reported."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        metrics: WorkerMetrics,
+        request_id: str,
+        choices: list[Choice],
+        cache_salt: str | None,
+    ) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.request_id = request_id
+        self.choices = choices
+        self.cache_salt = cache_salt
+        self.last: dict[int, RequestOutput] = {}
+
+    async def outputs(self) -> AsyncGenerator[tuple[Choice, RequestOutput], None]:
+        """Every choice's outputs, merged in arrival order, until all choices finish."""
+        merged: asyncio.Queue[tuple[Choice, RequestOutput] | BaseException] = asyncio.Queue()
+        tasks = [asyncio.create_task(self._pump(choice, merged)) for choice in self.choices]
+        try:
+            num_running = len(tasks)
+            while num_running:
+                item = await merged.get()
+                if isinstance(item, BaseException):
+                    raise item
+                self.last[item[0].index] = item[1]
+                num_running -= item[1].finished
+                yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _pump(
+        self, choice: Choice, merged: asyncio.Queue[tuple[Choice, RequestOutput] | BaseException]
+    ) -> None:
+        # A unique engine id per attempt: clients may reuse X-Request-Id values.
+        engine_id = f"{self.request_id}-{choice.index}-{uuid.uuid4().hex[:8]}"
+        timing = _Timing()
+        stream = self.engine.generate(engine_id, choice.prompt_token_ids, choice.params, self.cache_salt)
+        try:
+            async with aclosing(stream):
+                async for output in stream:
+                    if output.new_token_ids:
+                        timing.on_tokens()
+                    if output.finished:
+                        self._observe(output, timing)
+                    merged.put_nowait((choice, output))
+        except Exception as error:
+            merged.put_nowait(error)
+
+    def _observe(self, output: RequestOutput, timing: _Timing) -> None:
+        ttft = None if timing.first_token is None else timing.first_token - timing.started
+        e2e = time.monotonic() - timing.started
+        self.metrics.observe_finished(
+            reason=output.finish_reason or "stop", ttft=ttft, itls=timing.gaps, e2e=e2e
+        )
+
+    def usage(self) -> Usage:
+        """Prompt tokens count once per prompt (not once per choice), output tokens per choice."""
+        firsts = {choice.prompt_index: self.last.get(choice.index) for choice in reversed(self.choices)}
+        prompts = [output for output in firsts.values() if output is not None]
+        num_prompt = sum(output.num_prompt_tokens for output in prompts)
+        num_output = sum(output.num_output_tokens for output in self.last.values())
+        return Usage(
+            prompt_tokens=num_prompt,
+            completion_tokens=num_output,
+            total_tokens=num_prompt + num_output,
+            prompt_tokens_details=PromptTokensDetails(
+                cached_tokens=sum(output.num_cached_tokens for output in prompts)
+            ),
+        )

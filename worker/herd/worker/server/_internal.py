@@ -1,0 +1,67 @@
+"""The internal port: what the orchestrator and peer workers read, behind the shared token."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
+
+from herd.api.protocol import INTERNAL_PATHS, TOKEN_HEADER, KVEventBatch, KVSnapshot, LoadReport, WorkerInfo
+from herd.worker.async_engine import AsyncEngine
+from herd.worker.server._errors import ApiError, install_error_handlers
+
+__all__ = ["MAX_KV_EVENTS_WAIT_S", "build_internal_app"]
+
+MAX_KV_EVENTS_WAIT_S = 10.0
+
+
+def build_internal_app(engine: AsyncEngine, token: str, routers: Sequence[APIRouter] = ()) -> FastAPI:
+    """The internal API; ``routers`` add more endpoints (disaggregation) under the same token check."""
+
+    async def check_token(request: Request) -> None:
+        given = request.headers.get(TOKEN_HEADER, "")
+        if not secrets.compare_digest(given.encode(), token.encode()):
+            raise ApiError(401, f"missing or wrong {TOKEN_HEADER} header; send the worker's internal token")
+
+    app = FastAPI(
+        title="herd worker (internal)",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        dependencies=[Depends(check_token)],
+    )
+    install_error_handlers(app)
+    app.include_router(_engine_router(engine))
+    for router in routers:
+        app.include_router(router)
+    return app
+
+
+def _engine_router(engine: AsyncEngine) -> APIRouter:
+    router = APIRouter()
+
+    @router.get(INTERNAL_PATHS.info)
+    async def info() -> WorkerInfo:
+        return engine.info
+
+    @router.get(INTERNAL_PATHS.load)
+    async def load() -> LoadReport:
+        return engine.load_report()
+
+    @router.get(INTERNAL_PATHS.kv_events)
+    async def kv_events(
+        after: Annotated[int, Query(description="Return events with a larger seq.")] = -1,
+        wait: Annotated[
+            float, Query(ge=0.0, le=MAX_KV_EVENTS_WAIT_S, description="Long-poll seconds.")
+        ] = 0.0,
+    ) -> KVEventBatch:
+        events = await engine.kv_events_after(after, wait=wait)
+        return KVEventBatch(epoch=engine.info.epoch, events=events)
+
+    @router.get(INTERNAL_PATHS.kv_snapshot)
+    async def kv_snapshot() -> KVSnapshot:
+        return await engine.kv_snapshot()
+
+    return router

@@ -1,0 +1,141 @@
+"""Prometheus metrics under vLLM's names, in a registry owned by one app (not the global one).
+
+Engine-side figures (queue lengths, KV usage, token and cache counters) are read at scrape time
+from the engine's last load report and counters; per-request latencies are observed as requests run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from herd.api import metrics as names
+from herd.worker.async_engine import AsyncEngine
+
+__all__ = ["WorkerMetrics"]
+
+_LABELS = ("model_name",)
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
+
+
+class WorkerMetrics:
+    """The worker's metrics; ``render()`` is the ``/metrics`` body."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self.ttft = self._histogram(names.TIME_TO_FIRST_TOKEN_SECONDS, "Time to first token.", _TTFT_BUCKETS)
+        self.itl = self._histogram(
+            names.INTER_TOKEN_LATENCY_SECONDS, "Time between output tokens.", _ITL_BUCKETS
+        )
+        self.e2e = self._histogram(names.E2E_REQUEST_LATENCY_SECONDS, "Request latency.", _E2E_BUCKETS)
+        self.step = Histogram(
+            names.HERD_ENGINE_STEP_SECONDS, "Duration of one engine step.", registry=self.registry
+        )
+        self.success = Counter(
+            names.REQUEST_SUCCESS_TOTAL,
+            "Finished sequences by finish reason.",
+            [*_LABELS, "finished_reason"],
+            registry=self.registry,
+        )
+        self.rejected = Counter(
+            names.HERD_REQUESTS_REJECTED_TOTAL,
+            "Requests refused before generation, by HTTP status.",
+            [*_LABELS, "status"],
+            registry=self.registry,
+        )
+        self.registry.register(_EngineCollector(engine, model_name))
+        engine.step_observers.append(self.step.observe)
+
+    def _histogram(self, name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(name, documentation, _LABELS, buckets=buckets, registry=self.registry)
+
+    def observe_finished(self, *, reason: str, ttft: float | None, itls: list[float], e2e: float) -> None:
+        label = self.model_name
+        self.success.labels(label, reason).inc()
+        self.e2e.labels(label).observe(e2e)
+        if ttft is not None:
+            self.ttft.labels(label).observe(ttft)
+        histogram = self.itl.labels(label)
+        for gap in itls:
+            histogram.observe(gap)
+
+    def observe_rejected(self, status: int) -> None:
+        self.rejected.labels(self.model_name, str(status)).inc()
+
+    def render(self) -> bytes:
+        return bytes(generate_latest(self.registry))
+
+
+class _EngineCollector(Collector):
+    """Reads the engine's own counters and load at scrape time."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        load = self.engine.load_report()
+        labels = [self.model_name]
+        yield self._gauge(names.NUM_REQUESTS_RUNNING, "Sequences running.", load.num_running)
+        yield self._gauge(names.NUM_REQUESTS_WAITING, "Sequences waiting.", load.num_waiting)
+        yield self._gauge(names.KV_CACHE_USAGE_PERC, "KV cache usage (1 = full).", load.kv_usage)
+        yield self._counter(names.HERD_KV_EVENTS_TOTAL, "KV events published.", self.engine.num_kv_events)
+        if self.engine.error is not None or not self.engine.is_loaded:
+            return
+        stats = self.engine.stats
+        yield self._counter(
+            names.PREFIX_CACHE_QUERIES,
+            "Prompt tokens looked up in the prefix cache.",
+            stats.prefix_cache_queries,
+        )
+        yield self._counter(
+            names.PREFIX_CACHE_HITS, "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits
+        )
+        yield self._counter(names.NUM_PREEMPTIONS_TOTAL, "Preemptions.", stats.num_preemptions)
+        yield self._counter(names.PROMPT_TOKENS_TOTAL, "Prefilled prompt tokens.", stats.prompt_tokens)
+        yield self._counter(names.GENERATION_TOKENS_TOTAL, "Generated tokens.", stats.generation_tokens)
+        info = self.engine.info
+        config = GaugeMetricFamily(
+            names.CACHE_CONFIG_INFO,
+            "KV cache configuration.",
+            labels=[*_LABELS, "block_size", "num_gpu_blocks", "max_model_len", "cache_dtype"],
+        )
+        config.add_metric(
+            [*labels, str(info.block_size), str(load.num_total_blocks), str(info.max_model_len), info.dtype],
+            1.0,
+        )
+        yield config
+
+    def _gauge(self, name: str, documentation: str, value: float) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(name, documentation, labels=list(_LABELS))
+        family.add_metric([self.model_name], value)
+        return family
+
+    def _counter(self, name: str, documentation: str, value: float) -> CounterMetricFamily:
+        family = CounterMetricFamily(name, documentation, labels=list(_LABELS))
+        family.add_metric([self.model_name], value)
+        return family

@@ -1,0 +1,128 @@
+"""From an OpenAI request to what the engine takes: prompt token ids and per-choice SamplingParams."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from herd.api.openai import ChatCompletionRequest, CompletionRequest, SamplingFields
+from herd.api.prompt import PromptError, PromptRenderer
+from herd.worker.sampling_params import SamplingParams
+from herd.worker.server._errors import ApiError
+
+__all__ = ["Choice", "chat_prompt", "completion_prompts", "plan_choices"]
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One sequence the engine generates: choice ``index`` of the response, from prompt ``prompt_index``."""
+
+    index: int
+    prompt_index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+def chat_prompt(renderer: PromptRenderer, request: ChatCompletionRequest) -> list[int]:
+    messages = [{"role": message.role, "content": message.text} for message in request.messages]
+    try:
+        return renderer.encode_chat(
+            messages,
+            add_generation_prompt=request.add_generation_prompt,
+            template_kwargs=request.chat_template_kwargs,
+        )
+    except PromptError as error:
+        raise ApiError(400, str(error), param="messages") from None
+
+
+def completion_prompts(renderer: PromptRenderer, request: CompletionRequest) -> list[list[int]]:
+    """One token list per prompt: text is tokenized (with special tokens), ids are checked."""
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        return [renderer.encode(prompt)]
+    items: list[Any] = list(prompt)
+    if all(isinstance(item, int) for item in items):
+        return [_checked_ids(renderer, items)]
+    return [
+        renderer.encode(item) if isinstance(item, str) else _checked_ids(renderer, list(item))
+        for item in items
+    ]
+
+
+def _checked_ids(renderer: PromptRenderer, token_ids: list[int]) -> list[int]:
+    if not token_ids:
+        raise ApiError(400, "prompt token lists must not be empty", param="prompt")
+    vocab_size = renderer.vocab_size
+    if bad := [token_id for token_id in token_ids if not 0 <= token_id < vocab_size]:
+        raise ApiError(
+            400, f"prompt token ids {bad[:5]} lie outside the vocabulary [0, {vocab_size})", param="prompt"
+        )
+    return token_ids
+
+
+def plan_choices(
+    request: SamplingFields,
+    prompts: list[list[int]],
+    *,
+    max_model_len: int,
+    num_logprobs: int | None,
+    prompt_param: str,
+) -> list[Choice]:
+    """``n`` choices per prompt; seeded requests get ``seed + i`` for choice ``i`` of a prompt."""
+    choices: list[Choice] = []
+    for prompt_index, prompt in enumerate(prompts):
+        max_tokens = _max_tokens(request, len(prompt), max_model_len, prompt_param)
+        for i in range(request.n):
+            params = sampling_params(request, max_tokens=max_tokens, num_logprobs=num_logprobs, offset=i)
+            choices.append(Choice(len(choices), prompt_index, prompt, params))
+    return choices
+
+
+def _max_tokens(
+    request: SamplingFields, num_prompt_tokens: int, max_model_len: int, prompt_param: str
+) -> int:
+    room = max_model_len - num_prompt_tokens
+    if room < 1:
+        raise ApiError(
+            400,
+            f"the prompt has {num_prompt_tokens} tokens but this model's maxModelLen is {max_model_len} "
+            "(prompt plus output); shorten the prompt",
+            param=prompt_param,
+        )
+    wanted = request.output_limit
+    if wanted is None:
+        return room
+    if wanted > room:
+        field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+        raise ApiError(
+            400,
+            f"{num_prompt_tokens} prompt tokens plus {field}={wanted} exceed this model's maxModelLen of "
+            f"{max_model_len}; ask for at most {room} tokens",
+            param=field,
+        )
+    return wanted
+
+
+def sampling_params(
+    request: SamplingFields, *, max_tokens: int, num_logprobs: int | None, offset: int
+) -> SamplingParams:
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            min_tokens=request.min_tokens,
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            top_k=-1 if request.top_k is None else request.top_k,
+            min_p=0.0 if request.min_p is None else request.min_p,
+            seed=None if request.seed is None else request.seed + offset,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            repetition_penalty=request.repetition_penalty,
+            logit_bias={int(token): bias for token, bias in (request.logit_bias or {}).items()},
+            stop=tuple(request.stop_strings),
+            stop_token_ids=tuple(request.stop_token_ids or ()),
+            ignore_eos=request.ignore_eos,
+            logprobs=num_logprobs,
+        )
+    except ValueError as error:
+        raise ApiError(400, str(error), param="min_tokens") from None

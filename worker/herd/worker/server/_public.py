@@ -1,0 +1,196 @@
+"""The public port: the OpenAI API, tokenization, health, readiness and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
+
+from herd.api.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SamplingFields
+from herd.api.prompt import PromptError
+from herd.worker.async_engine import AsyncEngine
+from herd.worker.outputs import RequestOutput
+from herd.worker.server._body import read_body
+from herd.worker.server._chat import chat_chunks, chat_response
+from herd.worker.server._completions import completion_chunks, completion_response
+from herd.worker.server._errors import ApiError, as_api_error, install_error_handlers
+from herd.worker.server._generation import Generation
+from herd.worker.server._metrics import WorkerMetrics
+from herd.worker.server._params import Choice, chat_prompt, completion_prompts, plan_choices
+from herd.worker.server._request_id import RequestIdMiddleware, request_id
+from herd.worker.server._responses import ResponseContext
+from herd.worker.server._sse import primed, with_error_event
+from herd.worker.server._tokenize import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+
+__all__ = ["PublicOptions", "build_public_app"]
+
+R = TypeVar("R", bound=SamplingFields)
+
+_Chunks = Callable[
+    [ResponseContext, AsyncGenerator[tuple[Choice, RequestOutput], None]], AsyncGenerator[str, None]
+]
+
+CLIENT_CLOSED = 499
+"""nginx's status for a request whose client went away; nobody reads it, the logs do."""
+
+
+@dataclass(frozen=True)
+class PublicOptions:
+    served_name: str
+    max_body_bytes: int = 4 * 1024 * 1024
+
+
+def build_public_app(engine: AsyncEngine, options: PublicOptions) -> FastAPI:
+    app = FastAPI(title="herd worker", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(RequestIdMiddleware)
+    metrics = WorkerMetrics(engine, options.served_name)
+    install_error_handlers(app, metrics.observe_rejected)
+    routes = _PublicRoutes(engine, options, metrics)
+    app.add_api_route("/v1/chat/completions", routes.chat, methods=["POST"])
+    app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
+    app.add_api_route("/v1/models", routes.models, methods=["GET"])
+    app.add_api_route("/tokenize", routes.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", routes.detokenize, methods=["POST"])
+    app.add_api_route("/health", routes.health, methods=["GET"])
+    app.add_api_route("/ready", routes.ready, methods=["GET"])
+    app.add_api_route("/metrics", routes.metrics, methods=["GET"])
+    return app
+
+
+class _PublicRoutes:
+    def __init__(self, engine: AsyncEngine, options: PublicOptions, metrics: WorkerMetrics) -> None:
+        self.engine = engine
+        self.options = options
+        self._metrics = metrics
+
+    async def chat(self, request: Request) -> Response:
+        body = await self._read(request, ChatCompletionRequest)
+        prompt = chat_prompt(self.engine.renderer, body)
+        max_model_len = self.engine.info.max_model_len
+        choices = plan_choices(
+            body,
+            [prompt],
+            max_model_len=max_model_len,
+            num_logprobs=body.num_logprobs,
+            prompt_param="messages",
+        )
+        context = self._context(request, body, choices, prefix="chatcmpl")
+        if body.stream:
+            return await _stream(context, chat_chunks)
+        return await _json_unless_disconnected(request, chat_response(context))
+
+    async def completions(self, request: Request) -> Response:
+        body = await self._read(request, CompletionRequest)
+        if body.echo or body.suffix is not None:
+            param = "echo" if body.echo else "suffix"
+            raise ApiError(400, f"{param} is not supported by herd; leave it out", param=param)
+        prompts = completion_prompts(self.engine.renderer, body)
+        max_model_len = self.engine.info.max_model_len
+        choices = plan_choices(
+            body, prompts, max_model_len=max_model_len, num_logprobs=body.num_logprobs, prompt_param="prompt"
+        )
+        context = self._context(request, body, choices, prefix="cmpl")
+        if body.stream:
+            return await _stream(context, completion_chunks)
+        return await _json_unless_disconnected(request, completion_response(context))
+
+    async def _read(self, request: Request, model: type[R]) -> R:
+        """Parse the body, refuse other models' requests (404) and requests while not accepting (503)."""
+        body = await read_body(request, model, max_bytes=self.options.max_body_bytes)
+        if body.model != self.options.served_name:
+            message = (
+                f"model {body.model!r} is not served here; this worker serves {self.options.served_name!r}"
+            )
+            raise ApiError(404, message, param="model")
+        self.engine.check_accepting()
+        return body
+
+    def _context(
+        self, request: Request, body: SamplingFields, choices: list[Choice], *, prefix: str
+    ) -> ResponseContext:
+        rid = request_id(request)
+        generation = Generation(self.engine, self._metrics, rid, choices, body.cache_salt)
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return ResponseContext(
+            id=f"{prefix}-{rid}",
+            model=self.options.served_name,
+            renderer=self.engine.renderer,
+            generation=generation,
+            include_usage=include_usage,
+        )
+
+    async def models(self) -> ModelList:
+        max_model_len = self.engine.info.max_model_len if self.engine.is_loaded else None
+        return ModelList(data=[ModelCard(id=self.options.served_name, max_model_len=max_model_len)])
+
+    async def tokenize(self, request: Request) -> TokenizeResponse:
+        body = await read_body(request, TokenizeRequest, max_bytes=self.options.max_body_bytes)
+        self.engine.check_accepting()
+        renderer = self.engine.renderer
+        try:
+            if body.messages is not None:
+                messages = [{"role": message.role, "content": message.text} for message in body.messages]
+                tokens = renderer.encode_chat(messages, add_generation_prompt=body.add_generation_prompt)
+            else:
+                tokens = renderer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+        except PromptError as error:
+            raise ApiError(400, str(error), param="messages") from None
+        return TokenizeResponse(
+            count=len(tokens), max_model_len=self.engine.info.max_model_len, tokens=tokens
+        )
+
+    async def detokenize(self, request: Request) -> DetokenizeResponse:
+        body = await read_body(request, DetokenizeRequest, max_bytes=self.options.max_body_bytes)
+        self.engine.check_accepting()
+        return DetokenizeResponse(prompt=self.engine.renderer.decode(body.tokens))
+
+    async def health(self) -> Response:
+        if self.engine.error is not None:
+            return as_api_error(self.engine.error).response()
+        return JSONResponse({"status": "ok"})
+
+    async def ready(self) -> Response:
+        try:
+            self.engine.check_accepting()
+        except Exception as error:
+            return as_api_error(error).response()
+        return JSONResponse({"status": "ready"})
+
+    async def metrics(self) -> Response:
+        return Response(self._metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _stream(context: ResponseContext, chunks: _Chunks) -> StreamingResponse:
+    outputs = await primed(context.generation.outputs())
+    return StreamingResponse(with_error_event(chunks(context, outputs)), media_type="text/event-stream")
+
+
+async def _json_unless_disconnected(request: Request, work: Coroutine[Any, Any, BaseModel]) -> Response:
+    """Run ``work``; if the client disconnects first, cancel it (aborting its sequences)."""
+    task = asyncio.create_task(work)
+    watcher = asyncio.create_task(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for pending in (task, watcher):
+            pending.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    if not task.done() or task.cancelled():
+        return Response(status_code=CLIENT_CLOSED)
+    return JSONResponse(task.result().model_dump())
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        continue

@@ -1,0 +1,21 @@
+"""What every response of one request shares: its id, model name, timestamp and options."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from herd.api.openai import now
+from herd.api.prompt import PromptRenderer
+from herd.worker.server._generation import Generation
+
+__all__ = ["ResponseContext"]
+
+
+@dataclass(frozen=True)
+class ResponseContext:
+    id: str
+    model: str
+    renderer: PromptRenderer
+    generation: Generation
+    include_usage: bool = False
+    created: int = field(default_factory=now)

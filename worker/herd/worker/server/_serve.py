@@ -1,0 +1,123 @@
+"""``herd worker``'s process: both ports, the engine loading behind them, and drain on SIGTERM.
+
+The ports open before the model loads so that ``/health`` answers and ``/ready`` says 503 while it
+does. SIGTERM (or SIGINT) drains: ``/ready`` turns 503, new requests get 503, in-flight requests
+finish (up to ``drain_timeout_s``), then both servers stop and the process exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import uvicorn
+from fastapi import FastAPI
+
+from herd.worker.async_engine import AsyncEngine, EngineCore
+from herd.worker.config import EngineConfig
+from herd.worker.engine import LLMEngine
+from herd.worker.server._internal import build_internal_app
+from herd.worker.server._public import PublicOptions, build_public_app
+
+__all__ = ["ServeOptions", "serve"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8001
+    internal_port: int = 9001
+    internal_token: str = ""
+    max_body_bytes: int = 4 * 1024 * 1024
+    drain_timeout_s: float = 30.0
+
+
+class _Server(uvicorn.Server):
+    """A uvicorn server that leaves signals to ``serve`` (two servers share one process)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def serve(config: EngineConfig, options: ServeOptions) -> int:
+    """Run the worker until it is drained; returns the process exit code."""
+    return asyncio.run(_serve(lambda: LLMEngine(config), config.served_name, options))
+
+
+async def _serve(factory: Callable[[], EngineCore], served_name: str, options: ServeOptions) -> int:
+    engine = AsyncEngine(factory)
+    public = build_public_app(engine, PublicOptions(served_name, options.max_body_bytes))
+    internal = build_internal_app(engine, options.internal_token)
+    servers = [
+        _server(public, options.host, options.port),
+        _server(internal, options.host, options.internal_port),
+    ]
+    engine.start()
+    stopping = _install_drain(engine, servers, options.drain_timeout_s)
+    watcher = asyncio.create_task(_watch_loading(engine, servers, served_name, options))
+    await asyncio.gather(*(server.serve() for server in servers))
+    watcher.cancel()
+    await engine.stop()
+    logger.info("worker stopped")
+    return 1 if engine.error is not None and not stopping.is_set() else 0
+
+
+def _server(app: FastAPI, host: str, port: int) -> _Server:
+    config = uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False, lifespan="off")
+    return _Server(config)
+
+
+async def _watch_loading(
+    engine: AsyncEngine, servers: list[_Server], served_name: str, options: ServeOptions
+) -> None:
+    try:
+        await engine.wait_loaded()
+    except Exception:
+        logger.error("the model failed to load; exiting (see the error above)")
+        _stop(servers)
+        return
+    logger.info(
+        "worker ready",
+        extra={"model": served_name, "port": options.port, "internal_port": options.internal_port},
+    )
+
+
+def _install_drain(engine: AsyncEngine, servers: list[_Server], timeout: float) -> asyncio.Event:
+    """SIGTERM/SIGINT start a drain; a second one stops at once. Returns the 'drain began' flag."""
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.Event()
+    tasks: set[asyncio.Task[None]] = set()
+
+    def on_signal(signum: int) -> None:
+        if stopping.is_set():
+            _stop(servers)
+            return
+        stopping.set()
+        logger.info(
+            "draining", extra={"signal": signal.Signals(signum).name, "num_in_flight": engine.num_in_flight}
+        )
+        task = loop.create_task(_drain(engine, servers, timeout))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+    return stopping
+
+
+async def _drain(engine: AsyncEngine, servers: list[_Server], grace_s: float) -> None:
+    is_clean = await engine.drain(grace_s)
+    logger.info("drained" if is_clean else "drain timed out; stopping anyway")
+    _stop(servers)
+
+
+def _stop(servers: list[_Server]) -> None:
+    for server in servers:
+        server.should_exit = True
