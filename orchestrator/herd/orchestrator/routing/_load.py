@@ -20,12 +20,12 @@ __all__ = ["bounded_load_cap", "least_in_flight"]
 
 def bounded_load_cap(workers: Sequence[WorkerView], load_factor: float) -> int:
     """The most requests in flight a worker may hold after taking one more."""
-    total = sum(worker.num_in_flight for worker in workers)
+    total = sum([worker.num_in_flight for worker in workers])
     return math.ceil(load_factor * (total + 1) / len(workers))
 
 
 def least_in_flight(workers: Sequence[WorkerView], rng: random.Random) -> WorkerView:
     """The worker with the fewest requests in flight; ties broken at random."""
-    fewest = min(worker.num_in_flight for worker in workers)
+    fewest = min([worker.num_in_flight for worker in workers])
     tied = [worker for worker in workers if worker.num_in_flight == fewest]
     return tied[0] if len(tied) == 1 else rng.choice(tied)

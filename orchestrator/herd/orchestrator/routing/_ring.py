@@ -33,9 +33,9 @@ class HashRing:
 
     def add(self, nodes: Collection[str]) -> None:
         """Add every node not yet on the ring (one re-sort for the whole batch)."""
-        new = [node for node in nodes if node not in self._members]
-        if not new:
+        if self._members.issuperset(nodes):
             return
+        new = [node for node in nodes if node not in self._members]
         self._members.update(new)
         self._points.extend(point for node in new for point in self._node_points(node))
         self._points.sort()

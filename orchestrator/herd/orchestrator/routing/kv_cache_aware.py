@@ -1,7 +1,7 @@
 """KV-cache aware: the worker that already holds the longest leading run of the prompt's blocks,
 weighed against how busy it is, among the workers under the bounded-load cap.
 
-For each candidate ``w`` (``num_in_flight`` under the cap of ``_load``):
+For each candidate ``w`` (``num_in_flight`` under the cap of ``_load``) out of ``n`` workers:
 
     score(w) = cache_weight * matched(w) / num_blocks  -  load_weight * load(w)
     load(w)  = ( min(1, requests(w) / scale)  +  min(1, queued(w) / (scale * prompt_tokens))
@@ -18,7 +18,9 @@ score lie in [0, 1], so the weights read as plain trade-offs, and a light load (
 than an idle peer) does not outweigh a long cached prefix. The best score wins; ties go to the
 fewest in flight, then at random.
 
-Cost: ``KVIndex.match`` (O(matched blocks x holders)) plus two O(n) passes over the candidates.
+Cost: ``KVIndex.match`` (O(matched blocks x holders)) plus four comprehension passes over the
+workers. Comprehensions with inline conditionals beat both ``map``/``attrgetter`` and numpy here:
+turning 1,000 views into arrays costs more than the arithmetic it saves.
 """
 
 from __future__ import annotations
@@ -55,24 +57,35 @@ class KVCacheAware(RoutingStrategy):
         self._rng = rng
 
     def select(self, workers: Sequence[WorkerView], ctx: RequestContext) -> WorkerView | None:
-        cap = bounded_load_cap(workers, self._load_factor)
-        candidates = [worker for worker in workers if worker.num_in_flight < cap]
-        scores = self._scores(candidates, ctx)
+        scores = self._scores(workers, ctx)
         best = max(scores)
-        tied = [worker for worker, score in zip(candidates, scores, strict=True) if score == best]
+        tied = [worker for worker, score in zip(workers, scores, strict=True) if score == best]
         return tied[0] if len(tied) == 1 else least_in_flight(tied, self._rng)
 
-    def _scores(self, candidates: Sequence[WorkerView], ctx: RequestContext) -> list[float]:
-        hashes = ctx.block_hashes
-        matched = self._kv_index.match(hashes) if hashes else {}
-        cache_unit = self._cache_weight / len(hashes) if hashes else 0.0
-        requests = [max(w.num_running + w.num_waiting, w.num_in_flight) for w in candidates]
-        scale = math.ceil(self._load_factor * (sum(requests) + 1) / len(candidates))
+    def _scores(self, workers: Sequence[WorkerView], ctx: RequestContext) -> list[float]:
+        """Every worker's score; ``-inf`` for those at the bounded-load cap."""
+        cap = bounded_load_cap(workers, self._load_factor)
+        matched = self._kv_index.match(ctx.block_hashes) if ctx.block_hashes else {}
+        cache_unit = self._cache_weight / len(ctx.block_hashes) if ctx.block_hashes else 0.0
+        reported = [w.num_running + w.num_waiting for w in workers]
+        requests = [
+            r if r > w.num_in_flight else w.num_in_flight for w, r in zip(workers, reported, strict=True)
+        ]
+        scale = math.ceil(self._load_factor * (sum(requests) + 1) / len(workers))
         queued_scale = scale * max(len(ctx.token_ids), 1)
+        queued = [w.num_waiting_prefill_tokens for w in workers]
         load_unit = self._load_weight / 3
+        # Inline conditionals instead of min() or helper calls: a call per worker costs more than the
+        # arithmetic, and this runs for every worker on every request.
         return [
             cache_unit * matched.get(w.id, 0)
             - load_unit
-            * (min(1.0, r / scale) + min(1.0, w.num_waiting_prefill_tokens / queued_scale) + w.kv_usage)
-            for w, r in zip(candidates, requests, strict=True)
+            * (
+                (r / scale if r < scale else 1.0)
+                + (q / queued_scale if q < queued_scale else 1.0)
+                + w.kv_usage
+            )
+            if w.num_in_flight < cap
+            else -math.inf
+            for w, r, q in zip(workers, requests, queued, strict=True)
         ]

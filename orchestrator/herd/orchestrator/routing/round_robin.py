@@ -14,7 +14,7 @@ class RoundRobin(RoutingStrategy):
     """Picks the worker whose id follows the last one chosen, wrapping around.
 
     Remembering the last id rather than an index keeps the cycle fair when workers join or leave,
-    and costs one O(n) pass per decision instead of a sort.
+    and costs a few O(n) passes per decision instead of a sort.
     """
 
     name: ClassVar[str] = "round_robin"
@@ -23,11 +23,6 @@ class RoundRobin(RoutingStrategy):
         self._last_id = ""
 
     def select(self, workers: Sequence[WorkerView], ctx: RequestContext) -> WorkerView | None:
-        following = [worker for worker in workers if worker.id > self._last_id]
-        chosen = min(following or workers, key=_worker_id)
-        self._last_id = chosen.id
-        return chosen
-
-
-def _worker_id(worker: WorkerView) -> str:
-    return worker.id
+        ids = [worker.id for worker in workers]
+        self._last_id = min([i for i in ids if i > self._last_id], default=None) or min(ids)
+        return workers[ids.index(self._last_id)]

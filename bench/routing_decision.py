@@ -1,0 +1,184 @@
+"""Routing decision time: the routing core alone, every strategy, 64 and 1,000 synthetic workers.
+
+Each decision is ``strategy.select(healthy(workers), ctx)`` on workers with varied loads (a few
+unhealthy), for 512-token prompts (block 16, so 32 block hashes) drawn from tenants that share a
+256-token system prompt; the KV index holds each tenant's prefix on a few workers and sticky
+sessions arrive with a pin. Hashing the prompt is not timed (the gateway does it before routing,
+and only for strategies that need tokens). Between decisions the chosen worker's in-flight count
+goes up and a random one comes down, so bounded loads and ties see moving state.
+
+Each decision is timed twice: wall clock (``perf_counter_ns``, what a request waits) and the
+thread's CPU time (``thread_time_ns``, the work itself). On a shared, oversubscribed machine the
+wall-clock tail is dominated by the scheduler taking the core away mid-decision (4 ms ticks);
+the CPU-time figures show what the routing core costs apart from that.
+
+    .venv/bin/python bench/routing_decision.py            # writes bench/results/routing.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import TypeAdapter
+
+from herd.api.crd import RoutingSpec
+from herd.api.kv_hash import block_hashes
+from herd.api.protocol import KVSnapshot
+from herd.orchestrator.kv_index import KVIndex
+from herd.orchestrator.routing import RequestContext, RoutingStrategy, WorkerView, build_strategy, healthy
+
+__all__ = ["main"]
+
+STRATEGIES = ["round_robin", "least_request", "random", "prefix_hash", "sticky_session", "kv_cache_aware"]
+TARGET_P99_US = {64: 200.0, 1000: 1000.0}
+BLOCK_SIZE = 16
+PROMPT_TOKENS = 512
+PREFIX_TOKENS = 256
+
+
+@dataclass(frozen=True, slots=True)
+class Fleet:
+    workers: list[WorkerView]
+    kv_index: KVIndex
+    requests: list[RequestContext]
+
+
+def make_workers(num_workers: int, rng: random.Random) -> list[WorkerView]:
+    return [
+        WorkerView(
+            id=f"worker-{i:04d}",
+            url=f"http://10.0.{i // 250}.{i % 250}:8000",
+            num_in_flight=rng.randrange(8),
+            num_running=rng.randrange(16),
+            num_waiting=rng.randrange(4),
+            num_waiting_prefill_tokens=rng.randrange(4096),
+            kv_usage=rng.random(),
+            is_healthy=rng.random() > 0.02,
+        )
+        for i in range(num_workers)
+    ]
+
+
+def make_prompt(tenant_prefix: list[int], rng: random.Random) -> list[int]:
+    return tenant_prefix + rng.choices(range(32000), k=PROMPT_TOKENS - PREFIX_TOKENS)
+
+
+def make_fleet(num_workers: int, num_requests: int, seed: int) -> Fleet:
+    rng = random.Random(seed)
+    workers = make_workers(num_workers, rng)
+    prefixes = [rng.choices(range(32000), k=PREFIX_TOKENS) for _ in range(2 * num_workers)]
+    kv_index = KVIndex()
+    held: dict[str, list[int]] = {worker.id: [] for worker in workers}
+    for prefix in prefixes:
+        hashes = block_hashes(make_prompt(prefix, rng), BLOCK_SIZE, model_id="bench")
+        for worker in rng.sample(workers, 3):
+            held[worker.id].extend(hashes[: rng.randrange(8, len(hashes) + 1)])
+    for worker_id, blocks in held.items():
+        kv_index.reset(worker_id, KVSnapshot(epoch="e", seq=0, block_size=BLOCK_SIZE, block_hashes=blocks))
+    requests = [make_request(rng.choice(prefixes), workers, rng) for _ in range(num_requests)]
+    return Fleet(workers, kv_index, requests)
+
+
+def make_request(prefix: list[int], workers: list[WorkerView], rng: random.Random) -> RequestContext:
+    tokens = make_prompt(prefix, rng)
+    session = f"session-{rng.randrange(10_000)}"
+    return RequestContext(
+        model="bench",
+        token_ids=tokens,
+        block_hashes=block_hashes(tokens, BLOCK_SIZE, model_id="bench"),
+        session_key=session,
+        pinned_worker_id=rng.choice(workers).id if rng.random() < 0.8 else None,
+        headers={"x-session-id": session},
+    )
+
+
+def time_decisions(
+    strategy: RoutingStrategy, fleet: Fleet, num_warmup: int, seed: int
+) -> tuple[list[float], list[float]]:
+    """Wall-clock and CPU microseconds per decision, after ``num_warmup`` untimed ones (which build
+    the hash ring)."""
+    rng = random.Random(seed)
+    wall: list[float] = []
+    cpu: list[float] = []
+    for i, ctx in enumerate(fleet.requests):
+        cpu_start, wall_start = time.thread_time_ns(), time.perf_counter_ns()
+        chosen = strategy.select(healthy(fleet.workers), ctx)
+        wall_end, cpu_end = time.perf_counter_ns(), time.thread_time_ns()
+        if chosen is None:
+            raise RuntimeError(f"{strategy.name} chose no worker; the benchmark fleet always has room")
+        chosen.num_in_flight += 1
+        other = rng.choice(fleet.workers)
+        other.num_in_flight = max(0, other.num_in_flight - 1)
+        if i >= num_warmup:
+            wall.append((wall_end - wall_start) / 1000)
+            cpu.append((cpu_end - cpu_start) / 1000)
+    return wall, cpu
+
+
+def percentile(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def measure(name: str, num_workers: int, num_decisions: int, seed: int) -> dict[str, object]:
+    fleet = make_fleet(num_workers, num_decisions + 200, seed)
+    spec = TypeAdapter(RoutingSpec).validate_python({"strategy": name})
+    strategy = build_strategy(spec, kv_index=fleet.kv_index, rng=random.Random(seed))
+    wall, cpu = time_decisions(strategy, fleet, num_warmup=200, seed=seed)
+    target = TARGET_P99_US[num_workers]
+    return {
+        "strategy": name,
+        "workers": num_workers,
+        "decisions": len(wall),
+        "wall_mean_us": round(statistics.fmean(wall), 1),
+        "wall_p50_us": round(percentile(wall, 0.50), 1),
+        "wall_p99_us": round(percentile(wall, 0.99), 1),
+        "cpu_p50_us": round(percentile(cpu, 0.50), 1),
+        "cpu_p99_us": round(percentile(cpu, 0.99), 1),
+        "target_p99_us": target,
+        "wall_meets_target": percentile(wall, 0.99) <= target,
+        "cpu_meets_target": percentile(cpu, 0.99) <= target,
+    }
+
+
+def markdown(results: list[dict[str, object]], command: str) -> str:
+    lines = [
+        "| strategy | workers | wall p50 (us) | wall p99 (us) | CPU p50 (us) | CPU p99 (us) | p99 target (us) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in results:
+        wall_p99 = row["wall_p99_us"] if row["wall_meets_target"] else f"**{row['wall_p99_us']}**"
+        cpu_p99 = row["cpu_p99_us"] if row["cpu_meets_target"] else f"**{row['cpu_p99_us']}**"
+        lines.append(
+            f"| {row['strategy']} | {row['workers']} | {row['wall_p50_us']} | {wall_p99} | "
+            f"{row['cpu_p50_us']} | {cpu_p99} | {row['target_p99_us']:.0f} |"
+        )
+    return f"Command: `{command}`  (bold: p99 above its target)\n\n" + "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--decisions", type=int, default=5000, help="timed decisions per case")
+    parser.add_argument("--workers", type=int, nargs="+", default=[64, 1000], choices=sorted(TARGET_P99_US))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/routing.json"))
+    args = parser.parse_args(argv)
+    results = [measure(name, n, args.decisions, args.seed) for n in args.workers for name in STRATEGIES]
+    command = " ".join([".venv/bin/python bench/routing_decision.py", *sys.argv[1:]])
+    report = {"command": command, "python": platform.python_version(), "machine": platform.machine()}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({**report, "results": results}, indent=2) + "\n")
+    print(markdown(results, command))
+    return 0 if all(row["wall_meets_target"] for row in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
