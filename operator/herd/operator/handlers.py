@@ -4,9 +4,9 @@
   handler raises ``TemporaryError`` so kopf runs it again; an invalid spec is a ``PermanentError``.
 * events of owned Deployments, Services and Pods (by herd's labels): a pass for the owner, so status
   follows pods and manual edits are reverted at once; a timer repeats it in case an event was lost.
-* deletion: children carry owner references, so a cluster's garbage collector removes them; the
-  operator also deletes them itself when it sees the DELETED event (test emulators have no GC), with
-  no finalizer, so a stopped operator never blocks a ``kubectl delete``.
+* deletion: every child carries an owner reference (``kopf.adopt``), so the garbage collector
+  removes them; herd adds no finalizer and no delete handler, so a stopped operator never blocks a
+  ``kubectl delete`` and there is nothing to clean up by hand.
 kopf's own bookkeeping lives in annotations (``operator.herd.dev/...``), never in ``status``.
 """
 
@@ -65,15 +65,6 @@ async def reconcile(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: 
     outcome = await memo.reconciler.reconcile(_raw(body), logger)
     if not outcome.is_ready:
         raise kopf.TemporaryError(f"waiting for ready pods: {outcome.waiting}", delay=memo.config.retry_delay)
-
-
-@kopf.on.event(*_MD, registry=registry)
-async def deleted(
-    type: str, name: str, namespace: str | None, memo: kopf.Memo, logger: kopf.Logger, **_: Any
-) -> None:
-    if type == "DELETED" and namespace:
-        count = await memo.reconciler.delete_children(namespace, name)
-        logger.info(f"deleted {count} children of {namespace}/{name}")
 
 
 @kopf.timer(*_MD, registry=registry, interval=_RESYNC_SECONDS, initial_delay=_RESYNC_SECONDS)

@@ -29,6 +29,7 @@ def worker_argv(md: ModelDeployment, role: Role, model_path: str) -> list[str]:
         "--served-name", md.served_name,
         "--role", role,
         "--engine-json", json.dumps(engine, sort_keys=True, separators=(",", ":")),
+        "--host", "0.0.0.0",  # the worker binds loopback by default; probes and peers come from outside
         "--port", str(HTTP_PORT),
         "--internal-port", str(INTERNAL_PORT),
     ]  # fmt: skip

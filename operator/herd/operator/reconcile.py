@@ -35,7 +35,6 @@ __all__ = ["Change", "Outcome", "Reconciler"]
 
 Object = dict[str, Any]
 Change = Literal["created", "updated", "reverted", "unchanged"]
-_CHILD_KINDS = (("apps/v1", "deployments"), ("v1", "services"))
 
 
 @dataclass(frozen=True)
@@ -75,16 +74,6 @@ class Reconciler:
                 # An invalid spec is already reported in the status and as an event.
                 with contextlib.suppress(kopf.PermanentError):
                     await self._pass(body, logger)
-
-    async def delete_children(self, namespace: str, name: str) -> int:
-        """Delete what a deleted ModelDeployment owned (garbage collection does the same on a real cluster)."""
-        selector = selector_string({LABEL_MANAGED_BY: MANAGED_BY, LABEL_DEPLOYMENT: name})
-        deleted = 0
-        for api_version, plural in _CHILD_KINDS:
-            for child in await self.api.list(api_version, plural, namespace, selector):
-                await self.api.delete(api_version, plural, namespace, child["metadata"]["name"])
-                deleted += 1
-        return deleted
 
     def _lock(self, namespace: str, name: str) -> asyncio.Lock:
         return self._locks.setdefault((namespace, name), asyncio.Lock())

@@ -113,7 +113,11 @@ def test_worker_command() -> None:
     assert argv[:2] == ["herd", "worker"]
     assert arg(argv, "--model") == "/weights/chat"
     assert arg(argv, "--served-name") == "chatty"
-    assert (arg(argv, "--port"), arg(argv, "--internal-port")) == ("8000", "9000")
+    assert (arg(argv, "--host"), arg(argv, "--port"), arg(argv, "--internal-port")) == (
+        "0.0.0.0",
+        "8000",
+        "9000",
+    )
     engine = json.loads(arg(argv, "--engine-json"))
     assert engine["maxModelLen"] == 1024
     assert engine["kvCache"]["blockSize"] == 16

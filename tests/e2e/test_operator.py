@@ -1,0 +1,268 @@
+"""The operator end to end against the Kubernetes API emulator: kubectl in, children and status out.
+
+kopf runs embedded (``run_operator`` in a thread with its own loop) against one emulator per module;
+each test uses its own ModelDeployment names. The emulator runs no controllers, so tests create the
+worker Pods a Deployment controller would, and mark them Ready as a kubelet would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import subprocess
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from support.kube.emulator import Emulator, kube_emulator
+from support.procs import wait_until
+
+from herd.operator.runner import run_operator
+from herd.operator.settings import OperatorConfig
+from herd.orchestrator.discovery import Membership
+from herd.orchestrator.kube_discovery import KubeSource
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+CRD = REPO / "crds" / "herd.dev_modeldeployments.yaml"
+TIMEOUT = 20.0
+
+
+@contextlib.contextmanager
+def embedded_operator(kube: Emulator, namespace: str = "default") -> Iterator[None]:
+    stop, ready = threading.Event(), threading.Event()
+    config = OperatorConfig(kubeconfig=str(kube.kubeconfig), retry_delay=1.0)
+    main = run_operator(config, namespaces=[namespace], standalone=True, stop_flag=stop, ready_flag=ready)
+    thread = threading.Thread(target=asyncio.run, args=(main,), name="operator", daemon=True)
+    thread.start()
+    try:
+        assert ready.wait(TIMEOUT), "the operator did not become ready"
+        yield
+    finally:
+        stop.set()
+        thread.join(TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
+    with kube_emulator(tmp_path_factory.mktemp("kube")) as emulator:
+        emulator.create(yaml.safe_load(CRD.read_text()))
+        with embedded_operator(emulator):
+            yield emulator
+
+
+def kubectl(kube: Emulator, *args: str, stdin: str | None = None) -> str:
+    # A private discovery cache: a cache left by an earlier emulator on the same port would lack the CRD.
+    argv = [
+        "kubectl",
+        "--kubeconfig",
+        str(kube.kubeconfig),
+        "--cache-dir",
+        str(kube.workdir / "kubectl"),
+        *args,
+    ]
+    done = subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=TIMEOUT, check=False)
+    assert done.returncode == 0, f"{' '.join(args)}: {done.stderr}"
+    return done.stdout
+
+
+def apply(kube: Emulator, manifest: dict[str, Any]) -> None:
+    kubectl(kube, "apply", "--validate=false", "-f", "-", stdin=yaml.safe_dump(manifest))
+
+
+def manifest(name: str, **spec: Any) -> dict[str, Any]:
+    body = {"model": {"source": "pvc://weights/chat", "servedName": name}, "workers": {"replicas": 2}, **spec}
+    return {
+        "apiVersion": "herd.dev/v1alpha1",
+        "kind": "ModelDeployment",
+        "metadata": {"name": name},
+        "spec": body,
+    }
+
+
+def eventually(check: Callable[[], bool], what: str) -> None:
+    wait_until(check, timeout=TIMEOUT, interval=0.05, what=what)
+
+
+def children(kube: Emulator, md: str) -> dict[str, dict[str, Any]]:
+    selector = f"herd.dev/deployment={md}"
+    found = kube.list("deployments.apps", "default", label_selector=selector)
+    found += kube.list("services", "default", label_selector=selector)
+    return {f"{obj['kind']}/{obj['metadata']['name']}": obj for obj in found}
+
+
+def condition(kube: Emulator, md: str, kind: str) -> dict[str, Any]:
+    conditions = kube.get("md", md).get("status", {}).get("conditions", [])
+    return next((c for c in conditions if c["type"] == kind), {})
+
+
+def start_pods(kube: Emulator, deployment: str, count: int, *, first_ip: int = 1) -> list[str]:
+    """What the Deployment controller and kubelet would do: pods from the template, then Ready."""
+    template = kube.get("deployments.apps", deployment)["spec"]["template"]
+    names = []
+    for index in range(count):
+        name = f"{deployment}-{index}"
+        kube.create({"apiVersion": "v1", "kind": "Pod", "metadata": {**template["metadata"], "name": name, "namespace": "default"}, "spec": template["spec"]})  # fmt: skip
+        kube.set_pod_ready("default", name, pod_ip=f"127.0.0.{first_ip + index}")
+        names.append(name)
+    return names
+
+
+def test_kubectl_apply_examples_creates_children_of_the_right_shape(kube: Emulator) -> None:
+    kubectl(kube, "apply", "--validate=false", "-f", str(REPO / "examples"))
+    expected = {
+        "smollm2": {"Deployment/smollm2-workers": 2, "Service/smollm2-workers": None},
+        "llama-3-8b": {"Deployment/llama-3-8b-workers": 2, "Service/llama-3-8b-workers": None},
+        "qwen-chat": {"Deployment/qwen-chat-workers": 3, "Service/qwen-chat-workers": None},
+        "smollm2-disagg": {
+            "Deployment/smollm2-disagg-prefill": 1,
+            "Service/smollm2-disagg-prefill": None,
+            "Deployment/smollm2-disagg-decode": 1,
+            "Service/smollm2-disagg-decode": None,
+        },
+    }
+    for md, shape in expected.items():
+        eventually(lambda md=md, shape=shape: set(children(kube, md)) == set(shape), f"children of {md}")
+        uid = kube.get("md", md)["metadata"]["uid"]
+        for key, obj in children(kube, md).items():
+            assert obj["spec"].get("replicas") == shape[key]
+            assert [
+                (ref["kind"], ref["uid"], ref["controller"]) for ref in obj["metadata"]["ownerReferences"]
+            ] == [("ModelDeployment", uid, True)]
+            assert obj["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "herd"
+    llama = children(kube, "llama-3-8b")["Deployment/llama-3-8b-workers"]["spec"]["template"]["spec"]
+    assert llama["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "1"}
+    assert llama["initContainers"][0]["command"][:2] == ["hf", "download"]
+    qwen = children(kube, "qwen-chat")["Deployment/qwen-chat-workers"]["spec"]["template"]["spec"]
+    assert qwen["containers"][0]["resources"]["limits"] == {"amd.com/gpu": "1"}
+    decode = children(kube, "smollm2-disagg")["Deployment/smollm2-disagg-decode"]
+    assert decode["spec"]["template"]["metadata"]["labels"]["herd.dev/role"] == "decode"
+
+
+def test_replicas_updates_patch_the_deployment(kube: Emulator) -> None:
+    apply(kube, manifest("scaled"))
+    eventually(lambda: "Deployment/scaled-workers" in children(kube, "scaled"), "Deployment created")
+    uid = children(kube, "scaled")["Deployment/scaled-workers"]["metadata"]["uid"]
+    apply(kube, manifest("scaled", workers={"replicas": 4}))
+    eventually(
+        lambda: children(kube, "scaled")["Deployment/scaled-workers"]["spec"]["replicas"] == 4, "replicas 4"
+    )
+    kubectl(kube, "scale", "md/scaled", "--replicas=1")
+    eventually(
+        lambda: children(kube, "scaled")["Deployment/scaled-workers"]["spec"]["replicas"] == 1, "scaled to 1"
+    )
+    assert children(kube, "scaled")["Deployment/scaled-workers"]["metadata"]["uid"] == uid
+
+
+def test_manual_edits_of_owned_fields_are_reverted(kube: Emulator) -> None:
+    apply(kube, manifest("drifty"))
+    eventually(lambda: "Deployment/drifty-workers" in children(kube, "drifty"), "Deployment created")
+    template = children(kube, "drifty")["Deployment/drifty-workers"]["spec"]["template"]
+    kube.patch("deployments.apps", "drifty-workers", {"spec": {"replicas": 9, "template": {"spec": {"containers": [{"name": "worker", "image": "evil:1"}]}}}})  # fmt: skip
+
+    def is_restored() -> bool:
+        spec = children(kube, "drifty")["Deployment/drifty-workers"]["spec"]
+        return spec["replicas"] == 2 and spec["template"] == template
+
+    eventually(is_restored, "the edit reverted")
+    kube.delete("services", "drifty-workers")
+    eventually(lambda: "Service/drifty-workers" in children(kube, "drifty"), "the deleted Service recreated")
+
+
+async def next_membership(
+    updates: AsyncIterator[Membership], check: Callable[[Membership], bool]
+) -> Membership:
+    async with asyncio.timeout(TIMEOUT):
+        async for membership in updates:
+            if check(membership):
+                return membership
+    raise AssertionError("the discovery stream ended")
+
+
+async def test_ready_pods_roll_up_into_status_and_discovery(kube: Emulator) -> None:
+    apply(kube, manifest("ready", routing={"strategy": "round_robin"}))
+    eventually(
+        lambda: condition(kube, "ready", "Ready").get("reason") == "PoolsNotReady", "Ready=False first"
+    )
+    updates = KubeSource("default", kubeconfig=str(kube.kubeconfig)).watch()
+    try:
+        pods = start_pods(kube, "ready-workers", 2, first_ip=11)
+        eventually(lambda: condition(kube, "ready", "Ready").get("status") == "True", "Ready=True")
+        status = kube.get("md", "ready")["status"]
+        assert status["pools"]["workers"] == {
+            "replicas": 2,
+            "readyReplicas": 2,
+            "updatedReplicas": 2,
+            "ready": "2/2",
+        }
+        assert status["replicas"] == 2
+        assert condition(kube, "ready", "Progressing")["status"] == "False"
+
+        def urls(membership: Membership) -> set[str]:
+            return {e.url for e in membership.endpoints if e.model == "ready"}
+
+        membership = await next_membership(updates, lambda m: len(urls(m)) == 2)
+        assert urls(membership) == {"http://127.0.0.11:8000", "http://127.0.0.12:8000"}
+        assert (
+            next(m for m in membership.models if m.served_name == "ready").routing.strategy == "round_robin"
+        )
+        kube.set_pod_ready("default", pods[0], ready=False, pod_ip="127.0.0.11")
+        membership = await next_membership(updates, lambda m: len(urls(m)) == 1)
+        assert urls(membership) == {"http://127.0.0.12:8000"}
+        kube.delete("pods", pods[1])
+        await next_membership(updates, lambda m: not urls(m))
+        eventually(lambda: condition(kube, "ready", "Ready").get("status") == "False", "Ready=False again")
+    finally:
+        await updates.aclose()
+
+
+def test_delete_removes_the_children(kube: Emulator) -> None:
+    apply(kube, manifest("doomed"))
+    eventually(lambda: len(children(kube, "doomed")) == 2, "children created")
+    kubectl(kube, "delete", "md/doomed")
+    eventually(lambda: not children(kube, "doomed"), "children deleted")
+
+
+def test_invalid_spec_sets_invalid_spec_and_the_operator_keeps_going(kube: Emulator) -> None:
+    apply(kube, manifest("broken", serving={"mode": "disaggregated"}))
+    eventually(lambda: condition(kube, "broken", "Ready").get("reason") == "InvalidSpec", "InvalidSpec")
+    ready = condition(kube, "broken", "Ready")
+    assert ready["status"] == "False"
+    assert "spec.prefill" in ready["message"] and "spec.decode" in ready["message"]
+    assert not children(kube, "broken")
+    apply(kube, manifest("fine"))
+    eventually(lambda: len(children(kube, "fine")) == 2, "a valid one still reconciles")
+    apply(
+        kube,
+        manifest(
+            "broken", serving={"mode": "disaggregated"}, prefill={"replicas": 1}, decode={"replicas": 1}
+        ),
+    )
+    eventually(lambda: len(children(kube, "broken")) == 4, "the fixed spec reconciles")
+
+
+def test_operator_restart_creates_no_duplicates(tmp_path: Path) -> None:
+    with kube_emulator(tmp_path) as kube:
+        kube.create(yaml.safe_load(CRD.read_text()))
+        apply(kube, manifest("steady"))
+        with embedded_operator(kube):
+            eventually(lambda: len(children(kube, "steady")) == 2, "children created")
+        before = {key: obj["metadata"]["uid"] for key, obj in children(kube, "steady").items()}
+        versions = {key: obj["metadata"]["resourceVersion"] for key, obj in children(kube, "steady").items()}
+        generation = kube.get("md", "steady")["status"]["observedGeneration"]
+        with embedded_operator(kube):
+            apply(kube, manifest("steady", workers={"replicas": 3}))
+            eventually(
+                lambda: kube.get("md", "steady")["status"]["observedGeneration"] > generation, "a new pass"
+            )
+        after = children(kube, "steady")
+        assert {key: obj["metadata"]["uid"] for key, obj in after.items()} == before
+        assert (
+            after["Service/steady-workers"]["metadata"]["resourceVersion"]
+            == versions["Service/steady-workers"]
+        )
+        assert after["Deployment/steady-workers"]["spec"]["replicas"] == 3

@@ -1,0 +1,48 @@
+"""``herd operator`` as a real process against the emulator: it reconciles, answers liveness, stops on SIGTERM."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from support.kube.emulator import kube_emulator
+from support.procs import free_port, running, wait_until
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_herd_operator_process_reconciles_and_reports_liveness(tmp_path: Path) -> None:
+    herd = shutil.which("herd") or str(REPO / ".venv" / "bin" / "herd")
+    port = free_port()
+    with kube_emulator(tmp_path / "kube") as kube:
+        kube.create(yaml.safe_load((REPO / "crds" / "herd.dev_modeldeployments.yaml").read_text()))
+        argv = [herd, "operator", "-n", "default", "--standalone", "--kubeconfig", str(kube.kubeconfig),
+                "--liveness", f"http://127.0.0.1:{port}/healthz", "--worker-image", "me/worker:7"]  # fmt: skip
+        with running(argv, log=tmp_path / "operator.log") as process:
+            wait_until(
+                lambda: httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200,
+                timeout=30,
+                what="liveness",
+            )
+            apply = ["kubectl", "--kubeconfig", str(kube.kubeconfig), "--cache-dir", str(tmp_path / "kubectl"), "apply", "--validate=false", "-f", str(REPO / "examples" / "smollm2.yaml")]  # fmt: skip
+            done = subprocess.run(apply, capture_output=True, text=True, timeout=20, check=False)
+            assert done.returncode == 0, done.stderr
+            wait_until(
+                lambda: kube.find("deployments.apps", "smollm2-workers") is not None,
+                timeout=20,
+                what="Deployment",
+            )
+            image = kube.get("deployments.apps", "smollm2-workers")["spec"]["template"]["spec"]["containers"][
+                0
+            ]["image"]
+            assert image == "me/worker:7"
+            process.terminate()
+            assert process.wait(timeout=20) == 0
+        log = (tmp_path / "operator.log").read_text()
+        assert '"component": "operator"' in log
