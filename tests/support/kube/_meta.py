@@ -62,7 +62,7 @@ def initial_status(rtype: ResourceType, obj: dict[str, Any]) -> dict[str, Any] |
     if (rtype.group, rtype.plural) == ("", "namespaces"):
         return {"phase": "Active"}
     if rtype.has_status:
-        return {}
+        return None if rtype.schema is not None else {}  # custom resources start without a status
     return obj.get("status")
 
 

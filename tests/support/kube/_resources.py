@@ -36,6 +36,7 @@ class ResourceType:
     categories: tuple[str, ...] = ()
     has_status: bool = False
     scale: ScalePaths | None = None
+    schema: Mapping[str, Any] | None = field(default=None, compare=False, hash=False)
 
     @property
     def api_version(self) -> str:
@@ -156,6 +157,7 @@ def types_from_crd(crd: Mapping[str, Any]) -> list[ResourceType]:
             categories=tuple(names.get("categories", ())),
             has_status="status" in version.get("subresources", {}),
             scale=_scale_paths(version.get("subresources", {})),
+            schema=version.get("schema", {}).get("openAPIV3Schema"),
         )
         for version in spec.get("versions", ())
         if version.get("served", True)

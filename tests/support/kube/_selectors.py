@@ -17,7 +17,7 @@ from ._errors import bad_request
 __all__ = ["Selector", "field_value", "parse_field_selector", "parse_label_selector", "selector_to_string"]
 
 _SET_RE = re.compile(r"^\s*([^\s!=]+)\s+(in|notin)\s+\((.*)\)\s*$")
-_EQ_RE = re.compile(r"^\s*([^\s!=]+)\s*(==|=|!=)\s*([^\s]*)\s*$")
+_EQ_RE = re.compile(r"^\s*([^\s!=]+)\s*(==|=|!=)\s*([^\s=!(),]*)\s*$")
 _EXISTS_RE = re.compile(r"^\s*(!?)\s*([^\s!=(),]+)\s*$")
 
 Requirement = Callable[[Mapping[str, Any]], bool]

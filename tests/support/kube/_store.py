@@ -18,6 +18,7 @@ from ._errors import already_exists, bad_request, conflict, invalid, not_found
 from ._events import EventLog, StoreEvent
 from ._meta import carry_server_fields, is_spec_changed, new_name, now, stamp_new
 from ._resources import CRD_GROUP, Registry, ResourceType, types_from_crd
+from ._schema import apply_schema
 from ._selectors import Selector
 
 __all__ = ["Change", "Store"]
@@ -64,6 +65,7 @@ class Store:
             raise already_exists(rtype.plural, key[1])
         self._check_namespace_exists(rtype, key[0])
         stamp_new(obj, rtype, self.resource_version + 1)
+        obj = _conform(rtype, obj)
         self._on_crd_written(rtype, obj)
         self._write(rtype, key, obj, None)
         return _present(rtype, obj)
@@ -79,6 +81,7 @@ class Store:
         new = _restrict_to_subresource(rtype, new, old, subresource)
         carry_server_fields(new, old)
         new["metadata"]["resourceVersion"] = old["metadata"]["resourceVersion"]
+        new = _conform(rtype, new)
         if new == old:
             return _present(rtype, old)  # a no-op write keeps its resourceVersion, as on a real server
         if is_spec_changed(new, old):
@@ -222,6 +225,11 @@ class Store:
 
 def is_selected(obj: dict[str, Any], labels: Selector, fields: Selector) -> bool:
     return labels.matches(obj["metadata"].get("labels", {})) and fields.matches(obj)
+
+
+def _conform(rtype: ResourceType, obj: dict[str, Any]) -> dict[str, Any]:
+    """Custom resources go through their CRD's schema: defaults, pruning, validation."""
+    return obj if rtype.schema is None else apply_schema(obj, rtype.schema, f"{rtype.kind}.{rtype.group}")
 
 
 def _present(rtype: ResourceType, obj: dict[str, Any]) -> dict[str, Any]:

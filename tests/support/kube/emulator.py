@@ -129,6 +129,11 @@ class Emulator:
         assert self._handler is not None, "start() the emulator first"
         return self._handler
 
+    @property
+    def resource_version(self) -> str:
+        """The latest resourceVersion: a watch from here sees only later writes."""
+        return self.call(lambda store: str(store.resource_version))
+
     def resource(self, name: str) -> ResourceType:
         return self.call(lambda store: store.registry.resolve(name))
 
