@@ -1,7 +1,8 @@
 {{/*
 What the operator may do in a watched namespace: reconcile ModelDeployments into Deployments and
-Services, read worker pods for status, post Events, and keep a copy of the internal-token Secret next
-to the workers. Secrets are limited by name except `create`, which RBAC cannot restrict by name.
+Services, read worker pods for status, and post Events. No Secrets: worker pods name the token Secret
+in a secretKeyRef that the kubelet resolves, and `create` on Secrets (which RBAC cannot limit by name)
+would let the operator mint a token Secret for any ServiceAccount.
 */}}
 {{- define "herd.operator.rules" -}}
 - apiGroups: [herd.dev]
@@ -25,13 +26,6 @@ to the workers. Secrets are limited by name except `create`, which RBAC cannot r
 - apiGroups: [""]
   resources: [events]
   verbs: [create, patch]
-- apiGroups: [""]
-  resources: [secrets]
-  verbs: [create]
-- apiGroups: [""]
-  resources: [secrets]
-  resourceNames: [{{ include "herd.tokenSecretName" . }}]
-  verbs: [get, update, patch]
 {{- end }}
 
 {{/* Cluster-scoped reads of the operator: kopf follows CRD changes (it only warns without them). */}}

@@ -9,7 +9,7 @@ from support.chart import find, render_chart
 
 ROLE_KINDS = ("ClusterRole", "Role")
 # (apiGroup, resource, verb) the operator must be able to use: reconcile children, follow pods,
-# write status and events, and keep the internal-token Secret next to the workers.
+# write status and events.
 OPERATOR_NEEDS = [("herd.dev", "modeldeployments", verb) for verb in ("get", "list", "watch", "patch")] + [
     ("herd.dev", "modeldeployments/status", "patch"),
     ("herd.dev", "modeldeployments/scale", "get"),
@@ -17,8 +17,6 @@ OPERATOR_NEEDS = [("herd.dev", "modeldeployments", verb) for verb in ("get", "li
     *(("", "services", verb) for verb in ("get", "list", "watch", "create", "patch", "delete")),
     *(("", "pods", verb) for verb in ("get", "list", "watch")),
     ("", "events", "create"),
-    ("", "secrets", "create"),
-    ("", "secrets", "get"),
 ]
 ORCHESTRATOR_NEEDS = [("herd.dev", "modeldeployments", v) for v in ("get", "list", "watch")] + [
     ("", "pods", v) for v in ("get", "list", "watch")
@@ -58,13 +56,10 @@ def test_operator_has_what_it_needs(manifests: list[dict[str, Any]]) -> None:
     assert missing == set()
 
 
-def test_operator_cannot_read_every_secret() -> None:
-    rules = _rules(render_chart({}), "herd-operator")
-    readable = [rule for rule in rules if "secrets" in rule["resources"] and "get" in rule["verbs"]]
-    assert [rule["resourceNames"] for rule in readable] == [["herd-internal-token"]]
-    assert not any(
-        "secrets" in rule["resources"] and {"list", "watch"} & set(rule["verbs"]) for rule in rules
-    )
+def test_no_component_touches_secrets(manifests: list[dict[str, Any]]) -> None:
+    # Worker pods and the orchestrator get the token through secretKeyRef, resolved by the kubelet.
+    for role in find(manifests, "ClusterRole") + find(manifests, "Role"):
+        assert not any("secrets" in rule["resources"] for rule in role["rules"]), role["metadata"]["name"]
 
 
 def test_orchestrator_only_reads_models_and_pods(manifests: list[dict[str, Any]]) -> None:
