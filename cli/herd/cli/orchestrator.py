@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -68,6 +69,7 @@ def _source(args: argparse.Namespace, models: list[ModelConfig]) -> WorkerSource
 
 def run(args: argparse.Namespace) -> int:
     configure_logging("orchestrator", args.log_level)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health poll otherwise
     try:
         models = model_configs(args.manifest)
         source = _source(args, models)

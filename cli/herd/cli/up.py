@@ -201,6 +201,7 @@ def _serve(deployments: list[ModelDeployment], workers: list[LocalWorker], token
 
 def run(args: argparse.Namespace) -> int:
     configure_logging("herd-up", args.log_level)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health poll otherwise
     signal.signal(signal.SIGTERM, _raise_on_sigterm)
     token = secrets.token_urlsafe(24)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="herd-up-"))

@@ -91,9 +91,10 @@ class RelayResponse(Response):
     def __init__(
         self, upstream: Upstream, *, headers: Mapping[str, str], on_done: Callable[[bool], None]
     ) -> None:
-        super().__init__(
-            status_code=upstream.status_code, headers={**upstream.headers_for_client(), **headers}
-        )
+        # Like StreamingResponse, no super().__init__: it would announce a zero content-length.
+        self.status_code = upstream.status_code
+        self.background = None
+        self.init_headers({**upstream.headers_for_client(), **headers})
         self.upstream = upstream
         self.on_done = on_done
 

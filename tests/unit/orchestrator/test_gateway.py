@@ -118,6 +118,7 @@ async def test_failure_before_first_chunk_is_retried() -> None:
         cluster.workers[1].fail_after_chunks = None
         response = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
     assert response.status_code == 200 and response.headers[WORKER_HEADER] == "w1"
+    assert "content-length" not in response.headers
     assert list(sse_events(response.content))[-1] == "[DONE]"
 
 
