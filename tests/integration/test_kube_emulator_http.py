@@ -121,6 +121,55 @@ def test_refusals_say_why(kube: Emulator, request_kwargs: dict[str, Any], status
     assert response.json()["kind"] == "Status" and response.json()["message"]
 
 
+def test_strategic_merge_patch_is_refused_for_custom_resources(kube: Emulator) -> None:
+    kube.apply(WIDGET_CRD)
+    kube.create({"apiVersion": "example.dev/v1", "kind": "Widget", "metadata": {"name": "w"}})
+    response = httpx.patch(
+        f"{kube.url}/apis/example.dev/v1/namespaces/default/widgets/w",
+        json={"spec": {"a": 1}},
+        headers={"Content-Type": "application/strategic-merge-patch+json"},
+    )
+    assert response.status_code == 415 and "merge-patch+json" in response.json()["message"]
+
+
+def test_apply_yaml_installs_a_chart_like_bundle(kube: Emulator) -> None:
+    bundle = """
+apiVersion: v1
+kind: Namespace
+metadata: {name: herd-system}
+---
+apiVersion: v1
+kind: ServiceAccount
+metadata: {name: operator, namespace: herd-system}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRole
+metadata: {name: herd-operator}
+rules: [{apiGroups: [herd.dev], resources: [modeldeployments], verbs: [get, list, watch]}]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRoleBinding
+metadata: {name: herd-operator}
+roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: herd-operator}
+subjects: [{kind: ServiceAccount, name: operator, namespace: herd-system}]
+---
+apiVersion: coordination.k8s.io/v1
+kind: Lease
+metadata: {name: herd-operator, namespace: herd-system}
+spec: {holderIdentity: me}
+"""
+    applied = kube.apply_yaml(bundle)
+    assert [obj["kind"] for obj in applied] == [
+        "Namespace",
+        "ServiceAccount",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "Lease",
+    ]
+    assert "namespace" not in kube.get("clusterroles", "herd-operator")["metadata"]
+    assert kube.get("leases", "herd-operator", "herd-system")["spec"] == {"holderIdentity": "me"}
+
+
 def test_generate_name(kube: Emulator) -> None:
     made = kube.create({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"generateName": "cfg-"}})
     assert made["metadata"]["name"].startswith("cfg-") and len(made["metadata"]["name"]) == 9

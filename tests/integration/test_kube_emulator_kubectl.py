@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import subprocess
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +19,11 @@ pytest_plugins = ["support.kube.fixtures"]
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed"),
+]
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = [
+    doc for path in sorted((REPO / "examples").glob("*.yaml")) for doc in yaml.safe_load_all(path.read_text())
 ]
 
 DEPLOYMENT = {
@@ -90,3 +96,15 @@ def test_get_lists_namespaced_and_cluster_scoped(kube: Emulator) -> None:
     names = kubectl(kube, "get", "configmaps", "--all-namespaces", "-o", "name").split()
     assert names == ["configmap/settings"]
     assert "namespace/team" in kubectl(kube, "get", "namespaces", "-o", "name").split()
+
+
+def test_herd_crd_and_examples_apply_with_schema_defaults(kube: Emulator) -> None:
+    kubectl(kube, "apply", "--validate=false", "-f", str(REPO / "crds"))
+    applied = kubectl(kube, "apply", "--validate=false", "-f", str(REPO / "examples"), "-o", "name").split()
+    assert sorted(applied) == sorted(f"modeldeployment.herd.dev/{md['metadata']['name']}" for md in EXAMPLES)
+    for example in EXAMPLES:
+        stored = kube.get("md", example["metadata"]["name"])
+        assert stored["spec"]["model"]["revision"] == example["spec"]["model"].get("revision", "main")
+    name = EXAMPLES[0]["metadata"]["name"]
+    kubectl(kube, "scale", f"md/{name}", "--replicas=2")
+    assert kube.get("md", name)["spec"]["replicas"] == 2

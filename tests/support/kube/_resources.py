@@ -72,6 +72,15 @@ BUILTIN_TYPES: tuple[ResourceType, ...] = (
     _builtin("", "v1", "namespaces", "Namespace", namespaced=False, short_names=("ns",), has_status=True),
     _builtin("", "v1", "nodes", "Node", namespaced=False, short_names=("no",), has_status=True),
     _builtin(
+        "",
+        "v1",
+        "persistentvolumes",
+        "PersistentVolume",
+        namespaced=False,
+        short_names=("pv",),
+        has_status=True,
+    ),
+    _builtin(
         "apps",
         "v1",
         "deployments",
@@ -127,6 +136,10 @@ BUILTIN_TYPES: tuple[ResourceType, ...] = (
         has_status=True,
     ),
     _builtin("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy", short_names=("netpol",)),
+    _builtin("networking.k8s.io", "v1", "ingresses", "Ingress", short_names=("ing",), has_status=True),
+    _builtin(
+        "scheduling.k8s.io", "v1", "priorityclasses", "PriorityClass", namespaced=False, short_names=("pc",)
+    ),
 )
 
 

@@ -26,6 +26,7 @@ __all__ = ["Router"]
 Reply = tuple[int, dict[str, Any]]
 Handler = Callable[[kmock.Request, Route, ResourceType], Reply]
 _APPLY_PATCH = "application/apply-patch+yaml"
+_STRATEGIC_PATCH = "application/strategic-merge-patch+json"
 
 
 def _json(body: Any, status: int = 200) -> aiohttp.web.Response:
@@ -162,6 +163,11 @@ class Router:
         if content_type == _APPLY_PATCH:
             return self._apply(request, route, rtype)
         patcher = PATCHERS.get(content_type)
+        if rtype.schema is not None and content_type == _STRATEGIC_PATCH:
+            raise unsupported_media_type(
+                f"strategic merge patch is not supported for custom resources "
+                f"({rtype.plural}.{rtype.group}): use application/merge-patch+json"
+            )
         if patcher is None:
             raise unsupported_media_type(
                 f"PATCH content type {content_type!r} is not supported: use one of "

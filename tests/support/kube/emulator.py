@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import aiohttp.web
 import yaml
 
+from ._errors import ApiError
 from ._handler import KubeHandler
 from ._patches import merge_patch
 from ._resources import ResourceType
@@ -166,6 +167,10 @@ class Emulator:
             result = self.patch(obj["kind"], name, {"status": obj["status"]}, namespace, subresource="status")
         return result
 
+    def apply_yaml(self, manifests: str) -> list[dict[str, Any]]:
+        """Apply every document of a multi-document YAML text (empty documents skipped), in order."""
+        return [self.apply(doc) for doc in yaml.safe_load_all(manifests) if doc]
+
     def get(self, resource: str, name: str, namespace: str = "default") -> dict[str, Any]:
         rtype = self.resource(resource)
         return self.call(lambda store: store.get(rtype, namespace, name))
@@ -173,12 +178,17 @@ class Emulator:
     def find(
         self, resource: str, name: str, namespace: str = "default", *, api_version: str | None = None
     ) -> dict[str, Any] | None:
-        """The object, or None where it does not exist."""
-        rtype = self._type_of({"apiVersion": api_version, "kind": resource}) if api_version else None
-        rtype = rtype or self.resource(resource)
-        with contextlib.suppress(LookupError, Exception):
+        """The object, or None where it (or its type) does not exist."""
+        try:
+            rtype = self._type_of({"apiVersion": api_version, "kind": resource}) if api_version else None
+            rtype = rtype or self.resource(resource)
             return self.call(lambda store: store.get(rtype, namespace, name))
-        return None
+        except LookupError:  # no such type (a CRD not applied yet): no such object either
+            return None
+        except ApiError as error:
+            if error.status == 404:
+                return None
+            raise
 
     def list(
         self,
