@@ -1,0 +1,68 @@
+"""A one-line progress bar on stderr, redrawn at most ten times a second (no dependencies)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TextIO
+
+__all__ = ["Progress"]
+
+_WIDTH = 30
+_REDRAW_S = 0.1
+
+
+class Progress:
+    """Counts finished requests against ``total`` requests or ``duration_s`` seconds."""
+
+    def __init__(
+        self,
+        *,
+        total: int | None,
+        duration_s: float | None,
+        stream: TextIO | None = None,
+        enabled: bool = True,
+    ) -> None:
+        self.total = total
+        self.duration_s = duration_s
+        self.stream = stream or sys.stderr
+        self.enabled = enabled
+        self.num_done = 0
+        self.num_errors = 0
+        self._start = time.monotonic()
+        self._last_draw = 0.0
+
+    def update(self, *, is_ok: bool) -> None:
+        self.num_done += 1
+        self.num_errors += not is_ok
+        now = time.monotonic()
+        if now - self._last_draw >= _REDRAW_S:
+            self._last_draw = now
+            self._draw(now)
+
+    def close(self) -> None:
+        if self.enabled:
+            self._draw(time.monotonic())
+            self.stream.write("\n")
+            self.stream.flush()
+
+    def line(self, now: float) -> str:
+        elapsed = now - self._start
+        fraction = self._fraction(elapsed)
+        filled = round(fraction * _WIDTH)
+        rate = self.num_done / elapsed if elapsed > 0 else 0.0
+        bar = "#" * filled + "." * (_WIDTH - filled)
+        return f"[{bar}] {self.num_done} done, {self.num_errors} errors, {rate:.1f} req/s, {elapsed:.0f}s"
+
+    def _fraction(self, elapsed: float) -> float:
+        fractions = []
+        if self.total:
+            fractions.append(self.num_done / self.total)
+        if self.duration_s:
+            fractions.append(elapsed / self.duration_s)
+        return min(1.0, max(fractions, default=0.0))
+
+    def _draw(self, now: float) -> None:
+        if self.enabled:
+            self.stream.write("\r" + self.line(now))
+            self.stream.flush()
