@@ -43,11 +43,14 @@ format: install
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
+# The chart ships its own copy of the CRD; both are generated from herd.api.crd.
 crds: install
 	$(HERD) crds --out crds
+	$(HERD) crds --out charts/herd/files
 
 crds-check: install
 	$(HERD) crds --out crds --check
+	$(HERD) crds --out charts/herd/files --check
 
 test: install system-deps lint crds-check
 	$(BIN)/pytest $(PYTEST_ARGS)
