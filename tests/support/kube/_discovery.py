@@ -57,7 +57,13 @@ def api_groups(registry: Registry) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "APIGroupList", "groups": groups}
 
 
+def _subresource(rtype: ResourceType, name: str, **kind: str) -> dict[str, Any]:
+    entry = {"name": f"{rtype.plural}/{name}", "singularName": "", "namespaced": rtype.is_namespaced}
+    return {**entry, "kind": rtype.kind, **kind, "verbs": _SUBRESOURCE_VERBS}
+
+
 def _entries(rtype: ResourceType) -> list[dict[str, Any]]:
+    """The type itself, then its status and scale subresources (kopf looks for ``<plural>/status``)."""
     main = {
         "name": rtype.plural,
         "singularName": rtype.singular or rtype.kind.lower(),
@@ -67,30 +73,11 @@ def _entries(rtype: ResourceType) -> list[dict[str, Any]]:
         "shortNames": list(rtype.short_names),
         "categories": list(rtype.categories),
     }
-    entries = [main]
-    if rtype.has_status:
-        entries.append(
-            {
-                "name": f"{rtype.plural}/status",
-                "singularName": "",
-                "namespaced": rtype.is_namespaced,
-                "kind": rtype.kind,
-                "verbs": _SUBRESOURCE_VERBS,
-            }
-        )
-    if rtype.scale is not None:
-        entries.append(
-            {
-                "name": f"{rtype.plural}/scale",
-                "singularName": "",
-                "namespaced": rtype.is_namespaced,
-                "group": "autoscaling",
-                "version": "v1",
-                "kind": "Scale",
-                "verbs": _SUBRESOURCE_VERBS,
-            }
-        )
-    return entries
+    status = [_subresource(rtype, "status")] if rtype.has_status else []
+    scale = (
+        [_subresource(rtype, "scale", group="autoscaling", version="v1", kind="Scale")] if rtype.scale else []
+    )
+    return [main, *status, *scale]
 
 
 def api_resources(registry: Registry, group: str, version: str) -> dict[str, Any] | None:

@@ -14,6 +14,18 @@ from ._selectors import parse_label_selector, selector_to_string
 __all__ = ["deployment_status", "is_pod_ready", "pod_status"]
 
 
+def _container_status(container: dict[str, Any], is_ready: bool, stamp: str) -> dict[str, Any]:
+    return {
+        "name": container.get("name", ""),
+        "image": container.get("image", ""),
+        "imageID": "",
+        "ready": is_ready,
+        "started": True,
+        "restartCount": 0,
+        "state": {"running": {"startedAt": stamp}},
+    }
+
+
 def pod_status(pod: dict[str, Any], *, is_ready: bool, pod_ip: str) -> dict[str, Any]:
     """A running pod's status, Ready or not, as the kubelet would report it."""
     flag, stamp = ("True" if is_ready else "False"), now()
@@ -26,18 +38,7 @@ def pod_status(pod: dict[str, Any], *, is_ready: bool, pod_ip: str) -> dict[str,
             ("Ready", flag),
         )
     ]
-    containers = [
-        {
-            "name": container.get("name", ""),
-            "image": container.get("image", ""),
-            "imageID": "",
-            "ready": is_ready,
-            "started": True,
-            "restartCount": 0,
-            "state": {"running": {"startedAt": stamp}},
-        }
-        for container in pod.get("spec", {}).get("containers", ())
-    ]
+    containers = [_container_status(c, is_ready, stamp) for c in pod.get("spec", {}).get("containers", ())]
     return {
         "phase": "Running",
         "hostIP": pod_ip,
