@@ -1,0 +1,114 @@
+"""``herd up`` end to end: two real tiny-model workers behind the gateway, driven by the openai SDK."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from support.procs import free_port, running, wait_until
+
+from herd.api.protocol import WORKER_HEADER
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "tiny"
+
+
+def write_manifest(folder: Path, model: Path, *, replicas: int = 2, strategy: str = "least_request") -> Path:
+    path = folder / "tiny.yaml"
+    path.write_text(
+        f"""apiVersion: herd.dev/v1alpha1
+kind: ModelDeployment
+metadata: {{name: tiny}}
+spec:
+  model: {{source: "file://{model}", servedName: {MODEL}}}
+  engine: {{dtype: float32, device: cpu, maxModelLen: 512, maxBatchSize: 8, kvCache: {{blockSize: 16, memoryGiB: 0.05}}}}
+  workers: {{replicas: {replicas}}}
+  routing: {{strategy: {strategy}}}
+"""
+    )
+    return path
+
+
+@dataclass(frozen=True)
+class Up:
+    base_url: str
+    log: Path
+
+    def worker_pids(self) -> dict[str, int]:
+        entries = [json.loads(line) for line in self.log.read_text().splitlines() if line.startswith("{")]
+        return {entry["worker"]: entry["pid"] for entry in entries if entry.get("msg") == "started worker"}
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def herd_up(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Iterator[Up]:
+    """One ``herd up`` for the module (workers take a while to load); the kill test runs last."""
+    tmp_path = tmp_path_factory.mktemp("herd-up")
+    port = free_port()
+    argv = [sys.executable, "-m", "herd.cli.main", "up", str(write_manifest(tmp_path, tiny_llama)), "--port", str(port),
+            "--log-dir", str(tmp_path / "logs"), "--ready-timeout", "120"]
+    log = tmp_path / "up.log"
+    with running(argv, log=log, env={"OMP_NUM_THREADS": "1"}) as process:
+        def ready() -> bool:
+            assert process.poll() is None, f"herd up exited: {log.read_text()[-2000:]}"
+            return httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200
+
+        wait_until(ready, timeout=150, what="herd up serving")
+        yield Up(f"http://127.0.0.1:{port}", log)
+    assert "herd is up" in log.read_text()
+
+
+def stream_finish(client: openai.OpenAI, prompt: str, max_tokens: int) -> str | None:
+    """Stream a chat completion to its end; the last finish_reason (random tiny weights: the text is noise)."""
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    reasons = [chunk.choices[0].finish_reason for chunk in stream if chunk.choices]
+    return reasons[-1] if reasons else None
+
+
+def test_openai_sdk_streams_through_the_gateway(herd_up: Up) -> None:
+    client = herd_up.client()
+    assert [model.id for model in client.models.list()] == [MODEL]
+    assert stream_finish(client, "Hello there", 8) == "length"
+    response = httpx.post(
+        f"{herd_up.base_url}/v1/completions", json={"model": MODEL, "prompt": "abc", "max_tokens": 4}, timeout=30
+    )
+    assert response.status_code == 200 and response.headers[WORKER_HEADER].startswith("tiny-workers-")
+    assert len(herd_up.worker_pids()) == 2
+
+
+def test_killing_a_worker_loses_no_unstarted_request(herd_up: Up) -> None:
+    client = herd_up.client()
+    victim_pid = herd_up.worker_pids()["tiny-workers-0"]
+
+    def in_flight_outcome(number: int) -> str:
+        try:
+            stream_finish(client, f"long story {number}", 200)
+        except openai.APIError:
+            return "error-event"
+        return "finished"
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        long_streams = [pool.submit(in_flight_outcome, number) for number in range(4)]
+        wait_until(lambda: httpx.get(f"{herd_up.base_url}/dashboard/data").json()["workers"][0]["in_flight"] > 0,
+                   timeout=30, what="a stream in flight on worker 0")
+        os.kill(victim_pid, signal.SIGKILL)
+        after_kill = [stream_finish(client, f"short {number}", 4) for number in range(6)]
+        outcomes = [future.result(timeout=120) for future in long_streams]
+    assert after_kill == ["length"] * 6
+    assert set(outcomes) <= {"finished", "error-event"}
+    assert "error-event" in outcomes
