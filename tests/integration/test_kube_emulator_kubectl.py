@@ -6,13 +6,14 @@ import json
 import os
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 from support.kube import Emulator
-from support.kube.samples import WIDGET_CRD
+from support.kube.samples import WIDGET_CRD, pod
 
 pytest_plugins = ["support.kube.fixtures"]
 
@@ -108,3 +109,18 @@ def test_herd_crd_and_examples_apply_with_schema_defaults(kube: Emulator) -> Non
     name = EXAMPLES[0]["metadata"]["name"]
     kubectl(kube, "scale", f"md/{name}", "--replicas=2")
     assert kube.get("md", name)["spec"]["replicas"] == 2
+
+
+def test_server_side_apply_wait_and_rollout_status(kube: Emulator) -> None:
+    assert "serverside-applied" in kubectl(
+        kube, "apply", "--server-side", "--validate=false", "-f", "-", manifest=DEPLOYMENT
+    )
+    for name in ("web-1", "web-2"):
+        kube.create(pod(name, app="web"))
+    ready_later = threading.Timer(0.5, lambda: kube.set_pod_ready("default", "web-1"))
+    ready_later.start()
+    assert "condition met" in kubectl(kube, "wait", "--for=condition=Ready", "pod/web-1", "--timeout=15s")
+    ready_later.join()
+    kube.set_pod_ready("default", "web-2")
+    kube.sync_deployment_status("default", "web")
+    assert "successfully rolled out" in kubectl(kube, "rollout", "status", "deployment/web", "--timeout=15s")
