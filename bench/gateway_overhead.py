@@ -1,0 +1,184 @@
+"""Gateway overhead: latency added by the orchestrator versus calling a worker directly.
+
+The upstream is a minimal fake worker (raw asyncio HTTP/1.1 on loopback, a fixed answer, no model)
+so the figures measure the gateway alone. One run interleaves direct and gateway requests:
+non-streaming full-response latency, and streaming time to the first body byte.
+
+    .venv/bin/python bench/gateway_overhead.py --requests 2000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+from support.procs import free_port, stop_process, wait_until  # noqa: E402
+
+CHAT = {"model": "bench", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+_JSON = b'{"id":"x","object":"chat.completion","model":"bench","choices":[],"usage":{}}'
+_SSE = [b'data: {"id":"x","choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'] * 4 + [b"data: [DONE]\n\n"]
+_LOAD = b'{"num_running":0,"num_waiting":0}'
+
+
+async def _fake_worker_conn(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    while True:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+            return
+        length = next(
+            (
+                int(line.split(b":")[1])
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length")
+            ),
+            0,
+        )
+        body = await reader.readexactly(length)
+        path = head.split(b" ")[1]
+        if path.startswith(b"/v1/") and (b'"stream": true' in body or b'"stream":true' in body):
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+            )
+            for chunk in _SSE:
+                writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            writer.write(b"0\r\n\r\n")
+        else:
+            answer = _LOAD if path.startswith(b"/internal/") else _JSON
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                % (len(answer), answer)
+            )
+        await writer.drain()
+
+
+async def _serve_fake_worker(port: int) -> None:
+    server = await asyncio.start_server(_fake_worker_conn, "127.0.0.1", port)
+    async with server:
+        await server.serve_forever()
+
+
+def _percentiles(samples: list[float]) -> dict[str, float]:
+    ordered = sorted(samples)
+    return {
+        "p50_ms": round(statistics.median(ordered) * 1000, 3),
+        "p99_ms": round(ordered[int(len(ordered) * 0.99) - 1] * 1000, 3),
+        "mean_ms": round(statistics.fmean(ordered) * 1000, 3),
+    }
+
+
+def _time_full(client: httpx.Client, url: str) -> float:
+    started = time.perf_counter()
+    response = client.post(url, json=CHAT)
+    response.read()
+    return time.perf_counter() - started
+
+
+def _time_first_byte(client: httpx.Client, url: str) -> float:
+    started = time.perf_counter()
+    with client.stream("POST", url, json={**CHAT, "stream": True}) as response:
+        chunks = response.iter_raw()
+        next(chunks)
+        elapsed = time.perf_counter() - started
+        for _ in chunks:
+            pass
+    return elapsed
+
+
+def measure(worker: str, gateway: str, num_requests: int) -> dict[str, object]:
+    timers = {"non_streaming": _time_full, "streaming_first_byte": _time_first_byte}
+    samples: dict[str, dict[str, list[float]]] = {name: {"direct": [], "gateway": []} for name in timers}
+    with httpx.Client() as client:
+        for name, timer in timers.items():
+            for _ in range(50):  # warm-up: connections, code paths
+                timer(client, worker), timer(client, gateway)
+            for _ in range(num_requests):
+                samples[name]["direct"].append(timer(client, worker))
+                samples[name]["gateway"].append(timer(client, gateway))
+    return {name: _summary(pair) for name, pair in samples.items()}
+
+
+def _summary(pair: dict[str, list[float]]) -> dict[str, object]:
+    added = [g - d for d, g in zip(pair["direct"], pair["gateway"], strict=True)]
+    return {
+        "direct": _percentiles(pair["direct"]),
+        "gateway": _percentiles(pair["gateway"]),
+        "added": _percentiles(added),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--fake-worker", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "gateway_overhead.json")
+    args = parser.parse_args()
+    if args.fake_worker is not None:
+        asyncio.run(_serve_fake_worker(args.fake_worker))
+        return 0
+    worker_port, gateway_port = free_port(), free_port()
+    workdir = Path(tempfile.mkdtemp(prefix="herd-bench-"))
+    manifest = workdir / "bench.yaml"
+    manifest.write_text(
+        "apiVersion: herd.dev/v1alpha1\nkind: ModelDeployment\nmetadata: {name: bench}\n"
+        "spec: {model: {source: 'file:///nonexistent'}, routing: {strategy: round_robin}}\n"
+    )
+    worker_url = f"http://127.0.0.1:{worker_port}"
+    fake = subprocess.Popen([sys.executable, __file__, "--fake-worker", str(worker_port)])
+    gateway = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "herd.cli.main",
+            "orchestrator",
+            "--port",
+            str(gateway_port),
+            "--manifest",
+            str(manifest),
+            "--worker",
+            f"{worker_url},{worker_url}",
+            "--log-level",
+            "WARNING",
+        ]
+    )
+    try:
+        wait_until(
+            lambda: httpx.get(f"http://127.0.0.1:{gateway_port}/ready").status_code == 200,
+            timeout=30,
+            what="gateway ready",
+        )
+        results = measure(
+            f"{worker_url}/v1/chat/completions",
+            f"http://127.0.0.1:{gateway_port}/v1/chat/completions",
+            args.requests,
+        )
+    finally:
+        stop_process(gateway)
+        stop_process(fake)
+    report = {
+        "requests_per_case": args.requests,
+        "python": platform.python_version(),
+        "upstream": "fake loopback worker",
+        **results,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
