@@ -223,6 +223,9 @@ async def test_ready_pods_roll_up_into_status_and_discovery(kube: Emulator) -> N
 def test_delete_removes_the_children(kube: Emulator) -> None:
     apply(kube, manifest("doomed"))
     eventually(lambda: len(children(kube, "doomed")) == 2, "children created")
+    assert not kube.get("md", "doomed")["metadata"].get("finalizers"), (
+        "no finalizer: deletion never waits on herd"
+    )
     kubectl(kube, "delete", "md/doomed")
     eventually(lambda: not children(kube, "doomed"), "children deleted")
 

@@ -14,12 +14,16 @@ Object = dict[str, Any]
 
 
 def announce_transitions(body: kopf.Body, previous: list[Object], current: list[Object]) -> None:
-    """One Event per condition whose status changed; a Degraded=True one is a Warning."""
+    """One Event per condition whose status changed; a Degraded=True one is a Warning.
+
+    A condition's first value is not a transition and is only announced when it is bad news.
+    """
     before = {item.get("type"): item.get("status") for item in previous}
     for cond in current:
-        if before.get(cond["type"]) == cond["status"]:
+        was = before.get(cond["type"])
+        is_bad = cond["type"] == DEGRADED and cond["status"] == "True"
+        if was == cond["status"] or (was is None and not is_bad):
             continue
         message = f"{cond['type']}={cond['status']}: {cond['message']}".rstrip(": ")
-        is_bad = cond["type"] == DEGRADED and cond["status"] == "True"
         post = kopf.warn if is_bad else kopf.info
         post(body, reason=cond["reason"], message=message)

@@ -3,7 +3,9 @@
 * create / update / resume of a ModelDeployment: one pass; while pools are short of ready pods the
   handler raises ``TemporaryError`` so kopf runs it again; an invalid spec is a ``PermanentError``.
 * events of owned Deployments, Services and Pods (by herd's labels): a pass for the owner, so status
-  follows pods and manual edits are reverted at once; a timer repeats it in case an event was lost.
+  follows pods and manual edits are reverted at once. Events of the operator's own writes are
+  skipped. No timer: kopf timers need a finalizer, and a watch that breaks is re-listed by kopf,
+  which replays every child as an event.
 * deletion: every child carries an owner reference (``kopf.adopt``), so the garbage collector
   removes them; herd adds no finalizer and no delete handler, so a stopped operator never blocks a
   ``kubectl delete`` and there is nothing to clean up by hand.
@@ -30,8 +32,6 @@ ANNOTATION_PREFIX = "operator.herd.dev"
 registry = kopf.OperatorRegistry()
 _MD = (GROUP, VERSION, PLURAL)
 _OWNED = {LABEL_MANAGED_BY: MANAGED_BY}
-# Child events keep status current; the timer only repairs what a lost watch event would leave stale.
-_RESYNC_SECONDS = 60.0
 
 
 @kopf.on.startup(registry=registry)
@@ -67,20 +67,19 @@ async def reconcile(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: 
         raise kopf.TemporaryError(f"waiting for ready pods: {outcome.waiting}", delay=memo.config.retry_delay)
 
 
-@kopf.timer(*_MD, registry=registry, interval=_RESYNC_SECONDS, initial_delay=_RESYNC_SECONDS)
-async def resync(name: str, namespace: str | None, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
-    if namespace:
-        await memo.reconciler.poke(namespace, name, logger)
-
-
 @kopf.on.event("apps/v1", "deployments", labels=_OWNED, registry=registry)
 @kopf.on.event("v1", "services", labels=_OWNED, registry=registry)
 @kopf.on.event("v1", "pods", labels=_OWNED, registry=registry)
 async def child_changed(
-    labels: kopf.Labels, namespace: str | None, memo: kopf.Memo, logger: kopf.Logger, **_: Any
+    body: kopf.Body,
+    labels: kopf.Labels,
+    namespace: str | None,
+    memo: kopf.Memo,
+    logger: kopf.Logger,
+    **_: Any,
 ) -> None:
     owner = labels.get(LABEL_DEPLOYMENT)
-    if owner and namespace:
+    if owner and namespace and not memo.reconciler.is_own_write(_raw(body)):
         await memo.reconciler.poke(namespace, owner, logger)
 
 

@@ -52,6 +52,7 @@ class Reconciler:
         self.settings = settings
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
         self._queued: set[tuple[str, str]] = set()
+        self._written: dict[tuple[str, str, str], str] = {}
 
     async def reconcile(self, body: Object, logger: logging.Logger | logging.LoggerAdapter[Any]) -> Outcome:
         """One pass for ``body``; raises ``kopf.PermanentError`` naming the field if the spec is invalid."""
@@ -74,6 +75,18 @@ class Reconciler:
                 # An invalid spec is already reported in the status and as an event.
                 with contextlib.suppress(kopf.PermanentError):
                     await self._pass(body, logger)
+
+    def is_own_write(self, child: Object) -> bool:
+        """Whether ``child`` is exactly the version this operator last wrote (its own watch echo)."""
+        meta = child.get("metadata", {})
+        version = self._written.get((child.get("kind", ""), meta.get("namespace", ""), meta.get("name", "")))
+        return version is not None and version == meta.get("resourceVersion")
+
+    def _remember(self, written: Object | None) -> None:
+        if written is not None:
+            meta = written.get("metadata", {})
+            key = (written.get("kind", ""), meta.get("namespace", ""), meta.get("name", ""))
+            self._written[key] = meta.get("resourceVersion", "")
 
     def _lock(self, namespace: str, name: str) -> asyncio.Lock:
         return self._locks.setdefault((namespace, name), asyncio.Lock())
@@ -122,12 +135,12 @@ class Reconciler:
         namespace = obj.body["metadata"]["namespace"]
         observed = await self.api.get(obj.api_version, obj.plural, namespace, obj.name)
         if observed is None:
-            await self.api.create(obj.api_version, obj.plural, obj.body)
+            self._remember(await self.api.create(obj.api_version, obj.plural, obj.body))
             kopf.info(owner, reason="Created", message=f"created {obj.kind}/{obj.name}")
             return "created"
         if not is_drifted(observed, obj.body):
             return "unchanged"
-        await self.api.replace(obj.api_version, obj.plural, replacement(observed, obj.body))
+        self._remember(await self.api.replace(obj.api_version, obj.plural, replacement(observed, obj.body)))
         if observed["metadata"].get("annotations", {}).get(ANNOTATION_SPEC_HASH) == obj.spec_hash:
             kopf.warn(
                 owner, reason="DriftReverted", message=f"reverted manual edits of {obj.kind}/{obj.name}"

@@ -1,0 +1,166 @@
+"""Operator reconcile latency against the Kubernetes API emulator.
+
+A real ``herd operator`` process (kopf, standalone, one namespace) runs against the emulator from
+``tests/support/kube``. Two measurements, in one run:
+
+* **single**: one ModelDeployment created at a time (API POST), timed until its Deployment and
+  Service both exist (polled every 5 ms), repeated ``--repeats`` times with fresh names.
+* **burst**: ``--burst`` ModelDeployments created back to back, timed until all their children
+  exist (the time to reconcile all of them), with each one's own create -> children latency.
+
+The emulator runs in this process and the operator in its own, so the figures include the HTTP
+round trips of kopf's watch, the operator's GET/POST calls and the status write, on this shared
+2-core machine. Polling adds up to 5 ms to each latency.
+
+    .venv/bin/python bench/operator_reconcile.py     # writes bench/results/operator.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+
+from support.kube.emulator import Emulator, kube_emulator  # noqa: E402
+from support.procs import free_port, running, wait_until  # noqa: E402
+
+__all__ = ["main"]
+
+POLL_S = 0.005
+TIMEOUT_S = 120.0
+
+
+def manifest(name: str) -> dict[str, Any]:
+    spec = {"model": {"source": "pvc://weights/chat"}, "workers": {"replicas": 2}}
+    return {
+        "apiVersion": "herd.dev/v1alpha1",
+        "kind": "ModelDeployment",
+        "metadata": {"name": name},
+        "spec": spec,
+    }
+
+
+def children_present(kube: Emulator, names: set[str]) -> set[str]:
+    """The ModelDeployments among ``names`` whose Deployment and Service both exist."""
+    deployments = {d["metadata"]["name"] for d in kube.list("deployments.apps", "default")}
+    services = {s["metadata"]["name"] for s in kube.list("services", "default")}
+    return {name for name in names if f"{name}-workers" in deployments and f"{name}-workers" in services}
+
+
+def wait_for_children(kube: Emulator, started: dict[str, float]) -> dict[str, float]:
+    """Latency per name from its create to the moment its children were first seen."""
+    done: dict[str, float] = {}
+    deadline = time.monotonic() + TIMEOUT_S
+    while len(done) < len(started) and time.monotonic() < deadline:
+        now = time.perf_counter()
+        for name in children_present(kube, set(started) - set(done)):
+            done[name] = now - started[name]
+        time.sleep(POLL_S)
+    if len(done) < len(started):
+        raise TimeoutError(f"children missing for {sorted(set(started) - set(done))} after {TIMEOUT_S}s")
+    return done
+
+
+def single(kube: Emulator, repeats: int) -> list[float]:
+    latencies = []
+    for index in range(repeats):
+        name = f"single-{index}"
+        started = time.perf_counter()
+        kube.create(manifest(name))
+        latencies.append(wait_for_children(kube, {name: started})[name])
+    return latencies
+
+
+def burst(kube: Emulator, count: int) -> tuple[float, list[float]]:
+    started: dict[str, float] = {}
+    begin = time.perf_counter()
+    for index in range(count):
+        name = f"burst-{index}"
+        started[name] = time.perf_counter()
+        kube.create(manifest(name))
+    latencies = wait_for_children(kube, started)
+    return max(started[n] + latencies[n] for n in started) - begin, list(latencies.values())
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    quantiles = statistics.quantiles(ordered, n=100, method="inclusive")
+    return {
+        "n": len(values),
+        "mean_ms": round(1000 * statistics.fmean(values), 1),
+        "p50_ms": round(1000 * quantiles[49], 1),
+        "p99_ms": round(1000 * quantiles[98], 1),
+        "max_ms": round(1000 * ordered[-1], 1),
+    }
+
+
+def run(repeats: int, count: int, workdir: Path) -> dict[str, Any]:
+    herd = shutil.which("herd") or str(REPO / ".venv" / "bin" / "herd")
+    port = free_port()
+    with kube_emulator(workdir / "kube") as kube:
+        kube.create(yaml.safe_load((REPO / "crds" / "herd.dev_modeldeployments.yaml").read_text()))
+        argv = [herd, "operator", "-n", "default", "--standalone", "--kubeconfig", str(kube.kubeconfig),
+                "--liveness", f"http://127.0.0.1:{port}/healthz", "--log-level", "WARNING"]  # fmt: skip
+        with running(argv, log=workdir / "operator.log") as operator:
+            wait_until(
+                lambda: httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200,
+                timeout=60,
+                what="operator",
+            )
+            single_latencies = single(kube, repeats)
+            cpu_before, own_before = cpu_seconds(operator.pid), time.process_time()
+            total, burst_latencies = burst(kube, count)
+            operator_cpu, own_cpu = cpu_seconds(operator.pid) - cpu_before, time.process_time() - own_before
+    return {
+        "single": percentiles(single_latencies),
+        "burst": {
+            "count": count,
+            "total_s": round(total, 3),
+            "operator_cpu_s": round(operator_cpu, 2),
+            "emulator_and_poller_cpu_s": round(own_cpu, 2),
+            "per_deployment": percentiles(burst_latencies),
+        },
+    }
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of a process (Linux /proc), to tell its share of a burst's wall time."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--repeats", type=int, default=30, help="single creates, one at a time")
+    parser.add_argument("--burst", type=int, default=50, help="ModelDeployments created back to back")
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "operator.json")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as workdir:
+        results = run(args.repeats, args.burst, Path(workdir))
+    results["command"] = (
+        "python bench/operator_reconcile.py " + f"--repeats {args.repeats} --burst {args.burst}"
+    )
+    results["machine"] = {"python": platform.python_version(), "cpus": os.cpu_count()}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
