@@ -95,6 +95,48 @@ def test_crd_is_established_and_discoverable_with_subresources(kube: Emulator) -
     assert resources[0]["shortNames"] == ["wd"] and resources[0]["namespaced"] is True
 
 
+def test_crd_versions_share_storage_and_ga_is_preferred(kube: Emulator) -> None:
+    crd = json.loads(json.dumps(WIDGET_CRD))
+    alpha = {**crd["spec"]["versions"][0], "name": "v1alpha1", "storage": False}
+    crd["spec"]["versions"] = [alpha, crd["spec"]["versions"][0]]
+    kube.apply(crd)
+    body = {
+        "apiVersion": "example.dev/v1alpha1",
+        "kind": "Widget",
+        "metadata": {"name": "w"},
+        "spec": {"a": 1},
+    }
+    assert (
+        httpx.post(f"{kube.url}/apis/example.dev/v1alpha1/namespaces/default/widgets", json=body).status_code
+        == 201
+    )
+    fetched = httpx.get(f"{kube.url}/apis/example.dev/v1/namespaces/default/widgets/w").json()
+    assert (fetched["apiVersion"], fetched["spec"]) == ("example.dev/v1", {"a": 1})
+    group = httpx.get(f"{kube.url}/apis/example.dev").json()
+    assert group["preferredVersion"]["version"] == "v1"
+    assert [version["version"] for version in group["versions"]] == ["v1", "v1alpha1"]
+
+
+def test_invalid_names_and_labels_are_refused(kube: Emulator) -> None:
+    long_value = "x" * 64
+    bad_label = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "ok", "labels": {"k": long_value}},
+    }
+    for body in ({"metadata": {"name": "Not_Valid"}}, bad_label):
+        response = httpx.post(f"{kube.url}/api/v1/namespaces/default/configmaps", json=body)
+        assert response.status_code == 422 and "Invalid value" in response.json()["message"]
+    kube.create(_configmap("ok"))
+    patch = {"metadata": {"labels": {"k": long_value}}}
+    response = httpx.patch(
+        f"{kube.url}/api/v1/namespaces/default/configmaps/ok",
+        json=patch,
+        headers={"Content-Type": "application/merge-patch+json"},
+    )
+    assert response.status_code == 422
+
+
 def test_delete_collection_by_label(kube: Emulator) -> None:
     for name, tier in (("a", "web"), ("b", "web"), ("c", "db")):
         kube.create(_configmap(name, tier=tier))

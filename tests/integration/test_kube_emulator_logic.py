@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from kmock import KubernetesError
 from support.kube._events import EventLog, StoreEvent
+from support.kube._names import check_labels, check_name, version_priority
 from support.kube._patches import json_patch, merge_patch, strategic_merge_patch
 from support.kube._paths import Route, parse_route
 from support.kube._schema import apply_schema
@@ -285,3 +286,66 @@ def test_schema_rejects_invalid_values_naming_the_field(spec: dict[str, Any], fi
         apply_schema({"metadata": {"name": "n"}, "spec": spec}, SCHEMA, "X.x")
     assert error.value.status == 422
     assert f'X.x "n" is invalid: {field}: Invalid value' in str(error.value.message)
+
+
+@pytest.mark.parametrize(
+    ("plural", "name", "is_valid"),
+    [
+        ("configmaps", "a.b-c", True),
+        ("configmaps", "A", False),
+        ("configmaps", "a_b", False),
+        ("configmaps", "a" * 254, False),
+        ("services", "web-1", True),
+        ("services", "1web", False),
+        ("services", "a.b", False),
+        ("namespaces", "a" * 64, False),
+    ],
+    ids=[
+        "subdomain",
+        "upper-case",
+        "underscore",
+        "too-long",
+        "service",
+        "service-digit-first",
+        "service-dot",
+        "namespace-too-long",
+    ],
+)
+def test_object_names(plural: str, name: str, is_valid: bool) -> None:
+    if is_valid:
+        check_name(plural, name)
+    else:
+        with pytest.raises(KubernetesError, match=r"metadata\.name"):
+            check_name(plural, name)
+
+
+@pytest.mark.parametrize(
+    ("labels", "is_valid"),
+    [
+        ({"app.kubernetes.io/managed-by": "herd", "herd.dev/role": "unified", "empty": ""}, True),
+        ({"k": "v" * 64}, False),
+        ({"k": "-v"}, False),
+        ({"Bad_Prefix/k": "v"}, False),
+        ({"k" * 64: "v"}, False),
+    ],
+    ids=["valid", "value-too-long", "value-starts-with-dash", "bad-prefix", "name-too-long"],
+)
+def test_labels(labels: dict[str, str], is_valid: bool) -> None:
+    if is_valid:
+        check_labels(labels)
+    else:
+        with pytest.raises(KubernetesError, match=r"metadata\.labels"):
+            check_labels(labels)
+
+
+def test_version_priority_prefers_ga_then_beta_then_alpha() -> None:
+    versions = ["v1alpha1", "v2beta1", "v1", "foo", "v1beta2", "v2", "v1beta1"]
+    assert sorted(versions, key=version_priority) == [
+        "v2",
+        "v1",
+        "v2beta1",
+        "v1beta2",
+        "v1beta1",
+        "v1alpha1",
+        "foo",
+    ]

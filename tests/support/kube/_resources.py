@@ -10,6 +10,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._names import version_priority
+
 __all__ = ["BUILTIN_TYPES", "Registry", "ResourceType", "ScalePaths", "types_from_crd"]
 
 CRD_GROUP = "apiextensions.k8s.io"
@@ -209,10 +211,8 @@ class Registry:
         return matches[0]
 
     def groups(self) -> dict[str, list[str]]:
-        """Each API group with its versions, the preferred (first declared) version first."""
-        result: dict[str, list[str]] = {}
+        """Each API group with its versions, the preferred version (GA over beta over alpha) first."""
+        result: dict[str, set[str]] = {}
         for rtype in self:
-            versions = result.setdefault(rtype.group, [])
-            if rtype.version not in versions:
-                versions.append(rtype.version)
-        return result
+            result.setdefault(rtype.group, set()).add(rtype.version)
+        return {group: sorted(versions, key=version_priority) for group, versions in result.items()}

@@ -17,6 +17,7 @@ from typing import Any
 from ._errors import already_exists, bad_request, conflict, invalid, not_found
 from ._events import EventLog, StoreEvent
 from ._meta import carry_server_fields, is_spec_changed, new_name, now, stamp_new
+from ._names import check_labels, check_name
 from ._resources import CRD_GROUP, Registry, ResourceType, types_from_crd
 from ._schema import apply_schema
 from ._selectors import Selector
@@ -78,6 +79,7 @@ class Store:
         new = change(copy.deepcopy(old))
         _check_identity(rtype, new, old)
         _check_precondition(rtype, new, old)
+        check_labels(new["metadata"].get("labels") or {})
         new = _restrict_to_subresource(rtype, new, old, subresource)
         carry_server_fields(new, old)
         new["metadata"]["resourceVersion"] = old["metadata"]["resourceVersion"]
@@ -123,6 +125,8 @@ class Store:
         if name is None:
             raise invalid(f"{rtype.kind}: metadata.name or metadata.generateName is required")
         meta["name"] = name
+        check_name(rtype.plural, name)
+        check_labels(meta.get("labels") or {})
         if not rtype.is_namespaced:
             meta.pop("namespace", None)
         elif namespace and meta.setdefault("namespace", namespace) != namespace:
