@@ -100,6 +100,11 @@ def condition(kube: Emulator, md: str, kind: str) -> dict[str, Any]:
     return next((c for c in conditions if c["type"] == kind), {})
 
 
+def events(kube: Emulator, md: str) -> set[tuple[str, str]]:
+    found = kube.list("events", "default")
+    return {(e["type"], e["reason"]) for e in found if e.get("involvedObject", {}).get("name") == md}
+
+
 def start_pods(kube: Emulator, deployment: str, count: int, *, first_ip: int = 1) -> list[str]:
     """What the Deployment controller and kubelet would do: pods from the template, then Ready."""
     template = kube.get("deployments.apps", deployment)["spec"]["template"]
@@ -156,6 +161,9 @@ def test_replicas_updates_patch_the_deployment(kube: Emulator) -> None:
         lambda: children(kube, "scaled")["Deployment/scaled-workers"]["spec"]["replicas"] == 1, "scaled to 1"
     )
     assert children(kube, "scaled")["Deployment/scaled-workers"]["metadata"]["uid"] == uid
+    eventually(
+        lambda: {("Normal", "Created"), ("Normal", "Updated")} <= events(kube, "scaled"), "Events posted"
+    )
 
 
 def test_manual_edits_of_owned_fields_are_reverted(kube: Emulator) -> None:
@@ -237,6 +245,7 @@ def test_invalid_spec_sets_invalid_spec_and_the_operator_keeps_going(kube: Emula
     assert ready["status"] == "False"
     assert "spec.prefill" in ready["message"] and "spec.decode" in ready["message"]
     assert not children(kube, "broken")
+    eventually(lambda: ("Warning", "InvalidSpec") in events(kube, "broken"), "a Warning Event")
     apply(kube, manifest("fine"))
     eventually(lambda: len(children(kube, "fine")) == 2, "a valid one still reconciles")
     apply(

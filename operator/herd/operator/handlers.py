@@ -15,14 +15,13 @@ kopf's own bookkeeping lives in annotations (``operator.herd.dev/...``), never i
 from __future__ import annotations
 
 import copy
-import logging
 from typing import Any
 
 import kopf
 
 from herd.api.crd import GROUP, PLURAL, VERSION
 from herd.api.protocol import LABEL_DEPLOYMENT, LABEL_MANAGED_BY, MANAGED_BY
-from herd.operator.kube import KubeApi, load_connection
+from herd.operator.kube import KubeApi, KubeError, load_connection
 from herd.operator.reconcile import Reconciler
 from herd.operator.settings import OperatorConfig
 
@@ -41,7 +40,6 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
     )
-    settings.posting.level = logging.WARNING  # herd posts its own Events for transitions
     memo.connection = load_connection(config.kubeconfig)
     memo.reconciler = Reconciler(KubeApi(memo.connection.http_client()), config.plan)
 
@@ -62,7 +60,10 @@ async def close(memo: kopf.Memo, **_: Any) -> None:
 @kopf.on.create(*_MD, registry=registry)
 @kopf.on.update(*_MD, registry=registry)
 async def reconcile(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
-    outcome = await memo.reconciler.reconcile(_raw(body), logger)
+    try:
+        outcome = await memo.reconciler.reconcile(_raw(body), logger)
+    except KubeError as error:  # a conflict or an API hiccup: the next pass starts from fresh reads
+        raise kopf.TemporaryError(str(error), delay=memo.config.retry_delay) from error
     if not outcome.is_ready:
         raise kopf.TemporaryError(f"waiting for ready pods: {outcome.waiting}", delay=memo.config.retry_delay)
 

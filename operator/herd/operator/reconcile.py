@@ -11,7 +11,6 @@ pass is queued fold into it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import logging
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from herd.api.manifest import format_validation_error
 from herd.api.protocol import LABEL_DEPLOYMENT, LABEL_MANAGED_BY, MANAGED_BY
 from herd.operator.drift import is_drifted, replacement
 from herd.operator.events import announce_transitions
-from herd.operator.kube import KubeApi
+from herd.operator.kube import KubeApi, KubeError
 from herd.operator.plan import ANNOTATION_SPEC_HASH, DesiredObject, plan, selector_string
 from herd.operator.settings import PlanSettings
 from herd.operator.status import invalid_status, plan_status
@@ -41,7 +40,6 @@ Change = Literal["created", "updated", "reverted", "unchanged"]
 class Outcome:
     is_ready: bool
     waiting: str
-    changes: dict[str, Change]
 
 
 class Reconciler:
@@ -72,9 +70,12 @@ class Reconciler:
             self._queued.discard(key)
             body = await self.api.get(API_VERSION, PLURAL, namespace, name)
             if body is not None:
-                # An invalid spec is already reported in the status and as an event.
-                with contextlib.suppress(kopf.PermanentError):
+                try:
                     await self._pass(body, logger)
+                except kopf.PermanentError:
+                    pass  # An invalid spec is already reported in the status and as an event.
+                except KubeError as error:
+                    logger.warning(f"{error}; the next event of {namespace}/{name} retries the pass")
 
     def is_own_write(self, child: Object) -> bool:
         """Whether ``child`` is exactly the version this operator last wrote (its own watch echo)."""
@@ -115,7 +116,7 @@ class Reconciler:
             for name, pool in status["pools"].items()
             if _is_short(pool, desired.replicas[name])
         ]
-        return Outcome(is_ready=not waiting, waiting=", ".join(waiting), changes=changes)
+        return Outcome(is_ready=not waiting, waiting=", ".join(waiting))
 
     async def _parse(self, body: Object) -> ModelDeployment:
         try:
