@@ -28,6 +28,21 @@ def _configmap(name: str, **labels: str) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name, "labels": labels}}
 
 
+def _deployment(name: str, replicas: int) -> dict[str, Any]:
+    labels = {"app": name}
+    spec = {"containers": [{"name": "main", "image": "busybox"}]}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": labels},
+            "template": {"metadata": {"labels": labels}, "spec": spec},
+        },
+    }
+
+
 @pytest.mark.parametrize("spelling", ["true", "1", "True"], ids=["kubectl", "one", "python-client"])
 def test_watch_spellings_start_with_what_exists(kube: Emulator, spelling: str) -> None:
     kube.create(_configmap("a"))
@@ -226,17 +241,7 @@ def test_kmock_reactions_inject_faults_and_record_requests(kube: Emulator) -> No
 
 
 def test_deployment_status_follows_ready_pods(kube: Emulator) -> None:
-    deployment = {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": "d"},
-        "spec": {
-            "replicas": 2,
-            "selector": {"matchLabels": {"app": "d"}},
-            "template": {"metadata": {"labels": {"app": "d"}}, "spec": {"containers": []}},
-        },
-    }
-    kube.create(deployment)
+    kube.create(_deployment("d", replicas=2))
     for name in ("d-1", "d-2"):
         kube.create(pod(name, app="d"))
     kube.create(pod("other", app="x"))
@@ -246,6 +251,23 @@ def test_deployment_status_follows_ready_pods(kube: Emulator) -> None:
     assert kube.get("pods", "d-1")["status"]["podIP"] == "127.0.0.2"
     kube.set_pod_ready("default", "d-2")
     assert kube.sync_deployment_status("default", "d")["status"]["readyReplicas"] == 2
+
+
+def test_run_deployment_makes_owned_ready_pods_and_follows_scale(kube: Emulator) -> None:
+    kube.create(_deployment("d", replicas=3))
+    started = kube.run_deployment("default", "d", pod_ips=["127.0.0.2", "127.0.0.3"])
+    assert [(p["metadata"]["name"], p["status"]["podIP"]) for p in started] == [
+        ("d-0", "127.0.0.2"),
+        ("d-1", "127.0.0.3"),
+        ("d-2", "127.0.0.1"),
+    ]
+    assert started[0]["metadata"]["labels"] == {"app": "d"}
+    assert kube.get("deployments.apps", "d")["status"]["readyReplicas"] == 3
+    kube.patch("deployments.apps", "d", {"spec": {"replicas": 1}})
+    assert [p["metadata"]["name"] for p in kube.run_deployment("default", "d", ready=False)] == ["d-0"]
+    assert kube.get("deployments.apps", "d")["status"]["readyReplicas"] == 0
+    kube.delete("deployments.apps", "d")
+    assert kube.list("pods") == []
 
 
 def test_stopping_ends_open_watches_promptly(tmp_path_factory: pytest.TempPathFactory) -> None:

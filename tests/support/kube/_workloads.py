@@ -6,12 +6,13 @@ The emulator runs no controllers; tests call these (through ``Emulator.set_pod_r
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from ._meta import now
 from ._selectors import parse_label_selector, selector_to_string
 
-__all__ = ["deployment_status", "is_pod_ready", "pod_status"]
+__all__ = ["deployment_status", "is_pod_ready", "pod_from_template", "pod_status", "selects"]
 
 
 def _container_status(container: dict[str, Any], is_ready: bool, stamp: str) -> dict[str, Any]:
@@ -55,15 +56,36 @@ def is_pod_ready(pod: dict[str, Any]) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
 
+def selects(deployment: dict[str, Any], pod: dict[str, Any]) -> bool:
+    """Whether the Deployment's selector takes this live (not terminating) pod."""
+    selector = parse_label_selector(selector_to_string(deployment.get("spec", {}).get("selector", {})))
+    is_live = not pod["metadata"].get("deletionTimestamp")
+    return is_live and selector.matches(pod["metadata"].get("labels", {}))
+
+
+def pod_from_template(deployment: dict[str, Any], name: str) -> dict[str, Any]:
+    """A pod as the ReplicaSet controller would make it: the template, owned by the Deployment."""
+    meta, template = deployment["metadata"], deployment["spec"]["template"]
+    owner = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+    pod_meta = {
+        **copy.deepcopy(template.get("metadata", {})),
+        "name": name,
+        "namespace": meta["namespace"],
+        "ownerReferences": [owner],
+    }
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": pod_meta, "spec": copy.deepcopy(template["spec"])}
+
+
 def deployment_status(deployment: dict[str, Any], pods: list[dict[str, Any]]) -> dict[str, Any]:
     """Counts from the live pods that match the Deployment's selector (no ReplicaSets in between)."""
-    selector = parse_label_selector(selector_to_string(deployment.get("spec", {}).get("selector", {})))
-    owned = [
-        pod
-        for pod in pods
-        if selector.matches(pod["metadata"].get("labels", {}))
-        and not pod["metadata"].get("deletionTimestamp")
-    ]
+    owned = [pod for pod in pods if selects(deployment, pod)]
     ready = sum(is_pod_ready(pod) for pod in owned)
     wanted = deployment.get("spec", {}).get("replicas", 1)
     available = {

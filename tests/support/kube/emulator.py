@@ -8,9 +8,11 @@ Helpers run their store operations on the server's event loop, so watches see th
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
+import itertools
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -24,7 +26,7 @@ from ._resources import ResourceType
 from ._router import Router
 from ._selectors import parse_field_selector, parse_label_selector
 from ._store import Store
-from ._workloads import deployment_status, pod_status
+from ._workloads import deployment_status, pod_from_template, pod_status, selects
 
 if TYPE_CHECKING:
     import kopf
@@ -241,6 +243,36 @@ class Emulator:
         deployment = self.get("deployments.apps", name, namespace)
         status = deployment_status(deployment, self.list("pods", namespace))
         return self.patch("deployments.apps", name, {"status": status}, namespace, subresource="status")
+
+    def run_deployment(
+        self, namespace: str, name: str, *, ready: bool = True, pod_ips: Sequence[str] = ()
+    ) -> builtins.list[dict[str, Any]]:
+        """One step of the controllers the emulator lacks: make the Deployment's pods match spec.replicas.
+
+        Missing pods are created from the template as ``NAME-0``, ``NAME-1``, ... (owned by the Deployment, so
+        deleting it deletes them), surplus ones deleted from the highest name down, every remaining pod marked
+        Ready (or not) with its address from ``pod_ips`` in name order (127.0.0.1 beyond it), then the status
+        synced. Call it again after a scale; template changes do not replace pods. Returns the pods by name.
+        """
+        deployment = self.get("deployments.apps", name, namespace)
+        current = self._pod_names(deployment)
+        wanted = deployment["spec"].get("replicas", 1)
+        for surplus in current[wanted:]:
+            self.delete("pods", surplus, namespace)
+        free = [
+            f"{name}-{index}" for index in range(wanted + len(current)) if f"{name}-{index}" not in current
+        ]
+        for pod_name in free[: max(wanted - len(current), 0)]:
+            self.create(pod_from_template(deployment, pod_name))
+        ips = itertools.chain(pod_ips, itertools.repeat("127.0.0.1"))
+        pods = [(pod_name, next(ips)) for pod_name in self._pod_names(deployment)]
+        started = [self.set_pod_ready(namespace, pod_name, ready, pod_ip=ip) for pod_name, ip in pods]
+        self.sync_deployment_status(namespace, name)
+        return started
+
+    def _pod_names(self, deployment: dict[str, Any]) -> builtins.list[str]:
+        pods = self.list("pods", deployment["metadata"]["namespace"])
+        return sorted(pod["metadata"]["name"] for pod in pods if selects(deployment, pod))
 
     # Clients.
 
