@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import statistics
@@ -171,12 +172,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench/results/routing.json"))
     args = parser.parse_args(argv)
+    load_before = os.getloadavg()[0]
     results = [measure(name, n, args.decisions, args.seed) for n in args.workers for name in STRATEGIES]
     command = " ".join([".venv/bin/python bench/routing_decision.py", *sys.argv[1:]])
-    report = {"command": command, "python": platform.python_version(), "machine": platform.machine()}
+    report = {
+        "command": command,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "load_average_1m_before_after": [load_before, os.getloadavg()[0]],
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({**report, "results": results}, indent=2) + "\n")
     print(markdown(results, command))
+    print(f"load average (1 min) before / after: {load_before:.1f} / {os.getloadavg()[0]:.1f}")
     return 0 if all(row["wall_meets_target"] for row in results) else 1
 
 

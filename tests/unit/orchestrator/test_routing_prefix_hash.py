@@ -81,6 +81,16 @@ def test_unhealthy_or_forgotten_workers_move_only_their_own_keys() -> None:
     assert moved
 
 
+def test_a_joining_worker_takes_keys_only_for_itself() -> None:
+    strategy = _prefix_hash()
+    prompts = [prompt_hashes(seed, 64) for seed in range(80)]
+    before = [_pick(strategy, views(*IDS), hashes).id for hashes in prompts]
+    after = [_pick(strategy, views(*IDS, "w8"), hashes).id for hashes in prompts]
+    moved = [new for old, new in zip(before, after, strict=True) if old != new]
+    assert moved
+    assert set(moved) == {"w8"}
+
+
 def _hammer(
     strategy: RoutingStrategy, prompts: list[list[int]], *, num_in_flight: int, steps: int
 ) -> list[str]:

@@ -67,13 +67,11 @@ class KVCacheAware(RoutingStrategy):
         cap = bounded_load_cap(workers, self._load_factor)
         matched = self._kv_index.match(ctx.block_hashes) if ctx.block_hashes else {}
         cache_unit = self._cache_weight / len(ctx.block_hashes) if ctx.block_hashes else 0.0
-        reported = [w.num_running + w.num_waiting for w in workers]
         requests = [
-            r if r > w.num_in_flight else w.num_in_flight for w, r in zip(workers, reported, strict=True)
+            r if (r := w.num_running + w.num_waiting) > w.num_in_flight else w.num_in_flight for w in workers
         ]
         scale = math.ceil(self._load_factor * (sum(requests) + 1) / len(workers))
         queued_scale = scale * max(len(ctx.token_ids), 1)
-        queued = [w.num_waiting_prefill_tokens for w in workers]
         load_unit = self._load_weight / 3
         # Inline conditionals instead of min() or helper calls: a call per worker costs more than the
         # arithmetic, and this runs for every worker on every request.
@@ -82,10 +80,14 @@ class KVCacheAware(RoutingStrategy):
             - load_unit
             * (
                 (r / scale if r < scale else 1.0)
-                + (q / queued_scale if q < queued_scale else 1.0)
+                + (
+                    w.num_waiting_prefill_tokens / queued_scale
+                    if w.num_waiting_prefill_tokens < queued_scale
+                    else 1.0
+                )
                 + w.kv_usage
             )
             if w.num_in_flight < cap
             else -math.inf
-            for w, r, q in zip(workers, requests, queued, strict=True)
+            for w, r in zip(workers, requests, strict=True)
         ]
