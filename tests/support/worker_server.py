@@ -8,16 +8,36 @@ number ``fail_at_step`` raises.
 
 from __future__ import annotations
 
+import contextlib
+import json
+import subprocess
+import sys
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import httpx
+
+from herd.api.crd import EngineSpec
 from herd.api.prompt import PromptRenderer
 from herd.api.protocol import KVEvent, KVSnapshot, LoadReport, WorkerInfo
+from herd.worker.config import EngineConfig
 from herd.worker.outputs import RequestOutput
 from herd.worker.sampling_params import SamplingParams
+from support.procs import free_port, running, wait_until
 
-__all__ = ["ScriptedEngine", "ScriptedStats"]
+__all__ = [
+    "ScriptedEngine",
+    "ScriptedStats",
+    "WorkerProcess",
+    "engine_config",
+    "metric_value",
+    "sse_data",
+    "worker_argv",
+    "worker_process",
+]
 
 
 @dataclass
@@ -118,3 +138,77 @@ class ScriptedEngine:
         return KVSnapshot(
             epoch="e1", seq=self._seq, block_size=16, block_hashes=list(range(1, self._seq + 1))
         )
+
+
+def engine_config(model_path: Path, **engine: Any) -> EngineConfig:
+    """A small CPU engine for tests: short context, a small KV pool; ``engine`` adds camelCase fields."""
+    spec = {"device": "cpu", "maxModelLen": 256, "kvCache": {"blockSize": 16, "memoryGiB": 0.02}, **engine}
+    return EngineConfig(model_path=model_path, served_name="tiny", engine=EngineSpec.model_validate(spec))
+
+
+def sse_data(text: str) -> list[Any]:
+    """The ``data:`` payloads of an SSE body, JSON-decoded except the final ``[DONE]``."""
+    payloads = [line.removeprefix("data: ") for line in text.splitlines() if line.startswith("data: ")]
+    return [payload if payload == "[DONE]" else json.loads(payload) for payload in payloads]
+
+
+@dataclass(frozen=True)
+class WorkerProcess:
+    url: str
+    internal_url: str
+    process: subprocess.Popen[bytes]
+
+
+@contextlib.contextmanager
+def worker_process(model_path: Path, *, log: Path, token: str, **flags: str) -> Iterator[WorkerProcess]:
+    """A ``herd worker`` subprocess on free loopback ports, ready to serve; stopped by its pid."""
+    port, internal_port = free_port(), free_port()
+    argv = worker_argv(model_path, port=port, internal_port=internal_port, token=token, **flags)
+    with running(argv, log=log) as process:
+        url = f"http://127.0.0.1:{port}"
+
+        def is_ready() -> bool:
+            assert process.poll() is None, f"herd worker exited early; see {log}"
+            return httpx.get(f"{url}/ready", timeout=2).status_code == 200
+
+        wait_until(is_ready, timeout=120, interval=0.2, what=f"herd worker (pid {process.pid}) ready")
+        yield WorkerProcess(url, f"http://127.0.0.1:{internal_port}", process)
+
+
+def worker_argv(model_path: Path, *, port: int, internal_port: int, token: str, **flags: str) -> list[str]:
+    """``herd worker`` as a subprocess command line, on a small CPU engine; ``flags`` add ``--name value``."""
+    argv = [
+        sys.executable,
+        "-m",
+        "herd.cli.main",
+        "worker",
+        "--model",
+        str(model_path),
+        "--served-name",
+        "tiny",
+        "--port",
+        str(port),
+        "--internal-port",
+        str(internal_port),
+        "--internal-token",
+        token,
+        "--device",
+        "cpu",
+        "--max-model-len",
+        "512",
+        "--kv-memory-gib",
+        "0.05",
+        "--log-level",
+        "WARNING",
+    ]
+    for name, value in flags.items():
+        argv += [f"--{name.replace('_', '-')}", value]
+    return argv
+
+
+def metric_value(text: str, name: str) -> float:
+    """The first sample of ``name`` in a Prometheus text page."""
+    for line in text.splitlines():
+        if line.startswith((f"{name}{{", f"{name} ")):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(f"{name} is not on the metrics page")
