@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -98,26 +99,40 @@ def _time_first_byte(client: httpx.Client, url: str) -> float:
     return elapsed
 
 
-def measure(worker: str, gateway: str, num_requests: int) -> dict[str, object]:
+def _cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of a process so far (load-independent, unlike wall time)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(worker: str, gateway: str, pids: tuple[int, int], num_requests: int) -> dict[str, object]:
+    """Interleaved direct and gateway timings; CPU per request of the gateway and, for scale, of the
+    fake worker (which answers both the direct and the proxied request of each pair)."""
+    gateway_pid, worker_pid = pids
     timers = {"non_streaming": _time_full, "streaming_first_byte": _time_first_byte}
-    samples: dict[str, dict[str, list[float]]] = {name: {"direct": [], "gateway": []} for name in timers}
+    results: dict[str, object] = {}
     with httpx.Client() as client:
         for name, timer in timers.items():
             for _ in range(50):  # warm-up: connections, code paths
                 timer(client, worker), timer(client, gateway)
+            direct, through = [], []
+            cpu_before = _cpu_seconds(gateway_pid), _cpu_seconds(worker_pid)
             for _ in range(num_requests):
-                samples[name]["direct"].append(timer(client, worker))
-                samples[name]["gateway"].append(timer(client, gateway))
-    return {name: _summary(pair) for name, pair in samples.items()}
+                direct.append(timer(client, worker))
+                through.append(timer(client, gateway))
+            gateway_ms = (_cpu_seconds(gateway_pid) - cpu_before[0]) / num_requests * 1000
+            worker_ms = (_cpu_seconds(worker_pid) - cpu_before[1]) / (2 * num_requests) * 1000
+            results[name] = {
+                **_summary(direct, through),
+                "gateway_cpu_ms_per_request": round(gateway_ms, 3),
+                "fake_worker_cpu_ms_per_request": round(worker_ms, 3),
+            }
+    return results
 
 
-def _summary(pair: dict[str, list[float]]) -> dict[str, object]:
-    added = [g - d for d, g in zip(pair["direct"], pair["gateway"], strict=True)]
-    return {
-        "direct": _percentiles(pair["direct"]),
-        "gateway": _percentiles(pair["gateway"]),
-        "added": _percentiles(added),
-    }
+def _summary(direct: list[float], through: list[float]) -> dict[str, object]:
+    added = [g - d for d, g in zip(direct, through, strict=True)]
+    return {"direct": _percentiles(direct), "gateway": _percentiles(through), "added": _percentiles(added)}
 
 
 def main() -> int:
@@ -163,6 +178,7 @@ def main() -> int:
         results = measure(
             f"{worker_url}/v1/chat/completions",
             f"http://127.0.0.1:{gateway_port}/v1/chat/completions",
+            (gateway.pid, fake.pid),
             args.requests,
         )
     finally:
@@ -171,7 +187,9 @@ def main() -> int:
     report = {
         "requests_per_case": args.requests,
         "python": platform.python_version(),
-        "upstream": "fake loopback worker",
+        "cpus": os.cpu_count(),
+        "load_average_1m": os.getloadavg()[0],
+        "upstream": "fake loopback worker (raw asyncio HTTP/1.1, no model)",
         **results,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

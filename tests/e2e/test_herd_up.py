@@ -23,7 +23,7 @@ pytestmark = pytest.mark.e2e
 MODEL = "tiny"
 
 
-def write_manifest(folder: Path, model: Path, *, replicas: int = 2, strategy: str = "least_request") -> Path:
+def write_manifest(folder: Path, model: Path, *, replicas: int = 2, strategy: str = "kv_cache_aware") -> Path:
     path = folder / "tiny.yaml"
     path.write_text(
         f"""apiVersion: herd.dev/v1alpha1
@@ -57,10 +57,22 @@ def herd_up(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Itera
     """One ``herd up`` for the module (workers take a while to load); the kill test runs last."""
     tmp_path = tmp_path_factory.mktemp("herd-up")
     port = free_port()
-    argv = [sys.executable, "-m", "herd.cli.main", "up", str(write_manifest(tmp_path, tiny_llama)), "--port", str(port),
-            "--log-dir", str(tmp_path / "logs"), "--ready-timeout", "120"]
+    argv = [
+        sys.executable,
+        "-m",
+        "herd.cli.main",
+        "up",
+        str(write_manifest(tmp_path, tiny_llama)),
+        "--port",
+        str(port),
+        "--log-dir",
+        str(tmp_path / "logs"),
+        "--ready-timeout",
+        "120",
+    ]
     log = tmp_path / "up.log"
     with running(argv, log=log, env={"OMP_NUM_THREADS": "1"}) as process:
+
         def ready() -> bool:
             assert process.poll() is None, f"herd up exited: {log.read_text()[-2000:]}"
             return httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200
@@ -70,10 +82,18 @@ def herd_up(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Itera
     assert "herd is up" in log.read_text()
 
 
+def busy_workers(up: Up) -> list[str]:
+    rows = httpx.get(f"{up.base_url}/dashboard/data").json()["workers"]
+    return [row["id"] for row in rows if row["in_flight"] > 0]
+
+
 def stream_finish(client: openai.OpenAI, prompt: str, max_tokens: int) -> str | None:
     """Stream a chat completion to its end; the last finish_reason (random tiny weights: the text is noise)."""
     stream = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, stream=True,
+        model=MODEL,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=max_tokens,
+        stream=True,
         extra_body={"ignore_eos": True},
     )
     reasons = [chunk.choices[0].finish_reason for chunk in stream if chunk.choices]
@@ -85,15 +105,41 @@ def test_openai_sdk_streams_through_the_gateway(herd_up: Up) -> None:
     assert [model.id for model in client.models.list()] == [MODEL]
     assert stream_finish(client, "Hello there", 8) == "length"
     response = httpx.post(
-        f"{herd_up.base_url}/v1/completions", json={"model": MODEL, "prompt": "abc", "max_tokens": 4}, timeout=30
+        f"{herd_up.base_url}/v1/completions",
+        json={"model": MODEL, "prompt": "abc", "max_tokens": 4},
+        timeout=30,
     )
     assert response.status_code == 200 and response.headers[WORKER_HEADER].startswith("tiny-workers-")
     assert len(herd_up.worker_pids()) == 2
 
 
+def test_gateway_block_hashes_match_the_workers(herd_up: Up) -> None:
+    """The index holds the hashes workers publish; a predicted hit means the gateway computed the same ones."""
+    prompt = " ".join(f"word{number}" for number in range(60))
+    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 2}
+    first = httpx.post(f"{herd_up.base_url}/v1/chat/completions", json=body, timeout=60)
+    assert first.status_code == 200
+    wait_until(
+        lambda: any(
+            row["kv_blocks_indexed"] > 0
+            for row in httpx.get(f"{herd_up.base_url}/dashboard/data").json()["workers"]
+        ),
+        timeout=10,
+        what="the worker's KV events reaching the index",
+    )
+    second = httpx.post(f"{herd_up.base_url}/v1/chat/completions", json=body, timeout=60)
+    assert second.headers[WORKER_HEADER] == first.headers[WORKER_HEADER]
+    metrics = httpx.get(f"{herd_up.base_url}/metrics").text
+    hit_sum = next(
+        float(line.split()[-1])
+        for line in metrics.splitlines()
+        if line.startswith("herd_router_predicted_cache_hit_blocks_sum")
+    )
+    assert hit_sum >= 1
+
+
 def test_killing_a_worker_loses_no_unstarted_request(herd_up: Up) -> None:
     client = herd_up.client()
-    victim_pid = herd_up.worker_pids()["tiny-workers-0"]
 
     def in_flight_outcome(number: int) -> str:
         try:
@@ -104,9 +150,8 @@ def test_killing_a_worker_loses_no_unstarted_request(herd_up: Up) -> None:
 
     with ThreadPoolExecutor(max_workers=4) as pool:
         long_streams = [pool.submit(in_flight_outcome, number) for number in range(4)]
-        wait_until(lambda: httpx.get(f"{herd_up.base_url}/dashboard/data").json()["workers"][0]["in_flight"] > 0,
-                   timeout=30, what="a stream in flight on worker 0")
-        os.kill(victim_pid, signal.SIGKILL)
+        wait_until(lambda: bool(busy_workers(herd_up)), timeout=30, what="a stream in flight")
+        os.kill(herd_up.worker_pids()[busy_workers(herd_up)[0]], signal.SIGKILL)
         after_kill = [stream_finish(client, f"short {number}", 4) for number in range(6)]
         outcomes = [future.result(timeout=120) for future in long_streams]
     assert after_kill == ["length"] * 6
