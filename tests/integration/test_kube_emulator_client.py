@@ -193,6 +193,34 @@ def test_finalizers_hold_deletion_until_removed(kube: Emulator, api: kubernetes.
     assert kube.find("configmaps", "held") is None
 
 
+def test_no_new_finalizers_on_a_deleting_object(kube: Emulator, api: kubernetes.client.ApiClient) -> None:
+    core = kubernetes.client.CoreV1Api(api)
+    core.create_namespaced_config_map("default", {"metadata": {"name": "held", "finalizers": ["a.dev/x"]}})
+    core.delete_namespaced_config_map("held", "default")
+    with pytest.raises(ApiException) as added:
+        core.patch_namespaced_config_map(
+            "held", "default", {"metadata": {"finalizers": ["a.dev/x", "a.dev/y"]}}
+        )
+    assert added.value.status == 422
+    assert kube.get("configmaps", "held")["metadata"]["finalizers"] == ["a.dev/x"]
+
+
+def test_delete_preconditions_must_match(kube: Emulator, api: kubernetes.client.ApiClient) -> None:
+    core = kubernetes.client.CoreV1Api(api)
+    created = core.create_namespaced_config_map("default", {"metadata": {"name": "cm"}})
+    stale = kubernetes.client.V1DeleteOptions(preconditions=kubernetes.client.V1Preconditions(uid="other"))
+    with pytest.raises(ApiException) as failed:
+        core.delete_namespaced_config_map("cm", "default", body=stale)
+    assert failed.value.status == 409 and kube.find("configmaps", "cm") is not None
+    current = kubernetes.client.V1Preconditions(
+        uid=created.metadata.uid, resource_version=created.metadata.resource_version
+    )
+    core.delete_namespaced_config_map(
+        "cm", "default", body=kubernetes.client.V1DeleteOptions(preconditions=current)
+    )
+    assert kube.find("configmaps", "cm") is None
+
+
 def test_deleting_an_owner_collects_its_dependents(kube: Emulator, api: kubernetes.client.ApiClient) -> None:
     core = kubernetes.client.CoreV1Api(api)
     owner = core.create_namespaced_config_map("default", {"metadata": {"name": "owner"}})

@@ -132,7 +132,7 @@ class Router:
     def _delete_collection(self, request: kmock.Request, route: Route, rtype: ResourceType) -> Reply:
         deleted = [
             self.store.delete(
-                rtype, obj["metadata"].get("namespace"), obj["metadata"]["name"], _propagation(request)
+                rtype, obj["metadata"].get("namespace"), obj["metadata"]["name"], *_delete_options(request)
             )
             for obj in self._selected(request, route, rtype)
         ]
@@ -183,7 +183,7 @@ class Router:
         return self._create(request, route, rtype)
 
     def _delete(self, request: kmock.Request, route: Route, rtype: ResourceType) -> Reply:
-        return 200, self.store.delete(rtype, route.namespace, str(route.name), _propagation(request))
+        return 200, self.store.delete(rtype, route.namespace, str(route.name), *_delete_options(request))
 
     # Watches.
 
@@ -202,11 +202,13 @@ class Router:
         return response
 
 
-def _propagation(request: kmock.Request) -> str:
+def _delete_options(request: kmock.Request) -> tuple[str, dict[str, Any]]:
+    """Propagation policy (query or DeleteOptions body; ``orphanDependents`` too) and preconditions."""
     options = request.data if isinstance(request.data, dict) else {}
-    if options.get("orphanDependents") is True:
-        return "Orphan"
-    return str(request.params.get("propagationPolicy") or options.get("propagationPolicy") or "Background")
+    policy = request.params.get("propagationPolicy") or options.get("propagationPolicy") or "Background"
+    return ("Orphan" if options.get("orphanDependents") is True else str(policy)), options.get(
+        "preconditions", {}
+    )
 
 
 def _resource_version(text: str | None) -> int | None:

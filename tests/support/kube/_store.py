@@ -11,7 +11,7 @@ its types. Not thread-safe: the emulator calls it from its event loop only.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ._errors import already_exists, bad_request, conflict, invalid, not_found
@@ -79,6 +79,7 @@ class Store:
         new = change(copy.deepcopy(old))
         _check_identity(rtype, new, old)
         _check_precondition(rtype, new, old)
+        _check_finalizers(new, old)
         check_labels(new["metadata"].get("labels") or {})
         new = _restrict_to_subresource(rtype, new, old, subresource)
         carry_server_fields(new, old)
@@ -95,9 +96,17 @@ class Store:
         return _present(rtype, new)
 
     def delete(
-        self, rtype: ResourceType, namespace: str | None, name: str, propagation: str = "Background"
+        self,
+        rtype: ResourceType,
+        namespace: str | None,
+        name: str,
+        propagation: str = "Background",
+        preconditions: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
+        """Delete now, or mark for deletion while finalizers remain; ``preconditions`` (uid, resourceVersion)
+        must match the object, as in DeleteOptions."""
         obj = self._find(rtype, namespace, name)
+        _check_delete_preconditions(rtype, obj, preconditions or {})
         if not obj["metadata"].get("finalizers"):
             return _present(rtype, self._remove(rtype, obj, propagation))
         if obj["metadata"].get("deletionTimestamp"):
@@ -257,6 +266,27 @@ def _check_precondition(rtype: ResourceType, new: dict[str, Any], old: dict[str,
     if wanted is not None and str(wanted) != old["metadata"]["resourceVersion"]:
         why = "the object has been modified; please apply your changes to the latest version and try again"
         raise conflict(rtype.plural, old["metadata"]["name"], why)
+
+
+def _check_finalizers(new: dict[str, Any], old: dict[str, Any]) -> None:
+    if not old["metadata"].get("deletionTimestamp"):
+        return
+    added = set(new["metadata"].get("finalizers") or ()) - set(old["metadata"].get("finalizers") or ())
+    if added:
+        raise invalid(
+            f"metadata.finalizers: Forbidden: no new finalizers can be added if the object is being "
+            f"deleted, found new finalizers {sorted(added)}"
+        )
+
+
+def _check_delete_preconditions(
+    rtype: ResourceType, obj: dict[str, Any], preconditions: Mapping[str, Any]
+) -> None:
+    for field in ("uid", "resourceVersion"):
+        wanted, actual = preconditions.get(field), obj["metadata"][field]
+        if wanted is not None and wanted != actual:
+            why = f"Precondition failed: {field} in precondition: {wanted}, {field} in object meta: {actual}"
+            raise conflict(rtype.plural, obj["metadata"]["name"], why)
 
 
 def _restrict_to_subresource(
