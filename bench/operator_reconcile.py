@@ -30,12 +30,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
 from support.kube.emulator import Emulator, kube_emulator  # noqa: E402
+from support.operator_harness import install_crd  # noqa: E402
 from support.procs import free_port, running, wait_until  # noqa: E402
 
 __all__ = ["main"]
@@ -112,7 +112,7 @@ def run(repeats: int, count: int, workdir: Path) -> dict[str, Any]:
     herd = shutil.which("herd") or str(REPO / ".venv" / "bin" / "herd")
     port = free_port()
     with kube_emulator(workdir / "kube") as kube:
-        kube.create(yaml.safe_load((REPO / "crds" / "herd.dev_modeldeployments.yaml").read_text()))
+        install_crd(kube)
         argv = [herd, "operator", "-n", "default", "--standalone", "--kubeconfig", str(kube.kubeconfig),
                 "--liveness", f"http://127.0.0.1:{port}/healthz", "--log-level", "WARNING"]  # fmt: skip
         with running(argv, log=workdir / "operator.log") as operator:

@@ -8,9 +8,6 @@ worker Pods a Deployment controller would, and mark them Ready as a kubelet woul
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import subprocess
-import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,56 +15,24 @@ from typing import Any
 import pytest
 import yaml
 from support.kube.emulator import Emulator, kube_emulator
+from support.operator_harness import embedded_operator, install_crd, kubectl
 from support.procs import wait_until
 
-from herd.operator.runner import run_operator
-from herd.operator.settings import OperatorConfig
 from herd.orchestrator.discovery import Membership
 from herd.orchestrator.kube_discovery import KubeSource
 
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
-CRD = REPO / "crds" / "herd.dev_modeldeployments.yaml"
 TIMEOUT = 20.0
-
-
-@contextlib.contextmanager
-def embedded_operator(kube: Emulator, namespace: str = "default") -> Iterator[None]:
-    stop, ready = threading.Event(), threading.Event()
-    config = OperatorConfig(kubeconfig=str(kube.kubeconfig), retry_delay=1.0)
-    main = run_operator(config, namespaces=[namespace], standalone=True, stop_flag=stop, ready_flag=ready)
-    thread = threading.Thread(target=asyncio.run, args=(main,), name="operator", daemon=True)
-    thread.start()
-    try:
-        assert ready.wait(TIMEOUT), "the operator did not become ready"
-        yield
-    finally:
-        stop.set()
-        thread.join(TIMEOUT)
 
 
 @pytest.fixture(scope="module")
 def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
     with kube_emulator(tmp_path_factory.mktemp("kube")) as emulator:
-        emulator.create(yaml.safe_load(CRD.read_text()))
+        install_crd(emulator)
         with embedded_operator(emulator):
             yield emulator
-
-
-def kubectl(kube: Emulator, *args: str, stdin: str | None = None) -> str:
-    # A private discovery cache: a cache left by an earlier emulator on the same port would lack the CRD.
-    argv = [
-        "kubectl",
-        "--kubeconfig",
-        str(kube.kubeconfig),
-        "--cache-dir",
-        str(kube.workdir / "kubectl"),
-        *args,
-    ]
-    done = subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=TIMEOUT, check=False)
-    assert done.returncode == 0, f"{' '.join(args)}: {done.stderr}"
-    return done.stdout
 
 
 def apply(kube: Emulator, manifest: dict[str, Any]) -> None:
@@ -259,7 +224,7 @@ def test_invalid_spec_sets_invalid_spec_and_the_operator_keeps_going(kube: Emula
 
 def test_operator_restart_creates_no_duplicates(tmp_path: Path) -> None:
     with kube_emulator(tmp_path) as kube:
-        kube.create(yaml.safe_load(CRD.read_text()))
+        install_crd(kube)
         apply(kube, manifest("steady"))
         with embedded_operator(kube):
             eventually(lambda: len(children(kube, "steady")) == 2, "children created")

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import shutil
-import subprocess
 from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 from support.kube.emulator import kube_emulator
+from support.operator_harness import install_crd, kubectl
 from support.procs import free_port, running, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -21,7 +20,7 @@ def test_herd_operator_process_reconciles_and_reports_liveness(tmp_path: Path) -
     herd = shutil.which("herd") or str(REPO / ".venv" / "bin" / "herd")
     port = free_port()
     with kube_emulator(tmp_path / "kube") as kube:
-        kube.create(yaml.safe_load((REPO / "crds" / "herd.dev_modeldeployments.yaml").read_text()))
+        install_crd(kube)
         argv = [herd, "operator", "-n", "default", "--standalone", "--kubeconfig", str(kube.kubeconfig),
                 "--liveness", f"http://127.0.0.1:{port}/healthz", "--worker-image", "me/worker:7"]  # fmt: skip
         with running(argv, log=tmp_path / "operator.log") as process:
@@ -30,9 +29,7 @@ def test_herd_operator_process_reconciles_and_reports_liveness(tmp_path: Path) -
                 timeout=30,
                 what="liveness",
             )
-            apply = ["kubectl", "--kubeconfig", str(kube.kubeconfig), "--cache-dir", str(tmp_path / "kubectl"), "apply", "--validate=false", "-f", str(REPO / "examples" / "smollm2.yaml")]  # fmt: skip
-            done = subprocess.run(apply, capture_output=True, text=True, timeout=20, check=False)
-            assert done.returncode == 0, done.stderr
+            kubectl(kube, "apply", "--validate=false", "-f", str(REPO / "examples" / "smollm2.yaml"))
             wait_until(
                 lambda: kube.find("deployments.apps", "smollm2-workers") is not None,
                 timeout=20,

@@ -1,0 +1,57 @@
+"""Running herd's operator against the Kubernetes API emulator in tests and benchmarks."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import yaml
+
+from herd.operator.runner import run_operator
+from herd.operator.settings import OperatorConfig
+from support.kube.emulator import Emulator
+
+__all__ = ["CRD", "embedded_operator", "install_crd", "kubectl"]
+
+CRD = Path(__file__).resolve().parents[2] / "crds" / "herd.dev_modeldeployments.yaml"
+TIMEOUT_S = 20.0
+
+
+def install_crd(kube: Emulator) -> None:
+    kube.create(yaml.safe_load(CRD.read_text()))
+
+
+@contextlib.contextmanager
+def embedded_operator(kube: Emulator, namespace: str = "default") -> Iterator[None]:
+    """kopf in a thread with its own event loop, serving ``namespace``; stopped through its stop flag."""
+    stop, ready = threading.Event(), threading.Event()
+    config = OperatorConfig(kubeconfig=str(kube.kubeconfig), retry_delay=1.0)
+    main = run_operator(config, namespaces=[namespace], standalone=True, stop_flag=stop, ready_flag=ready)
+    thread = threading.Thread(target=asyncio.run, args=(main,), name="operator", daemon=True)
+    thread.start()
+    try:
+        assert ready.wait(TIMEOUT_S), "the operator did not become ready"
+        yield
+    finally:
+        stop.set()
+        thread.join(TIMEOUT_S)
+
+
+def kubectl(kube: Emulator, *args: str, stdin: str | None = None) -> str:
+    """Run kubectl against the emulator; asserts success and returns stdout."""
+    # A private discovery cache: a cache left by an earlier emulator on the same port would lack the CRD.
+    argv = [
+        "kubectl",
+        "--kubeconfig",
+        str(kube.kubeconfig),
+        "--cache-dir",
+        str(kube.workdir / "kubectl"),
+        *args,
+    ]
+    done = subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
+    assert done.returncode == 0, f"kubectl {' '.join(args)}: {done.stderr}"
+    return done.stdout
