@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from contextlib import AbstractAsyncContextManager, nullcontext
 from typing import Any
 
 import httpx
@@ -97,14 +98,17 @@ class _Run:
             await self._one()
 
     async def _open_loop(self, rate: float) -> None:
-        limit = asyncio.Semaphore(self.config.concurrency or 1_000_000)
+        concurrency = self.config.concurrency
+        limit: AbstractAsyncContextManager[Any] = (
+            asyncio.Semaphore(concurrency) if concurrency else nullcontext()
+        )
         tasks: list[asyncio.Task[None]] = []
         while self._take():
             tasks.append(asyncio.create_task(self._limited(limit)))
             await asyncio.sleep(self.rng.expovariate(rate))
         await asyncio.gather(*tasks)
 
-    async def _limited(self, limit: asyncio.Semaphore) -> None:
+    async def _limited(self, limit: AbstractAsyncContextManager[Any]) -> None:
         async with limit:
             await self._one()
 
