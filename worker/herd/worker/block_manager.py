@@ -99,14 +99,43 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks, tail first; hashed blocks stay in the cache until evicted."""
-        for block_id in reversed(seq.block_table):
+        self.release(seq.block_table)
+        seq.block_table = []
+
+    def release(self, block_ids: list[int]) -> None:
+        """Drop one reference on each of ``block_ids``, tail first, so shared prefixes survive longest."""
+        for block_id in reversed(block_ids):
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block_id] = None
                 if block.block_hash is None:
                     self._free.move_to_end(block_id, last=False)
-        seq.block_table = []
+
+    def hold_prefix(self, block_hashes: list[BlockHash]) -> list[int]:
+        """Take a reference on the leading run of ``block_hashes`` still cached (a KV lease); their ids."""
+        held: list[int] = []
+        for block_hash in block_hashes:
+            block_id = self.cached.get(block_hash)
+            if block_id is None:
+                break
+            self._take(block_id)
+            held.append(block_id)
+        return held
+
+    def import_block(self, block_hash: BlockHash, token_ids: list[int]) -> int | None:
+        """Register a block received from a peer under ``block_hash``, held once; ``None`` if cached or full.
+
+        The caller writes the block's KV, then ``release``s it: it stays cached, most recently used.
+        """
+        if not self.enable_prefix_caching or block_hash in self.cached or not self._free:
+            return None
+        block_id = self._take_fresh()
+        block = self.blocks[block_id]
+        block.block_hash, block.token_ids = block_hash, list(token_ids)
+        self.cached[block_hash] = block_id
+        self.events.record("stored", [block_hash])
+        return block_id
 
     def commit(self, seq: Sequence) -> None:
         """Register ``seq``'s newly computed full blocks in the prefix cache."""

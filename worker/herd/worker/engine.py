@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from herd.api.kv_hash import root_hash
+from herd.api.kv_hash import BlockHash, root_hash
 from herd.api.prompt import PromptRenderer
 from herd.api.protocol import KVEvent, KVSnapshot, LoadReport, WorkerInfo
 from herd.worker.block_manager import BlockManager
@@ -218,6 +218,40 @@ class LLMEngine:
             block_size=self.block_manager.block_size,
             block_hashes=self.block_manager.cached_hashes(),
         )
+
+    # Disaggregation: whole KV blocks leave a prefill engine and enter a decode engine's cache.
+
+    def hold_prefix(self, block_hashes: list[BlockHash]) -> list[int]:
+        """Hold the leading run of ``block_hashes`` still cached until ``release_blocks``; their ids."""
+        return self.block_manager.hold_prefix(block_hashes)
+
+    def release_blocks(self, block_ids: list[int]) -> None:
+        self.block_manager.release(block_ids)
+
+    def missing_blocks(self, block_hashes: list[BlockHash]) -> list[int]:
+        """Indexes of the ``block_hashes`` this engine's prefix cache does not hold."""
+        cached = self.block_manager.cached
+        return [index for index, block_hash in enumerate(block_hashes) if block_hash not in cached]
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A CPU copy of the blocks' KV: ``[layers, 2, len(block_ids), block_size, kv_heads, head_dim]``."""
+        return self.runner.kv_cache[:, :, block_ids].cpu()
+
+    def write_blocks(
+        self, block_hashes: list[BlockHash], token_blocks: list[list[int]], kv: torch.Tensor
+    ) -> int:
+        """Import peer blocks (KV laid out as ``read_blocks`` gives it) into the prefix cache.
+
+        Blocks already cached here are skipped; returns how many were imported.
+        """
+        imported: list[int] = []
+        for index, (block_hash, token_ids) in enumerate(zip(block_hashes, token_blocks, strict=True)):
+            block_id = self.block_manager.import_block(block_hash, token_ids)
+            if block_id is not None:
+                self.runner.kv_cache[:, :, block_id].copy_(kv[:, :, index])
+                imported.append(block_id)
+        self.block_manager.release(imported)
+        return len(imported)
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]

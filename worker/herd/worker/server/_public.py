@@ -55,6 +55,7 @@ def build_public_app(engine: AsyncEngine, options: PublicOptions) -> FastAPI:
     app = FastAPI(title="herd worker", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(RequestIdMiddleware)
     metrics = WorkerMetrics(engine, options.served_name)
+    app.state.metrics = metrics  # disaggregation registers its transfer metrics here
     install_error_handlers(app, metrics.observe_rejected)
     routes = _PublicRoutes(engine, options, metrics)
     app.add_api_route("/v1/chat/completions", routes.chat, methods=["POST"])

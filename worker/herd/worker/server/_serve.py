@@ -20,6 +20,7 @@ from fastapi import FastAPI
 from herd.worker.async_engine import AsyncEngine, EngineCore
 from herd.worker.config import EngineConfig
 from herd.worker.engine import LLMEngine
+from herd.worker.server._disagg_setup import attach_disaggregation
 from herd.worker.server._internal import build_internal_app
 from herd.worker.server._public import PublicOptions, build_public_app
 
@@ -54,7 +55,8 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
 async def _serve(factory: Callable[[], EngineCore], served_name: str, options: ServeOptions) -> int:
     engine = AsyncEngine(factory)
     public = build_public_app(engine, PublicOptions(served_name, options.max_body_bytes))
-    internal = build_internal_app(engine, options.internal_token)
+    disagg = attach_disaggregation(public, engine, options.internal_token)
+    internal = build_internal_app(engine, options.internal_token, routers=[disagg.router])
     servers = [
         _server(public, options.host, options.port),
         _server(internal, options.host, options.internal_port),
@@ -65,6 +67,7 @@ async def _serve(factory: Callable[[], EngineCore], served_name: str, options: S
     await asyncio.gather(*(server.serve() for server in servers))
     watcher.cancel()
     await engine.stop()
+    await disagg.http.aclose()
     logger.info("worker stopped")
     return 1 if engine.error is not None and not stopping.is_set() else 0
 

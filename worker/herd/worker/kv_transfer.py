@@ -1,0 +1,216 @@
+"""Moving KV blocks between workers: the transfer interface and its HTTP implementation.
+
+A decode worker pulls the blocks it lacks from the prefill worker that holds them under a lease.
+``KVTransfer`` is the interface (a NIXL/UCX or RDMA transport can implement it later);
+``HttpKVTransfer`` speaks the internal protocol's ``kv_blocks`` and ``kv_release`` paths. A block
+frame is ``MAGIC | uint32 header length | JSON header | raw tensor bytes``: the header names the
+layout, the block hashes and the tensor shape, the bytes are the KV as the pool stores it, so no
+tensor ever goes through JSON. Both sides compare layouts (model, dtype, block size, layers, KV
+heads, head dim) and refuse a mismatch with ``KVLayoutError``.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Protocol
+
+import httpx
+import torch
+from pydantic import BaseModel
+
+from herd.api.kv_hash import BlockHash
+from herd.api.protocol import INTERNAL_PATHS, TOKEN_HEADER, WorkerInfo
+
+__all__ = [
+    "FRAME_MEDIA_TYPE",
+    "BlockRequest",
+    "HttpKVTransfer",
+    "KVLayout",
+    "KVLayoutError",
+    "KVSource",
+    "KVTransfer",
+    "KVTransferError",
+    "ReleaseRequest",
+    "check_layout",
+    "decode_frame",
+    "encode_frame",
+]
+
+FRAME_MEDIA_TYPE = "application/x-herd-kv-blocks"
+_MAGIC = b"HKV1"
+_LENGTH = struct.Struct("<I")
+
+
+class KVTransferError(RuntimeError):
+    """The blocks could not be fetched (peer gone, lease expired); the caller prefills locally."""
+
+
+class KVLayoutError(ValueError):
+    """Two workers store KV blocks differently; moving blocks between them would corrupt outputs."""
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """What must agree between two workers for a block to mean the same on both."""
+
+    model: str
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, info: WorkerInfo) -> KVLayout:
+        return cls(**{field.name: getattr(info, field.name) for field in fields(cls)})
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        dtype = getattr(torch, self.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise KVLayoutError(f"unknown KV dtype {self.dtype!r} in a block frame")
+        return dtype
+
+
+def check_layout(local: KVLayout, remote: KVLayout, *, peer: str) -> None:
+    """Raise ``KVLayoutError`` naming every field where ``remote`` differs from ``local``."""
+    ours, theirs = asdict(local), asdict(remote)
+    diffs = [f"{name} {theirs[name]!r} != {ours[name]!r}" for name in ours if ours[name] != theirs[name]]
+    if diffs:
+        raise KVLayoutError(
+            f"KV layout of {peer} differs from this worker's ({'; '.join(diffs)}): prefill and decode "
+            "pools must run the same model with the same engine.dtype and kvCache.blockSize"
+        )
+
+
+class BlockRequest(BaseModel):
+    """Body of ``POST kv_blocks``: which leased blocks to send, and the asking worker's layout."""
+
+    remote_request_id: str
+    block_hashes: list[BlockHash]
+    layout: dict[str, Any]
+
+
+class ReleaseRequest(BaseModel):
+    remote_request_id: str
+
+
+class _FrameHeader(BaseModel):
+    layout: dict[str, Any]
+    block_hashes: list[BlockHash]
+    shape: list[int]
+
+
+def encode_frame(layout: KVLayout, block_hashes: list[BlockHash], kv: torch.Tensor) -> bytes:
+    """One block frame; ``kv`` is ``[layers, 2, blocks, block_size, kv_heads, head_dim]``."""
+    kv = kv.contiguous()
+    header = _FrameHeader(layout=asdict(layout), block_hashes=block_hashes, shape=list(kv.shape))
+    encoded = header.model_dump_json().encode()
+    return _MAGIC + _LENGTH.pack(len(encoded)) + encoded + kv.view(torch.uint8).numpy().tobytes()
+
+
+def decode_frame(payload: bytes) -> tuple[KVLayout, list[BlockHash], torch.Tensor]:
+    """The layout, block hashes and KV tensor of a frame; ``KVTransferError`` if it is malformed."""
+    start = len(_MAGIC) + _LENGTH.size
+    if len(payload) < start or not payload.startswith(_MAGIC):
+        raise KVTransferError("the peer sent no herd KV block frame (bad magic): is it a herd worker?")
+    (length,) = _LENGTH.unpack_from(payload, len(_MAGIC))
+    header = _FrameHeader.model_validate_json(payload[start : start + length])
+    layout = KVLayout(**header.layout)
+    raw = bytearray(payload[start + length :])
+    expected = layout.torch_dtype.itemsize * _product(header.shape)
+    if len(raw) != expected:
+        raise KVTransferError(f"the block frame holds {len(raw)} tensor bytes, its header says {expected}")
+    kv = torch.frombuffer(raw, dtype=torch.uint8).view(layout.torch_dtype).reshape(header.shape)
+    return layout, header.block_hashes, kv
+
+
+def _product(values: list[int]) -> int:
+    result = 1
+    for value in values:
+        result *= value
+    return result
+
+
+@dataclass(frozen=True, slots=True)
+class KVSource:
+    """Where leased blocks are: the prefill worker's internal address and its lease id."""
+
+    host: str
+    port: int
+    request_id: str
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+class KVTransfer(Protocol):
+    """Fetches leased blocks from a peer and ends the lease; implementations may use any transport."""
+
+    async def fetch(
+        self, source: KVSource, block_hashes: list[BlockHash], layout: KVLayout
+    ) -> tuple[KVLayout, torch.Tensor]:
+        """The KV of ``block_hashes`` (in order) and the peer's layout; raises ``KVTransferError``."""
+        ...
+
+    async def release(self, source: KVSource) -> None:
+        """End the lease (best effort: an unreleased lease expires on its own)."""
+        ...
+
+
+class HttpKVTransfer:
+    """``KVTransfer`` over the internal HTTP port, in block frames."""
+
+    def __init__(self, http: httpx.AsyncClient, token: str, *, timeout_s: float = 30.0) -> None:
+        self.http = http
+        self.headers = {TOKEN_HEADER: token}
+        self.timeout = httpx.Timeout(timeout_s, connect=2.0)
+
+    async def fetch(
+        self, source: KVSource, block_hashes: list[BlockHash], layout: KVLayout
+    ) -> tuple[KVLayout, torch.Tensor]:
+        body = BlockRequest(
+            remote_request_id=source.request_id, block_hashes=block_hashes, layout=asdict(layout)
+        )
+        try:
+            response = await self.http.post(
+                source.base_url + INTERNAL_PATHS.kv_blocks,
+                content=body.model_dump_json(),
+                headers={**self.headers, "content-type": "application/json"},
+                timeout=self.timeout,
+            )
+        except httpx.HTTPError as error:
+            raise KVTransferError(f"prefill worker {source.base_url} unreachable: {error}") from error
+        if response.status_code == httpx.codes.CONFLICT:
+            raise KVLayoutError(_error_message(response))
+        if response.status_code != httpx.codes.OK:
+            raise KVTransferError(
+                f"prefill worker {source.base_url} answered {response.status_code}: "
+                f"{_error_message(response)}"
+            )
+        remote, hashes, kv = decode_frame(response.content)
+        check_layout(layout, remote, peer=f"prefill worker {source.base_url}")
+        if hashes != block_hashes:
+            raise KVTransferError(f"prefill worker {source.base_url} sent other blocks than asked for")
+        return remote, kv
+
+    async def release(self, source: KVSource) -> None:
+        body = ReleaseRequest(remote_request_id=source.request_id)
+        try:
+            await self.http.post(
+                source.base_url + INTERNAL_PATHS.kv_release,
+                content=body.model_dump_json(),
+                headers={**self.headers, "content-type": "application/json"},
+                timeout=self.timeout,
+            )
+        except httpx.HTTPError:
+            return  # the lease expires on its own and is counted there
+
+
+def _error_message(response: httpx.Response) -> str:
+    try:
+        return str(response.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return response.text[:200]

@@ -1,0 +1,237 @@
+"""Disaggregation on the internal port: prefill for a remote decode, leased block export, release.
+
+``POST prefill`` takes an OpenAI chat or completion body flagged ``kv_transfer_params.do_remote_decode``,
+computes the prompt's KV and first token, holds the prompt's full blocks under a lease and answers
+the ``kv_transfer_params`` a decode worker needs (vLLM's field names). ``POST kv_blocks`` sends
+leased blocks in a block frame (``herd.worker.kv_transfer``), refusing a foreign layout with 409.
+``POST kv_release`` ends a lease. Leases that nobody releases expire: a sweep task releases their
+blocks and counts them in ``herd_kv_leases_expired_total``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+import torch
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from pydantic import BaseModel, ValidationError
+
+from herd.api import metrics as names
+from herd.api.kv_hash import BlockHash, block_hashes
+from herd.api.openai import ChatCompletionRequest, CompletionRequest
+from herd.api.protocol import INTERNAL_PATHS, KVTransferParams
+from herd.worker.async_engine import AsyncEngine, EngineCore
+from herd.worker.kv_lease import DEFAULT_LEASE_SECONDS, MAX_LEASE_SECONDS, Lease, LeaseTable
+from herd.worker.kv_transfer import (
+    FRAME_MEDIA_TYPE,
+    BlockRequest,
+    KVLayout,
+    KVLayoutError,
+    ReleaseRequest,
+    check_layout,
+    encode_frame,
+)
+from herd.worker.sampling_params import SamplingParams
+from herd.worker.server._errors import ApiError
+from herd.worker.server._params import chat_prompt, completion_prompts
+
+__all__ = ["DisaggMetrics", "KVBlockStore", "PrefillService", "block_store", "request_prompt"]
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=BaseModel)
+
+_FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+_MAX_SWEEP_WAIT_S = 0.5
+_TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+@runtime_checkable
+class KVBlockStore(Protocol):
+    """What disaggregation needs from the engine beyond ``EngineCore`` (``LLMEngine`` has it)."""
+
+    def hold_prefix(self, block_hashes: list[BlockHash]) -> list[int]: ...
+
+    def release_blocks(self, block_ids: list[int]) -> None: ...
+
+    def missing_blocks(self, block_hashes: list[BlockHash]) -> list[int]: ...
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor: ...
+
+    def write_blocks(
+        self, block_hashes: list[BlockHash], token_blocks: list[list[int]], kv: torch.Tensor
+    ) -> int: ...
+
+
+def block_store(core: EngineCore) -> KVBlockStore:
+    if not isinstance(core, KVBlockStore):
+        raise ApiError(501, "this worker's engine cannot move KV blocks; run herd's LLMEngine")
+    return core
+
+
+class DisaggMetrics:
+    """KV transfer counters, registered on the worker's ``/metrics`` registry."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self.model_name = model_name
+        labels = ("model_name", "direction")
+        self.bytes = Counter(names.HERD_KV_TRANSFER_BYTES_TOTAL, "KV bytes moved.", labels, registry=registry)
+        self.blocks = Counter(
+            names.HERD_KV_TRANSFER_BLOCKS_TOTAL, "KV blocks moved.", labels, registry=registry
+        )
+        self.seconds = Histogram(
+            names.HERD_KV_TRANSFER_SECONDS,
+            "Time to pull and import one request's KV blocks.",
+            ("model_name",),
+            buckets=_TRANSFER_BUCKETS,
+            registry=registry,
+        )
+        self.leases_expired = Counter(
+            names.HERD_KV_LEASES_EXPIRED_TOTAL,
+            "KV leases freed unclaimed.",
+            ("model_name",),
+            registry=registry,
+        )
+
+    def moved(self, direction: str, num_blocks: int, num_bytes: int) -> None:
+        self.blocks.labels(self.model_name, direction).inc(num_blocks)
+        self.bytes.labels(self.model_name, direction).inc(num_bytes)
+
+
+def request_prompt(engine: AsyncEngine, payload: dict[str, Any]) -> list[int]:
+    """The one prompt of an OpenAI chat or completion body, as the public handlers tokenize it."""
+    renderer = engine.renderer
+    try:
+        if "messages" in payload:
+            return chat_prompt(renderer, ChatCompletionRequest.model_validate(payload))
+        prompts = completion_prompts(renderer, CompletionRequest.model_validate(payload))
+    except ValidationError as error:
+        raise ApiError(400, f"invalid request: {error.errors(include_url=False)[0]['msg']}") from None
+    if len(prompts) != 1:
+        raise ApiError(400, "a disaggregated request carries exactly one prompt", param="prompt")
+    return prompts[0]
+
+
+class PrefillService:
+    """The prefill side: the lease table, its expiry sweep and the three internal routes."""
+
+    def __init__(self, engine: AsyncEngine, metrics: DisaggMetrics) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.leases = LeaseTable()
+        self._sweeper: asyncio.Task[None] | None = None
+
+    def router(self) -> APIRouter:
+        router = APIRouter()
+        router.add_api_route(INTERNAL_PATHS.prefill, self.prefill, methods=["POST"])
+        router.add_api_route(INTERNAL_PATHS.kv_blocks, self.blocks, methods=["POST"])
+        router.add_api_route(INTERNAL_PATHS.kv_release, self.release, methods=["POST"])
+        return router
+
+    async def prefill(self, request: Request) -> KVTransferParams:
+        payload = _json_object(await request.body())
+        params = KVTransferParams.model_validate(payload.get("kv_transfer_params") or {})
+        self._check_model(payload)
+        prompt = request_prompt(self.engine, payload)
+        salt = payload.get("cache_salt")
+        request_id = f"prefill-{uuid.uuid4().hex}"
+        first = [output async for output in self.engine.generate(request_id, prompt, _FIRST_TOKEN, salt)][-1]
+        info = self.engine.info
+        hashes = block_hashes(prompt, info.block_size, model_id=info.model, cache_salt=salt)
+        held = await self.engine.call(lambda core: block_store(core).hold_prefix(hashes))
+        seconds = min(params.lease_seconds or DEFAULT_LEASE_SECONDS, MAX_LEASE_SECONDS)
+        self.leases.add(request_id, held, hashes[: len(held)], seconds)
+        self._ensure_sweeper()
+        return KVTransferParams(
+            do_remote_prefill=True,
+            remote_engine_id=info.epoch,
+            remote_block_ids=held,
+            remote_block_hashes=hashes[: len(held)],
+            remote_host=request.url.hostname,
+            remote_port=request.url.port or 80,
+            remote_request_id=request_id,
+            lease_seconds=seconds,
+            first_token_ids=first.new_token_ids,
+            num_prompt_tokens=first.num_prompt_tokens,
+            num_cached_tokens=first.num_cached_tokens,
+        )
+
+    def _check_model(self, payload: dict[str, Any]) -> None:
+        served = self.engine.info.model
+        if payload.get("model") != served:
+            raise ApiError(
+                404, f"model {payload.get('model')!r} is not served here; this worker serves {served!r}"
+            )
+
+    async def blocks(self, request: Request) -> Response:
+        body = _parse(BlockRequest, await request.body())
+        local = KVLayout.of(self.engine.info)
+        try:
+            check_layout(local, KVLayout(**body.layout), peer="the decode worker")
+        except (KVLayoutError, TypeError) as error:
+            raise ApiError(409, str(error)) from None
+        block_ids = self._leased_ids(body)
+        kv = await self.engine.call(lambda core: block_store(core).read_blocks(block_ids))
+        frame = encode_frame(local, body.block_hashes, kv)
+        self.metrics.moved("sent", len(block_ids), kv.nbytes)
+        return Response(frame, media_type=FRAME_MEDIA_TYPE)
+
+    def _leased_ids(self, body: BlockRequest) -> list[int]:
+        lease = self.leases.get(body.remote_request_id)
+        block_ids = None if lease is None else lease.block_ids_for(body.block_hashes)
+        if block_ids is None:
+            raise ApiError(
+                404,
+                f"no live lease holds those blocks of request {body.remote_request_id!r} (expired or "
+                "released); prefill the request locally",
+            )
+        return block_ids
+
+    async def release(self, request: Request) -> dict[str, int]:
+        body = _parse(ReleaseRequest, await request.body())
+        lease = self.leases.pop(body.remote_request_id)
+        if lease is not None:
+            await self._free(lease)
+        return {"num_released_blocks": 0 if lease is None else len(lease.block_ids)}
+
+    async def _free(self, lease: Lease) -> None:
+        await self.engine.call(lambda core: block_store(core).release_blocks(lease.block_ids))
+
+    def _ensure_sweeper(self) -> None:
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = asyncio.create_task(self._sweep(), name="herd-kv-lease-sweep")
+
+    async def _sweep(self) -> None:
+        """Release expired leases until none is left (a new lease restarts the sweep)."""
+        while (expiry := self.leases.next_expiry()) is not None:
+            await asyncio.sleep(min(_MAX_SWEEP_WAIT_S, max(0.0, expiry - self.leases.clock())))
+            for lease in self.leases.pop_expired():
+                log.warning(
+                    "KV lease expired unclaimed; its blocks are freed",
+                    extra={"request_id": lease.request_id, "num_blocks": len(lease.block_ids)},
+                )
+                self.metrics.leases_expired.labels(self.metrics.model_name).inc()
+                await self._free(lease)
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        payload = json.loads(raw)
+    except ValueError as error:
+        raise ApiError(400, f"the request body is not valid JSON: {error}") from None
+    if not isinstance(payload, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return payload
+
+
+def _parse(model: type[M], raw: bytes) -> M:
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as error:
+        raise ApiError(400, f"invalid request: {error.errors(include_url=False)[0]['msg']}") from None

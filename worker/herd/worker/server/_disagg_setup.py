@@ -1,0 +1,44 @@
+"""Wiring disaggregation into a worker: the decode-side middleware and the prefill-side routes.
+
+Every worker gets both, whatever its role: a unified worker can then serve either phase, and the
+orchestrator alone decides who prefills and who decodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import httpx
+from fastapi import APIRouter, FastAPI
+
+from herd.worker.async_engine import AsyncEngine
+from herd.worker.kv_transfer import HttpKVTransfer
+from herd.worker.server._disagg import DisaggMetrics, PrefillService
+from herd.worker.server._metrics import WorkerMetrics
+from herd.worker.server._remote_prefill import RemotePrefill
+
+__all__ = ["Disaggregation", "attach_disaggregation"]
+
+
+@dataclass(frozen=True)
+class Disaggregation:
+    """What ``attach_disaggregation`` built: the internal router to mount and the client to close."""
+
+    router: APIRouter
+    http: httpx.AsyncClient
+    prefill: PrefillService
+
+
+def attach_disaggregation(
+    public: FastAPI, engine: AsyncEngine, token: str, *, http: httpx.AsyncClient | None = None
+) -> Disaggregation:
+    """Add the remote-prefill middleware to ``public``; the prefill routes are returned to mount.
+
+    ``http`` carries the KV pulls to peers (tests pass one with an in-process transport).
+    """
+    worker_metrics: WorkerMetrics = public.state.metrics
+    metrics = DisaggMetrics(worker_metrics.registry, worker_metrics.model_name)
+    http = http or httpx.AsyncClient(limits=httpx.Limits(max_connections=64))
+    public.add_middleware(RemotePrefill, engine=engine, transfer=HttpKVTransfer(http, token), metrics=metrics)
+    prefill = PrefillService(engine, metrics)
+    return Disaggregation(prefill.router(), http, prefill)
