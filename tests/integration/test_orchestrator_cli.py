@@ -1,0 +1,117 @@
+"""``herd orchestrator`` and ``herd up`` argument handling, and their errors, without starting workers."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from herd.api.crd import RoundRobinRouting
+from herd.api.manifest import parse_manifest
+from herd.cli.orchestrator import local_model_path, parse_worker
+from herd.cli.up import UpError, plan_workers
+from herd.orchestrator.discovery import ModelConfig, WorkerEndpoint
+
+ONE = [ModelConfig("m", RoundRobinRouting(strategy="round_robin"))]
+TWO = [*ONE, ModelConfig("n", RoundRobinRouting(strategy="round_robin"))]
+
+
+@pytest.mark.parametrize(
+    ("value", "models", "expected"),
+    [
+        (
+            "http://a:1,http://a:2",
+            ONE,
+            WorkerEndpoint("worker-0", "m", "http://a:1", "http://a:2", "unified"),
+        ),
+        (
+            "n=http://a:1/,http://a:2,decode",
+            TWO,
+            WorkerEndpoint("worker-0", "n", "http://a:1", "http://a:2", "decode"),
+        ),
+    ],
+    ids=["single-model", "named-model-and-role"],
+)
+def test_parse_worker(value: str, models: list[ModelConfig], expected: WorkerEndpoint) -> None:
+    assert parse_worker(value, models, 0) == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "models", "message"),
+    [
+        ("http://a:1", ONE, "expected [MODEL=]URL,INTERNAL_URL"),
+        ("http://a:1,http://a:2,boss", ONE, "expected [MODEL=]URL,INTERNAL_URL"),
+        ("http://a:1,http://a:2", TWO, "name its model"),
+    ],
+    ids=["no-internal-url", "bad-role", "ambiguous-model"],
+)
+def test_parse_worker_errors(value: str, models: list[ModelConfig], message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("[", r"\[")):
+        parse_worker(value, models, 0)
+
+
+def test_local_model_path_resolves_relative_sources(tmp_path: Path) -> None:
+    assert local_model_path("file://models/x", cwd=tmp_path) == tmp_path / "models" / "x"
+    assert local_model_path("file:///abs/x", cwd=tmp_path) == Path("/abs/x")
+    assert local_model_path("hf://Org/Name") is None
+
+
+def deployment(source: str, **spec: object) -> object:
+    return parse_manifest(
+        {
+            "apiVersion": "herd.dev/v1alpha1",
+            "kind": "ModelDeployment",
+            "metadata": {"name": "tiny"},
+            "spec": {"model": {"source": source}, **spec},
+        }
+    )
+
+
+def test_plan_workers_for_each_pool(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")  # planning only checks that a model folder is there
+    disaggregated = deployment(
+        f"file://{tmp_path}",
+        serving={"mode": "disaggregated"},
+        prefill={"replicas": 1},
+        decode={"replicas": 2},
+    )
+    workers = plan_workers(disaggregated, "secret")  # type: ignore[arg-type]
+    assert [(w.endpoint.id, w.endpoint.role) for w in workers] == [
+        ("tiny-prefill-0", "prefill"),
+        ("tiny-decode-0", "decode"),
+        ("tiny-decode-1", "decode"),
+    ]
+    assert len({w.port for w in workers}) == 3
+    argv = workers[0].argv
+    assert (
+        argv[argv.index("--internal-token") + 1] == "secret" and argv[argv.index("--role") + 1] == "prefill"
+    )
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [("hf://Org/Name", "herd up needs a local model"), ("file:///nonexistent", "holds no model")],
+    ids=["remote-source", "missing-folder"],
+)
+def test_plan_workers_rejects_unusable_sources(source: str, message: str) -> None:
+    with pytest.raises(UpError, match=message):
+        plan_workers(deployment(source), "t")  # type: ignore[arg-type]
+
+
+def test_herd_up_reports_a_remote_source_and_exits(tmp_path: Path) -> None:
+    manifest = tmp_path / "remote.yaml"
+    manifest.write_text(
+        "apiVersion: herd.dev/v1alpha1\nkind: ModelDeployment\nmetadata: {name: remote}\n"
+        "spec: {model: {source: 'hf://Org/Name'}}\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "herd.cli.main", "up", str(manifest), "--log-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 1
+    assert "herd up needs a local model" in result.stderr
