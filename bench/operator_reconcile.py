@@ -156,7 +156,12 @@ def main() -> None:
     results["command"] = (
         "python bench/operator_reconcile.py " + f"--repeats {args.repeats} --burst {args.burst}"
     )
-    results["machine"] = {"python": platform.python_version(), "cpus": os.cpu_count()}
+    load = [round(value, 1) for value in os.getloadavg()]
+    results["machine"] = {
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "load_avg_1_5_15": load,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps(results, indent=2))

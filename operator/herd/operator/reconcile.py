@@ -83,11 +83,12 @@ class Reconciler:
         version = self._written.get((child.get("kind", ""), meta.get("namespace", ""), meta.get("name", "")))
         return version is not None and version == meta.get("resourceVersion")
 
-    def _remember(self, written: Object | None) -> None:
+    def _remember(self, written: Object | None) -> Object | None:
         if written is not None:
             meta = written.get("metadata", {})
             key = (written.get("kind", ""), meta.get("namespace", ""), meta.get("name", ""))
             self._written[key] = meta.get("resourceVersion", "")
+        return written
 
     def _lock(self, namespace: str, name: str) -> asyncio.Lock:
         return self._locks.setdefault((namespace, name), asyncio.Lock())
@@ -98,25 +99,20 @@ class Reconciler:
         children = [copy.deepcopy(obj) for obj in desired.objects]
         owner = _as_kopf_body(body)
         kopf.adopt([obj.body for obj in children], owner=owner)
-        changes = {f"{obj.kind}/{obj.name}": await self._apply(obj, owner) for obj in children}
-        logger.info(
-            f"plan {desired.summary()}: "
-            + (
-                ", ".join(f"{key} {change}" for key, change in changes.items() if change != "unchanged")
-                or "no change"
-            )
-        )
-        observed = await self._observe(md)
-        status = plan_status(
-            md, desired, observed, body.get("status") or {}, now=_now(), settings=self.settings
-        )
+        applied = [(obj, *await self._apply(obj, owner)) for obj in children]
+        done = [f"{obj.kind}/{obj.name} {change}" for obj, change, _ in applied if change != "unchanged"]
+        (logger.info if done else logger.debug)(f"plan {desired.summary()}: {', '.join(done) or 'no change'}")
+        deployments = [current for obj, _, current in applied if obj.kind == "Deployment" and current]
+        pods = await self.api.list("v1", "pods", md.metadata.namespace, _owned_by(md.metadata.name))
+        previous = body.get("status") or {}
+        status = plan_status(md, desired, (pods, deployments), previous, now=_now(), settings=self.settings)
         await self._write_status(body, status)
-        waiting = [
+        short = [
             f"{name} {pool['ready']}"
             for name, pool in status["pools"].items()
             if _is_short(pool, desired.replicas[name])
         ]
-        return Outcome(is_ready=not waiting, waiting=", ".join(waiting))
+        return Outcome(is_ready=not short, waiting=", ".join(short))
 
     async def _parse(self, body: Object) -> ModelDeployment:
         try:
@@ -132,30 +128,26 @@ class Reconciler:
                 f"invalid ModelDeployment {meta['namespace']}/{meta['name']}: {message}"
             ) from None
 
-    async def _apply(self, obj: DesiredObject, owner: kopf.Body) -> Change:
+    async def _apply(self, obj: DesiredObject, owner: kopf.Body) -> tuple[Change, Object | None]:
+        """Create or replace ``obj`` as needed; returns what changed and the child as it now is."""
         namespace = obj.body["metadata"]["namespace"]
         observed = await self.api.get(obj.api_version, obj.plural, namespace, obj.name)
         if observed is None:
-            self._remember(await self.api.create(obj.api_version, obj.plural, obj.body))
+            created = self._remember(await self.api.create(obj.api_version, obj.plural, obj.body))
             kopf.info(owner, reason="Created", message=f"created {obj.kind}/{obj.name}")
-            return "created"
+            return "created", created
         if not is_drifted(observed, obj.body):
-            return "unchanged"
-        self._remember(await self.api.replace(obj.api_version, obj.plural, replacement(observed, obj.body)))
+            return "unchanged", observed
+        replaced = self._remember(
+            await self.api.replace(obj.api_version, obj.plural, replacement(observed, obj.body))
+        )
         if observed["metadata"].get("annotations", {}).get(ANNOTATION_SPEC_HASH) == obj.spec_hash:
             kopf.warn(
                 owner, reason="DriftReverted", message=f"reverted manual edits of {obj.kind}/{obj.name}"
             )
-            return "reverted"
+            return "reverted", replaced
         kopf.info(owner, reason="Updated", message=f"updated {obj.kind}/{obj.name} to the current spec")
-        return "updated"
-
-    async def _observe(self, md: ModelDeployment) -> tuple[list[Object], list[Object]]:
-        selector = selector_string({LABEL_MANAGED_BY: MANAGED_BY, LABEL_DEPLOYMENT: md.metadata.name})
-        namespace = md.metadata.namespace
-        pods = await self.api.list("v1", "pods", namespace, selector)
-        deployments = await self.api.list("apps/v1", "deployments", namespace, selector)
-        return pods, deployments
+        return "updated", replaced
 
     async def _write_status(self, body: Object, status: Object) -> None:
         previous = body.get("status") or {}
@@ -172,6 +164,10 @@ class Reconciler:
 
 def _as_kopf_body(body: Object) -> kopf.Body:
     return kopf.Body(cast("kopf.RawBody", body))
+
+
+def _owned_by(md_name: str) -> str:
+    return selector_string({LABEL_MANAGED_BY: MANAGED_BY, LABEL_DEPLOYMENT: md_name})
 
 
 def _is_short(pool: Object, desired: int) -> bool:
