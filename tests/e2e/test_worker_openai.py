@@ -179,23 +179,28 @@ def test_the_internal_port(worker: WorkerProcess) -> None:
     assert info["max_model_len"] == 512
 
 
-def test_a_client_disconnect_aborts_the_sequence(worker: WorkerProcess) -> None:
-    url = worker.url
-    generated_before = metric_value(httpx.get(f"{url}/metrics").text, "vllm:generation_tokens_total")
-    body = {"model": "tiny", "messages": HELLO, "max_tokens": 400, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=30) as response:
-        lines = response.iter_lines()
-        assert next(line for line in lines if line.startswith("data:"))
+@pytest.mark.parametrize("is_stream", [True, False], ids=["streaming", "whole-response"])
+def test_a_client_disconnect_aborts_the_sequence(worker: WorkerProcess, is_stream: bool) -> None:
+    generated_before = _metric(worker, "vllm:generation_tokens_total")
+    body = {"model": "tiny", "messages": HELLO, "max_tokens": 400, "ignore_eos": True, "stream": is_stream}
+    if is_stream:
+        with httpx.stream("POST", f"{worker.url}/v1/chat/completions", json=body, timeout=30) as response:
+            assert next(line for line in response.iter_lines() if line.startswith("data:"))
+    else:
+        wait_until(
+            lambda: _metric(worker, "vllm:num_requests_running") == 0, timeout=10, what="an idle worker"
+        )
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{worker.url}/v1/chat/completions", json=body, timeout=httpx.Timeout(30, read=1.0))
     # the connection is closed: the worker must drop the sequence long before its 400 tokens
-
-    def is_idle() -> bool:
-        return metric_value(httpx.get(f"{url}/metrics").text, "vllm:num_requests_running") == 0
-
-    wait_until(is_idle, timeout=10, what="vllm:num_requests_running back to 0")
-    generated = (
-        metric_value(httpx.get(f"{url}/metrics").text, "vllm:generation_tokens_total") - generated_before
+    wait_until(
+        lambda: _metric(worker, "vllm:num_requests_running") == 0, timeout=10, what="no running request"
     )
-    assert generated < 400
+    assert _metric(worker, "vllm:generation_tokens_total") - generated_before < 400
+
+
+def _metric(worker: WorkerProcess, name: str) -> float:
+    return metric_value(httpx.get(f"{worker.url}/metrics").text, name)
 
 
 def test_sigterm_drains_in_flight_work_then_exits(tiny_llama: Path, tmp_path: Path) -> None:

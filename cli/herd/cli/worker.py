@@ -44,7 +44,6 @@ def engine_spec(engine_json: str | None, overrides: dict[str, Any]) -> EngineSpe
 
 
 def run(args: argparse.Namespace) -> int:
-    configure_logging("worker", args.log_level)
     from herd.worker.config import EngineConfig
     from herd.worker.server import ServeOptions, serve
 
@@ -75,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         drain_timeout_s=args.drain_timeout,
     )
+    configure_logging("worker", args.log_level)
     return serve(config, options)
 
 
