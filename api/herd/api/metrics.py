@@ -41,6 +41,7 @@ HERD_ROUTER_E2E_SECONDS = "herd_router_e2e_request_latency_seconds"
 HERD_ROUTER_IN_FLIGHT = "herd_router_requests_in_flight"
 HERD_ROUTER_WORKERS = "herd_router_workers"
 HERD_ROUTER_CACHE_HIT_BLOCKS = "herd_router_predicted_cache_hit_blocks"
+HERD_ROUTER_PHASE_SECONDS = "herd_router_phase_seconds"
 
 WORKER_METRICS = (
     NUM_REQUESTS_RUNNING,
@@ -74,4 +75,5 @@ ORCHESTRATOR_METRICS = (
     HERD_ROUTER_IN_FLIGHT,
     HERD_ROUTER_WORKERS,
     HERD_ROUTER_CACHE_HIT_BLOCKS,
+    HERD_ROUTER_PHASE_SECONDS,
 )

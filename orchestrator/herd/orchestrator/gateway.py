@@ -18,6 +18,7 @@ from starlette.responses import Response
 
 from herd.api.kv_hash import block_hashes
 from herd.api.protocol import WORKER_HEADER
+from herd.orchestrator.disagg import TwoPhase
 from herd.orchestrator.proxy import RelayResponse, Upstream, open_upstream
 from herd.orchestrator.registry import Registry
 from herd.orchestrator.routing import RequestContext, WorkerView, healthy
@@ -58,6 +59,9 @@ class _Request:
     is_stream: bool
     ctx: RequestContext
     started: float = field(default_factory=time.perf_counter)
+    preferred_worker_id: str | None = None
+    """Tried first when open (the decode worker a disaggregated plan paired with its prefill)."""
+    prefill_seconds: float | None = None
 
 
 class Gateway:
@@ -75,6 +79,7 @@ class Gateway:
         self.telemetry = telemetry
         self.settings = settings or GatewaySettings()
         self.timeout = httpx.Timeout(self.settings.request_timeout, connect=self.settings.connect_timeout)
+        self.disagg = TwoPhase(registry, http, telemetry.registry, max_attempts=self.settings.max_attempts)
 
     async def forward(
         self, path: str, body: bytes, payload: dict[str, Any], headers: Mapping[str, str]
@@ -85,10 +90,19 @@ class Gateway:
         request = _Request(served, path, body, payload.get("stream") is True, ctx)
         self.telemetry.in_flight.labels(served.name).inc()
         try:
+            if served.config.mode == "disaggregated":
+                await self._hand_off(request, payload)
             return await self._attempt(request)
         except GatewayError as error:
             self._finish(request, None, error.status, None)
             raise
+
+    async def _hand_off(self, request: _Request, payload: dict[str, Any]) -> None:
+        """Run the prefill phase of a disaggregated model; the decode phase is the usual attempt."""
+        handoff = await self.disagg.plan(request.served, request.ctx, payload, request.body)
+        request.body, request.preferred_worker_id = handoff.body, handoff.decode_worker_id
+        if handoff.path == "remote_prefill":
+            request.prefill_seconds = handoff.prefill_seconds
 
     def _served(self, payload: dict[str, Any]) -> ServedModel:
         model = payload.get("model")
@@ -159,6 +173,8 @@ class Gateway:
         open_workers = [view for view in candidates if not limit or view.num_in_flight < limit]
         if not open_workers:
             raise self._busy(served)
+        if preferred := next((view for view in open_workers if view.id == request.preferred_worker_id), None):
+            return preferred
         started = time.perf_counter()
         choice = served.strategy.select(open_workers, request.ctx)
         self.telemetry.decision.labels(served.name).observe(time.perf_counter() - started)
@@ -195,6 +211,8 @@ class Gateway:
         if request.is_stream and upstream.status_code == httpx.codes.OK:
             ttft = time.perf_counter() - request.started
             self.telemetry.ttft.labels(request.served.name).observe(ttft)
+            if request.prefill_seconds is not None:
+                self.disagg.observe_decode(request.served, ttft - request.prefill_seconds)
             return RelayResponse(
                 upstream,
                 headers=headers,

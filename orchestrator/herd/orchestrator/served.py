@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import logging
 from dataclasses import dataclass, field
 
 from herd.api.prompt import PromptRenderer
@@ -12,8 +11,6 @@ from herd.orchestrator.kv_index import KVIndex
 from herd.orchestrator.routing import RoutingStrategy, build_strategy
 
 __all__ = ["ServedModel"]
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -26,11 +23,6 @@ class ServedModel:
 
     def __post_init__(self) -> None:
         self.strategy = build_strategy(self.config.routing, kv_index=self.kv_index)
-        if self.config.mode == "disaggregated":
-            log.warning(
-                "disaggregated routing is not available yet: requests go to decode workers as unified",
-                extra={"model": self.config.served_name},
-            )
 
     @property
     def name(self) -> str:

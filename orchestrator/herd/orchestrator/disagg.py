@@ -1,0 +1,211 @@
+"""Disaggregated serving: choose a (prefill, decode) pair and run the prefill phase before decode.
+
+For a model with ``serving.mode: disaggregated`` the gateway asks ``TwoPhase.plan`` first:
+
+1. The decode worker is chosen by the model's strategy over the decode pool (its load, and with
+   ``kv_cache_aware`` its cached prefix), with ``RequestContext.phase = "decode"``.
+2. The prompt's uncached part on that worker (prompt tokens minus its cached leading blocks, from
+   the KV index) decides the path: below ``serving.prefillThresholdTokens`` the decode worker
+   prefills locally, which costs less than a transfer.
+3. Otherwise the prefill worker with the most of the prompt cached against the least queued
+   prefill work runs ``POST /internal/prefill`` and returns ``kv_transfer_params``; a prefill worker
+   that fails is reported and the next one is tried, and when none succeeds the decode worker
+   prefills locally.
+4. The gateway sends the request, with those ``kv_transfer_params``, to the chosen decode worker
+   (others on retry); the decode worker pulls the blocks it lacks and streams the tokens back.
+
+Per-phase timings go to ``herd_router_phase_seconds`` and to one log line per request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import httpx
+from prometheus_client import CollectorRegistry, Histogram
+
+from herd.api import metrics as names
+from herd.api.kv_hash import block_hashes
+from herd.api.protocol import INTERNAL_PATHS
+from herd.orchestrator.registry import Registry
+from herd.orchestrator.routing import RequestContext, WorkerView, healthy
+from herd.orchestrator.served import ServedModel
+from herd.orchestrator.tokens import prompt_token_ids
+
+__all__ = ["Handoff", "TwoPhase", "choose_prefill", "num_uncached_tokens"]
+
+log = logging.getLogger(__name__)
+
+_PHASE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+Path = Literal["remote_prefill", "local_prefill"]
+
+
+@dataclass(frozen=True, slots=True)
+class Handoff:
+    """What the decode phase sends: the body (with ``kv_transfer_params`` on the remote path)."""
+
+    body: bytes
+    path: Path
+    decode_worker_id: str | None = None
+    prefill_seconds: float = 0.0
+
+
+def num_uncached_tokens(num_tokens: int, num_cached_blocks: int, block_size: int) -> int:
+    return max(0, num_tokens - num_cached_blocks * block_size)
+
+
+def choose_prefill(
+    workers: Sequence[WorkerView], cached_blocks: Mapping[str, int], block_size: int
+) -> WorkerView | None:
+    """The worker with the least prefill work for this prompt: queued tokens minus its cached prefix.
+
+    Ties go to fewer requests in flight from this orchestrator, then to the id (stable).
+    """
+    if not workers:
+        return None
+    return min(
+        workers,
+        key=lambda worker: (
+            worker.num_waiting_prefill_tokens - cached_blocks.get(worker.id, 0) * block_size,
+            worker.num_in_flight,
+            worker.id,
+        ),
+    )
+
+
+class TwoPhase:
+    """Plans and runs the prefill phase of disaggregated requests (see the module docstring)."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        http: httpx.AsyncClient,
+        metrics: CollectorRegistry,
+        *,
+        max_attempts: int = 3,
+    ) -> None:
+        self.registry = registry
+        self.http = http
+        self.max_attempts = max_attempts
+        self.timeout = httpx.Timeout(600.0, connect=2.0)
+        self.phase_seconds = Histogram(
+            names.HERD_ROUTER_PHASE_SECONDS,
+            "Time per phase of disaggregated requests (prefill; decode up to its first byte).",
+            ["model", "phase"],
+            buckets=_PHASE_BUCKETS,
+            registry=metrics,
+        )
+
+    async def plan(
+        self, served: ServedModel, ctx: RequestContext, payload: dict[str, Any], body: bytes
+    ) -> Handoff:
+        decode = self._choose_decode(served, ctx)
+        if decode is None:
+            return Handoff(body, "local_prefill")
+        tokens = self._tokens(served, ctx, payload)
+        matches: Mapping[str, int] = {}
+        if tokens is not None:
+            matches = served.kv_index.match(self._hashes(served, ctx, tokens, payload))
+            uncached = num_uncached_tokens(len(tokens), matches.get(decode.id, 0), served.config.block_size)
+            if uncached < served.config.prefill_threshold_tokens:
+                return Handoff(body, "local_prefill", decode.id)
+        started = time.perf_counter()
+        params = await self._prefill(served, payload, matches)
+        if params is None:
+            return Handoff(body, "local_prefill", decode.id)
+        seconds = time.perf_counter() - started
+        self.phase_seconds.labels(served.name, "prefill").observe(seconds)
+        log.info(
+            "prefilled remotely",
+            extra={
+                "model": served.name,
+                "decode_worker": decode.id,
+                "num_blocks": len(params.get("remote_block_hashes") or ()),
+                "prefill_seconds": round(seconds, 6),
+            },
+        )
+        handed = json.dumps({**payload, "kv_transfer_params": params}).encode()
+        return Handoff(handed, "remote_prefill", decode.id, seconds)
+
+    def observe_decode(self, served: ServedModel, seconds: float) -> None:
+        """The decode phase up to its first byte (the KV pull included)."""
+        self.phase_seconds.labels(served.name, "decode").observe(seconds)
+
+    def _choose_decode(self, served: ServedModel, ctx: RequestContext) -> WorkerView | None:
+        limit = served.config.max_in_flight_per_worker
+        views = healthy(self.registry.views(served.name))
+        open_views = [view for view in views if not limit or view.num_in_flight < limit]
+        if not open_views:
+            return None
+        return served.strategy.select(open_views, dataclasses.replace(ctx, phase="decode"))
+
+    @staticmethod
+    def _tokens(served: ServedModel, ctx: RequestContext, payload: dict[str, Any]) -> Sequence[int] | None:
+        """The prompt's token ids, tokenizing here if routing did not; ``None`` if it cannot."""
+        if ctx.token_ids:
+            return ctx.token_ids
+        try:
+            return prompt_token_ids(served.renderer, payload)
+        except ValueError:
+            return None
+
+    @staticmethod
+    def _hashes(
+        served: ServedModel, ctx: RequestContext, tokens: Sequence[int], payload: dict[str, Any]
+    ) -> Sequence[int]:
+        if ctx.block_hashes:
+            return ctx.block_hashes
+        salt = payload.get("cache_salt")
+        return block_hashes(tokens, served.config.block_size, model_id=served.name, cache_salt=salt)
+
+    async def _prefill(
+        self, served: ServedModel, payload: dict[str, Any], matches: Mapping[str, int]
+    ) -> dict[str, Any] | None:
+        """Run the prefill on the best prefill worker, the next on failure; ``None`` if none did."""
+        tried: set[str] = set()
+        for _ in range(self.max_attempts):
+            views = [view for view in self._prefill_views(served) if view.id not in tried]
+            worker = choose_prefill(views, matches, served.config.block_size)
+            if worker is None:
+                break
+            tried.add(worker.id)
+            params = await self._prefill_on(worker, payload)
+            if params is not None:
+                return params
+        log.warning(
+            "no prefill worker succeeded; the decode worker prefills locally", extra={"model": served.name}
+        )
+        return None
+
+    def _prefill_views(self, served: ServedModel) -> list[WorkerView]:
+        workers = self.registry.model_workers(served.name)
+        return healthy([worker.view() for worker in workers if worker.endpoint.role == "prefill"])
+
+    async def _prefill_on(self, worker: WorkerView, payload: dict[str, Any]) -> dict[str, Any] | None:
+        endpoint = self.registry.workers[worker.id].endpoint
+        body = {**payload, "kv_transfer_params": {"do_remote_decode": True}}
+        self.registry.begin(worker.id)
+        try:
+            response = await self.http.post(
+                endpoint.internal_url + INTERNAL_PATHS.prefill,
+                json=body,
+                headers=self.registry.client.headers,
+                timeout=self.timeout,
+            )
+        except httpx.HTTPError as error:
+            self.registry.report_failure(worker.id, f"prefill failed: {type(error).__name__}: {error}")
+            return None
+        finally:
+            self.registry.end(worker.id)
+        if response.status_code != httpx.codes.OK:
+            log.warning("prefill refused", extra={"worker": worker.id, "status": response.status_code})
+            return None
+        params: dict[str, Any] = response.json()
+        return params
