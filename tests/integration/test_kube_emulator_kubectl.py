@@ -124,3 +124,16 @@ def test_server_side_apply_wait_and_rollout_status(kube: Emulator) -> None:
     kube.set_pod_ready("default", "web-2")
     kube.sync_deployment_status("default", "web")
     assert "successfully rolled out" in kubectl(kube, "rollout", "status", "deployment/web", "--timeout=15s")
+
+
+def test_get_prints_the_crd_printer_columns(kube: Emulator) -> None:
+    kubectl(kube, "apply", "--validate=false", "-f", str(REPO / "crds"))  # kubectl maps kinds before applying
+    kubectl(kube, "apply", "--validate=false", "-f", str(REPO / "examples" / "smollm2.yaml"))
+    status = {
+        "conditions": [{"type": "Ready", "status": "True", "reason": "AllReady"}],
+        "pools": {"workers": {"ready": "2/2"}},
+    }
+    kube.patch("md", "smollm2", {"status": status}, subresource="status")
+    header, row = kubectl(kube, "get", "md").splitlines()
+    assert header.split() == ["NAME", "READY", "MODE", "WORKERS", "PREFILL", "DECODE", "STRATEGY", "AGE"]
+    assert row.split()[:5] == ["smollm2", "True", "aggregated", "2/2", "kv_cache_aware"]

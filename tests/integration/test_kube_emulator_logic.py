@@ -13,6 +13,7 @@ from support.kube._patches import json_patch, merge_patch, strategic_merge_patch
 from support.kube._paths import Route, parse_route
 from support.kube._schema import apply_schema
 from support.kube._selectors import parse_field_selector, parse_label_selector, selector_to_string
+from support.kube._tables import json_path
 
 LABELS = {"app": "web", "tier": "front", "env": "prod"}
 
@@ -349,3 +350,24 @@ def test_version_priority_prefers_ga_then_beta_then_alpha() -> None:
         "v1alpha1",
         "foo",
     ]
+
+
+@pytest.mark.parametrize(
+    ("path", "expected"),
+    [
+        (".spec.mode", ["a"]),
+        ('.status.conditions[?(@.type=="Ready")].status', ["True"]),
+        (".status.conditions[1].type", ["Degraded"]),
+        ("{.status.conditions[?(@.type=='Missing')].status}", []),
+        (".spec.absent.deeper", []),
+    ],
+    ids=["dotted", "filter", "index", "filter-no-match-braced", "absent"],
+)
+def test_printer_column_json_path(path: str, expected: list[Any]) -> None:
+    obj = {
+        "spec": {"mode": "a"},
+        "status": {
+            "conditions": [{"type": "Ready", "status": "True"}, {"type": "Degraded", "status": "False"}]
+        },
+    }
+    assert json_path(obj, path) == expected

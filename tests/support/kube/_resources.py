@@ -39,6 +39,7 @@ class ResourceType:
     has_status: bool = False
     scale: ScalePaths | None = None
     schema: Mapping[str, Any] | None = field(default=None, compare=False, hash=False)
+    printer_columns: tuple[Mapping[str, Any], ...] = field(default=(), compare=False, hash=False)
 
     @property
     def api_version(self) -> str:
@@ -173,6 +174,7 @@ def types_from_crd(crd: Mapping[str, Any]) -> list[ResourceType]:
             has_status="status" in version.get("subresources", {}),
             scale=_scale_paths(version.get("subresources", {})),
             schema=version.get("schema", {}).get("openAPIV3Schema"),
+            printer_columns=tuple(version.get("additionalPrinterColumns", ())),
         )
         for version in spec.get("versions", ())
         if version.get("served", True)

@@ -19,6 +19,7 @@ from ._resources import ResourceType
 from ._scale import apply_scale, scale_of
 from ._selectors import parse_field_selector, parse_label_selector
 from ._store import Change, Store
+from ._tables import is_table_wanted, table
 from ._watch import DEFAULT_TIMEOUT_S, WatchQuery, watch_stream
 
 __all__ = ["Router"]
@@ -105,7 +106,18 @@ class Router:
         if handler is None:
             raise method_not_allowed(f"{request.method} is not allowed on {request.url.path}")
         status, body = handler(request, route, rtype)
+        if (
+            is_table_wanted(request.headers.get("Accept", ""))
+            and request.method == "GET"
+            and not route.subresource
+        ):
+            body = self._table(request, rtype, body)
         return _json(body, status)
+
+    def _table(self, request: kmock.Request, rtype: ResourceType, body: dict[str, Any]) -> dict[str, Any]:
+        objs = body.get("items", [body])
+        include = request.params.get("includeObject", "Metadata")
+        return table(rtype, objs, str(self.store.resource_version), include)
 
     # Collections.
 
