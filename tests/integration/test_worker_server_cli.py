@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from herd.api.crd import EngineSpec
 from herd.cli.main import build_parser
 from herd.cli.worker import engine_spec
 
@@ -32,8 +33,20 @@ from herd.cli.worker import engine_spec
             {"block_size": 64},
             {"prefix_caching": False, "block_size": 64},
         ),
+        (
+            EngineSpec(max_batch_size=3).model_dump_json(by_alias=True),
+            {},
+            {"max_batch_size": 3, "memory_gib": None},
+        ),
     ],
-    ids=["defaults", "manifest", "flags-win", "memory-and-dtype", "flags-merge-into-nested"],
+    ids=[
+        "defaults",
+        "manifest",
+        "flags-win",
+        "memory-and-dtype",
+        "flags-merge-into-nested",
+        "as-herd-up-sends-it",
+    ],
 )
 def test_engine_spec_layers_flags_over_the_manifest(
     engine_json: str | None, overrides: dict[str, Any], expected: dict[str, Any]

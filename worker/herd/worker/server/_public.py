@@ -77,7 +77,8 @@ class _PublicRoutes:
 
     async def chat(self, request: Request) -> Response:
         body = await self._read(request, ChatCompletionRequest)
-        prompt = chat_prompt(self.engine.renderer, body)
+        # Rendering and tokenizing a long prompt takes milliseconds: keep it off the event loop.
+        prompt = await asyncio.to_thread(chat_prompt, self.engine.renderer, body)
         max_model_len = self.engine.info.max_model_len
         choices = plan_choices(
             body,
@@ -96,7 +97,7 @@ class _PublicRoutes:
         if body.echo or body.suffix is not None:
             param = "echo" if body.echo else "suffix"
             raise ApiError(400, f"{param} is not supported by herd; leave it out", param=param)
-        prompts = completion_prompts(self.engine.renderer, body)
+        prompts = await asyncio.to_thread(completion_prompts, self.engine.renderer, body)
         max_model_len = self.engine.info.max_model_len
         choices = plan_choices(
             body, prompts, max_model_len=max_model_len, num_logprobs=body.num_logprobs, prompt_param="prompt"
