@@ -37,6 +37,7 @@ def _worker_row(registry: Registry, worker: WorkerState) -> dict[str, Any]:
         "kv_blocks_used": report.num_total_blocks - report.num_free_blocks,
         "kv_blocks_total": report.num_total_blocks,
         "kv_blocks_indexed": 0 if served is None else served.kv_index.num_blocks(endpoint.id),
+        "kv_position": None if served is None else served.kv_index.position(endpoint.id),
     }
 
 

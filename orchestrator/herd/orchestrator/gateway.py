@@ -180,7 +180,7 @@ class Gateway:
         self.telemetry.decision.labels(served.name).observe(time.perf_counter() - started)
         if choice is None:
             raise self._busy(served)
-        if served.polls_kv_events:
+        if request.ctx.block_hashes:
             num_hits = served.kv_index.match(request.ctx.block_hashes).get(choice.id, 0)
             self.telemetry.cache_hit_blocks.labels(served.name).observe(num_hits)
         return await self._pin(request, choice, open_workers)

@@ -2,7 +2,8 @@
 
 One polling task per worker runs every ``poll_interval`` seconds: ``/ready`` on the public port
 (``failures_to_eject`` failures in a row eject it, one success re-admits it), then the load report,
-then (for cache-aware models) KV events after the index's last ``seq``. A new epoch, a gap or a
+then KV events after the index's last ``seq`` (every model keeps an index: cache-aware routing scores
+with it, and the dashboard and the predicted-hit metric show it for any strategy). A new epoch, a gap or a
 re-admission makes the next poll fetch a snapshot. KV payloads go through ``State.publish_kv`` so
 that with Redis every replica's index receives them; ``receive_kv`` applies them here. A proxy
 error ejects a worker at once (``report_failure``) instead of waiting for the next poll.
@@ -208,7 +209,7 @@ class Registry:
 
     async def _sync_kv(self, worker: WorkerState) -> None:
         served = self.models.get(worker.endpoint.model)
-        if served is None or not served.polls_kv_events:
+        if served is None:
             return
         position = served.kv_index.position(worker.endpoint.id)
         if position is not None and not worker.needs_snapshot:

@@ -28,11 +28,6 @@ class ServedModel:
     def name(self) -> str:
         return self.config.served_name
 
-    @property
-    def polls_kv_events(self) -> bool:
-        """Only cache-aware routing reads the KV index, so only it pays for the event stream."""
-        return self.config.routing.strategy == "kv_cache_aware"
-
     @functools.cached_property
     def renderer(self) -> PromptRenderer:
         """The model's own tokenizer and chat template, loaded on first use."""
