@@ -52,9 +52,7 @@ class Emulator:
         self.kubeconfig = workdir / "kubeconfig.yaml"
         self.url = ""
         self._ready = threading.Event()
-        self._thread = threading.Thread(
-            target=asyncio.run, args=(self._serve(),), name="kube-emulator", daemon=True
-        )
+        self._thread = threading.Thread(target=self._run, name="kube-emulator", daemon=True)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping: asyncio.Event | None = None
         self._store: Store | None = None
@@ -76,6 +74,9 @@ class Emulator:
         if self._loop is not None and self._stopping is not None and self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._stopping.set)
         self._thread.join(_START_TIMEOUT_S)
+
+    def _run(self) -> None:
+        asyncio.run(self._serve())
 
     async def _serve(self) -> None:
         try:
@@ -161,13 +162,26 @@ class Emulator:
 
     def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         """Create, or merge into the existing object; a given ``status`` is written through /status too."""
-        meta = obj.get("metadata", {})
+        rtype, meta = self._type_of(obj), obj.get("metadata", {})
         name, namespace = meta["name"], meta.get("namespace", "default")
-        found = self.find(f"{obj.get('kind')}", name, namespace, api_version=str(obj.get("apiVersion")))
-        result = self.create(obj) if found is None else self.patch(obj["kind"], name, dict(obj), namespace)
-        if "status" in obj and self._type_of(obj).has_status:
-            result = self.patch(obj["kind"], name, {"status": obj["status"]}, namespace, subresource="status")
-        return result
+
+        def upsert(store: Store) -> dict[str, Any]:
+            try:
+                store.get(rtype, namespace, name)
+            except ApiError as error:
+                if error.status != 404:
+                    raise
+                return store.create(rtype, namespace, dict(obj))
+            return store.update(rtype, namespace, name, lambda current: merge_patch(current, obj), None)
+
+        def write_status(store: Store) -> dict[str, Any]:
+            status = {"status": obj["status"]}
+            return store.update(
+                rtype, namespace, name, lambda current: merge_patch(current, status), "status"
+            )
+
+        result = self.call(upsert)
+        return self.call(write_status) if "status" in obj and rtype.has_status else result
 
     def apply_yaml(self, manifests: str) -> list[dict[str, Any]]:
         """Apply every document of a multi-document YAML text (empty documents skipped), in order."""
