@@ -193,6 +193,26 @@ async def test_ready_pods_roll_up_into_status_and_discovery(kube: Emulator) -> N
         await updates.aclose()
 
 
+def test_rollouts_and_crash_loops_show_in_the_conditions(kube: Emulator) -> None:
+    apply(kube, manifest("rolling"))
+    eventually(lambda: "Deployment/rolling-workers" in children(kube, "rolling"), "Deployment created")
+    pods = start_pods(kube, "rolling-workers", 2, first_ip=21)
+    eventually(
+        lambda: condition(kube, "rolling", "Progressing").get("reason") == "RolloutComplete", "rolled out"
+    )
+    apply(kube, manifest("rolling", engine={"maxModelLen": 8192}))  # a new pod template
+    eventually(lambda: condition(kube, "rolling", "Progressing").get("reason") == "RollingOut", "rolling out")
+    assert condition(kube, "rolling", "Ready")["status"] == "True", "old pods keep serving during a rollout"
+    kube.set_pod_ready("default", pods[0], ready=False, pod_ip="127.0.0.21")
+    crashing = {"name": "worker", "ready": False, "restartCount": 4,
+                "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s"}}}  # fmt: skip
+    kube.patch("pods", pods[0], {"status": {"containerStatuses": [crashing]}}, subresource="status")
+    eventually(lambda: condition(kube, "rolling", "Degraded").get("reason") == "CrashLoop", "Degraded=True")
+    assert pods[0] in condition(kube, "rolling", "Degraded")["message"]
+    eventually(lambda: ("Warning", "CrashLoop") in events(kube, "rolling"), "a Warning Event")
+    assert kube.get("md", "rolling")["status"]["pools"]["workers"]["ready"] == "1/2"
+
+
 def test_delete_removes_the_children(kube: Emulator) -> None:
     apply(kube, manifest("doomed"))
     eventually(lambda: len(children(kube, "doomed")) == 2, "children created")

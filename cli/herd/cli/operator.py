@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 
 from herd.api.logs import configure_logging
 from herd.operator.settings import OperatorConfig, PlanSettings
@@ -12,8 +13,15 @@ __all__ = ["register", "run"]
 
 
 def run(args: argparse.Namespace) -> int:
-    from herd.operator.runner import run_operator  # kopf is imported only when the operator runs
+    # kopf is imported only when the operator runs.
+    from herd.operator.kube import CredentialsError, load_connection
+    from herd.operator.runner import run_operator
 
+    try:
+        load_connection(args.kubeconfig)
+    except CredentialsError as error:
+        print(f"herd operator: {error}", file=sys.stderr)
+        return 2
     configure_logging("operator", args.log_level)
     plan = PlanSettings(worker_image=args.worker_image, token_secret=args.token_secret)
     config = OperatorConfig(kubeconfig=args.kubeconfig, plan=plan, retry_delay=args.retry_delay)

@@ -17,7 +17,7 @@ import kopf
 from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
 
-__all__ = ["Connection", "KubeApi", "KubeError", "load_connection", "resource_path"]
+__all__ = ["Connection", "CredentialsError", "KubeApi", "KubeError", "load_connection", "resource_path"]
 
 Object = dict[str, Any]
 _MERGE_PATCH = {"Content-Type": "application/merge-patch+json"}
@@ -29,6 +29,10 @@ class KubeError(RuntimeError):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(f"Kubernetes API answered {status}: {message}")
         self.status = status
+
+
+class CredentialsError(RuntimeError):
+    """Neither in-cluster credentials nor a usable kubeconfig were found."""
 
 
 @dataclass(frozen=True)
@@ -69,7 +73,13 @@ def load_connection(kubeconfig: str | None = None) -> Connection:
             raise k8s_config.ConfigException("a kubeconfig was named")
         k8s_config.load_incluster_config(client_configuration=config)  # type: ignore[no-untyped-call]
     except k8s_config.ConfigException:
-        k8s_config.load_kube_config(config_file=kubeconfig, client_configuration=config)  # type: ignore[no-untyped-call]
+        try:
+            k8s_config.load_kube_config(config_file=kubeconfig, client_configuration=config)  # type: ignore[no-untyped-call]
+        except (k8s_config.ConfigException, OSError) as error:
+            raise CredentialsError(
+                f"no Kubernetes credentials ({error}): run in a pod with a service account, "
+                "or pass --kubeconfig (or set KUBECONFIG) to a valid kubeconfig file"
+            ) from None
     token = config.api_key.get("authorization", "").removeprefix("Bearer ").strip() or None
     return Connection(
         server=config.host,
