@@ -234,6 +234,13 @@ def _resource_version(text: str | None) -> int | None:
         ) from None
 
 
+def _seconds(text: str | None) -> float:
+    try:
+        return float(text or DEFAULT_TIMEOUT_S)
+    except ValueError:
+        raise bad_request(f"timeoutSeconds {text!r} is not a number of seconds") from None
+
+
 def _watch_query(request: kmock.Request, route: Route, rtype: ResourceType) -> WatchQuery:
     params = request.params
     fields = ",".join(
@@ -247,5 +254,5 @@ def _watch_query(request: kmock.Request, route: Route, rtype: ResourceType) -> W
         fields=parse_field_selector(fields),
         resource_version=None if is_initial else _resource_version(params.get("resourceVersion")),
         is_initial_bookmark_wanted=is_initial,
-        timeout_s=float(params.get("timeoutSeconds") or DEFAULT_TIMEOUT_S),
+        timeout_s=_seconds(params.get("timeoutSeconds")),
     )
