@@ -18,7 +18,7 @@ from starlette.responses import Response
 
 from herd.api.kv_hash import block_hashes
 from herd.api.protocol import WORKER_HEADER
-from herd.orchestrator.disagg import TwoPhase
+from herd.orchestrator.disagg import Handoff, TwoPhase
 from herd.orchestrator.proxy import RelayResponse, Upstream, open_upstream
 from herd.orchestrator.registry import Registry
 from herd.orchestrator.routing import RequestContext, WorkerView, healthy
@@ -30,6 +30,7 @@ from herd.orchestrator.tokens import prompt_token_ids
 __all__ = ["Gateway", "GatewayError", "GatewaySettings"]
 
 _RETRY_STATUSES = frozenset({429, 502, 503, 504})
+_MAX_CACHED_URLS = 4096
 
 
 class GatewayError(Exception):
@@ -62,6 +63,7 @@ class _Request:
     preferred_worker_id: str | None = None
     """Tried first when open (the decode worker a disaggregated plan paired with its prefill)."""
     prefill_seconds: float | None = None
+    handoff: Handoff | None = None
 
 
 class Gateway:
@@ -79,6 +81,7 @@ class Gateway:
         self.telemetry = telemetry
         self.settings = settings or GatewaySettings()
         self.timeout = httpx.Timeout(self.settings.request_timeout, connect=self.settings.connect_timeout)
+        self._urls: dict[str, httpx.URL] = {}
         self.disagg = TwoPhase(registry, http, telemetry.registry, max_attempts=self.settings.max_attempts)
 
     async def forward(
@@ -95,12 +98,15 @@ class Gateway:
             return await self._attempt(request)
         except GatewayError as error:
             self._finish(request, None, error.status, None)
+            if request.handoff is not None:
+                await self.disagg.release(request.handoff)
             raise
 
     async def _hand_off(self, request: _Request, payload: dict[str, Any]) -> None:
         """Run the prefill phase of a disaggregated model; the decode phase is the usual attempt."""
         handoff = await self.disagg.plan(request.served, request.ctx, payload, request.body)
         request.body, request.preferred_worker_id = handoff.body, handoff.decode_worker_id
+        request.handoff = handoff
         if handoff.path == "remote_prefill":
             request.prefill_seconds = handoff.prefill_seconds
 
@@ -226,7 +232,7 @@ class Gateway:
         return Response(content, upstream.status_code, headers={**upstream.headers_for_client(), **headers})
 
     async def _open(self, request: _Request, worker: WorkerView) -> Upstream:
-        url = worker.url + request.path
+        url = self._url(worker.url + request.path)
         try:
             upstream = await open_upstream(self.http, url, request.body, _UPSTREAM_HEADERS, self.timeout)
         except httpx.HTTPError as error:
@@ -237,6 +243,15 @@ class Gateway:
                 raise self._busy(request.served)
             raise GatewayError(503, f"worker {worker.id} answered {upstream.status_code}; retry shortly")
         return upstream
+
+    def _url(self, text: str) -> httpx.URL:
+        """Parsed once per worker and path: httpx's URL parsing is a large share of a request's cost."""
+        url = self._urls.get(text)
+        if url is None:
+            if len(self._urls) >= _MAX_CACHED_URLS:  # workers come and go (pods): never grow unbounded
+                self._urls.clear()
+            url = self._urls[text] = httpx.URL(text)
+        return url
 
     def _worker_failed(self, worker: WorkerView, error: httpx.HTTPError) -> GatewayError:
         reason = f"{type(error).__name__}: {error}"

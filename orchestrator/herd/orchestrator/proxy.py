@@ -65,7 +65,7 @@ class Upstream:
 
 
 async def open_upstream(
-    http: httpx.AsyncClient, url: str, body: bytes, headers: Mapping[str, str], timeouts: httpx.Timeout
+    http: httpx.AsyncClient, url: httpx.URL, body: bytes, headers: Mapping[str, str], timeouts: httpx.Timeout
 ) -> Upstream:
     """POST ``body`` to ``url`` and wait for the first chunk; raises ``httpx.HTTPError`` on failure."""
     request = http.build_request("POST", url, content=body, headers=dict(headers), timeout=timeouts)
