@@ -55,6 +55,8 @@ class Handoff:
     path: Path
     decode_worker_id: str | None = None
     prefill_seconds: float = 0.0
+    params: Mapping[str, Any] | None = None
+    """The prefill worker's ``kv_transfer_params`` (remote path only)."""
 
 
 def num_uncached_tokens(num_tokens: int, num_cached_blocks: int, block_size: int) -> int:
@@ -132,7 +134,19 @@ class TwoPhase:
             },
         )
         handed = json.dumps({**payload, "kv_transfer_params": params}).encode()
-        return Handoff(handed, "remote_prefill", decode.id, seconds)
+        return Handoff(handed, "remote_prefill", decode.id, seconds, params)
+
+    async def release(self, handoff: Handoff) -> None:
+        """End the lease of a handoff no decode worker took (best effort: leases also expire)."""
+        params = handoff.params
+        if params is None or not params.get("remote_host") or not params.get("remote_port"):
+            return
+        url = f"http://{params['remote_host']}:{params['remote_port']}{INTERNAL_PATHS.kv_release}"
+        body = {"remote_request_id": params.get("remote_request_id")}
+        try:
+            await self.http.post(url, json=body, headers=self.registry.client.headers, timeout=self.timeout)
+        except httpx.HTTPError as error:
+            log.warning("could not release a KV lease; it will expire", extra={"error": str(error)})
 
     def observe_decode(self, served: ServedModel, seconds: float) -> None:
         """The decode phase up to its first byte (the KV pull included)."""

@@ -1,0 +1,92 @@
+"""In-process disaggregated workers for tests: real tiny-model engines behind ASGI apps, one transport.
+
+``HostDispatch`` sends each request to the app registered for its host, so the orchestrator, the
+decode worker's KV pulls and the test all reach the same in-process workers without sockets; a
+host or a (host, path) pair can be made to refuse connections to play a worker that died.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from herd.api.protocol import INTERNAL_PATHS, TOKEN_HEADER, Role
+from herd.orchestrator.discovery import WorkerEndpoint
+from herd.worker.async_engine import AsyncEngine
+from herd.worker.engine import LLMEngine
+from herd.worker.server import PublicOptions, build_internal_app, build_public_app
+from herd.worker.server._disagg_setup import attach_disaggregation
+from support.worker_server import engine_config
+
+__all__ = ["TOKEN", "HostDispatch", "InProcessWorker", "start_worker"]
+
+TOKEN = "disagg-token"
+MODEL = "tiny"
+
+
+@dataclass(eq=False)
+class HostDispatch(httpx.AsyncBaseTransport):
+    apps: dict[str, httpx.ASGITransport] = field(default_factory=dict)
+    refused: set[tuple[str, str | None]] = field(default_factory=set)
+    """``(host, None)`` refuses every path of the host, ``(host, path)`` that one path."""
+    num_refused: int = 0
+
+    def add(self, host: str, app: Any) -> None:
+        self.apps[host] = httpx.ASGITransport(app=app)
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        if (host, None) in self.refused or (host, request.url.path) in self.refused:
+            self.num_refused += 1
+            raise httpx.ConnectError(f"connection refused ({host} is down in this test)", request=request)
+        return await self.apps[host].handle_async_request(request)
+
+
+@dataclass(eq=False)
+class InProcessWorker:
+    id: str
+    role: Role
+    engine: AsyncEngine
+    http: httpx.AsyncClient
+
+    @property
+    def endpoint(self) -> WorkerEndpoint:
+        return WorkerEndpoint(
+            self.id, MODEL, f"http://{self.id}.public:8000", f"http://{self.id}.internal:9000", self.role
+        )
+
+    async def load(self) -> dict[str, Any]:
+        response = await self.http.get(
+            self.endpoint.internal_url + INTERNAL_PATHS.load, headers={TOKEN_HEADER: TOKEN}
+        )
+        result: dict[str, Any] = response.json()
+        return result
+
+    async def metric(self, name: str, **labels: str) -> float:
+        """The sum of ``name``'s samples whose labels include ``labels`` (0 when there is none)."""
+        text = (await self.http.get(self.endpoint.url + "/metrics")).text
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == name and labels.items() <= sample.labels.items()
+        )
+
+
+async def start_worker(
+    model: Path, worker_id: str, role: Role, dispatch: HostDispatch, http: httpx.AsyncClient
+) -> InProcessWorker:
+    """A loaded engine with both apps registered in ``dispatch`` under the worker's two hosts."""
+    config = engine_config(model, maxModelLen=512, kvCache={"blockSize": 16, "memoryGiB": 0.02})
+    engine = AsyncEngine(lambda: LLMEngine(config))
+    engine.start()
+    await engine.wait_loaded()
+    public = build_public_app(engine, PublicOptions(MODEL))
+    disagg = attach_disaggregation(public, engine, TOKEN, http=http)
+    dispatch.add(f"{worker_id}.public", public)
+    dispatch.add(f"{worker_id}.internal", build_internal_app(engine, TOKEN, routers=[disagg.router]))
+    return InProcessWorker(worker_id, role, engine, http)
