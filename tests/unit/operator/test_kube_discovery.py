@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+from collections.abc import AsyncIterator
 from typing import Any
 
+import httpx
 import pytest
 
 from herd.orchestrator.discovery import WorkerEndpoint
-from herd.orchestrator.kube_discovery import membership_of
+from herd.orchestrator.kube_discovery import KubeSource, membership_of
 
 MD = {
     "apiVersion": "herd.dev/v1alpha1",
@@ -82,3 +86,47 @@ def test_membership_is_ordered_and_comparable() -> None:
     first = membership_of([MD], [pod("b", ip="10.0.0.2"), pod("a")])
     assert [e.id for e in first.endpoints] == ["ml/a", "ml/b"]
     assert first == membership_of([MD], [pod("a"), pod("b", ip="10.0.0.2")])
+
+
+class _Hang(httpx.AsyncByteStream):
+    """A watch that stays open and quiet."""
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        await asyncio.Event().wait()
+        yield b""
+
+
+def fake_api() -> httpx.AsyncClient:
+    """An API peer whose first pod watch ends in an ERROR (410 Gone), after which only a relist shows pod b."""
+    pod_lists = [[pod("a")], [pod("b", ip="10.0.0.2")]]
+    watches = {"pods": 0}
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        is_pods = request.url.path.endswith("/pods")
+        if request.url.params.get("watch") != "true":
+            items = pod_lists.pop(0) if is_pods else [MD]
+            return httpx.Response(200, json={"items": items, "metadata": {"resourceVersion": "1"}})
+        if is_pods and watches["pods"] == 0:
+            watches["pods"] += 1
+            gone = {"type": "ERROR", "object": {"kind": "Status", "code": 410, "reason": "Expired"}}
+            not_ready = {"type": "MODIFIED", "object": pod("a", ready=False)}
+            return httpx.Response(200, content="\n".join(json.dumps(e) for e in (not_ready, gone)) + "\n")
+        return httpx.Response(200, stream=_Hang())
+
+    return httpx.AsyncClient(base_url="http://api", transport=httpx.MockTransport(handle))
+
+
+async def test_a_broken_watch_is_repaired_by_a_relist() -> None:
+    async with fake_api() as http:
+        updates = KubeSource("ml", http=http).watch()
+        seen = []
+        try:
+            async with asyncio.timeout(5):
+                async for membership in updates:
+                    seen.append({e.id for e in membership.endpoints})
+                    if seen[-1] == {"ml/b"}:
+                        break
+        finally:
+            await updates.aclose()
+    # Pod b exists only in the second list: reaching it proves the relist (states in between may fold).
+    assert seen[-1] == {"ml/b"}
