@@ -19,8 +19,8 @@ than an idle peer) does not outweigh a long cached prefix. The best score wins; 
 fewest in flight, then at random.
 
 Cost: ``KVIndex.match`` (O(matched blocks x holders)) plus four comprehension passes over the
-workers. Comprehensions with inline conditionals beat both ``map``/``attrgetter`` and numpy here:
-turning 1,000 views into arrays costs more than the arithmetic it saves.
+workers. Comprehensions with inline conditionals beat ``map``/``attrgetter`` and per-worker calls;
+numpy does not help, as turning 1,000 views into arrays costs as much as scoring them in Python.
 """
 
 from __future__ import annotations
