@@ -179,3 +179,15 @@ def test_cli_names_the_option_to_fix(
     assert main(["bench", "--url", "http://127.0.0.1:9", "--api-key", "secret", *options]) == 2
     err = capsys.readouterr().err
     assert err.strip() == message
+
+
+async def test_rate_mode_respects_a_concurrency_cap() -> None:
+    server = FakeOpenAI(token_delay_s=0.02)
+    report = await _run(server, concurrency=1, request_rate=1000.0, num_requests=5)
+    assert report["num_completed"] == 5
+    assert report["e2e_ms"]["p99"] < report["duration_s"] * 1000 / 3
+
+
+async def test_an_unreachable_server_names_the_fix() -> None:
+    with pytest.raises(RuntimeError, match="pass --model"):
+        await run_benchmark(_config(url="http://127.0.0.1:9", timeout_s=2.0))

@@ -10,6 +10,7 @@ from pydantic import TypeAdapter
 from support.routing_views import context, views
 
 from herd.api.crd import RoutingSpec
+from herd.orchestrator import routing
 from herd.orchestrator.kv_index import KVIndex
 from herd.orchestrator.routing import (
     KVCacheAware,
@@ -20,6 +21,7 @@ from herd.orchestrator.routing import (
     RoutingStrategy,
     StickySession,
     WorkerView,
+    base,
     build_strategy,
     healthy,
 )
@@ -132,3 +134,16 @@ def test_sticky_session_repins_when_the_pinned_worker_dies() -> None:
         "s2": "a",
         "s3": "c",
     }
+
+
+def test_the_routing_package_exports_the_shared_interface() -> None:
+    assert set(base.__all__) == {
+        "Phase",
+        "RequestContext",
+        "RoutingStrategy",
+        "WorkerView",
+        "build_strategy",
+        "healthy",
+    }
+    assert set(base.__all__) <= set(routing.__all__)
+    assert all(getattr(routing, name) is getattr(base, name) for name in base.__all__)
