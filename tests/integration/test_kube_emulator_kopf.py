@@ -9,14 +9,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import kopf
-import pytest
 from support.kube import Emulator
 from support.kube.samples import WIDGET_CRD
 from support.procs import wait_until
 
 pytest_plugins = ["support.kube.fixtures"]
-
-pytestmark = pytest.mark.e2e
 
 
 def _registry(kube: Emulator, deleted: threading.Event) -> kopf.OperatorRegistry:
