@@ -22,7 +22,7 @@ def test_herd_operator_process_reconciles_and_reports_liveness(tmp_path: Path) -
     with kube_emulator(tmp_path / "kube") as kube:
         install_crd(kube)
         argv = [herd, "operator", "-n", "default", "--standalone", "--kubeconfig", str(kube.kubeconfig),
-                "--liveness", f"http://127.0.0.1:{port}/healthz", "--worker-image", "me/worker:7"]  # fmt: skip
+                "--liveness", f"http://127.0.0.1:{port}/healthz", "--worker-image", "me/worker:7", "--orchestrator-namespace", "herd"]  # fmt: skip
         with running(argv, log=tmp_path / "operator.log") as process:
             wait_until(
                 lambda: httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200,
@@ -39,6 +39,12 @@ def test_herd_operator_process_reconciles_and_reports_liveness(tmp_path: Path) -
                 0
             ]["image"]
             assert image == "me/worker:7"
+            endpoint = "http://herd-orchestrator.herd.svc:8000/v1"
+            wait_until(
+                lambda: kube.get("md", "smollm2")["status"]["endpoint"] == endpoint,
+                timeout=20,
+                what="endpoint",
+            )
             process.terminate()
             assert process.wait(timeout=20) == 0
         log = (tmp_path / "operator.log").read_text()

@@ -23,7 +23,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"herd operator: {error}", file=sys.stderr)
         return 2
     configure_logging("operator", args.log_level)
-    plan = PlanSettings(worker_image=args.worker_image, token_secret=args.token_secret)
+    plan = PlanSettings(
+        worker_image=args.worker_image,
+        s3_image=args.s3_image,
+        token_secret=args.token_secret,
+        orchestrator_service=args.orchestrator_service,
+        orchestrator_namespace=args.orchestrator_namespace,
+    )
     config = OperatorConfig(kubeconfig=args.kubeconfig, plan=plan, retry_delay=args.retry_delay)
     namespaces = [] if args.all_namespaces else args.namespace
     asyncio.run(
@@ -48,6 +54,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, else $KUBECONFIG)")
     defaults = PlanSettings()
     parser.add_argument("--worker-image", default=defaults.worker_image, help="image of pools that name none")
+    parser.add_argument("--s3-image", default=defaults.s3_image, help="init image that syncs s3:// models")
+    parser.add_argument(
+        "--orchestrator-service", default=defaults.orchestrator_service, help="for status.endpoint"
+    )
+    parser.add_argument(
+        "--orchestrator-namespace", help="for status.endpoint (default: each ModelDeployment's namespace)"
+    )
     parser.add_argument(
         "--token-secret", default=defaults.token_secret, help="Secret with the internal token"
     )
