@@ -30,7 +30,11 @@ from support.procs import free_port, stop_process, wait_until  # noqa: E402
 CHAT = {"model": "bench", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 _JSON = b'{"id":"x","object":"chat.completion","model":"bench","choices":[],"usage":{}}'
 _SSE = [b'data: {"id":"x","choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'] * 4 + [b"data: [DONE]\n\n"]
-_LOAD = b'{"num_running":0,"num_waiting":0}'
+_INTERNAL = {
+    b"/internal/load": b'{"num_running":0,"num_waiting":0}',
+    b"/internal/kv/events": b'{"epoch":"e","events":[]}',
+    b"/internal/kv/snapshot": b'{"epoch":"e","seq":0,"block_size":16,"block_hashes":[]}',
+}
 
 
 async def _fake_worker_conn(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -58,7 +62,7 @@ async def _fake_worker_conn(reader: asyncio.StreamReader, writer: asyncio.Stream
                 writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
             writer.write(b"0\r\n\r\n")
         else:
-            answer = _LOAD if path.startswith(b"/internal/") else _JSON
+            answer = _INTERNAL.get(path.split(b"?")[0], _JSON)
             writer.write(
                 b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
                 % (len(answer), answer)
@@ -172,7 +176,7 @@ def main() -> int:
     try:
         wait_until(
             lambda: httpx.get(f"http://127.0.0.1:{gateway_port}/ready").status_code == 200,
-            timeout=30,
+            timeout=90,
             what="gateway ready",
         )
         results = measure(

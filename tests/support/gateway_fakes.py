@@ -57,6 +57,7 @@ class FakeWorker:
     epoch: str = "e1"
     events: list[KVEvent] = field(default_factory=list)
     snapshot_blocks: list[int] = field(default_factory=list)
+    is_kv_broken: bool = False
     num_requests: int = 0
     num_snapshots: int = 0
     num_streams_closed: int = 0
@@ -84,6 +85,8 @@ class FakeWorker:
         path = request.url.path
         if path == "/internal/load":
             return httpx.Response(200, content=self.load.model_dump_json())
+        if self.is_kv_broken:
+            return httpx.Response(500)
         if path == "/internal/kv/snapshot":
             self.num_snapshots += 1
             seq = self.events[-1].seq if self.events else 0

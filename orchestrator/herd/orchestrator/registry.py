@@ -182,14 +182,19 @@ class Registry:
             is_ready = await self.client.is_ready(worker.endpoint)
             if is_ready:
                 worker.report = await self.client.load(worker.endpoint)
-                await self._sync_kv(worker)
         except (httpx.HTTPError, ValueError) as error:
             self._record_failure(worker, f"{type(error).__name__}: {error}")
             return
-        if is_ready:
-            self._record_success(worker)
-        else:
+        if not is_ready:
             self._record_failure(worker, "/ready answered not ready")
+            return
+        self._record_success(worker)
+        try:
+            await self._sync_kv(worker)
+        except (httpx.HTTPError, ValueError) as error:
+            # A KV feed problem costs routing quality only: keep serving, resync on the next poll.
+            worker.needs_snapshot = True
+            log.debug("KV sync failed", extra={"worker": worker.endpoint.id, "error": str(error)})
 
     def _record_success(self, worker: WorkerState) -> None:
         worker.num_failures = 0

@@ -86,3 +86,14 @@ async def test_in_flight_counts_feed_the_views() -> None:
         registry.begin("w0")
         registry.end("w0")
         assert registry.views(MODEL)[0].num_in_flight == 1
+
+
+async def test_a_broken_kv_feed_does_not_eject_the_worker() -> None:
+    worker = FakeWorker("w0", snapshot_blocks=[5], is_kv_broken=True)
+    async with registry_for(FakeCluster([worker]), RegistrySettings(poll_interval=0.02)) as registry:
+        await wait_for(lambda: registry.workers["w0"].is_healthy)
+        index = registry.models[MODEL].kv_index
+        assert index.match([5]) == {}
+        worker.is_kv_broken = False
+        await wait_for(lambda: index.match([5]) == {"w0": 1})
+        assert registry.workers["w0"].is_healthy
