@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import threading
 from collections.abc import Iterator
@@ -13,8 +14,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from support.procs import wait_until
-from support.worker_server import WorkerProcess, metric_value, worker_process
+from support.procs import free_port, running, wait_until
+from support.worker_server import WorkerProcess, metric_value, worker_argv, worker_process
 
 from herd.api.protocol import INTERNAL_PATHS, TOKEN_HEADER
 
@@ -230,3 +231,16 @@ def test_sigterm_drains_in_flight_work_then_exits(tiny_llama: Path, tmp_path: Pa
     assert refused.status_code == 503
     assert events[-1] == "data: [DONE]"
     assert '"finish_reason":"length"' in events[-2]
+
+
+def test_a_model_that_fails_to_load_exits_nonzero(tiny_llama: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "no-weights"
+    broken.mkdir()
+    for item in tiny_llama.iterdir():
+        if item.is_file() and not item.name.endswith(".safetensors"):
+            shutil.copy(item, broken / item.name)
+    log = tmp_path / "worker.log"
+    argv = worker_argv(broken, port=free_port(), internal_port=free_port(), token=TOKEN)
+    with running(argv, log=log) as process:
+        assert process.wait(timeout=120) == 1
+    assert "failed to load" in log.read_text()

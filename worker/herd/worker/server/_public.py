@@ -41,6 +41,9 @@ _Chunks = Callable[
     [ResponseContext, AsyncGenerator[tuple[Choice, RequestOutput], None]], AsyncGenerator[str, None]
 ]
 
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+"""Keep proxies (nginx, ingress controllers) from buffering a token stream."""
+
 CLIENT_CLOSED = 499
 """nginx's status for a request whose client went away; nobody reads it, the logs do."""
 
@@ -175,7 +178,9 @@ class _PublicRoutes:
 
 async def _stream(context: ResponseContext, chunks: _Chunks) -> StreamingResponse:
     outputs = await primed(context.generation.outputs())
-    return StreamingResponse(with_error_event(chunks(context, outputs)), media_type="text/event-stream")
+    return StreamingResponse(
+        with_error_event(chunks(context, outputs)), media_type="text/event-stream", headers=_SSE_HEADERS
+    )
 
 
 async def _json_unless_disconnected(request: Request, work: Coroutine[Any, Any, BaseModel]) -> Response:

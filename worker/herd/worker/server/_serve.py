@@ -100,7 +100,7 @@ def _install_drain(engine: AsyncEngine, servers: list[_Server], timeout: float) 
 
     def on_signal(signum: int) -> None:
         if stopping.is_set():
-            _stop(servers)
+            _stop(servers, force=True)
             return
         stopping.set()
         logger.info(
@@ -118,9 +118,11 @@ def _install_drain(engine: AsyncEngine, servers: list[_Server], timeout: float) 
 async def _drain(engine: AsyncEngine, servers: list[_Server], grace_s: float) -> None:
     is_clean = await engine.drain(grace_s)
     logger.info("drained" if is_clean else "drain timed out; stopping anyway")
-    _stop(servers)
+    _stop(servers, force=not is_clean)
 
 
-def _stop(servers: list[_Server]) -> None:
+def _stop(servers: list[_Server], *, force: bool = False) -> None:
+    """Stop serving; ``force`` also drops open connections instead of waiting for them."""
     for server in servers:
         server.should_exit = True
+        server.force_exit = force
