@@ -270,6 +270,15 @@ def test_run_deployment_makes_owned_ready_pods_and_follows_scale(kube: Emulator)
     assert kube.list("pods") == []
 
 
+def test_terminate_pod_leaves_it_terminating_until_released(kube: Emulator) -> None:
+    kube.create(pod("p", app="w"))
+    kube.set_pod_ready("default", "p")
+    terminating = kube.terminate_pod("default", "p")
+    assert terminating["metadata"]["deletionTimestamp"] and kube.list("pods", label_selector="app=w")
+    assert kube.release("pods", "p") is None
+    assert kube.find("pods", "p") is None
+
+
 def test_stopping_ends_open_watches_promptly(tmp_path_factory: pytest.TempPathFactory) -> None:
     with kube_emulator(tmp_path_factory.mktemp("kube")) as kube:
         stream = httpx.stream("GET", f"{kube.url}/api/v1/pods", params={"watch": "true"}, timeout=10)

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 __all__ = ["Emulator", "kube_emulator"]
 
 T = TypeVar("T")
+KUBELET_FINALIZER = "emulator.herd.dev/kubelet"
 _START_TIMEOUT_S = 15.0
 _CALL_TIMEOUT_S = 15.0
 
@@ -251,6 +252,20 @@ class Emulator:
         pod = self.get("pods", name, namespace)
         status = pod_status(pod, is_ready=ready, pod_ip=pod_ip)
         return self.patch("pods", name, {"status": status}, namespace, subresource="status")
+
+    def terminate_pod(self, namespace: str, name: str) -> dict[str, Any]:
+        """Leave a pod Terminating (deletionTimestamp set, still listed), as during a kubelet's grace period.
+
+        The emulator deletes pods at once otherwise; a kubelet finalizer holds this one until ``release``.
+        """
+        finalizers = self.get("pods", name, namespace)["metadata"].get("finalizers", [])
+        self.patch("pods", name, {"metadata": {"finalizers": [*finalizers, KUBELET_FINALIZER]}}, namespace)
+        return self.delete("pods", name, namespace)
+
+    def release(self, resource: str, name: str, namespace: str = "default") -> dict[str, Any] | None:
+        """Remove every finalizer, so an object being deleted goes (returns it where it stays)."""
+        self.patch(resource, name, {"metadata": {"finalizers": None}}, namespace)
+        return self.find(resource, name, namespace)
 
     def sync_deployment_status(self, namespace: str, name: str) -> dict[str, Any]:
         """Write a Deployment's status from the pods matching its selector; the emulator never does this itself."""
