@@ -213,6 +213,24 @@ def test_rollouts_and_crash_loops_show_in_the_conditions(kube: Emulator) -> None
     assert kube.get("md", "rolling")["status"]["pools"]["workers"]["ready"] == "1/2"
 
 
+def test_an_object_herd_does_not_own_is_left_alone(kube: Emulator) -> None:
+    squatter = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "squat-workers", "namespace": "default"},
+                "spec": {"ports": [{"port": 80}]}}  # fmt: skip
+    uid = kube.create(squatter)["metadata"]["uid"]
+    apply(kube, manifest("squat"))
+    eventually(lambda: condition(kube, "squat", "Ready").get("reason") == "ChildConflict", "ChildConflict")
+    assert "Service/squat-workers" in condition(kube, "squat", "Ready")["message"]
+    service = kube.get("services", "squat-workers")
+    assert [port["port"] for port in service["spec"]["ports"]] == [80]
+    assert not service["metadata"].get("ownerReferences")
+    kube.delete("services", "squat-workers")
+    eventually(
+        lambda: "Service/squat-workers" in children(kube, "squat"),
+        "the Service created once the name is free",
+    )
+    assert children(kube, "squat")["Service/squat-workers"]["metadata"]["uid"] != uid
+
+
 def test_delete_removes_the_children(kube: Emulator) -> None:
     apply(kube, manifest("doomed"))
     eventually(lambda: len(children(kube, "doomed")) == 2, "children created")

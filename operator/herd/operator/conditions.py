@@ -35,6 +35,7 @@ class Reason:
     UNSCHEDULABLE: Final = "Unschedulable"
     REPLICA_FAILURE: Final = "ReplicaFailure"
     INVALID_SPEC: Final = "InvalidSpec"
+    CHILD_CONFLICT: Final = "ChildConflict"
 
 
 def condition(type_: str, status: Status, reason: str, message: str, generation: int | None) -> Condition:

@@ -22,7 +22,7 @@ import kopf
 from herd.api.crd import GROUP, PLURAL, VERSION
 from herd.api.protocol import LABEL_DEPLOYMENT, LABEL_MANAGED_BY, MANAGED_BY
 from herd.operator.kube import KubeApi, KubeError, load_connection
-from herd.operator.reconcile import Reconciler
+from herd.operator.reconcile import ChildConflictError, Reconciler
 from herd.operator.settings import OperatorConfig
 
 __all__ = ["ANNOTATION_PREFIX", "registry"]
@@ -62,7 +62,7 @@ async def close(memo: kopf.Memo, **_: Any) -> None:
 async def reconcile(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     try:
         outcome = await memo.reconciler.reconcile(_raw(body), logger)
-    except KubeError as error:  # a conflict or an API hiccup: the next pass starts from fresh reads
+    except (KubeError, ChildConflictError) as error:  # the next pass starts from fresh reads
         raise kopf.TemporaryError(str(error), delay=memo.config.retry_delay) from error
     if not outcome.is_ready:
         raise kopf.TemporaryError(f"waiting for ready pods: {outcome.waiting}", delay=memo.config.retry_delay)

@@ -23,17 +23,22 @@ from pydantic import ValidationError
 from herd.api.crd import API_VERSION, PLURAL, ModelDeployment
 from herd.api.manifest import format_validation_error
 from herd.api.protocol import LABEL_DEPLOYMENT, LABEL_MANAGED_BY, MANAGED_BY
+from herd.operator.conditions import Reason
 from herd.operator.drift import is_drifted, replacement
 from herd.operator.events import announce_transitions
 from herd.operator.kube import KubeApi, KubeError
 from herd.operator.plan import ANNOTATION_SPEC_HASH, DesiredObject, plan, selector_string
 from herd.operator.settings import PlanSettings
-from herd.operator.status import invalid_status, plan_status
+from herd.operator.status import blocked_status, plan_status
 
-__all__ = ["Change", "Outcome", "Reconciler"]
+__all__ = ["Change", "ChildConflictError", "Outcome", "Reconciler"]
 
 Object = dict[str, Any]
 Change = Literal["created", "updated", "reverted", "unchanged"]
+
+
+class ChildConflictError(RuntimeError):
+    """A child's name is taken by an object that this ModelDeployment does not own; herd leaves it alone."""
 
 
 @dataclass(frozen=True)
@@ -74,7 +79,7 @@ class Reconciler:
                     await self._pass(body, logger)
                 except kopf.PermanentError:
                     pass  # An invalid spec is already reported in the status and as an event.
-                except KubeError as error:
+                except (KubeError, ChildConflictError) as error:
                     logger.warning(f"{error}; the next event of {namespace}/{name} retries the pass")
 
     def is_own_write(self, child: Object) -> bool:
@@ -99,7 +104,7 @@ class Reconciler:
         children = [copy.deepcopy(obj) for obj in desired.objects]
         owner = _as_kopf_body(body)
         kopf.adopt([obj.body for obj in children], owner=owner)
-        applied = [(obj, *await self._apply(obj, owner)) for obj in children]
+        applied = await self._apply_all(children, owner)
         done = [f"{obj.kind}/{obj.name} {change}" for obj, change, _ in applied if change != "unchanged"]
         (logger.info if done else logger.debug)(f"plan {desired.summary()}: {', '.join(done) or 'no change'}")
         deployments = [current for obj, _, current in applied if obj.kind == "Deployment" and current]
@@ -122,11 +127,28 @@ class Reconciler:
         except ValidationError as error:
             message = format_validation_error(error)
             meta = body["metadata"]
-            status = invalid_status(meta.get("generation"), message, body.get("status") or {}, now=_now())
+            previous = body.get("status") or {}
+            status = blocked_status(
+                meta.get("generation"), Reason.INVALID_SPEC, message, previous, now=_now()
+            )
             await self._write_status(body, status)
             raise kopf.PermanentError(
                 f"invalid ModelDeployment {meta['namespace']}/{meta['name']}: {message}"
             ) from None
+
+    async def _apply_all(
+        self, children: list[DesiredObject], owner: kopf.Body
+    ) -> list[tuple[DesiredObject, Change, Object | None]]:
+        try:
+            return [(obj, *await self._apply(obj, owner)) for obj in children]
+        except ChildConflictError as error:
+            previous = dict(owner.get("status") or {})
+            generation = owner.metadata.get("generation")
+            await self._write_status(
+                dict(owner),
+                blocked_status(generation, Reason.CHILD_CONFLICT, str(error), previous, now=_now()),
+            )
+            raise
 
     async def _apply(self, obj: DesiredObject, owner: kopf.Body) -> tuple[Change, Object | None]:
         """Create or replace ``obj`` as needed; returns what changed and the child as it now is."""
@@ -136,6 +158,11 @@ class Reconciler:
             created = self._remember(await self.api.create(obj.api_version, obj.plural, obj.body))
             kopf.info(owner, reason="Created", message=f"created {obj.kind}/{obj.name}")
             return "created", created
+        if not _is_ours(observed, owner):
+            raise ChildConflictError(
+                f"{obj.kind}/{obj.name} already exists and is not owned by this ModelDeployment: "
+                "delete or rename that object, or rename the ModelDeployment"
+            )
         if not is_drifted(observed, obj.body):
             return "unchanged", observed
         replaced = self._remember(
@@ -164,6 +191,19 @@ class Reconciler:
 
 def _as_kopf_body(body: Object) -> kopf.Body:
     return kopf.Body(cast("kopf.RawBody", body))
+
+
+def _is_ours(child: Object, owner: kopf.Body) -> bool:
+    """Owned by ``owner``, or an orphan carrying its labels (left by an orphaning delete): adopt it."""
+    meta = child.get("metadata", {})
+    refs = meta.get("ownerReferences") or []
+    if any(ref.get("uid") == owner.metadata.uid for ref in refs):
+        return True
+    labels = meta.get("labels") or {}
+    is_labelled = (
+        labels.get(LABEL_MANAGED_BY) == MANAGED_BY and labels.get(LABEL_DEPLOYMENT) == owner.metadata.name
+    )
+    return is_labelled and not any(ref.get("controller") for ref in refs)
 
 
 def _owned_by(md_name: str) -> str:

@@ -18,7 +18,7 @@ from herd.operator.conditions import DEGRADED, PROGRESSING, READY, Reason, condi
 from herd.operator.plan import LABEL_TEMPLATE_HASH, ROLES, Plan, pool_labels, selector_string
 from herd.operator.settings import PlanSettings
 
-__all__ = ["Problem", "find_problem", "invalid_status", "is_pod_ready", "plan_status", "pool_status"]
+__all__ = ["Problem", "blocked_status", "find_problem", "is_pod_ready", "plan_status", "pool_status"]
 
 Object = dict[str, Any]
 _WAITING_REASONS = {
@@ -101,14 +101,14 @@ def plan_status(
     }
 
 
-def invalid_status(generation: int | None, message: str, previous: Object, *, now: str) -> Object:
-    """Status for a spec the schema let through but herd cannot run; the rest is left as it was."""
+def blocked_status(
+    generation: int | None, reason: str, message: str, previous: Object, *, now: str
+) -> Object:
+    """Status when herd cannot act on the spec (invalid, or a child's name taken); the rest is kept."""
     conditions = [
-        condition(READY, "False", Reason.INVALID_SPEC, message, generation),
-        condition(
-            PROGRESSING, "False", Reason.INVALID_SPEC, "fix the spec to resume reconciling", generation
-        ),
-        condition(DEGRADED, "True", Reason.INVALID_SPEC, message, generation),
+        condition(READY, "False", reason, message, generation),
+        condition(PROGRESSING, "False", reason, "fix this to resume reconciling", generation),
+        condition(DEGRADED, "True", reason, message, generation),
     ]
     return {
         "observedGeneration": generation,

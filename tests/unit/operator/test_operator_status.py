@@ -9,7 +9,7 @@ import pytest
 from herd.api.crd import ModelDeployment
 from herd.operator.plan import LABEL_TEMPLATE_HASH, plan
 from herd.operator.settings import PlanSettings
-from herd.operator.status import invalid_status, plan_status
+from herd.operator.status import blocked_status, plan_status
 
 SETTINGS = PlanSettings()
 NOW = "2026-11-22T01:00:00Z"
@@ -157,7 +157,7 @@ def test_last_transition_time_only_moves_on_change(
 
 
 def test_invalid_spec_status_names_the_field() -> None:
-    status = invalid_status(7, "spec.prefill: missing", {}, now=NOW)
+    status = blocked_status(7, "InvalidSpec", "spec.prefill: missing", {}, now=NOW)
     assert conditions(status) == {
         "Ready": ("False", "InvalidSpec"), "Progressing": ("False", "InvalidSpec"), "Degraded": ("True", "InvalidSpec")
     }  # fmt: skip
