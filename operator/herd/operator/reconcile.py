@@ -104,7 +104,7 @@ class Reconciler:
         children = [copy.deepcopy(obj) for obj in desired.objects]
         owner = _as_kopf_body(body)
         kopf.adopt([obj.body for obj in children], owner=owner)
-        applied = await self._apply_all(children, owner)
+        applied = await self._apply_all(children, body, owner)
         done = [f"{obj.kind}/{obj.name} {change}" for obj, change, _ in applied if change != "unchanged"]
         (logger.info if done else logger.debug)(f"plan {desired.summary()}: {', '.join(done) or 'no change'}")
         deployments = [current for obj, _, current in applied if obj.kind == "Deployment" and current]
@@ -126,29 +126,26 @@ class Reconciler:
             )
         except ValidationError as error:
             message = format_validation_error(error)
+            await self._block(body, Reason.INVALID_SPEC, message)
             meta = body["metadata"]
-            previous = body.get("status") or {}
-            status = blocked_status(
-                meta.get("generation"), Reason.INVALID_SPEC, message, previous, now=_now()
-            )
-            await self._write_status(body, status)
             raise kopf.PermanentError(
                 f"invalid ModelDeployment {meta['namespace']}/{meta['name']}: {message}"
             ) from None
 
     async def _apply_all(
-        self, children: list[DesiredObject], owner: kopf.Body
+        self, children: list[DesiredObject], body: Object, owner: kopf.Body
     ) -> list[tuple[DesiredObject, Change, Object | None]]:
         try:
             return [(obj, *await self._apply(obj, owner)) for obj in children]
         except ChildConflictError as error:
-            previous = dict(owner.get("status") or {})
-            generation = owner.metadata.get("generation")
-            await self._write_status(
-                dict(owner),
-                blocked_status(generation, Reason.CHILD_CONFLICT, str(error), previous, now=_now()),
-            )
+            await self._block(body, Reason.CHILD_CONFLICT, str(error))
             raise
+
+    async def _block(self, body: Object, reason: str, message: str) -> None:
+        """Ready=False with ``reason``: herd cannot act on this spec until something changes."""
+        generation = body["metadata"].get("generation")
+        status = blocked_status(generation, reason, message, body.get("status") or {}, now=_now())
+        await self._write_status(body, status)
 
     async def _apply(self, obj: DesiredObject, owner: kopf.Body) -> tuple[Change, Object | None]:
         """Create or replace ``obj`` as needed; returns what changed and the child as it now is."""
