@@ -157,37 +157,41 @@ async def next_membership(
 
 
 async def test_ready_pods_roll_up_into_status_and_discovery(kube: Emulator) -> None:
-    apply(kube, manifest("ready", routing={"strategy": "round_robin"}))
+    apply(kube, manifest("ready", workers={"replicas": 3}, routing={"strategy": "round_robin"}))
     eventually(
         lambda: condition(kube, "ready", "Ready").get("reason") == "PoolsNotReady", "Ready=False first"
     )
     updates = KubeSource("default", kubeconfig=str(kube.kubeconfig)).watch()
     try:
-        pods = start_pods(kube, "ready-workers", 2, first_ip=11)
+        pods = start_pods(kube, "ready-workers", 3, first_ip=11)
         eventually(lambda: condition(kube, "ready", "Ready").get("status") == "True", "Ready=True")
         status = kube.get("md", "ready")["status"]
         assert status["pools"]["workers"] == {
-            "replicas": 2,
-            "readyReplicas": 2,
-            "updatedReplicas": 2,
-            "ready": "2/2",
+            "replicas": 3,
+            "readyReplicas": 3,
+            "updatedReplicas": 3,
+            "ready": "3/3",
         }
-        assert status["replicas"] == 2
+        assert status["replicas"] == 3
         assert condition(kube, "ready", "Progressing")["status"] == "False"
 
         def urls(membership: Membership) -> set[str]:
             return {e.url for e in membership.endpoints if e.model == "ready"}
 
-        membership = await next_membership(updates, lambda m: len(urls(m)) == 2)
-        assert urls(membership) == {"http://127.0.0.11:8000", "http://127.0.0.12:8000"}
+        membership = await next_membership(updates, lambda m: len(urls(m)) == 3)
+        assert urls(membership) == {f"http://127.0.0.{ip}:8000" for ip in (11, 12, 13)}
         assert (
             next(m for m in membership.models if m.served_name == "ready").routing.strategy == "round_robin"
         )
         kube.set_pod_ready("default", pods[0], ready=False, pod_ip="127.0.0.11")
+        membership = await next_membership(updates, lambda m: len(urls(m)) == 2)
+        assert urls(membership) == {"http://127.0.0.12:8000", "http://127.0.0.13:8000"}
+        kube.terminate_pod("default", pods[1])  # still listed and Ready, but terminating
         membership = await next_membership(updates, lambda m: len(urls(m)) == 1)
-        assert urls(membership) == {"http://127.0.0.12:8000"}
-        kube.delete("pods", pods[1])
+        assert urls(membership) == {"http://127.0.0.13:8000"}
+        kube.delete("pods", pods[2])
         await next_membership(updates, lambda m: not urls(m))
+        kube.release("pods", pods[1])
         eventually(lambda: condition(kube, "ready", "Ready").get("status") == "False", "Ready=False again")
     finally:
         await updates.aclose()
