@@ -1,0 +1,171 @@
+"""``herd up`` of a disaggregated deployment (1 prefill + 1 decode worker), driven by the openai SDK.
+
+Tiny-model manifest in tmp_path for speed. The prefill worker is killed in the last-but-one test
+(requests still succeed: the decode worker prefills locally) and the decode worker in the last one
+(a stream in flight ends with an error event).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from support.procs import free_port, running, wait_until
+
+from herd.api.protocol import WORKER_HEADER
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+MODEL = "tiny"
+LONG_PROMPT = " ".join(f"item{number % 23} costs {number} coins" for number in range(24))
+
+
+def write_manifest(folder: Path, model: Path) -> Path:
+    path = folder / "tiny-disagg.yaml"
+    path.write_text(
+        f"""apiVersion: herd.dev/v1alpha1
+kind: ModelDeployment
+metadata: {{name: tiny-disagg}}
+spec:
+  model: {{source: "file://{model}", servedName: {MODEL}}}
+  engine: {{dtype: float32, device: cpu, maxModelLen: 1024, kvCache: {{blockSize: 16, memoryGiB: 0.05}}}}
+  serving: {{mode: disaggregated, prefillThresholdTokens: 32}}
+  prefill: {{replicas: 1}}
+  decode: {{replicas: 1}}
+  routing: {{strategy: kv_cache_aware}}
+"""
+    )
+    return path
+
+
+@dataclass(frozen=True)
+class Up:
+    base_url: str
+    log: Path
+
+    def workers(self) -> dict[str, dict[str, object]]:
+        entries = [json.loads(line) for line in self.log.read_text().splitlines() if line.startswith("{")]
+        return {entry["worker"]: entry for entry in entries if entry.get("msg") == "started worker"}
+
+    def worker(self, role: str) -> dict[str, object]:
+        return next(entry for name, entry in self.workers().items() if f"-{role}-" in name)
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def herd_up(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Iterator[Up]:
+    tmp_path = tmp_path_factory.mktemp("herd-up-disagg")
+    port = free_port()
+    manifest = write_manifest(tmp_path, tiny_llama)
+    argv = [
+        sys.executable,
+        "-m",
+        "herd.cli.main",
+        "up",
+        str(manifest),
+        "--port",
+        str(port),
+        "--log-dir",
+        str(tmp_path / "logs"),
+        "--ready-timeout",
+        "120",
+    ]
+    log = tmp_path / "up.log"
+    with running(argv, log=log, env={"OMP_NUM_THREADS": "1"}) as process:
+
+        def ready() -> bool:
+            assert process.poll() is None, f"herd up exited: {log.read_text()[-2000:]}"
+            return httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200
+
+        wait_until(ready, timeout=150, what="herd up serving")
+        yield Up(f"http://127.0.0.1:{port}", log)
+
+
+def metric(url: object, name: str, label: str = "") -> float:
+    """The sum of ``name``'s samples (lines containing ``label``) on a worker's /metrics page."""
+    lines = httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name) and label in line)
+
+
+def streamed_text(client: openai.OpenAI, prompt: str, max_tokens: int = 12) -> str:
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    return "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+
+
+def direct_text(url: object, prompt: str, max_tokens: int = 12) -> str:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    return str(
+        httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"][
+            "content"
+        ]
+    )
+
+
+def kv_usage(url: object) -> float:
+    return metric(url, "vllm:kv_cache_usage_perc")
+
+
+def test_openai_sdk_streams_from_the_decode_worker_after_a_remote_prefill(herd_up: Up) -> None:
+    prefill, decode = herd_up.worker("prefill")["url"], herd_up.worker("decode")["url"]
+    received = "herd_kv_transfer_blocks_total"
+    before = metric(decode, received, 'direction="received"')
+    text = streamed_text(herd_up.client(), LONG_PROMPT)
+    assert metric(decode, received, 'direction="received"') > before
+    assert metric(prefill, received, 'direction="sent"') > 0
+    assert text == direct_text(prefill, LONG_PROMPT)
+    response = httpx.post(
+        f"{herd_up.base_url}/v1/completions",
+        json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+        timeout=30,
+    )
+    assert response.status_code == 200 and response.headers[WORKER_HEADER].endswith("-decode-0")
+    wait_until(lambda: kv_usage(prefill) == 0 and kv_usage(decode) == 0, timeout=10, what="every block free")
+
+
+def test_requests_survive_the_prefill_worker_dying(herd_up: Up) -> None:
+    os.kill(int(str(herd_up.worker("prefill")["pid"])), signal.SIGKILL)
+    prompt = LONG_PROMPT.replace("coins", "pearls")
+    assert streamed_text(herd_up.client(), prompt) == direct_text(herd_up.worker("decode")["url"], prompt)
+    wait_until(lambda: kv_usage(herd_up.worker("decode")["url"]) == 0, timeout=10, what="decode blocks free")
+
+
+def read_killing(stream: openai.Stream[object], pid: int, *, after: int = 2) -> None:
+    """Read ``stream`` to its end, SIGKILLing ``pid`` once ``after`` chunks have arrived."""
+    for number, _ in enumerate(stream):
+        if number == after:
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_dying_decode_worker_ends_the_stream_with_an_error(herd_up: Up) -> None:
+    stream = herd_up.client().chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": LONG_PROMPT}],
+        max_tokens=600,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    with pytest.raises(openai.APIError):
+        read_killing(stream, int(str(herd_up.worker("decode")["pid"])))
