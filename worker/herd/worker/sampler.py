@@ -49,6 +49,7 @@ class Sampler:
         self.generator = generator
         self.eos_token_ids = frozenset(eos_token_ids)
 
+    @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
         raw_logprobs = (
             logits.log_softmax(dim=-1) if any(s.params.logprobs is not None for s in seqs) else None

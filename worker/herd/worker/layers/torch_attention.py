@@ -41,9 +41,12 @@ class TorchAttentionBackend:
         scale: float,
     ) -> torch.Tensor:
         num_heads, head_dim = padded_query.shape[1:]
-        query = padded_query[group.token_index].view(group.batch_size, group.max_query_len, num_heads, -1)
-        keys = key_cache[group.block_tables].flatten(1, 2)
-        values = value_cache[group.block_tables].flatten(1, 2)
+        query = padded_query.index_select(0, group.token_index)
+        query = query.view(group.batch_size, group.max_query_len, num_heads, head_dim)
+        blocks = group.block_tables.flatten()
+        context_shape = (group.batch_size, -1, *key_cache.shape[2:])
+        keys = key_cache.index_select(0, blocks).view(context_shape)
+        values = value_cache.index_select(0, blocks).view(context_shape)
         attended = functional.scaled_dot_product_attention(
             query.transpose(1, 2),
             keys.transpose(1, 2),

@@ -1,0 +1,126 @@
+"""The scheduler's plans without a model: token budget, chunked prefill, batch cap, preemption."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import make_seq
+
+from herd.worker.block_manager import BlockManager
+from herd.worker.sampling_params import SamplingParams
+from herd.worker.scheduler import Scheduler, SchedulerOutput
+from herd.worker.sequence import Sequence, SequenceStatus
+
+BS = 4
+Step = list[tuple[str, int]]
+
+
+def make_scheduler(num_blocks: int, budget: int, max_batch_size: int = 8) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks, BS), max_batch_tokens=budget, max_batch_size=max_batch_size)
+
+
+def add(scheduler: Scheduler, name: str, prompt_len: int, max_tokens: int = 2) -> Sequence:
+    seq = make_seq([1000 * (ord(name) - 96) + i for i in range(prompt_len)], request_id=name)
+    seq.params = SamplingParams(max_tokens=max_tokens)
+    scheduler.add(seq)
+    return seq
+
+
+def run_step(scheduler: Scheduler) -> SchedulerOutput:
+    """Plan a step, then do what the engine does: advance, append a token to sampled ones, retire."""
+    output = scheduler.schedule()
+    sampled = [chunk.seq for chunk in output.chunks if chunk.is_sampled]
+    scheduler.update(output)
+    for seq in sampled:
+        seq.append_token(7, None)
+        if seq.num_output_tokens >= seq.params.max_tokens:
+            scheduler.finish(seq)
+    return output
+
+
+def plan(output: SchedulerOutput) -> Step:
+    return [(chunk.seq.request_id, chunk.num_tokens) for chunk in output.chunks]
+
+
+@pytest.mark.parametrize(
+    ("prompts", "budget", "max_batch_size", "expected"),
+    [
+        ({"a": 10}, 4, 8, [[("a", 4)], [("a", 4)], [("a", 2)], [("a", 1)], []]),
+        ({"a": 3, "b": 10}, 6, 8, [[("a", 3), ("b", 3)], [("a", 1), ("b", 5)], [("b", 2)], [("b", 1)], []]),
+        (
+            {"a": 2, "b": 2, "c": 2},
+            64,
+            2,
+            [[("a", 2), ("b", 2)], [("a", 1), ("b", 1)], [("c", 2)], [("c", 1)], []],
+        ),
+        (
+            {"a": 2, "b": 2, "c": 2},
+            5,
+            8,
+            [[("a", 2), ("b", 2), ("c", 1)], [("a", 1), ("b", 1), ("c", 1)], [("c", 1)], []],
+        ),
+    ],
+    ids=["chunked-prefill", "running-first-then-chunk", "batch-size-cap", "budget-splits-third-prompt"],
+)
+def test_step_plans(prompts: dict[str, int], budget: int, max_batch_size: int, expected: list[Step]) -> None:
+    scheduler = make_scheduler(64, budget, max_batch_size)
+    for name, length in prompts.items():
+        add(scheduler, name, length)
+    assert [plan(run_step(scheduler)) for _ in expected] == expected
+    assert not scheduler.has_unfinished()
+
+
+def test_preempts_the_newest_and_requeues_it_first() -> None:
+    scheduler = make_scheduler(num_blocks=3, budget=64)
+    a, b = add(scheduler, "a", 4, max_tokens=8), add(scheduler, "b", 4, max_tokens=8)
+    add(scheduler, "c", 2, max_tokens=1)
+    first = run_step(scheduler)
+    assert plan(first) == [("a", 4), ("b", 4), ("c", 2)]
+    second = run_step(scheduler)
+    assert plan(second) == [("a", 1)]
+    assert second.preempted == [b]
+    assert b.status is SequenceStatus.WAITING
+    assert b.num_computed_tokens == 0
+    assert b.output_token_ids == [7]
+    assert scheduler.waiting[0] is b
+    assert a.status is SequenceStatus.RUNNING
+
+
+def test_no_admission_in_a_step_that_preempted() -> None:
+    scheduler = make_scheduler(num_blocks=2, budget=64)
+    add(scheduler, "a", 4, max_tokens=8)
+    add(scheduler, "b", 4, max_tokens=8)
+    run_step(scheduler)
+    second = run_step(scheduler)
+    assert [seq.request_id for seq in second.preempted] == ["b"]
+    assert plan(second) == [("a", 1)]
+
+
+def test_preempted_sequences_finish_after_the_pool_frees() -> None:
+    scheduler = make_scheduler(num_blocks=3, budget=64)
+    seqs = [add(scheduler, name, 4, max_tokens=6) for name in "abc"]
+    for _ in range(60):
+        if not scheduler.has_unfinished():
+            break
+        run_step(scheduler)
+    assert all(seq.status is SequenceStatus.FINISHED for seq in seqs)
+    assert all(seq.num_output_tokens == 6 for seq in seqs)
+    assert scheduler.block_manager.num_free_blocks == 3
+
+
+def test_waiting_sequence_starts_after_its_cache_hit() -> None:
+    scheduler = make_scheduler(num_blocks=16, budget=64)
+    add(scheduler, "a", 9, max_tokens=1)
+    run_step(scheduler)
+    twin = make_seq([1000 + i for i in range(9)] + [5, 6], request_id="twin")
+    scheduler.add(twin)
+    output = run_step(scheduler)
+    assert plan(output) == [("twin", 3)]
+    assert (output.num_cache_queries, output.num_cache_hits) == (11, 8)
+
+
+def test_finish_removes_a_waiting_sequence() -> None:
+    scheduler = make_scheduler(num_blocks=16, budget=64)
+    seq = add(scheduler, "a", 4)
+    scheduler.finish(seq)
+    assert not scheduler.has_unfinished()
+    assert seq.is_finished
