@@ -332,3 +332,18 @@ async def test_a_full_queue_is_429_with_retry_after(tiny_llama: Path) -> None:
     assert refused.status_code == 429, refused.text
     assert refused.headers["retry-after"] == "1"
     assert refused.json()["error"]["type"] == "rate_limit_error"
+
+
+@pytest.mark.parametrize(
+    ("given", "is_kept"),
+    [("abc-123", True), ("x" * 129, False), ("bad\nid", False), ("", False)],
+    ids=["kept", "too-long", "control-character", "empty"],
+)
+async def test_request_ids_are_echoed_on_errors_too(
+    client: httpx.AsyncClient, given: str, is_kept: bool
+) -> None:
+    response = await client.post(CHAT, json=chat_body(model="other"), headers={"X-Request-Id": given})
+    assert response.status_code == 404
+    echoed = response.headers["x-request-id"]
+    assert (echoed == given) is is_kept
+    assert echoed
