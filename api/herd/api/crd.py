@@ -249,7 +249,10 @@ class ModelDeploymentSpec(_Spec):
     workers: PoolSpec = Field(default_factory=PoolSpec)
     prefill: PoolSpec | None = None
     decode: PoolSpec | None = None
-    routing: RoutingSpec = Field(default_factory=lambda: KVCacheAwareRouting(strategy="kv_cache_aware"))
+    routing: RoutingSpec = Field(
+        default_factory=lambda: KVCacheAwareRouting(strategy="kv_cache_aware"),
+        json_schema_extra={"default": {"strategy": "kv_cache_aware"}},
+    )
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
 
     @model_validator(mode="after")

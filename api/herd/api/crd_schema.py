@@ -74,7 +74,11 @@ def _convert(node: Schema, defs: dict[str, Schema]) -> Schema:
             out["minimum" if key == "exclusiveMinimum" else "maximum"] = value
             out[key] = True
         elif key == "properties":
-            out[key] = {name: _convert(prop, defs) for name, prop in value.items()}
+            required = set(node.get("required", []))
+            out[key] = {
+                name: _with_empty_default(_convert(prop, defs), _resolve(prop, defs), name in required)
+                for name, prop in value.items()
+            }
         elif key == "items":
             out[key] = _convert(value, defs)
         elif key == "additionalProperties":
@@ -91,6 +95,28 @@ def _convert(node: Schema, defs: dict[str, Schema]) -> Schema:
     if out.get("type") == "object" and is_free_form:
         out["x-kubernetes-preserve-unknown-fields"] = True
     return out
+
+
+def _with_empty_default(converted: Schema, raw: Schema, is_required: bool) -> Schema:
+    """Give an optional object whose fields have defaults ``default: {}``.
+
+    The API server applies a field's default only where its parent exists; ``{}`` on the parent
+    makes a manifest without ``serving:`` come back with ``serving.mode: aggregated``, as pydantic
+    reads it. Nullable objects (``prefill``, ``decode``) and unions (``routing``) are left alone:
+    for them absence means something.
+    """
+    is_plain_object = converted.get("type") == "object" and "properties" in converted
+    is_union_or_nullable = "oneOf" in raw or "anyOf" in raw
+    has_defaults = any("default" in prop for prop in converted.get("properties", {}).values())
+    if (
+        is_required
+        or not is_plain_object
+        or is_union_or_nullable
+        or "default" in converted
+        or not has_defaults
+    ):
+        return converted
+    return {**converted, "default": {}}
 
 
 def openapi_schema(model: type[ModelDeploymentSpec] | type[ModelDeploymentStatus]) -> Schema:
