@@ -7,6 +7,7 @@ host or a (host, path) pair can be made to refuse connections to play a worker t
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,16 +60,42 @@ class InProcessWorker:
             self.id, MODEL, f"http://{self.id}.public:8000", f"http://{self.id}.internal:9000", self.role
         )
 
+    async def public(self, path: str, body: Any = None) -> httpx.Response:
+        """POST ``body`` (GET without one) to the public port."""
+        url = self.endpoint.url + path
+        return await (self.http.get(url) if body is None else self.http.post(url, json=body))
+
+    async def internal(self, path: str, body: Any = None) -> httpx.Response:
+        """POST ``body`` (GET without one) to the internal port, with the token."""
+        url, headers = self.endpoint.internal_url + path, {TOKEN_HEADER: TOKEN}
+        if body is None:
+            return await self.http.get(url, headers=headers)
+        return await self.http.post(url, json=body, headers=headers)
+
     async def load(self) -> dict[str, Any]:
-        response = await self.http.get(
-            self.endpoint.internal_url + INTERNAL_PATHS.load, headers={TOKEN_HEADER: TOKEN}
-        )
-        result: dict[str, Any] = response.json()
+        result: dict[str, Any] = (await self.internal(INTERNAL_PATHS.load)).json()
         return result
+
+    async def total_blocks(self) -> int:
+        return int((await self.load())["num_total_blocks"])
+
+    async def settled_free_blocks(self, expected: int | None = None) -> int:
+        """Free blocks once they reach ``expected`` (default: all), or after a bounded wait.
+
+        The load report trails the engine thread's commands by one loop turn.
+        """
+        load = await self.load()
+        wanted = load["num_total_blocks"] if expected is None else expected
+        for _ in range(50):
+            if load["num_free_blocks"] == wanted:
+                break
+            await asyncio.sleep(0.05)
+            load = await self.load()
+        return int(load["num_free_blocks"])
 
     async def metric(self, name: str, **labels: str) -> float:
         """The sum of ``name``'s samples whose labels include ``labels`` (0 when there is none)."""
-        text = (await self.http.get(self.endpoint.url + "/metrics")).text
+        text = (await self.public("/metrics")).text
         return sum(
             sample.value
             for family in text_string_to_metric_families(text)
