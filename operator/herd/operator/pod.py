@@ -8,7 +8,7 @@ from typing import Any
 from herd.api.crd import ModelDeployment, PoolSpec, Resources
 from herd.api.protocol import Role
 from herd.operator.settings import PlanSettings
-from herd.operator.source import plan_source
+from herd.operator.source import ModelSource, plan_source
 
 __all__ = ["HTTP_PORT", "INTERNAL_PORT", "TOKEN_ENV", "plan_pod_spec", "worker_argv"]
 
@@ -16,6 +16,8 @@ HTTP_PORT = 8000
 INTERNAL_PORT = 9000
 TOKEN_ENV = "HERD_INTERNAL_TOKEN"
 _GPU_RESOURCE = {"nvidia": "nvidia.com/gpu", "amd": "amd.com/gpu"}
+# Neither the worker nor the fetchers need privileges; GPUs come through the device plugin.
+_CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
 
 Object = dict[str, Any]
 
@@ -38,6 +40,25 @@ def worker_argv(md: ModelDeployment, role: Role, model_path: str) -> list[str]:
 def plan_pod_spec(md: ModelDeployment, pool: PoolSpec, role: Role, settings: PlanSettings) -> Object:
     image = pool.image or settings.worker_image
     source = plan_source(md.spec.model, settings, worker_image=image)
+    worker = _worker_container(md, pool, role, settings, image, source)
+    spec: Object = {
+        "securityContext": {"fsGroup": settings.fs_group, "seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [worker],
+        "initContainers": [
+            {**init, "securityContext": _CONTAINER_SECURITY} for init in source.init_containers
+        ],
+        "volumes": source.volumes,
+        "nodeSelector": dict(pool.node_selector),
+        "tolerations": list(pool.tolerations),
+        # The preStop pause runs inside the grace period, so the drain budget comes on top of it.
+        "terminationGracePeriodSeconds": settings.drain_seconds + settings.grace_seconds,
+    }
+    return _without_empty(spec, keep={"containers"})
+
+
+def _worker_container(
+    md: ModelDeployment, pool: PoolSpec, role: Role, settings: PlanSettings, image: str, source: ModelSource
+) -> Object:
     container: Object = {
         "name": "worker",
         "image": image,
@@ -51,18 +72,9 @@ def plan_pod_spec(md: ModelDeployment, pool: PoolSpec, role: Role, settings: Pla
         **_probes(),
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(settings.drain_seconds)]}}},
         "volumeMounts": source.mounts,
+        "securityContext": _CONTAINER_SECURITY,
     }
-    container = _without_empty(container, keep=set())
-    spec: Object = {
-        "containers": [container],
-        "initContainers": source.init_containers,
-        "volumes": source.volumes,
-        "nodeSelector": dict(pool.node_selector),
-        "tolerations": list(pool.tolerations),
-        # The preStop pause runs inside the grace period, so the drain budget comes on top of it.
-        "terminationGracePeriodSeconds": settings.drain_seconds + settings.grace_seconds,
-    }
-    return _without_empty(spec, keep={"containers"})
+    return _without_empty(container, keep=set())
 
 
 def plan_resources(resources: Resources) -> Object:

@@ -26,6 +26,9 @@ class PlanSettings(BaseModel):
         default=5, ge=0, description="preStop pause so the orchestrator stops routing before SIGTERM."
     )
     grace_seconds: int = Field(default=120, ge=1, description="Time a worker has to finish in-flight work.")
+    fs_group: int = Field(
+        default=10001, ge=0, description="Pod fsGroup, so the worker image's user can write the cache PVC."
+    )
 
 
 class OperatorConfig(BaseModel):

@@ -149,6 +149,16 @@ def test_resources(resources: dict[str, Any], expected: dict[str, Any] | None) -
     assert container(make_md(workers={"resources": resources})).get("resources") == expected
 
 
+def test_security_context_without_privileges() -> None:
+    pod = deployments(make_md(model={"source": "hf://Org/Name"}))["chat-workers"]["spec"]["template"]["spec"]
+    assert pod["securityContext"]["fsGroup"] == SETTINGS.fs_group
+    for container in pod["containers"] + pod["initContainers"]:
+        assert container["securityContext"] == {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+        }
+
+
 def test_node_selector_tolerations_image_env() -> None:
     toleration = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
     pool = {
@@ -170,6 +180,7 @@ def test_defaults_leave_out_empty_fields() -> None:
         "spec"
     ]
     assert not {"nodeSelector", "tolerations", "volumes", "initContainers"} & set(pod)
+    assert "securityContext" in pod
     assert pod["containers"][0]["image"] == SETTINGS.worker_image
 
 
