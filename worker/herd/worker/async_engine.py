@@ -99,20 +99,17 @@ class AsyncEngine:
         self._factory = factory
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._outputs: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
-        self._kv_log: collections.deque[KVEvent] = collections.deque(maxlen=_KV_EVENT_LOG_LEN)
-        self._kv_subscribers: set[asyncio.Queue[KVEvent]] = set()
+        self._kv_events = _KVEventLog()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._engine: EngineCore | None = None
         self._load = LoadReport()
         self._stopping = threading.Event()
         self._loaded = asyncio.Event()
-        self._kv_changed = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
         self.is_draining = False
         self.error: Exception | None = None
-        self.num_kv_events = 0
         self.step_observers: list[Callable[[float], None]] = []
         """Called on the engine thread with each step's duration in seconds (metrics)."""
 
@@ -152,10 +149,12 @@ class AsyncEngine:
         return True
 
     async def stop(self) -> None:
-        """Stop the engine thread (after ``drain``); in-flight requests are aborted with an error."""
+        """Stop the engine thread (after ``drain``); requests still in flight fail."""
         self._stopping.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
+        for target in self._outputs.values():
+            target.put_nowait(EngineDrainingError("the worker stopped before this request finished"))
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -253,29 +252,17 @@ class AsyncEngine:
         self._require_engine()
         return await self.call(lambda engine: engine.kv_snapshot())
 
+    @property
+    def num_kv_events(self) -> int:
+        return self._kv_events.num_published
+
     async def kv_events_after(self, seq: int, *, wait: float = 0.0) -> list[KVEvent]:
         """Logged KV events with ``seq`` above ``seq``; waits up to ``wait`` s for one if none yet."""
-        deadline = time.monotonic() + wait
-        while True:
-            self._kv_changed.clear()
-            events = [event for event in self._kv_log if event.seq > seq]
-            remaining = deadline - time.monotonic()
-            if events or remaining <= 0:
-                return events
-            try:
-                await asyncio.wait_for(self._kv_changed.wait(), remaining)
-            except TimeoutError:
-                return []
+        return await self._kv_events.after(seq, wait=wait)
 
-    async def subscribe_kv_events(self) -> AsyncGenerator[KVEvent, None]:
+    def subscribe_kv_events(self) -> AsyncGenerator[KVEvent, None]:
         """Every KV event from now on, in order, until the iteration is closed."""
-        events: asyncio.Queue[KVEvent] = asyncio.Queue()
-        self._kv_subscribers.add(events)
-        try:
-            while True:
-                yield await events.get()
-        finally:
-            self._kv_subscribers.discard(events)
+        return self._kv_events.subscribe()
 
     def _require_engine(self) -> EngineCore:
         if self._engine is None:
@@ -290,12 +277,7 @@ class AsyncEngine:
             if (target := self._outputs.get(output.request_id)) is not None:
                 target.put_nowait(output)
         if events:
-            self.num_kv_events += len(events)
-            self._kv_log.extend(events)
-            for subscriber in self._kv_subscribers:
-                for event in events:
-                    subscriber.put_nowait(event)
-            self._kv_changed.set()
+            self._kv_events.publish(events)
 
     def _fail_all(self, error: Exception) -> None:
         self.error = error
@@ -352,6 +334,46 @@ class AsyncEngine:
         for observe in self.step_observers:
             observe(elapsed)
         return outputs
+
+
+class _KVEventLog:
+    """The last KV events for pollers, and a queue per live subscriber; event-loop side only."""
+
+    def __init__(self) -> None:
+        self._log: collections.deque[KVEvent] = collections.deque(maxlen=_KV_EVENT_LOG_LEN)
+        self._subscribers: set[asyncio.Queue[KVEvent]] = set()
+        self._changed = asyncio.Event()
+        self.num_published = 0
+
+    def publish(self, events: list[KVEvent]) -> None:
+        self.num_published += len(events)
+        self._log.extend(events)
+        for subscriber in self._subscribers:
+            for event in events:
+                subscriber.put_nowait(event)
+        self._changed.set()
+
+    async def after(self, seq: int, *, wait: float) -> list[KVEvent]:
+        deadline = time.monotonic() + wait
+        while True:
+            self._changed.clear()
+            events = [event for event in self._log if event.seq > seq]
+            remaining = deadline - time.monotonic()
+            if events or remaining <= 0:
+                return events
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except TimeoutError:
+                return []
+
+    async def subscribe(self) -> AsyncGenerator[KVEvent, None]:
+        events: asyncio.Queue[KVEvent] = asyncio.Queue()
+        self._subscribers.add(events)
+        try:
+            while True:
+                yield await events.get()
+        finally:
+            self._subscribers.discard(events)
 
 
 def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
