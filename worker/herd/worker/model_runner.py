@@ -34,7 +34,7 @@ class ModelRunner:
             config.model_path,
             self.args,
             backend or TorchAttentionBackend(),
-            max_positions=max(self.args.max_position_embeddings, config.max_model_len),
+            max_positions=config.max_model_len,
             dtype=self.dtype,
             device=self.device,
         )

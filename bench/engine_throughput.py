@@ -1,0 +1,209 @@
+"""herd's LLMEngine vs transformers ``generate()``, in process, side by side in one run.
+
+1. Throughput: the same fixed-seed workload (prompts 128-512 tokens, outputs 64-256, ``ignore_eos``)
+   through herd's engine with all requests in flight (continuous batching), and through
+   ``transformers`` ``generate()`` in static, left-padded batches of ``--concurrency`` that run to the
+   longest output of the batch. Output tokens/s counts only the tokens each request asked for.
+   TTFT (from the start of the run) and inter-token latency come from herd's per-step outputs and
+   from a streamer that timestamps each ``generate()`` step.
+2. Prefix cache: TTFT of a prompt whose 1024-token prefix is cached vs. the same-length prompt cold.
+
+    .venv/bin/python bench/engine_throughput.py --model .cache/models/smollm2-135m-instruct
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from _common import DEMO_MODEL, REPO, machine_info, write_json
+
+from herd.worker.config import EngineConfig
+from herd.worker.engine import LLMEngine
+from herd.worker.sampling_params import SamplingParams
+
+Workload = list[tuple[list[int], int]]  # (prompt token ids, output tokens)
+
+
+def make_workload(num_requests: int, vocab_size: int, seed: int) -> Workload:
+    rng = random.Random(seed)
+    return [
+        ([rng.randrange(100, vocab_size) for _ in range(rng.randint(128, 512))], rng.randint(64, 256))
+        for _ in range(num_requests)
+    ]
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    pick = lambda q: ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]  # noqa: E731
+    return {
+        "p50": round(pick(0.5) * 1000, 1),
+        "p99": round(pick(0.99) * 1000, 1),
+        "mean": round(statistics.fmean(values) * 1000, 1),
+    }
+
+
+def run_herd(engine: LLMEngine, workload: Workload) -> dict[str, Any]:
+    start = time.perf_counter()
+    for index, (prompt, num_out) in enumerate(workload):
+        engine.add_request(
+            f"r{index}", prompt, SamplingParams(max_tokens=num_out, temperature=0.0, ignore_eos=True)
+        )
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    gaps: list[float] = []
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        now = time.perf_counter()
+        for output in outputs:
+            if output.request_id in last:
+                gaps.append(now - last[output.request_id])
+            first.setdefault(output.request_id, now - start)
+            last[output.request_id] = now
+    wall = time.perf_counter() - start
+    total = sum(num_out for _, num_out in workload)
+    return {
+        "wall_s": round(wall, 2),
+        "output_tokens": total,
+        "output_tok_s": round(total / wall, 2),
+        "ttft_ms": percentiles(list(first.values())),
+        "itl_ms": percentiles(gaps),
+        "num_preemptions": engine.stats.num_preemptions,
+    }
+
+
+class _StepClock:
+    """A ``generate()`` streamer that only records when each step's tokens came out."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def run_transformers(model: Any, workload: Workload, batch_size: int, pad_id: int) -> dict[str, Any]:
+    start = time.perf_counter()
+    ttfts: list[float] = []
+    itls: list[float] = []
+    for offset in range(0, len(workload), batch_size):
+        batch = workload[offset : offset + batch_size]
+        width = max(len(prompt) for prompt, _ in batch)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p, _ in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
+        steps = max(num_out for _, num_out in batch)
+        clock = _StepClock()
+        with torch.no_grad():
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=steps,
+                min_new_tokens=steps,
+                do_sample=False,
+                pad_token_id=pad_id,
+                streamer=clock,
+            )
+        token_times = clock.times[1:]  # the first put is the prompt itself
+        ttfts += [token_times[0] - start] * len(batch)
+        for _, num_out in batch:
+            itls += [b - a for a, b in itertools.pairwise(token_times[:num_out])]
+    wall = time.perf_counter() - start
+    total = sum(num_out for _, num_out in workload)
+    return {
+        "wall_s": round(wall, 2),
+        "output_tokens": total,
+        "output_tok_s": round(total / wall, 2),
+        "ttft_ms": percentiles(ttfts),
+        "itl_ms": percentiles(itls),
+    }
+
+
+def prefix_ttft(engine: LLMEngine, vocab_size: int, seed: int, repeats: int) -> dict[str, Any]:
+    """TTFT of ``prefix + suffix`` right after the same prefix was served, vs. a never-seen prompt."""
+    rng = random.Random(seed)
+    tokens = lambda n: [rng.randrange(100, vocab_size) for _ in range(n)]  # noqa: E731
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    cold: list[float] = []
+    warm: list[float] = []
+    cached_tokens: list[int] = []
+    for _ in range(repeats):
+        prefix = tokens(1024)
+        for bucket, prompt in ((cold, prefix + tokens(16)), (warm, prefix + tokens(16))):
+            started = time.perf_counter()
+            [result] = engine.generate([prompt], one)
+            bucket.append(time.perf_counter() - started)
+        cached_tokens.append(result.num_cached_tokens)
+    cold_ms, warm_ms = percentiles(cold), percentiles(warm)
+    return {
+        "uncached_ttft_ms": cold_ms,
+        "cached_ttft_ms": warm_ms,
+        "cached_tokens": cached_tokens,
+        "speedup_p50": round(cold_ms["p50"] / warm_ms["p50"], 1),
+        "target_speedup": 5.0,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", type=Path, default=DEMO_MODEL)
+    parser.add_argument(
+        "--requests", type=int, default=16, help="workload size (the issue's target is a multiple of 16)"
+    )
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads for both sides (1 avoids OpenMP spin-waits on a shared machine)",
+    )
+    parser.add_argument("--prefix-repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "engine.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM
+
+    config = EngineConfig(
+        model_path=args.model, served_name="bench", engine={"device": "cpu", "maxBatchSize": args.concurrency}
+    )  # type: ignore[arg-type]
+    engine = LLMEngine(config)
+    vocab_size = engine.runner.args.vocab_size
+    workload = make_workload(args.requests, vocab_size, args.seed)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    report: dict[str, Any] = {
+        "machine": machine_info(),
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "workload": {
+            "requests": args.requests,
+            "prompt_tokens": sum(len(p) for p, _ in workload),
+            "output_tokens": sum(n for _, n in workload),
+        },
+    }
+    report["herd"] = run_herd(engine, workload)
+    print("herd", report["herd"], flush=True)
+    report["transformers"] = run_transformers(model, workload, args.concurrency, pad_id=0)
+    print("transformers", report["transformers"], flush=True)
+    report["throughput_ratio"] = round(
+        report["herd"]["output_tok_s"] / report["transformers"]["output_tok_s"], 2
+    )
+    report["target_ratio"] = 1.5
+    report["prefix_cache"] = prefix_ttft(LLMEngine(config), vocab_size, args.seed + 1, args.prefix_repeats)
+    print("prefix", report["prefix_cache"], flush=True)
+    report["machine_after"] = machine_info()["load_average"]
+    write_json(args.out, report)
+    print(f"ratio {report['throughput_ratio']}x (target 1.5x); wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
