@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
 import logging
 import os
 import sys
@@ -59,10 +58,10 @@ def parse_worker(value: str, models: Sequence[ModelConfig], number: int) -> Work
 
 def _source(args: argparse.Namespace, models: list[ModelConfig]) -> WorkerSource:
     if args.kubernetes:
-        # Kubernetes discovery lives in its own module, loaded only when asked for (it needs kopf's stack).
-        module = importlib.import_module("herd.orchestrator.kube_discovery")
-        source: WorkerSource = module.KubernetesSource(namespace=args.namespace)
-        return source
+        # Imported only when asked for: static and local runs never touch the Kubernetes API.
+        from herd.orchestrator.kube_discovery import KubeSource
+
+        return KubeSource(namespace=args.namespace, kubeconfig=args.kubeconfig)
     endpoints = [parse_worker(value, models, number) for number, value in enumerate(args.worker)]
     return StaticSource(models, endpoints)
 
@@ -108,6 +107,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--kubernetes", action="store_true", help="discover workers from Kubernetes pods")
     parser.add_argument(
         "--namespace", default=None, help="with --kubernetes: watch one namespace (default: all)"
+    )
+    parser.add_argument(
+        "--kubeconfig", default=None, help="with --kubernetes, outside a cluster: this kubeconfig"
     )
     parser.add_argument("--redis", default=None, help="redis://HOST:PORT/DB to share sessions and KV events")
     parser.add_argument("--api-keys-file", type=Path, default=None, help="accepted API keys, one per line")
