@@ -78,8 +78,19 @@ def herd_up(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Itera
             return httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200
 
         wait_until(ready, timeout=150, what="herd up serving")
-        yield Up(f"http://127.0.0.1:{port}", log)
+        up = Up(f"http://127.0.0.1:{port}", log)
+        yield up
+    # `running` stopped herd up with SIGTERM: it must have stopped every worker by pid first.
     assert "herd is up" in log.read_text()
+    assert not [pid for pid in up.worker_pids().values() if is_alive(pid)]
+
+
+def is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def busy_workers(up: Up) -> list[str]:
