@@ -78,43 +78,43 @@ def _model_folder(deployment: ModelDeployment) -> Path:
 
 def plan_workers(deployment: ModelDeployment, token: str) -> list[LocalWorker]:
     """Every worker process of every pool of the deployment, each on its own free ports."""
-    folder, name = _model_folder(deployment), deployment.served_name
+    folder = _model_folder(deployment)
     workers = []
     for pool_name, pool in deployment.spec.pools().items():
-        role = _ROLE_OF_POOL[pool_name]
         for number in range(pool.replicas):
             port, internal_port = _free_port(), _free_port()
             endpoint = WorkerEndpoint(
                 f"{deployment.metadata.name}-{pool_name}-{number}",
-                name,
+                deployment.served_name,
                 f"http://{HOST}:{port}",
                 f"http://{HOST}:{internal_port}",
-                role,
+                _ROLE_OF_POOL[pool_name],
             )
-            argv = (
-                sys.executable,
-                "-m",
-                "herd.cli.main",
-                "worker",
-                "--model",
-                str(folder),
-                "--served-name",
-                name,
-                "--host",
-                HOST,
-                "--port",
-                str(port),
-                "--internal-port",
-                str(internal_port),
-                "--internal-token",
-                token,
-                "--role",
-                role,
-                "--engine-json",
-                deployment.spec.engine.model_dump_json(by_alias=True),
-            )
+            argv = _worker_argv(deployment, folder, endpoint, (port, internal_port), token)
             workers.append(LocalWorker(endpoint, port, argv, dict(pool.env)))
     return workers
+
+
+def _worker_argv(
+    deployment: ModelDeployment, folder: Path, endpoint: WorkerEndpoint, ports: tuple[int, int], token: str
+) -> tuple[str, ...]:
+    flags = {
+        "--model": str(folder),
+        "--served-name": endpoint.model,
+        "--host": HOST,
+        "--port": str(ports[0]),
+        "--internal-port": str(ports[1]),
+        "--internal-token": token,
+        "--role": endpoint.role,
+        "--engine-json": deployment.spec.engine.model_dump_json(by_alias=True),
+    }
+    return (
+        sys.executable,
+        "-m",
+        "herd.cli.main",
+        "worker",
+        *(part for item in flags.items() for part in item),
+    )
 
 
 class _Processes:

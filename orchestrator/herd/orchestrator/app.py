@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +59,20 @@ def build_app(
     registry = Registry(WorkerClient(client, token=settings.internal_token), state, settings.registry)
     gateway = Gateway(registry, state, client, telemetry, settings.gateway)
 
+    lifespan = _lifespan(registry, source, client if http is None else None)
+    app = FastAPI(title="herd orchestrator", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.registry, app.state.gateway, app.state.telemetry = registry, gateway, telemetry
+    app.exception_handler(GatewayError)(_gateway_error)
+    _add_openai_routes(app, gateway, api_keys or ApiKeys([]), settings.max_body_bytes)
+    _add_ops_routes(app, registry, telemetry)
+    return app
+
+
+def _lifespan(
+    registry: Registry, source: WorkerSource, owned_client: httpx.AsyncClient | None
+) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """Follow the source while the app runs; close the upstream client if the app created it."""
+
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         task = asyncio.create_task(registry.run(source), name="herd-registry")
@@ -67,15 +82,10 @@ def build_app(
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-            if http is None:
-                await client.aclose()
+            if owned_client is not None:
+                await owned_client.aclose()
 
-    app = FastAPI(title="herd orchestrator", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.registry, app.state.gateway, app.state.telemetry = registry, gateway, telemetry
-    app.exception_handler(GatewayError)(_gateway_error)
-    _add_openai_routes(app, gateway, api_keys or ApiKeys([]), settings.max_body_bytes)
-    _add_ops_routes(app, registry, telemetry)
-    return app
+    return lifespan
 
 
 def _add_openai_routes(app: FastAPI, gateway: Gateway, api_keys: ApiKeys, max_body_bytes: int) -> None:

@@ -125,17 +125,10 @@ class Gateway:
     async def _context(
         self, served: ServedModel, payload: dict[str, Any], headers: Mapping[str, str]
     ) -> RequestContext:
-        token_ids: tuple[int, ...] = ()
-        hashes: tuple[int, ...] = ()
-        if served.strategy.needs_tokens:
-            try:
-                token_ids = tuple(prompt_token_ids(served.renderer, payload))
-            except ValueError as error:
-                raise GatewayError(400, f"invalid request: {error}") from None
-            salt = payload.get("cache_salt")
-            hashes = tuple(
-                block_hashes(token_ids, served.config.block_size, model_id=served.name, cache_salt=salt)
-            )
+        token_ids = _prompt_tokens(served, payload) if served.strategy.needs_tokens else ()
+        hashes = block_hashes(
+            token_ids, served.config.block_size, model_id=served.name, cache_salt=payload.get("cache_salt")
+        )
         session_key = headers.get(getattr(served.config.routing, "session_header", "X-Session-ID").lower())
         pinned = None
         if served.strategy.pins_sessions and session_key:
@@ -143,7 +136,7 @@ class Gateway:
         return RequestContext(
             model=served.name,
             token_ids=token_ids,
-            block_hashes=hashes,
+            block_hashes=tuple(hashes),
             session_key=session_key,
             pinned_worker_id=pinned,
             headers=dict(headers),
@@ -271,6 +264,13 @@ class Gateway:
 
 
 _UPSTREAM_HEADERS = {"content-type": "application/json", "accept": "*/*"}
+
+
+def _prompt_tokens(served: ServedModel, payload: dict[str, Any]) -> tuple[int, ...]:
+    try:
+        return tuple(prompt_token_ids(served.renderer, payload))
+    except ValueError as error:
+        raise GatewayError(400, f"invalid request: {error}") from None
 
 
 def _pin_key(served: ServedModel, session_key: str) -> str:
