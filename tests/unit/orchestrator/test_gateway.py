@@ -17,6 +17,7 @@ from support.gateway_fakes import (
 )
 
 from herd.api.crd import StickySessionRouting
+from herd.api.metrics import ORCHESTRATOR_METRICS
 from herd.api.protocol import WORKER_HEADER
 from herd.orchestrator.app import AppSettings
 from herd.orchestrator.auth import ApiKeys
@@ -207,3 +208,16 @@ async def test_health_ready_and_dashboard() -> None:
     assert "<script>" in page.text and "http" not in page.text.split("<script>")[1].split("fetch(")[0]
     assert {row["id"] for row in data["workers"]} == {"w0", "w1"}
     assert data["request_rate_per_s"] > 0 and data["ttft_p50_ms"] is not None
+
+
+async def test_metrics_expose_every_orchestrator_metric() -> None:
+    async with running_gateway(cluster_of(1)) as (_, client):
+        await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+        text = (await client.get("/metrics")).text
+    missing = [
+        name
+        for name in ORCHESTRATOR_METRICS
+        if f"# TYPE {name}" not in text and f"# HELP {name} " not in text
+    ]
+    assert not missing
+    assert 'herd_router_requests_total{model="tiny",status="200",worker="w0"} 1.0' in text
