@@ -100,6 +100,7 @@ def test_plan_workers_rejects_unusable_sources(source: str, message: str) -> Non
         plan_workers(deployment(source), "t")  # type: ignore[arg-type]
 
 
+@pytest.mark.e2e
 def test_herd_up_reports_a_remote_source_and_exits(tmp_path: Path) -> None:
     manifest = tmp_path / "remote.yaml"
     manifest.write_text(
@@ -115,3 +116,36 @@ def test_herd_up_reports_a_remote_source_and_exits(tmp_path: Path) -> None:
     )
     assert result.returncode == 1
     assert "herd up needs a local model" in result.stderr
+
+
+@pytest.mark.e2e
+def test_herd_up_names_the_log_of_a_worker_that_fails(tmp_path: Path) -> None:
+    model = tmp_path / "broken-model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")  # a folder that looks like a model but cannot load
+    manifest = tmp_path / "broken.yaml"
+    manifest.write_text(
+        "apiVersion: herd.dev/v1alpha1\nkind: ModelDeployment\nmetadata: {name: broken}\n"
+        f"spec: {{model: {{source: 'file://{model}'}}, workers: {{replicas: 1}}}}\n"
+    )
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "herd.cli.main",
+            "up",
+            str(manifest),
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--ready-timeout",
+            "120",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert result.returncode == 1
+    assert "worker broken-workers-0 exited with code" in result.stderr
+    log = tmp_path / "logs" / "broken-workers-0.log"
+    assert str(log) in result.stderr and log.exists()
