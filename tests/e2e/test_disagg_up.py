@@ -7,6 +7,7 @@ Tiny-model manifest in tmp_path for speed. The prefill worker is killed in the l
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -62,11 +63,10 @@ class Up:
         return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-@pytest.fixture(scope="module")
-def herd_up(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Iterator[Up]:
-    tmp_path = tmp_path_factory.mktemp("herd-up-disagg")
+@contextlib.contextmanager
+def herd_up_of(manifest: Path, folder: Path) -> Iterator[Up]:
+    """``herd up MANIFEST`` until it serves; stopped by its pid on exit."""
     port = free_port()
-    manifest = write_manifest(tmp_path, tiny_llama)
     argv = [
         sys.executable,
         "-m",
@@ -76,19 +76,26 @@ def herd_up(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Itera
         "--port",
         str(port),
         "--log-dir",
-        str(tmp_path / "logs"),
+        str(folder / "logs"),
         "--ready-timeout",
-        "120",
+        "300",
     ]
-    log = tmp_path / "up.log"
+    log = folder / "up.log"
     with running(argv, log=log, env={"OMP_NUM_THREADS": "1"}) as process:
 
         def ready() -> bool:
             assert process.poll() is None, f"herd up exited: {log.read_text()[-2000:]}"
             return httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200
 
-        wait_until(ready, timeout=150, what="herd up serving")
+        wait_until(ready, timeout=330, what="herd up serving")
         yield Up(f"http://127.0.0.1:{port}", log)
+
+
+@pytest.fixture(scope="module")
+def herd_up(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Iterator[Up]:
+    tmp_path = tmp_path_factory.mktemp("herd-up-disagg")
+    with herd_up_of(write_manifest(tmp_path, tiny_llama), tmp_path) as up:
+        yield up
 
 
 def metric(url: object, name: str, label: str = "") -> float:
@@ -169,3 +176,20 @@ def test_a_dying_decode_worker_ends_the_stream_with_an_error(herd_up: Up) -> Non
     )
     with pytest.raises(openai.APIError):
         read_killing(stream, int(str(herd_up.worker("decode")["pid"])))
+
+
+@pytest.mark.slow
+def test_the_smollm2_disagg_example_streams_to_the_openai_sdk(tmp_path: Path, demo_model: Path) -> None:
+    """The shipped example, its relative model path made absolute (tests may run from anywhere)."""
+    shipped = (Path(__file__).resolve().parents[2] / "examples" / "smollm2-disagg.yaml").read_text()
+    assert "mode: disaggregated" in shipped and "file://.cache/models/smollm2-135m-instruct" in shipped
+    manifest = tmp_path / "smollm2-disagg.yaml"
+    manifest.write_text(shipped.replace("file://.cache/models/smollm2-135m-instruct", f"file://{demo_model}"))
+    with herd_up_of(manifest, tmp_path) as up:
+        prompt = "Summarize this list in one sentence: " + LONG_PROMPT
+        client = openai.OpenAI(base_url=f"{up.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+        stream = client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": prompt}], max_tokens=16, stream=True
+        )
+        assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices).strip()
+        assert metric(up.worker("decode")["url"], "herd_kv_transfer_blocks_total", 'direction="received"') > 0

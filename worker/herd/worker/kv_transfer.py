@@ -118,7 +118,7 @@ def decode_frame(payload: bytes) -> tuple[KVLayout, list[BlockHash], torch.Tenso
     (length,) = _LENGTH.unpack_from(payload, len(_MAGIC))
     header = _FrameHeader.model_validate_json(payload[start : start + length])
     layout = KVLayout(**header.layout)
-    raw = bytearray(payload[start + length :])
+    raw = bytearray(memoryview(payload)[start + length :])  # one copy: torch wants a writable buffer
     expected = layout.torch_dtype.itemsize * _product(header.shape)
     if len(raw) != expected:
         raise KVTransferError(f"the block frame holds {len(raw)} tensor bytes, its header says {expected}")
