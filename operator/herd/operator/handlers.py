@@ -40,8 +40,8 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
     )
-    memo.connection = load_connection(config.kubeconfig)
-    memo.reconciler = Reconciler(KubeApi(memo.connection.http_client()), config.plan)
+    connection = load_connection(config.kubeconfig)
+    memo.reconciler = Reconciler(KubeApi(connection.http_client()), config.plan)
 
 
 @kopf.on.login(registry=registry)
@@ -80,7 +80,7 @@ async def child_changed(
     **_: Any,
 ) -> None:
     owner = labels.get(LABEL_DEPLOYMENT)
-    if owner and namespace and not memo.reconciler.is_own_write(_raw(body)):
+    if owner and namespace and not memo.reconciler.is_own_write(str(body.get("kind", "")), body.metadata):
         await memo.reconciler.poke(namespace, owner, logger)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal, cast
@@ -82,10 +83,9 @@ class Reconciler:
                 except (KubeError, ChildConflictError) as error:
                     logger.warning(f"{error}; the next event of {namespace}/{name} retries the pass")
 
-    def is_own_write(self, child: Object) -> bool:
-        """Whether ``child`` is exactly the version this operator last wrote (its own watch echo)."""
-        meta = child.get("metadata", {})
-        version = self._written.get((child.get("kind", ""), meta.get("namespace", ""), meta.get("name", "")))
+    def is_own_write(self, kind: str, meta: Mapping[str, Any]) -> bool:
+        """Whether a child's watch event is the echo of this operator's own last write of it."""
+        version = self._written.get((kind, meta.get("namespace", ""), meta.get("name", "")))
         return version is not None and version == meta.get("resourceVersion")
 
     def _remember(self, written: Object | None) -> Object | None:
