@@ -242,17 +242,17 @@ class LLMEngine:
     ) -> int:
         """Import peer blocks (KV laid out as ``read_blocks`` gives it) into the prefix cache.
 
-        indexes: list[int] = []
         Blocks already cached here are skipped; returns how many were imported.
         """
+        indexes: list[int] = []
         imported: list[int] = []
         for index, (block_hash, token_ids) in enumerate(zip(block_hashes, token_blocks, strict=True)):
             block_id = self.block_manager.import_block(block_hash, token_ids)
             if block_id is not None:
-        if imported:  # one indexed copy: a copy per block is ~20x slower
-            self.runner.kv_cache[:, :, imported] = kv[:, :, indexes].to(self.runner.kv_cache.device)
                 indexes.append(index)
                 imported.append(block_id)
+        if imported:  # one indexed copy: a copy per block is ~20x slower
+            self.runner.kv_cache[:, :, imported] = kv[:, :, indexes].to(self.runner.kv_cache.device)
         self.block_manager.release(imported)
         return len(imported)
 
