@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from pathlib import Path
@@ -181,3 +182,29 @@ async def test_ready_says_503_while_draining(engine: AsyncEngine) -> None:
 def test_wait_until_is_bounded() -> None:
     with pytest.raises(TimeoutError):
         wait_until(lambda: False, timeout=0.05, what="never")
+
+
+async def test_ready_says_503_while_loading(scripted: ScriptedEngine) -> None:
+    loading = threading.Event()
+
+    def slow_factory() -> ScriptedEngine:
+        loading.wait(timeout=10)
+        return scripted
+
+    front = AsyncEngine(slow_factory)
+    front.start()
+    app = build_public_app(front, PublicOptions("tiny"))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://worker") as client:
+        ready = await client.get("/ready")
+        health = await client.get("/health")
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        refused = await client.post("/v1/chat/completions", json=body)
+        models = (await client.get("/v1/models")).json()
+        loading.set()
+        await front.wait_loaded()
+        assert (await client.get("/ready")).status_code == 200
+    await front.stop()
+    assert ready.status_code == refused.status_code == 503
+    assert "loading" in ready.json()["error"]["message"]
+    assert health.status_code == 200
+    assert models["data"][0]["max_model_len"] is None
