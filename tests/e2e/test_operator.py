@@ -195,6 +195,10 @@ async def test_ready_pods_roll_up_into_status_and_discovery(kube: Emulator) -> N
         eventually(lambda: condition(kube, "ready", "Ready").get("status") == "False", "Ready=False again")
     finally:
         await updates.aclose()
+    # The operator's own client and KubeSource (both httpx) authenticate with the kubeconfig's token.
+    ours = [r for r in kube.kmock if r.headers.get("User-Agent", "").startswith("python-httpx")]
+    assert ours
+    assert {r.headers.get("Authorization") for r in ours} == {"Bearer emulator"}
 
 
 def test_rollouts_and_crash_loops_show_in_the_conditions(kube: Emulator) -> None:

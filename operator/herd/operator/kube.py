@@ -9,6 +9,7 @@ kubeconfig), so kopf and this client always talk to the same server as the same 
 from __future__ import annotations
 
 import ssl
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,32 +38,48 @@ class CredentialsError(RuntimeError):
 
 @dataclass(frozen=True)
 class Connection:
-    server: str
-    token: str | None = None
-    ca_path: str | None = None
-    cert_path: str | None = None
-    key_path: str | None = None
-    verify: bool = True
+    """Where the API server is and who we are, as the ``kubernetes`` loaders found it."""
+
+    config: k8s_client.Configuration
+
+    @property
+    def token(self) -> str | None:
+        """The bearer token, re-read when the loader says it expired (projected tokens rotate)."""
+        value = self.config.get_api_key_with_prefix("BearerToken", alias="authorization") or ""
+        scheme, _, token = value.partition(" ")
+        return (token if scheme.lower() == "bearer" else value) or None
 
     def kopf_info(self) -> kopf.ConnectionInfo:
+        token = self.token
         return kopf.ConnectionInfo(
-            server=self.server,
-            ca_path=self.ca_path,
-            insecure=not self.verify,
-            scheme="Bearer" if self.token else None,
-            token=self.token,
-            certificate_path=self.cert_path,
-            private_key_path=self.key_path,
+            server=self.config.host,
+            ca_path=self.config.ssl_ca_cert,
+            insecure=not self.config.verify_ssl,
+            scheme="Bearer" if token else None,
+            token=token,
+            certificate_path=self.config.cert_file,
+            private_key_path=self.config.key_file,
         )
 
     def http_client(self) -> httpx.AsyncClient:
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-        verify: ssl.SSLContext | bool = self.verify
-        if self.verify and (self.ca_path or self.cert_path):
-            verify = ssl.create_default_context(cafile=self.ca_path)
-            if self.cert_path and self.key_path:
-                verify.load_cert_chain(self.cert_path, self.key_path)
-        return httpx.AsyncClient(base_url=self.server, headers=headers, verify=verify, timeout=30.0)
+        config = self.config
+        verify: ssl.SSLContext | bool = bool(config.verify_ssl)
+        if verify and (config.ssl_ca_cert or config.cert_file):
+            verify = ssl.create_default_context(cafile=config.ssl_ca_cert)
+            if config.cert_file and config.key_file:
+                verify.load_cert_chain(config.cert_file, config.key_file)
+        return httpx.AsyncClient(base_url=config.host, auth=_BearerAuth(self), verify=verify, timeout=30.0)
+
+
+class _BearerAuth(httpx.Auth):
+    def __init__(self, connection: Connection) -> None:
+        self.connection = connection
+
+    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
+        token = self.connection.token
+        if token:
+            request.headers["Authorization"] = f"Bearer {token}"
+        yield request
 
 
 def load_connection(kubeconfig: str | None = None) -> Connection:
@@ -80,15 +97,7 @@ def load_connection(kubeconfig: str | None = None) -> Connection:
                 f"no Kubernetes credentials ({error}): run in a pod with a service account, "
                 "or pass --kubeconfig (or set KUBECONFIG) to a valid kubeconfig file"
             ) from None
-    token = config.api_key.get("authorization", "").removeprefix("Bearer ").strip() or None
-    return Connection(
-        server=config.host,
-        token=token,
-        ca_path=config.ssl_ca_cert,
-        cert_path=config.cert_file,
-        key_path=config.key_file,
-        verify=bool(config.verify_ssl),
-    )
+    return Connection(config)
 
 
 def resource_path(api_version: str, plural: str, namespace: str, name: str | None = None) -> str:

@@ -16,7 +16,7 @@ import contextlib
 import json
 import logging
 import ssl
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Generator
 from pathlib import Path
 from typing import Any
 
@@ -225,11 +225,24 @@ def _client(kubeconfig: str | None) -> httpx.AsyncClient:
 
 
 def _http_client(config: k8s_client.Configuration) -> httpx.AsyncClient:
-    token = config.api_key.get("authorization", "").removeprefix("Bearer ").strip()
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
     verify: ssl.SSLContext | bool = bool(config.verify_ssl)
     if verify and (config.ssl_ca_cert or config.cert_file):
         verify = ssl.create_default_context(cafile=config.ssl_ca_cert)
         if config.cert_file and config.key_file:
             verify.load_cert_chain(config.cert_file, config.key_file)
-    return httpx.AsyncClient(base_url=config.host, headers=headers, verify=verify, timeout=30.0)
+    return httpx.AsyncClient(base_url=config.host, auth=_BearerAuth(config), verify=verify, timeout=30.0)
+
+
+class _BearerAuth(httpx.Auth):
+    """The loader's bearer token on every request, re-read when it expires (projected tokens rotate)."""
+
+    def __init__(self, config: k8s_client.Configuration) -> None:
+        self.config = config
+
+    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
+        value = self.config.get_api_key_with_prefix("BearerToken", alias="authorization") or ""
+        scheme, _, token = value.partition(" ")
+        token = token if scheme.lower() == "bearer" else value
+        if token:
+            request.headers["Authorization"] = f"Bearer {token}"
+        yield request
