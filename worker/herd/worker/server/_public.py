@@ -41,6 +41,20 @@ _Chunks = Callable[
     [ResponseContext, AsyncGenerator[tuple[Choice, RequestOutput], None]], AsyncGenerator[str, None]
 ]
 
+
+@dataclass(frozen=True)
+class _Endpoint:
+    """How chat and text completions differ once their prompts are token ids."""
+
+    id_prefix: str
+    prompt_param: str
+    chunks: _Chunks
+    whole: Callable[[ResponseContext], Coroutine[Any, Any, BaseModel]]
+
+
+_CHAT = _Endpoint("chatcmpl", "messages", chat_chunks, chat_response)
+_COMPLETIONS = _Endpoint("cmpl", "prompt", completion_chunks, completion_response)
+
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 """Keep proxies (nginx, ingress controllers) from buffering a token stream."""
 
@@ -82,18 +96,7 @@ class _PublicRoutes:
         body = await self._read(request, ChatCompletionRequest)
         # Rendering and tokenizing a long prompt takes milliseconds: keep it off the event loop.
         prompt = await asyncio.to_thread(chat_prompt, self.engine.renderer, body)
-        max_model_len = self.engine.info.max_model_len
-        choices = plan_choices(
-            body,
-            [prompt],
-            max_model_len=max_model_len,
-            num_logprobs=body.num_logprobs,
-            prompt_param="messages",
-        )
-        context = self._context(request, body, choices, prefix="chatcmpl")
-        if body.stream:
-            return await _stream(context, chat_chunks)
-        return await _json_unless_disconnected(request, chat_response(context))
+        return await self._generate(request, body, [prompt], _CHAT)
 
     async def completions(self, request: Request) -> Response:
         body = await self._read(request, CompletionRequest)
@@ -101,14 +104,26 @@ class _PublicRoutes:
             param = "echo" if body.echo else "suffix"
             raise ApiError(400, f"{param} is not supported by herd; leave it out", param=param)
         prompts = await asyncio.to_thread(completion_prompts, self.engine.renderer, body)
-        max_model_len = self.engine.info.max_model_len
+        return await self._generate(request, body, prompts, _COMPLETIONS)
+
+    async def _generate(
+        self,
+        request: Request,
+        body: ChatCompletionRequest | CompletionRequest,
+        prompts: list[list[int]],
+        endpoint: _Endpoint,
+    ) -> Response:
         choices = plan_choices(
-            body, prompts, max_model_len=max_model_len, num_logprobs=body.num_logprobs, prompt_param="prompt"
+            body,
+            prompts,
+            max_model_len=self.engine.info.max_model_len,
+            num_logprobs=body.num_logprobs,
+            prompt_param=endpoint.prompt_param,
         )
-        context = self._context(request, body, choices, prefix="cmpl")
+        context = self._context(request, body, choices, prefix=endpoint.id_prefix)
         if body.stream:
-            return await _stream(context, completion_chunks)
-        return await _json_unless_disconnected(request, completion_response(context))
+            return await _stream(context, endpoint.chunks)
+        return await _json_unless_disconnected(request, endpoint.whole(context))
 
     async def _read(self, request: Request, model: type[R]) -> R:
         """Parse the body, refuse other models' requests (404) and requests while not accepting (503)."""
