@@ -142,6 +142,7 @@ def test_manual_edits_of_owned_fields_are_reverted(kube: Emulator) -> None:
         return spec["replicas"] == 2 and spec["template"] == template
 
     eventually(is_restored, "the edit reverted")
+    eventually(lambda: ("Warning", "DriftReverted") in events(kube, "drifty"), "a Warning Event")
     kube.delete("services", "drifty-workers")
     eventually(lambda: "Service/drifty-workers" in children(kube, "drifty"), "the deleted Service recreated")
 
