@@ -40,7 +40,9 @@ class OperatorConfig(BaseModel):
     )
     plan: PlanSettings = Field(default_factory=PlanSettings)
     retry_delay: float = Field(
-        default=10.0, gt=0.0, description="Seconds between passes while pods are not ready."
+        default=30.0,
+        gt=0.0,
+        description="Seconds between handler retries while pods start (pod events act at once).",
     )
     resync_interval: float = Field(
         default=60.0,
