@@ -13,7 +13,7 @@ from starlette.exceptions import HTTPException
 from herd.api.openai import ErrorResponse
 from herd.api.prompt import PromptError
 from herd.worker.async_engine import EngineDeadError, EngineDrainingError
-from herd.worker.engine import PromptTooLongError, QueueFullError
+from herd.worker.engine import QueueFullError
 
 __all__ = ["ApiError", "as_api_error", "error_response", "install_error_handlers"]
 
@@ -48,16 +48,16 @@ def error_response(
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def as_api_error(error: Exception, *, prompt_param: str = "messages") -> ApiError:
+def as_api_error(error: Exception) -> ApiError:
     """The HTTP meaning of an exception raised while serving a request."""
     match error:
         case ApiError():
             return error
         case QueueFullError():
-            return ApiError(429, f"{error}; retry later", headers={"Retry-After": RETRY_AFTER_S})
-        case PromptTooLongError() | PromptError():
-            return ApiError(400, str(error), param=prompt_param)
-        case ValueError():  # the engine's other refusals of a request (pool too small, ...)
+            return ApiError(429, str(error), headers={"Retry-After": RETRY_AFTER_S})
+        case PromptError():
+            return ApiError(400, str(error), param="messages")
+        case ValueError():  # the engine's PromptTooLongError and its other refusals (pool too small, ...)
             return ApiError(400, str(error))
         case EngineDrainingError() | EngineDeadError():
             return ApiError(503, str(error), headers={"Retry-After": RETRY_AFTER_S})
@@ -69,7 +69,6 @@ def as_api_error(error: Exception, *, prompt_param: str = "messages") -> ApiErro
 _EXPECTED: tuple[type[Exception], ...] = (
     ApiError,
     QueueFullError,
-    PromptTooLongError,
     PromptError,
     EngineDrainingError,
     EngineDeadError,
