@@ -113,6 +113,8 @@ async def test_a_failing_step_fails_requests_and_the_engine(
         await _collect(engine, "doomed", 3)
     with pytest.raises(EngineDeadError):
         engine.check_accepting()
+    with pytest.raises(EngineDeadError):  # no command can wait on a dead engine thread
+        await engine.kv_snapshot()
 
 
 async def test_a_failing_load_is_reported(tiny_llama: Path) -> None:

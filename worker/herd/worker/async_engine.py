@@ -216,6 +216,8 @@ class AsyncEngine:
 
     async def call(self, function: Callable[[EngineCore], T]) -> T:
         """Run ``function(engine)`` on the engine thread between steps and return its result."""
+        if self.error is not None:
+            raise EngineDeadError(f"the engine is not running: {self.error}")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
 
