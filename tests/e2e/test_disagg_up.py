@@ -186,7 +186,13 @@ def test_the_smollm2_disagg_example_streams_to_the_openai_sdk(tmp_path: Path, de
     manifest = tmp_path / "smollm2-disagg.yaml"
     manifest.write_text(shipped.replace("file://.cache/models/smollm2-135m-instruct", f"file://{demo_model}"))
     with herd_up_of(manifest, tmp_path) as up:
-        prompt = "Summarize this list in one sentence: " + LONG_PROMPT
+        # About 400 SmolLM2 tokens: above the example's prefillThresholdTokens (256).
+        prompt = (
+            "Summarize these lists in one sentence: "
+            + LONG_PROMPT
+            + " "
+            + LONG_PROMPT.replace("coins", "pearls")
+        )
         client = openai.OpenAI(base_url=f"{up.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
         stream = client.chat.completions.create(
             model="smollm2", messages=[{"role": "user", "content": prompt}], max_tokens=16, stream=True
