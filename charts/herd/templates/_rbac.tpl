@@ -14,6 +14,10 @@ would let the operator mint a token Secret for any ServiceAccount.
 - apiGroups: [herd.dev]
   resources: [modeldeployments/scale]
   verbs: [get, patch]
+# Children carry blockOwnerDeletion: clusters with OwnerReferencesPermissionEnforcement require this.
+- apiGroups: [herd.dev]
+  resources: [modeldeployments/finalizers]
+  verbs: [update]
 - apiGroups: [apps]
   resources: [deployments]
   verbs: [get, list, watch, create, update, patch, delete]
