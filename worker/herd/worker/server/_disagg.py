@@ -136,23 +136,21 @@ class PrefillService:
 
     async def prefill(self, request: Request) -> KVTransferParams:
         payload = _json_object(await request.body())
-        params = KVTransferParams.model_validate(payload.get("kv_transfer_params") or {})
         self._check_model(payload)
-        prompt = request_prompt(self.engine, payload)
-        salt = payload.get("cache_salt")
+        try:
+            asked = KVTransferParams.model_validate(payload.get("kv_transfer_params") or {})
+        except ValidationError as error:
+            raise ApiError(400, f"invalid kv_transfer_params: {error}", param="kv_transfer_params") from None
+        prompt, salt = request_prompt(self.engine, payload), payload.get("cache_salt")
         request_id = f"prefill-{uuid.uuid4().hex}"
         first = [output async for output in self.engine.generate(request_id, prompt, _FIRST_TOKEN, salt)][-1]
-        info = self.engine.info
-        hashes = block_hashes(prompt, info.block_size, model_id=info.model, cache_salt=salt)
-        held = await self.engine.call(lambda core: block_store(core).hold_prefix(hashes))
-        seconds = min(params.lease_seconds or DEFAULT_LEASE_SECONDS, MAX_LEASE_SECONDS)
-        self.leases.add(request_id, held, hashes[: len(held)], seconds)
-        self._ensure_sweeper()
+        seconds = min(asked.lease_seconds or DEFAULT_LEASE_SECONDS, MAX_LEASE_SECONDS)
+        lease = await self._lease(request_id, prompt, salt, seconds)
         return KVTransferParams(
             do_remote_prefill=True,
-            remote_engine_id=info.epoch,
-            remote_block_ids=held,
-            remote_block_hashes=hashes[: len(held)],
+            remote_engine_id=self.engine.info.epoch,
+            remote_block_ids=lease.block_ids,
+            remote_block_hashes=lease.block_hashes,
             remote_host=request.url.hostname,
             remote_port=request.url.port or 80,
             remote_request_id=request_id,
@@ -161,6 +159,15 @@ class PrefillService:
             num_prompt_tokens=first.num_prompt_tokens,
             num_cached_tokens=first.num_cached_tokens,
         )
+
+    async def _lease(self, request_id: str, prompt: list[int], salt: str | None, seconds: float) -> Lease:
+        """Hold the prompt's computed full blocks (those still cached) for the decode side."""
+        info = self.engine.info
+        hashes = block_hashes(prompt, info.block_size, model_id=info.model, cache_salt=salt)
+        held = await self.engine.call(lambda core: block_store(core).hold_prefix(hashes))
+        lease = self.leases.add(request_id, held, hashes[: len(held)], seconds)
+        self._ensure_sweeper()
+        return lease
 
     def _check_model(self, payload: dict[str, Any]) -> None:
         served = self.engine.info.model
