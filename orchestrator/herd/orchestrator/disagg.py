@@ -218,8 +218,11 @@ class TwoPhase:
             return None
         finally:
             self.registry.end(worker.id)
-        if response.status_code != httpx.codes.OK:
+        try:
+            params = response.json() if response.status_code == httpx.codes.OK else None
+        except ValueError:
+            params = None
+        if not isinstance(params, dict):
             log.warning("prefill refused", extra={"worker": worker.id, "status": response.status_code})
             return None
-        params: dict[str, Any] = response.json()
         return params
