@@ -107,7 +107,8 @@ def encode_frame(layout: KVLayout, block_hashes: list[BlockHash], kv: torch.Tens
     kv = kv.contiguous()
     header = _FrameHeader(layout=asdict(layout), block_hashes=block_hashes, shape=list(kv.shape))
     encoded = header.model_dump_json().encode()
-    return _MAGIC + _LENGTH.pack(len(encoded)) + encoded + kv.view(torch.uint8).numpy().tobytes()
+    raw = kv.view(torch.uint8).numpy().data.cast("B")  # joined without an extra copy
+    return b"".join((_MAGIC, _LENGTH.pack(len(encoded)), encoded, raw))
 
 
 def decode_frame(payload: bytes) -> tuple[KVLayout, list[BlockHash], torch.Tensor]:
