@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 HERD := $(BIN)/herd
 DEMO_MODEL := .cache/models/smollm2-135m-instruct
-APT_PACKAGES := redis-server
+APT_PACKAGES := redis-server chromium chromium-driver
 PYTEST_ARGS ?=
 
 .PHONY: install system-deps run test lint format crds crds-check bench clean
