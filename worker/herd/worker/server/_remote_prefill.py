@@ -124,6 +124,8 @@ class RemotePrefill:
 
 def _flagged_payload(body: bytes) -> dict[str, Any] | None:
     """The parsed body when it asks for a remote prefill; ``None`` for every other request."""
+    if b"do_remote_prefill" not in body:  # most requests: no JSON parse here
+        return None
     try:
         payload = json.loads(body)
     except ValueError:
