@@ -108,6 +108,7 @@ class LLMEngine:
         detokenizer = IncrementalDetokenizer(self.renderer, prompt_token_ids, params.stop)
         self._requests[request_id] = _Request(seq, detokenizer)
         self.scheduler.add(seq)
+        self.stats.prompt_tokens += len(prompt_token_ids)
 
     def _check_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if request_id in self._requests:
@@ -160,9 +161,6 @@ class LLMEngine:
         self.stats.num_preemptions += len(decision.preempted)
         self.stats.prefix_cache_queries += decision.num_cache_queries
         self.stats.prefix_cache_hits += decision.num_cache_hits
-        self.stats.prompt_tokens += sum(
-            chunk.num_tokens for chunk in decision.chunks if chunk.start < chunk.seq.num_prompt_tokens
-        )
 
     def _advance(self, seq: Sequence, sampled: SampledToken) -> RequestOutput:
         seq.append_token(sampled.token_id, sampled.logprob)

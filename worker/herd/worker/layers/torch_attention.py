@@ -41,18 +41,22 @@ class TorchAttentionBackend:
         scale: float,
     ) -> torch.Tensor:
         num_heads, head_dim = padded_query.shape[1:]
+        batch, query_len, num_kv_heads = group.batch_size, group.max_query_len, key_cache.shape[2]
+        per_kv = num_heads // num_kv_heads
+        # GQA without copying K/V per query head: the query heads that share a KV head become extra
+        # query rows of that head, [B, Hkv, per_kv * q, D], and the mask repeats for each of them.
         query = padded_query.index_select(0, group.token_index)
-        query = query.view(group.batch_size, group.max_query_len, num_heads, head_dim)
+        query = query.view(batch, query_len, num_kv_heads, per_kv, head_dim).permute(0, 2, 3, 1, 4)
         blocks = group.block_tables.flatten()
-        context_shape = (group.batch_size, -1, *key_cache.shape[2:])
-        keys = key_cache.index_select(0, blocks).view(context_shape)
-        values = value_cache.index_select(0, blocks).view(context_shape)
+        context_shape = (batch, -1, *key_cache.shape[2:])
+        keys = key_cache.index_select(0, blocks).view(context_shape).transpose(1, 2)
+        values = value_cache.index_select(0, blocks).view(context_shape).transpose(1, 2)
         attended = functional.scaled_dot_product_attention(
-            query.transpose(1, 2),
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            attn_mask=group.attn_mask,
+            query.reshape(batch, num_kv_heads, per_kv * query_len, head_dim),
+            keys,
+            values,
+            attn_mask=group.attn_mask.repeat(1, 1, per_kv, 1),
             scale=scale,
-            enable_gqa=True,
         )
-        return attended.transpose(1, 2).reshape(-1, num_heads, head_dim)
+        attended = attended.view(batch, num_kv_heads, per_kv, query_len, head_dim).permute(0, 3, 1, 2, 4)
+        return attended.reshape(-1, num_heads, head_dim)
