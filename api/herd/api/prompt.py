@@ -19,7 +19,19 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-__all__ = ["PromptError", "PromptRenderer"]
+from herd.api.openai import ChatCompletionRequest, CompletionRequest
+
+__all__ = ["TOKENIZER_FILES", "PromptError", "PromptRenderer", "read_tokenizer_files"]
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "config.json",
+)
+"""The model-folder files a ``PromptRenderer`` reads; nothing else of the folder matters to it."""
+_EOS_CONFIG_FILES = ("generation_config.json", "config.json")
 
 
 class PromptError(ValueError):
@@ -37,6 +49,38 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def read_tokenizer_files(folder: Path) -> dict[str, str]:
+    """The texts of the folder's ``TOKENIZER_FILES`` that exist; the model configs cut to their EOS ids.
+
+    ``config.json`` and ``generation_config.json`` matter only for ``eos_token_id``: keeping just that
+    keeps what a worker sends the orchestrator small (``tokenizer.json`` is the one large file).
+    """
+    files: dict[str, str] = {}
+    for name in TOKENIZER_FILES:
+        path = folder / name
+        if path.exists():
+            text = path.read_text()
+            if name in _EOS_CONFIG_FILES:
+                text = json.dumps({"eos_token_id": _json_object(text).get("eos_token_id")})
+            files[name] = text
+    return files
+
+
+def _json_object(text: str | None) -> dict[str, Any]:
+    data = json.loads(text) if text else {}
+    return data if isinstance(data, dict) else {}
+
+
+def _eos_ids(files: Mapping[str, str], tokenizer: Tokenizer, eos: str | None) -> set[int]:
+    ids: set[int] = set()
+    for name in _EOS_CONFIG_FILES:
+        value = _json_object(files.get(name)).get("eos_token_id")
+        ids.update(value if isinstance(value, list) else [] if value is None else [value])
+    if eos is not None and (token_id := tokenizer.token_to_id(eos)) is not None:
+        ids.add(token_id)
+    return ids
+
+
 class PromptRenderer:
     """Turns OpenAI messages or text into token ids, and token ids back into text."""
 
@@ -48,8 +92,11 @@ class PromptRenderer:
         bos_token: str | None = None,
         eos_token: str | None = None,
         eos_token_ids: Iterable[int] = (),
+        files: Mapping[str, str] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.files: Mapping[str, str] = files or {}
+        """The tokenizer files this renderer was built from (``from_files``); empty when built directly."""
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -67,37 +114,38 @@ class PromptRenderer:
     def from_pretrained(cls, path: str | Path) -> PromptRenderer:
         """Load from a HF-format model folder (``tokenizer.json`` and ``tokenizer_config.json``)."""
         folder = Path(path)
-        tokenizer_file = folder / "tokenizer.json"
-        if not tokenizer_file.exists():
+        if not (folder / "tokenizer.json").exists():
             raise PromptError(f"{folder} has no tokenizer.json; herd needs a HF 'fast' tokenizer file")
-        tokenizer = Tokenizer.from_file(str(tokenizer_file))
-        config = cls._read_json(folder / "tokenizer_config.json")
+        return cls.from_files(read_tokenizer_files(folder))
+
+    @classmethod
+    def from_files(cls, files: Mapping[str, str]) -> PromptRenderer:
+        """Build from the texts of a model folder's tokenizer files, keyed by name (``TOKENIZER_FILES``).
+
+        The one builder behind ``from_pretrained`` too, so a renderer built from the files a worker
+        sends (``read_tokenizer_files`` of its folder) tokenizes exactly as the worker's own.
+        """
+        if "tokenizer.json" not in files:
+            raise PromptError(
+                "the tokenizer files lack tokenizer.json; herd needs a HF 'fast' tokenizer file"
+            )
+        tokenizer = Tokenizer.from_str(files["tokenizer.json"])
+        config = _json_object(files.get("tokenizer_config.json"))
         template = config.get("chat_template")
-        jinja_file = folder / "chat_template.jinja"
-        if template is None and jinja_file.exists():
-            template = jinja_file.read_text()
+        if template is None:
+            template = files.get("chat_template.jinja")
         if isinstance(template, list):  # a list of named templates: take the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         bos, eos = _token_text(config.get("bos_token")), _token_text(config.get("eos_token"))
-        eos_ids = cls._eos_ids(folder, tokenizer, eos)
-        return cls(tokenizer, chat_template=template, bos_token=bos, eos_token=eos, eos_token_ids=eos_ids)
-
-    @staticmethod
-    def _read_json(path: Path) -> dict[str, Any]:
-        if not path.exists():
-            return {}
-        data = json.loads(path.read_text())
-        return data if isinstance(data, dict) else {}
-
-    @classmethod
-    def _eos_ids(cls, folder: Path, tokenizer: Tokenizer, eos: str | None) -> set[int]:
-        ids: set[int] = set()
-        for name in ("generation_config.json", "config.json"):
-            value = cls._read_json(folder / name).get("eos_token_id")
-            ids.update(value if isinstance(value, list) else [] if value is None else [value])
-        if eos is not None and (token_id := tokenizer.token_to_id(eos)) is not None:
-            ids.add(token_id)
-        return ids
+        eos_ids = _eos_ids(files, tokenizer, eos)
+        return cls(
+            tokenizer,
+            chat_template=template,
+            bos_token=bos,
+            eos_token=eos,
+            eos_token_ids=eos_ids,
+            files=files,
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -141,6 +189,38 @@ class PromptRenderer:
             messages, add_generation_prompt=add_generation_prompt, template_kwargs=template_kwargs
         )
         return self.encode(text, add_special_tokens=False)
+
+    def chat_request_ids(self, request: ChatCompletionRequest) -> list[int]:
+        """The prompt token ids of a chat request: the one rendering worker and router share."""
+        messages = [{"role": message.role, "content": message.text} for message in request.messages]
+        return self.encode_chat(
+            messages,
+            add_generation_prompt=request.add_generation_prompt,
+            template_kwargs=request.chat_template_kwargs,
+        )
+
+    def completion_request_ids(self, request: CompletionRequest) -> list[list[int]]:
+        """One token id list per prompt of a completion request (text gets special tokens added).
+
+        Raises ``PromptError`` for an empty token list or ids outside the vocabulary.
+        """
+        prompt = request.prompt
+        if isinstance(prompt, str):
+            return [self.encode(prompt)]
+        items: list[Any] = list(prompt)
+        if all(isinstance(item, int) for item in items):
+            return [self._checked_ids(items)]
+        return [
+            self.encode(item) if isinstance(item, str) else self._checked_ids(list(item)) for item in items
+        ]
+
+    def _checked_ids(self, token_ids: list[int]) -> list[int]:
+        if not token_ids:
+            raise PromptError("prompt token lists must not be empty")
+        vocab_size = self.vocab_size
+        if bad := [token_id for token_id in token_ids if not 0 <= token_id < vocab_size]:
+            raise PromptError(f"prompt token ids {bad[:5]} lie outside the vocabulary [0, {vocab_size})")
+        return token_ids
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))

@@ -16,15 +16,5 @@ def prompt_token_ids(renderer: PromptRenderer, payload: dict[str, Any]) -> list[
     Raises ``ValueError`` (pydantic's ``ValidationError`` or ``PromptError``) for a malformed request.
     """
     if "messages" in payload:
-        chat = ChatCompletionRequest.model_validate(payload)
-        messages = [{"role": message.role, "content": message.text} for message in chat.messages]
-        return renderer.encode_chat(
-            messages,
-            add_generation_prompt=chat.add_generation_prompt,
-            template_kwargs=chat.chat_template_kwargs,
-        )
-    prompt = CompletionRequest.model_validate(payload).prompt
-    first: Any = prompt[0] if isinstance(prompt, list) and isinstance(prompt[0], str | list) else prompt
-    if isinstance(first, str):
-        return renderer.encode(first)
-    return [int(token) for token in first]
+        return renderer.chat_request_ids(ChatCompletionRequest.model_validate(payload))
+    return renderer.completion_request_ids(CompletionRequest.model_validate(payload))[0]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from herd.api.openai import ChatCompletionRequest, CompletionRequest, SamplingFields
 from herd.api.prompt import PromptError, PromptRenderer
@@ -24,40 +23,18 @@ class Choice:
 
 
 def chat_prompt(renderer: PromptRenderer, request: ChatCompletionRequest) -> list[int]:
-    messages = [{"role": message.role, "content": message.text} for message in request.messages]
     try:
-        return renderer.encode_chat(
-            messages,
-            add_generation_prompt=request.add_generation_prompt,
-            template_kwargs=request.chat_template_kwargs,
-        )
+        return renderer.chat_request_ids(request)
     except PromptError as error:
         raise ApiError(400, str(error), param="messages") from None
 
 
 def completion_prompts(renderer: PromptRenderer, request: CompletionRequest) -> list[list[int]]:
     """One token list per prompt: text is tokenized (with special tokens), ids are checked."""
-    prompt = request.prompt
-    if isinstance(prompt, str):
-        return [renderer.encode(prompt)]
-    items: list[Any] = list(prompt)
-    if all(isinstance(item, int) for item in items):
-        return [_checked_ids(renderer, items)]
-    return [
-        renderer.encode(item) if isinstance(item, str) else _checked_ids(renderer, list(item))
-        for item in items
-    ]
-
-
-def _checked_ids(renderer: PromptRenderer, token_ids: list[int]) -> list[int]:
-    if not token_ids:
-        raise ApiError(400, "prompt token lists must not be empty", param="prompt")
-    vocab_size = renderer.vocab_size
-    if bad := [token_id for token_id in token_ids if not 0 <= token_id < vocab_size]:
-        raise ApiError(
-            400, f"prompt token ids {bad[:5]} lie outside the vocabulary [0, {vocab_size})", param="prompt"
-        )
-    return token_ids
+    try:
+        return renderer.completion_request_ids(request)
+    except PromptError as error:
+        raise ApiError(400, str(error), param="prompt") from None
 
 
 def plan_choices(
