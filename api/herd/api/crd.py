@@ -22,7 +22,9 @@ __all__ = [
     "SHORT_NAME",
     "VERSION",
     "Accelerator",
+    "AutoscalingObserved",
     "AutoscalingSpec",
+    "AutoscalingStatus",
     "AutoscalingTargets",
     "CacheSpec",
     "Condition",
@@ -331,6 +333,26 @@ class PoolStatus(BaseModel):
     ready: str = Field(default="0/0", description="readyReplicas/desired, for printer columns.")
 
 
+class AutoscalingObserved(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True)
+    ttft_p95_ms: float | None = None
+    itl_p95_ms: float | None = None
+    num_requests_waiting: float = 0.0
+    kv_cache_usage: float = 0.0
+
+
+class AutoscalingStatus(BaseModel):
+    """The autoscaler's last decision for the scalable pool (written only when spec.autoscaling is on)."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True)
+    desired_replicas: int = 0
+    last_scale_time: str | None = Field(
+        default=None, description="When spec.replicas was last changed by it."
+    )
+    reason: str = ""
+    observed: AutoscalingObserved = Field(default_factory=AutoscalingObserved)
+
+
 class ModelDeploymentStatus(BaseModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True)
     observed_generation: int | None = None
@@ -339,6 +361,7 @@ class ModelDeploymentStatus(BaseModel):
     replicas: int = 0
     selector: str = ""
     endpoint: str | None = None
+    autoscaling: AutoscalingStatus | None = None
 
 
 class ModelDeployment(BaseModel):

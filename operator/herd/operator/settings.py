@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["OperatorConfig", "PlanSettings"]
+__all__ = ["AutoscalerSettings", "OperatorConfig", "PlanSettings"]
 
 
 class PlanSettings(BaseModel):
@@ -31,6 +31,32 @@ class PlanSettings(BaseModel):
     )
 
 
+class AutoscalerSettings(BaseModel):
+    """How the autoscaler of ``spec.autoscaling`` samples and how cautious it is (see autoscale.py)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    interval_s: float = Field(
+        default=15.0, gt=0.0, description="Seconds between metric scrapes and decisions."
+    )
+    stabilization_s: float = Field(
+        default=300.0,
+        ge=0.0,
+        description="A scale-down waits this long, to the window's highest recommendation.",
+    )
+    tolerance: float = Field(
+        default=0.1, ge=0.0, lt=1.0, description="No change while within this of the target."
+    )
+    kv_high_water: float = Field(
+        default=0.9,
+        gt=0.0,
+        le=1.0,
+        description="No scale-down while the mean KV cache usage is at least this.",
+    )
+    scrape_timeout_s: float = Field(
+        default=2.0, gt=0.0, description="A pod slower than this counts as missing."
+    )
+
+
 class OperatorConfig(BaseModel):
     """What ``herd operator`` is started with; kept in ``kopf.Memo`` for every handler."""
 
@@ -39,6 +65,7 @@ class OperatorConfig(BaseModel):
         default=None, description="None: in-cluster credentials, else $KUBECONFIG."
     )
     plan: PlanSettings = Field(default_factory=PlanSettings)
+    autoscaler: AutoscalerSettings = Field(default_factory=AutoscalerSettings)
     retry_delay: float = Field(
         default=30.0,
         gt=0.0,

@@ -1,0 +1,154 @@
+"""The pure autoscaling decision for one ModelDeployment's scalable pool, in the manner of the HPA.
+
+Steps, each a rule from the Kubernetes Horizontal Pod Autoscaler:
+
+1. Bounds first: a pool outside ``[minReplicas, maxReplicas]`` is moved inside, metrics or not.
+2. From zero: with no replicas there are no latencies; requests waiting bring up ``max(1, min)``.
+3. Ratio: ``max(observed p95 / target)`` over TTFT and ITL. Within the tolerance band (10 %) of
+   1.0 the pool stays as it is; otherwise the recommendation is ``ceil(current * ratio)``, clamped
+   to the bounds. A window in which no request finished and none waits is idle (ratio 0).
+4. Up fast: at most double per step, and no further step while pods of the last one are not Ready
+   yet (their latencies are not in the figures, so the ratio would ask for the same pods again).
+5. Down slowly: only when every metric of every Ready pod is there, no request waits, the KV cache
+   is below its high-water mark, and the pool has been quiet (no scale change) for the whole
+   stabilization window; then to the highest recommendation seen over that window.
+
+Cost: O(recommendations in the window). The caller keeps that history; this module does no I/O.
+The trade-off is the HPA's: a spike scales up within one interval, a dip has to last a window.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from herd.api.crd import AutoscalingSpec
+from herd.operator.settings import AutoscalerSettings
+
+__all__ = ["Decision", "Observation", "Recommendation", "ScaleState", "decide", "recommend"]
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What the Ready pods of the pool reported over the last interval (sums and means over pods).
+
+    A latency is None when no request reached that point in the interval. ``is_complete`` is False
+    when a Ready pod did not answer, or answered without one of the metrics.
+    """
+
+    ttft_p95_ms: float | None
+    itl_p95_ms: float | None
+    num_waiting: float
+    kv_usage: float
+    is_complete: bool
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    at: float
+    replicas: int
+
+
+@dataclass(frozen=True)
+class ScaleState:
+    """The pool as the scaler sees it; ``quiet_s``: seconds since the last scale change (or since
+    the scaler started watching, whichever is shorter)."""
+
+    current: int
+    num_ready: int
+    now: float
+    quiet_s: float
+    history: Sequence[Recommendation] = ()
+
+
+@dataclass(frozen=True)
+class Decision:
+    """``desired`` replicas and why; ``recommendation`` is the unstabilized figure for the history."""
+
+    desired: int
+    reason: str
+    recommendation: int
+
+
+def decide(
+    state: ScaleState, observed: Observation, spec: AutoscalingSpec, settings: AutoscalerSettings
+) -> Decision:
+    current = state.current
+    if not spec.min_replicas <= current <= spec.max_replicas:
+        bound = min(max(current, spec.min_replicas), spec.max_replicas)
+        return Decision(bound, f"{current} is outside [{spec.min_replicas}, {spec.max_replicas}]", bound)
+    if current == 0:
+        return _from_zero(observed, spec)
+    wanted, why = recommend(current, observed, spec, settings)
+    if wanted > current:
+        return _scale_up(state, wanted, why)
+    if wanted < current:
+        return _scale_down(state, observed, settings, wanted, why)
+    return Decision(current, why, wanted)
+
+
+def recommend(
+    current: int, observed: Observation, spec: AutoscalingSpec, settings: AutoscalerSettings
+) -> tuple[int, str]:
+    """The HPA formula, clamped to the bounds, and the observed figures that gave it."""
+    targets = spec.targets
+    ratios = {
+        name: value / target
+        for name, value, target in (
+            ("ttft", observed.ttft_p95_ms, targets.ttft_p95_ms),
+            ("itl", observed.itl_p95_ms, targets.itl_p95_ms),
+        )
+        if value is not None
+    }
+    if not ratios:
+        if observed.num_waiting > 0:
+            return current, "requests wait but none got a token this interval"
+        return spec.min_replicas, "idle: no requests"
+    name = max(ratios, key=lambda key: ratios[key])
+    ratio = ratios[name]
+    why = f"{name} p95 at {ratio:.0%} of target"
+    if abs(ratio - 1.0) <= settings.tolerance:
+        return current, why + " (within tolerance)"
+    wanted = math.ceil(current * ratio)
+    return min(max(wanted, spec.min_replicas), spec.max_replicas), why
+
+
+def _from_zero(observed: Observation, spec: AutoscalingSpec) -> Decision:
+    if observed.num_waiting > 0:
+        wanted = max(1, spec.min_replicas)
+        return Decision(wanted, f"{observed.num_waiting:g} requests wait at zero replicas", wanted)
+    return Decision(0, "idle at zero replicas", 0)
+
+
+def _scale_up(state: ScaleState, wanted: int, why: str) -> Decision:
+    if state.num_ready < state.current:
+        return Decision(state.current, f"{why}; waiting for the last scale-up to be Ready", wanted)
+    step = min(wanted, 2 * state.current)
+    return Decision(step, why, wanted)
+
+
+def _scale_down(
+    state: ScaleState, observed: Observation, settings: AutoscalerSettings, wanted: int, why: str
+) -> Decision:
+    hold = _scale_down_blocker(state, observed, settings)
+    if hold:
+        return Decision(state.current, f"{why}; no scale-down: {hold}", wanted)
+    since = state.now - settings.stabilization_s
+    seen = [r.replicas for r in state.history if r.at >= since]
+    stable = min(max([wanted, *seen]), state.current)
+    if stable == state.current:
+        return Decision(state.current, f"{why}; held by a higher recommendation within the window", wanted)
+    return Decision(stable, why, wanted)
+
+
+def _scale_down_blocker(state: ScaleState, observed: Observation, settings: AutoscalerSettings) -> str:
+    if not observed.is_complete:
+        return "metrics missing"
+    if observed.num_waiting > 0:
+        return f"{observed.num_waiting:g} requests waiting"
+    if observed.kv_usage >= settings.kv_high_water:
+        return f"KV cache {observed.kv_usage:.0%} full"
+    if state.quiet_s < settings.stabilization_s:
+        return f"last change {state.quiet_s:.0f} s ago, window {settings.stabilization_s:g} s"
+    return ""

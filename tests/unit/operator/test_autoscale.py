@@ -1,0 +1,106 @@
+"""The pure autoscaling decision: HPA rules, table-driven."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from herd.api.crd import AutoscalingSpec
+from herd.operator.autoscale import Observation, Recommendation, ScaleState, decide
+from herd.operator.settings import AutoscalerSettings
+
+SETTINGS = AutoscalerSettings(stabilization_s=300.0, tolerance=0.1, kv_high_water=0.9)
+SPEC = AutoscalingSpec.model_validate(
+    {"enabled": True, "minReplicas": 1, "maxReplicas": 8, "targets": {"ttftP95Ms": 1000, "itlP95Ms": 100}}
+)
+FROM_ZERO = SPEC.model_copy(update={"min_replicas": 0})
+NOW = 10_000.0
+ON_TARGET = Observation(ttft_p95_ms=1000.0, itl_p95_ms=100.0, num_waiting=0, kv_usage=0.3, is_complete=True)
+IDLE = Observation(ttft_p95_ms=None, itl_p95_ms=None, num_waiting=0, kv_usage=0.0, is_complete=True)
+QUIET = ScaleState(current=4, num_ready=4, now=NOW, quiet_s=600.0)
+
+
+def slow(ttft: float, **changes: object) -> Observation:
+    """Both latencies at the same fraction of their targets, TTFT given in ms."""
+    return replace(ON_TARGET, ttft_p95_ms=ttft, itl_p95_ms=ttft / 10, **changes)  # type: ignore[arg-type]
+
+
+CASES = [
+    ("on-target", QUIET, ON_TARGET, SPEC, 4),
+    ("within-tolerance-up", QUIET, slow(1090.0), SPEC, 4),
+    ("within-tolerance-down", QUIET, slow(910.0), SPEC, 4),
+    ("ttft-1.5x-scales-up", QUIET, slow(1500.0), SPEC, 6),
+    ("itl-drives-when-worse", QUIET, replace(ON_TARGET, itl_p95_ms=175.0), SPEC, 7),
+    ("up-at-most-double", replace(QUIET, current=2, num_ready=2), slow(5000.0), SPEC, 4),
+    ("up-capped-at-max", QUIET, slow(3000.0), SPEC, 8),
+    ("no-second-step-before-ready", replace(QUIET, num_ready=2), slow(1500.0), SPEC, 4),
+    ("up-even-with-metrics-missing", QUIET, slow(1500.0, is_complete=False), SPEC, 6),
+    ("down-after-window", QUIET, slow(500.0), SPEC, 2),
+    ("down-floored-at-min", QUIET, slow(100.0), SPEC, 1),
+    ("idle-goes-to-min", QUIET, IDLE, SPEC, 1),
+    ("no-down-inside-window", replace(QUIET, quiet_s=200.0), slow(500.0), SPEC, 4),
+    (
+        "down-to-window-max-recommendation",
+        replace(QUIET, history=(Recommendation(NOW - 100.0, 3), Recommendation(NOW - 400.0, 4))),
+        slow(500.0),
+        SPEC,
+        3,
+    ),
+    (
+        "window-max-above-current-holds",
+        replace(QUIET, history=(Recommendation(NOW - 60.0, 6),)),
+        slow(500.0),
+        SPEC,
+        4,
+    ),
+    ("no-down-with-metrics-missing", QUIET, slow(500.0, is_complete=False), SPEC, 4),
+    ("no-down-while-requests-wait", QUIET, slow(500.0, num_waiting=3), SPEC, 4),
+    ("no-down-with-kv-full", QUIET, slow(500.0, kv_usage=0.95), SPEC, 4),
+    (
+        "waiting-without-latencies-holds",
+        QUIET,
+        replace(IDLE, num_waiting=5),
+        SPEC,
+        4,
+    ),
+    ("below-min-raised", replace(QUIET, current=0, num_ready=0), ON_TARGET, SPEC, 1),
+    ("above-max-lowered", replace(QUIET, current=12, num_ready=12), slow(5000.0), SPEC, 8),
+    ("above-max-lowered-without-metrics", replace(QUIET, current=9), slow(0.0, is_complete=False), SPEC, 8),
+    (
+        "from-zero-when-requests-wait",
+        replace(QUIET, current=0, num_ready=0),
+        replace(IDLE, num_waiting=2, is_complete=False),
+        FROM_ZERO,
+        1,
+    ),
+    (
+        "stays-zero-when-idle",
+        replace(QUIET, current=0, num_ready=0),
+        replace(IDLE, is_complete=False),
+        FROM_ZERO,
+        0,
+    ),
+    ("idle-to-zero-after-window", QUIET, IDLE, FROM_ZERO, 0),
+]
+
+
+@pytest.mark.parametrize(
+    ("state", "observed", "spec", "desired"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
+def test_decide(state: ScaleState, observed: Observation, spec: AutoscalingSpec, desired: int) -> None:
+    decision = decide(state, observed, spec, SETTINGS)
+    assert decision.desired == desired, decision.reason
+    assert spec.min_replicas <= decision.desired <= spec.max_replicas
+    assert decision.reason
+
+
+def test_a_held_scale_down_still_records_the_lower_recommendation() -> None:
+    decision = decide(replace(QUIET, quiet_s=10.0), slow(500.0), SPEC, SETTINGS)
+    assert (decision.desired, decision.recommendation) == (4, 2)
+    assert "window" in decision.reason
+
+
+def test_the_reason_names_the_metric_that_drove_it() -> None:
+    decision = decide(QUIET, replace(ON_TARGET, itl_p95_ms=300.0), SPEC, SETTINGS)
+    assert decision.reason.startswith("itl p95 at 300% of target")
