@@ -26,6 +26,7 @@ __all__ = [
     "KVTransferParams",
     "LoadReport",
     "Role",
+    "TokenizerFiles",
     "WorkerInfo",
 ]
 
@@ -51,6 +52,7 @@ class _Paths(BaseModel):
     prefill: str = "/internal/prefill"
     kv_blocks: str = "/internal/kv/blocks"
     kv_release: str = "/internal/kv/release"
+    tokenizer: str = "/internal/tokenizer"
 
 
 INTERNAL_PATHS = _Paths()
@@ -68,6 +70,17 @@ class WorkerInfo(BaseModel):
     num_layers: int
     num_kv_heads: int
     head_dim: int
+
+
+class TokenizerFiles(BaseModel):
+    """The worker's tokenizer files, for an orchestrator without the model folder (hf://, s3://, pvc://).
+
+    ``files`` maps file names (``herd.api.prompt.TOKENIZER_FILES``) to their texts, exactly what the
+    worker's own ``PromptRenderer`` was built from: ``PromptRenderer.from_files(files)`` on the other
+    side renders and tokenizes token for token as the worker does.
+    """
+
+    files: dict[str, str]
 
 
 class LoadReport(BaseModel):

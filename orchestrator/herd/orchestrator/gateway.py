@@ -8,7 +8,9 @@ ejects the worker at once. When every healthy worker is at its in-flight limit, 
 
 from __future__ import annotations
 
+import logging
 import time
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,12 +24,14 @@ from herd.orchestrator.disagg import Handoff, TwoPhase
 from herd.orchestrator.proxy import RelayResponse, Upstream, open_upstream
 from herd.orchestrator.registry import Registry
 from herd.orchestrator.routing import RequestContext, WorkerView, healthy
-from herd.orchestrator.served import ServedModel
+from herd.orchestrator.served import RendererUnavailableError, ServedModel
 from herd.orchestrator.state import State
 from herd.orchestrator.telemetry import Telemetry
 from herd.orchestrator.tokens import prompt_token_ids
 
 __all__ = ["Gateway", "GatewayError", "GatewaySettings"]
+
+log = logging.getLogger(__name__)
 
 _RETRY_STATUSES = frozenset({429, 502, 503, 504})
 _MAX_CACHED_URLS = 4096
@@ -83,6 +87,8 @@ class Gateway:
         self.timeout = httpx.Timeout(self.settings.request_timeout, connect=self.settings.connect_timeout)
         self._urls: dict[str, httpx.URL] = {}
         self.disagg = TwoPhase(registry, http, telemetry.registry, max_attempts=self.settings.max_attempts)
+        self._untokenized: weakref.WeakSet[ServedModel] = weakref.WeakSet()
+        """Models already logged as routed without tokens (once each)."""
 
     async def forward(
         self, path: str, body: bytes, payload: dict[str, Any], headers: Mapping[str, str]
@@ -125,7 +131,7 @@ class Gateway:
     async def _context(
         self, served: ServedModel, payload: dict[str, Any], headers: Mapping[str, str]
     ) -> RequestContext:
-        token_ids = _prompt_tokens(served, payload) if served.strategy.needs_tokens else ()
+        token_ids = self._prompt_tokens(served, payload) if served.strategy.needs_tokens else ()
         hashes = block_hashes(
             token_ids, served.config.block_size, model_id=served.name, cache_salt=payload.get("cache_salt")
         )
@@ -141,6 +147,21 @@ class Gateway:
             pinned_worker_id=pinned,
             headers=dict(headers),
         )
+
+    def _prompt_tokens(self, served: ServedModel, payload: dict[str, Any]) -> tuple[int, ...]:
+        """The prompt's token ids; none (the strategy's load-only fallback) while no tokenizer is known."""
+        try:
+            return tuple(prompt_token_ids(served.renderer, payload))
+        except RendererUnavailableError as error:
+            if served not in self._untokenized:
+                self._untokenized.add(served)
+                log.warning(
+                    "routing without tokens (least in-flight) until the tokenizer is fetched",
+                    extra={"model": served.name, "reason": str(error)},
+                )
+            return ()
+        except ValueError as error:
+            raise GatewayError(400, f"invalid request: {error}") from None
 
     async def _attempt(self, request: _Request) -> Response:
         tried: set[str] = set()
@@ -264,13 +285,6 @@ class Gateway:
 
 
 _UPSTREAM_HEADERS = {"content-type": "application/json", "accept": "*/*"}
-
-
-def _prompt_tokens(served: ServedModel, payload: dict[str, Any]) -> tuple[int, ...]:
-    try:
-        return tuple(prompt_token_ids(served.renderer, payload))
-    except ValueError as error:
-        raise GatewayError(400, f"invalid request: {error}") from None
 
 
 def _pin_key(served: ServedModel, session_key: str) -> str:

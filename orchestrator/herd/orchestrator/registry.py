@@ -6,7 +6,9 @@ then KV events after the index's last ``seq`` (every model keeps an index: cache
 with it, and the dashboard and the predicted-hit metric show it for any strategy). A new epoch, a gap or a
 re-admission makes the next poll fetch a snapshot. KV payloads go through ``State.publish_kv`` so
 that with Redis every replica's index receives them; ``receive_kv`` applies them here. A proxy
-error ejects a worker at once (``report_failure``) instead of waiting for the next poll.
+error ejects a worker at once (``report_failure``) instead of waiting for the next poll. A model that
+needs token ids but has no local folder gets its tokenizer from its first healthy worker
+(``TokenizerFetcher``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from herd.orchestrator.discovery import Membership, ModelConfig, WorkerEndpoint,
 from herd.orchestrator.routing import WorkerView
 from herd.orchestrator.served import ServedModel
 from herd.orchestrator.state import KVPayload, State
+from herd.orchestrator.tokenizer_fetch import TokenizerFetcher
 from herd.orchestrator.worker_client import WorkerClient
 
 __all__ = ["Registry", "RegistrySettings", "WorkerState"]
@@ -73,6 +76,7 @@ class Registry:
         self.settings = settings or RegistrySettings()
         self.models: dict[str, ServedModel] = {}
         self.workers: dict[str, WorkerState] = {}
+        self.tokenizers = TokenizerFetcher(client)
 
     async def run(self, source: WorkerSource) -> None:
         """Follow the source until cancelled; every worker task stops with it."""
@@ -169,6 +173,7 @@ class Registry:
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await self.tokenizers.close()
         await self.state.close()
 
     async def _poll_forever(self, worker: WorkerState) -> None:
@@ -189,6 +194,8 @@ class Registry:
             self._record_failure(worker, "/ready answered not ready")
             return
         self._record_success(worker)
+        if (served := self.models.get(worker.endpoint.model)) is not None:
+            self.tokenizers.offer(served, worker.endpoint)
         try:
             await self._sync_kv(worker)
         except (httpx.HTTPError, ValueError) as error:

@@ -1,8 +1,7 @@
-"""One served model's routing state: its config, strategy, KV index and (lazily) its tokenizer."""
+"""One served model's routing state: its config, strategy, KV index and its tokenizer once known."""
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 from herd.api.prompt import PromptRenderer
@@ -10,7 +9,11 @@ from herd.orchestrator.discovery import ModelConfig
 from herd.orchestrator.kv_index import KVIndex
 from herd.orchestrator.routing import RoutingStrategy, build_strategy
 
-__all__ = ["ServedModel"]
+__all__ = ["RendererUnavailableError", "ServedModel"]
+
+
+class RendererUnavailableError(ValueError):
+    """The model's tokenizer is not known yet: no local folder, and not yet fetched from a worker."""
 
 
 @dataclass(eq=False)
@@ -20,6 +23,7 @@ class ServedModel:
     config: ModelConfig
     kv_index: KVIndex = field(default_factory=KVIndex)
     strategy: RoutingStrategy = field(init=False)
+    _renderer: PromptRenderer | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.strategy = build_strategy(self.config.routing, kv_index=self.kv_index)
@@ -28,12 +32,31 @@ class ServedModel:
     def name(self) -> str:
         return self.config.served_name
 
-    @functools.cached_property
+    @property
+    def needs_tokens(self) -> bool:
+        """Routing or the disaggregated plan tokenizes this model's prompts."""
+        return self.strategy.needs_tokens or self.config.mode == "disaggregated"
+
+    @property
+    def wants_worker_tokenizer(self) -> bool:
+        """The tokenizer must come from the model's workers: needed, and no local folder holds it."""
+        return self.needs_tokens and self._renderer is None and self.config.model_path is None
+
+    @property
     def renderer(self) -> PromptRenderer:
-        """The model's own tokenizer and chat template, loaded on first use."""
+        """The model's tokenizer and chat template: its local folder first (loaded on first use),
+        else the files fetched from a worker (``use_renderer``); raises ``RendererUnavailableError`` before.
+        """
+        if self._renderer is None:
+            if self.config.model_path is None:
+                raise RendererUnavailableError(
+                    f"model {self.name!r} has no local model folder and its tokenizer has not been "
+                    "fetched from a worker yet"
+                )
+            self._renderer = PromptRenderer.from_pretrained(self.config.model_path)
+        return self._renderer
+
+    def use_renderer(self, renderer: PromptRenderer) -> None:
+        """Adopt the tokenizer a worker sent; a local model folder, when configured, still wins."""
         if self.config.model_path is None:
-            raise ValueError(
-                f"model {self.name!r} routes by tokens ({self.config.routing.strategy}) but has no local "
-                "model folder for its tokenizer: give the orchestrator the model path"
-            )
-        return PromptRenderer.from_pretrained(self.config.model_path)
+            self._renderer = renderer

@@ -11,10 +11,21 @@ from typing import TypeVar
 import httpx
 from pydantic import BaseModel
 
-from herd.api.protocol import INTERNAL_PATHS, TOKEN_HEADER, KVEventBatch, KVSnapshot, LoadReport, WorkerInfo
+from herd.api.protocol import (
+    INTERNAL_PATHS,
+    TOKEN_HEADER,
+    KVEventBatch,
+    KVSnapshot,
+    LoadReport,
+    TokenizerFiles,
+    WorkerInfo,
+)
 from herd.orchestrator.discovery import WorkerEndpoint
 
 __all__ = ["WorkerClient"]
+
+_TOKENIZER_TIMEOUT = httpx.Timeout(30.0, connect=2.0)
+"""``tokenizer.json`` runs to several MB: allow far longer than a poll's short timeout."""
 
 _M = TypeVar("_M", bound=BaseModel)
 
@@ -44,11 +55,24 @@ class WorkerClient:
     async def kv_snapshot(self, endpoint: WorkerEndpoint) -> KVSnapshot:
         return await self._get(endpoint, INTERNAL_PATHS.kv_snapshot, KVSnapshot)
 
+    async def tokenizer_files(self, endpoint: WorkerEndpoint) -> TokenizerFiles:
+        return await self._get(
+            endpoint, INTERNAL_PATHS.tokenizer, TokenizerFiles, http_timeout=_TOKENIZER_TIMEOUT
+        )
+
     async def _get(
-        self, endpoint: WorkerEndpoint, path: str, model: type[_M], params: dict[str, int] | None = None
+        self,
+        endpoint: WorkerEndpoint,
+        path: str,
+        model: type[_M],
+        params: dict[str, int] | None = None,
+        http_timeout: httpx.Timeout | None = None,
     ) -> _M:
         response = await self.http.get(
-            f"{endpoint.internal_url}{path}", headers=self.headers, params=params, timeout=self.timeout
+            f"{endpoint.internal_url}{path}",
+            headers=self.headers,
+            params=params,
+            timeout=http_timeout or self.timeout,
         )
         response.raise_for_status()
         return model.model_validate_json(response.content)

@@ -8,7 +8,15 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 
-from herd.api.protocol import INTERNAL_PATHS, TOKEN_HEADER, KVEventBatch, KVSnapshot, LoadReport, WorkerInfo
+from herd.api.protocol import (
+    INTERNAL_PATHS,
+    TOKEN_HEADER,
+    KVEventBatch,
+    KVSnapshot,
+    LoadReport,
+    TokenizerFiles,
+    WorkerInfo,
+)
 from herd.worker.async_engine import AsyncEngine
 from herd.worker.server._errors import ApiError, install_error_handlers
 
@@ -63,5 +71,10 @@ def _engine_router(engine: AsyncEngine) -> APIRouter:
     @router.get(INTERNAL_PATHS.kv_snapshot)
     async def kv_snapshot() -> KVSnapshot:
         return await engine.kv_snapshot()
+
+    @router.get(INTERNAL_PATHS.tokenizer)
+    async def tokenizer() -> TokenizerFiles:
+        """What the orchestrator tokenizes with when it has no copy of the model folder."""
+        return TokenizerFiles(files=dict(engine.renderer.files))
 
     return router
