@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections import Counter as Tally
 from typing import Any
+
+from prometheus_client import Counter
 
 from herd.orchestrator.registry import Registry, WorkerState
 from herd.orchestrator.telemetry import Telemetry
@@ -11,17 +14,34 @@ __all__ = ["DASHBOARD_HTML", "dashboard_data"]
 
 
 def dashboard_data(registry: Registry, telemetry: Telemetry) -> dict[str, Any]:
-    """Workers with health, load, in-flight and KV blocks; request rate and TTFT over a short window."""
+    """Workers with health, load, requests and KV blocks; totals, request rate and TTFT over a window."""
     ttft = telemetry.recent.ttft_p50_ms()
+    requests_by_worker = _totals_by(telemetry.requests, "worker")
     return {
         "models": sorted(registry.models),
+        "requests_total": sum(requests_by_worker.values()),
+        "errors_total": sum(_totals_by(telemetry.errors, "reason").values()),
+        "window_seconds": telemetry.recent.window_seconds,
         "request_rate_per_s": round(telemetry.recent.rate_per_second(), 3),
         "ttft_p50_ms": None if ttft is None else round(ttft, 1),
-        "workers": [_worker_row(registry, worker) for worker in registry.workers.values()],
+        "workers": [
+            _worker_row(registry, worker, requests_by_worker[worker.endpoint.id])
+            for worker in sorted(registry.workers.values(), key=lambda worker: worker.endpoint.id)
+        ],
     }
 
 
-def _worker_row(registry: Registry, worker: WorkerState) -> dict[str, Any]:
+def _totals_by(counter: Counter, label: str) -> Tally[str]:
+    """The counter's value summed per value of ``label`` (the samples, not the ``_created`` stamps)."""
+    totals: Tally[str] = Tally()
+    for metric in counter.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_total"):
+                totals[sample.labels[label]] += int(sample.value)
+    return totals
+
+
+def _worker_row(registry: Registry, worker: WorkerState, num_requests: int) -> dict[str, Any]:
     endpoint, report = worker.endpoint, worker.report
     served = registry.models.get(endpoint.model)
     return {
@@ -30,6 +50,8 @@ def _worker_row(registry: Registry, worker: WorkerState) -> dict[str, Any]:
         "role": endpoint.role,
         "url": endpoint.url,
         "healthy": worker.is_healthy,
+        "state": _state(worker),
+        "requests_total": num_requests,
         "in_flight": worker.num_in_flight,
         "running": report.num_running,
         "waiting": report.num_waiting,
@@ -41,37 +63,129 @@ def _worker_row(registry: Registry, worker: WorkerState) -> dict[str, Any]:
     }
 
 
+def _state(worker: WorkerState) -> str:
+    if not worker.is_healthy:
+        return "down"
+    return "draining" if worker.report.is_draining else "up"
+
+
 DASHBOARD_HTML = """<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>herd dashboard</title>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width,initial-scale=1">
+<title>herd dashboard</title>
 <style>
-body{font:14px system-ui,sans-serif;margin:2em;color:#222}
-table{border-collapse:collapse;margin-top:1em}
-td,th{padding:.3em .8em;border-bottom:1px solid #ddd;text-align:right}
-th:first-child,td:first-child{text-align:left}
-.up{color:#080}.down{color:#b00}
+:root{--fg:#1b1f24;--muted:#5a6472;--line:#d9dee5;--card:#f5f7fa;--bg:#fff;
+  --up:#1a7f37;--up-bg:#dafbe1;--down:#b42318;--down-bg:#fee4e2;--warn:#8a5a00;--warn-bg:#fff4ce;
+  --bar:#2f6fde;--bar-high:#e08600;--bar-bg:#e3e8ef}
+@media (prefers-color-scheme:dark){:root{--fg:#e6edf3;--muted:#9aa6b2;--line:#30363d;--card:#161b22;
+  --bg:#0d1117;--up:#4ac26b;--up-bg:#12361f;--down:#ff7b72;--down-bg:#3d1514;--warn:#e3b341;
+  --warn-bg:#3a2a05;--bar:#58a6ff;--bar-high:#d29922;--bar-bg:#21262d}}
+*{box-sizing:border-box}
+body{font:14px/1.4 system-ui,-apple-system,"Segoe UI",sans-serif;margin:0;padding:24px 32px;
+  color:var(--fg);background:var(--bg)}
+header{display:flex;align-items:baseline;gap:16px;flex-wrap:wrap}
+h1{font-size:22px;margin:0}
+.muted{color:var(--muted)}
+#status.stale{color:var(--down);font-weight:600}
+.cards{display:grid;grid-template-columns:repeat(auto-fit,minmax(150px,1fr));gap:12px;margin:18px 0}
+.card{background:var(--card);border:1px solid var(--line);border-radius:8px;padding:10px 14px}
+.card .label{color:var(--muted);font-size:12px;text-transform:uppercase;letter-spacing:.04em}
+.card .value{font-size:24px;font-weight:600;font-variant-numeric:tabular-nums;margin-top:2px}
+.card .value.none{font-size:16px;font-weight:400;color:var(--muted);padding:5px 0}
+table{border-collapse:collapse;width:100%}
+th,td{padding:8px 10px;border-bottom:1px solid var(--line);text-align:right;white-space:nowrap}
+th[title]{cursor:help}
+th{font-size:12px;color:var(--muted);font-weight:600;text-transform:uppercase;letter-spacing:.04em}
+td{font-variant-numeric:tabular-nums}
+th.text,td.text{text-align:left}
+td .sub{display:block;font-size:12px;color:var(--muted)}
+.pill{display:inline-block;min-width:64px;text-align:center;padding:1px 8px;border-radius:999px;
+  font-size:12px;font-weight:600}
+.pill.up{color:var(--up);background:var(--up-bg)}
+.pill.down{color:var(--down);background:var(--down-bg)}
+.pill.draining{color:var(--warn);background:var(--warn-bg)}
+.meter{display:inline-block;vertical-align:middle;width:90px;height:8px;border-radius:4px;
+  background:var(--bar-bg);margin-right:8px;overflow:hidden}
+.meter span{display:block;height:100%;background:var(--bar)}
+.meter.high span{background:var(--bar-high)}
+tr.down td{color:var(--muted)}
+td.empty{text-align:center;color:var(--muted);padding:24px}
 </style></head><body>
-<h1>herd</h1>
-<p id="summary">loading...</p>
-<table><thead><tr><th>worker</th><th>model</th><th>role</th><th>health</th><th>in flight</th>
-<th>running</th><th>waiting</th><th>KV usage</th><th>KV blocks</th></tr></thead>
-<tbody id="workers"></tbody></table>
+<header><h1>herd</h1><span class="muted">orchestrator dashboard</span>
+<span id="status" class="muted">loading&hellip;</span></header>
+<section class="cards">
+<div class="card"><div class="label">Workers up</div><div class="value" data-summary="workers">-</div></div>
+<div class="card"><div class="label">Requests</div><div class="value" data-summary="requests_total">-</div></div>
+<div class="card"><div class="label">Errors</div><div class="value" data-summary="errors_total">-</div></div>
+<div class="card"><div class="label" data-summary="rate_label">Requests / s</div>
+<div class="value" data-summary="request_rate">-</div></div>
+<div class="card"><div class="label" data-summary="ttft_label">TTFT p50</div>
+<div class="value" data-summary="ttft_p50">-</div></div>
+<div class="card"><div class="label">Models</div><div class="value" data-summary="models">-</div></div>
+</section>
+<table><thead><tr><th class="text">Worker</th><th class="text">Model</th><th class="text">Role</th>
+<th class="text" title="up: routed to; draining: finishing its requests, gets no new ones; down: not ready">Health</th>
+<th title="Requests this orchestrator has answered through the worker since it started">Requests</th>
+<th title="Requests this orchestrator has open on the worker now">In flight</th>
+<th title="Sequences the worker's engine is decoding (its last load report)">Running</th>
+<th title="Requests queued in the worker's engine (its last load report)">Waiting</th>
+<th class="text" title="Share of the worker's KV cache blocks in use">KV cache</th>
+<th title="Prefix blocks the router's index believes the worker holds">Indexed blocks</th></tr></thead>
+<tbody id="workers"><tr><td class="empty" colspan="10">loading&hellip;</td></tr></tbody></table>
 <script>
-function cell(text, cls){const td=document.createElement("td");td.textContent=text;if(cls)td.className=cls;return td;}
+const NUMBER=new Intl.NumberFormat("en-US");
+function set(name,text){document.querySelector('[data-summary="'+name+'"]').textContent=text;}
+function cell(field,text,cls){
+  const td=document.createElement("td");td.dataset.field=field;td.textContent=text;
+  if(cls)td.className=cls;return td;}
+function withSub(field,text,sub){
+  const td=cell(field,text,"text");const small=document.createElement("span");
+  small.className="sub";small.textContent=sub;td.append(small);return td;}
+function health(state){
+  const td=cell("health","","text");const pill=document.createElement("span");
+  pill.className="pill "+state;pill.textContent=state;td.append(pill);return td;}
+function kvCache(w){
+  const td=cell("kv","","text");
+  if(!w.kv_blocks_total){td.append(field("kv_usage","no report yet"));return td;}
+  // A nearly full cache means new prompts evict cached prefixes or wait, so the bar turns amber.
+  const meter=document.createElement("span");meter.className=w.kv_usage>0.85?"meter high":"meter";
+  const fill=document.createElement("span");fill.style.width=Math.min(100,w.kv_usage*100).toFixed(1)+"%";
+  meter.append(fill);
+  const blocks=field("kv_blocks",NUMBER.format(w.kv_blocks_used)+" / "+NUMBER.format(w.kv_blocks_total)+" blocks");
+  blocks.className="sub";td.append(meter,field("kv_usage",(w.kv_usage*100).toFixed(1)+" %"),blocks);return td;}
+function field(name,text){const span=document.createElement("span");span.dataset.field=name;
+  span.textContent=text;return span;}
+function ttft(ms){return ms===null?"no streamed requests":ms<1000?ms.toFixed(1)+" ms":(ms/1000).toFixed(2)+" s";}
+function row(w){
+  const tr=document.createElement("tr");tr.dataset.worker=w.id;tr.className=w.state;
+  tr.append(withSub("id",w.id,w.url),cell("model",w.model,"text"),cell("role",w.role,"text"),health(w.state),
+    cell("requests_total",NUMBER.format(w.requests_total)),cell("in_flight",NUMBER.format(w.in_flight)),
+    cell("running",NUMBER.format(w.running)),cell("waiting",NUMBER.format(w.waiting)),kvCache(w),
+    cell("kv_blocks_indexed",NUMBER.format(w.kv_blocks_indexed)));
+  return tr;}
+function emptyRow(){
+  const tr=document.createElement("tr");const td=cell("empty",
+    "No workers yet: they appear here once discovery finds them and they answer /ready.","empty");
+  td.colSpan=10;tr.append(td);return tr;}
+function render(data){
+  const up=data.workers.filter(w=>w.state==="up").length;
+  set("workers",up+" / "+data.workers.length);set("requests_total",NUMBER.format(data.requests_total));
+  set("errors_total",NUMBER.format(data.errors_total));
+  set("rate_label","Requests / s ("+data.window_seconds+" s)");set("request_rate",data.request_rate_per_s.toFixed(2));
+  set("ttft_label","TTFT p50 ("+data.window_seconds+" s)");set("ttft_p50",ttft(data.ttft_p50_ms));
+  document.querySelector('[data-summary="ttft_p50"]').classList.toggle("none",data.ttft_p50_ms===null);
+  set("models",data.models.length?data.models.join(", "):"none");
+  const rows=data.workers.length?data.workers.map(row):[emptyRow()];
+  document.getElementById("workers").replaceChildren(...rows);}
+function showStatus(text,isStale){const s=document.getElementById("status");s.textContent=text;
+  s.className=isStale?"stale":"muted";}
 async function refresh(){
   try{
-    const data=await (await fetch("dashboard/data")).json();
-    const ttft=data.ttft_p50_ms===null?"-":data.ttft_p50_ms+" ms";
-    document.getElementById("summary").textContent=
-      "models: "+data.models.join(", ")+" | requests/s: "+data.request_rate_per_s+" | TTFT p50: "+ttft;
-    const body=document.getElementById("workers");body.replaceChildren();
-    for(const w of data.workers){
-      const tr=document.createElement("tr");
-      tr.append(cell(w.id),cell(w.model),cell(w.role),cell(w.healthy?"up":"down",w.healthy?"up":"down"),
-        cell(w.in_flight),cell(w.running),cell(w.waiting),cell((w.kv_usage*100).toFixed(1)+"%"),
-        cell(w.kv_blocks_used+"/"+w.kv_blocks_total));
-      body.append(tr);
-    }
-  }catch(e){document.getElementById("summary").textContent="orchestrator unreachable: "+e;}
+    const response=await fetch("dashboard/data",{cache:"no-store"});
+    if(!response.ok)throw new Error("HTTP status "+response.status);
+    render(await response.json());
+    showStatus("updated "+new Date().toLocaleTimeString("en-GB"),false);
+  }catch(e){showStatus("orchestrator unreachable ("+e.message+"); retrying every second",true);}
 }
 refresh();setInterval(refresh,1000);
 </script></body></html>

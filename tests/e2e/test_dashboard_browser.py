@@ -1,0 +1,265 @@
+"""The orchestrator's /dashboard page in headless Chromium: what a person sees matches /dashboard/data.
+
+A real orchestrator app is served by uvicorn on a loopback port over fake workers (their health, load
+and KV events are chosen here); Chromium loads the page, runs its script against the live server and
+dumps the DOM it rendered. Console output goes to stderr, where an uncaught JavaScript error shows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+from collections.abc import AsyncIterator
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI
+from support.gateway_fakes import FakeCluster, FakeWorker, running_gateway, wait_for
+from support.procs import free_port
+
+from herd.api.protocol import LoadReport
+
+CHROMIUM = shutil.which("chromium")
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(
+        CHROMIUM is None, reason="chromium is not installed: run `make test` (it installs Debian's chromium)"
+    ),
+]
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}]}
+BROWSER_LIMIT_SECONDS = 90.0
+CHROMIUM_FLAGS = (
+    "--headless",
+    "--no-sandbox",  # required as root; the page is our own, served on loopback
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--hide-scrollbars",
+    "--enable-logging=stderr",
+    "--v=0",
+    # Virtual time runs the page's 1 s polling a few times without waiting that long for real.
+    "--virtual-time-budget=3500",
+)
+
+
+class RenderedDashboard(HTMLParser):
+    """The text of every ``data-summary`` element and of every ``data-field`` cell per worker row."""
+
+    def __init__(self, dom: str) -> None:
+        super().__init__()
+        self.summary: dict[str, str] = {}
+        self.rows: dict[str, dict[str, str]] = {}
+        self.status = ""
+        self.empty = ""
+        self._open: list[tuple[str, dict[str, str], list[str]]] = []
+        self._worker: str | None = None
+        self.feed(dom)
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        values = {name: value or "" for name, value in attrs}
+        if "data-worker" in values:
+            self._worker = values["data-worker"]
+            self.rows[self._worker] = {}
+        self._open.append((tag, values, []))
+
+    def handle_endtag(self, tag: str) -> None:
+        while self._open:
+            name, values, texts = self._open.pop()
+            self._close(values, "".join(texts))
+            if self._open:
+                self._open[-1][2].append("".join(texts))
+            if name == tag:
+                return
+
+    def handle_data(self, data: str) -> None:
+        if self._open:
+            self._open[-1][2].append(data)
+
+    def _close(self, values: dict[str, str], text: str) -> None:
+        if "data-summary" in values:
+            self.summary[values["data-summary"]] = text
+        elif values.get("data-field") == "empty":
+            self.empty = text
+        elif "data-field" in values and self._worker is not None:
+            self.rows[self._worker][values["data-field"]] = text
+        elif values.get("id") == "status":
+            self.status = text
+
+
+@contextlib.asynccontextmanager
+async def serving(app: FastAPI) -> AsyncIterator[str]:
+    """``app`` (already started by ``running_gateway``) on a free loopback port; yields its base URL."""
+    port = free_port()
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, lifespan="off", log_config=None, access_log=False
+    )
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    try:
+        await wait_for(lambda: server.started or task.done(), within=10.0)
+        assert server.started, "uvicorn did not start the dashboard server"
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, timeout=10.0)
+
+
+async def chromium(url: str, profile: Path, *flags: str) -> tuple[str, str]:
+    """Run headless Chromium once on ``url``; its stdout and stderr. Stopped by its own pid if late."""
+    assert CHROMIUM is not None
+    argv = [CHROMIUM, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *flags, url]
+    process = await asyncio.create_subprocess_exec(
+        *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True
+    )
+    try:
+        out, err = await asyncio.wait_for(process.communicate(), timeout=BROWSER_LIMIT_SECONDS)
+    finally:
+        if process.returncode is None:
+            # Its own session: the group id is its pid, which also reaches its renderer children.
+            os.killpg(process.pid, signal.SIGKILL)
+            await process.wait()
+    assert process.returncode == 0, f"chromium failed ({process.returncode}): {err.decode()[-2000:]}"
+    return out.decode(), err.decode()
+
+
+async def render(url: str, tmp_path: Path) -> RenderedDashboard:
+    dom, console = await chromium(f"{url}/dashboard", tmp_path / "profile", "--dump-dom")
+    errors = [line for line in console.splitlines() if "CONSOLE" in line or "Uncaught" in line]
+    assert not errors, f"the page logged to the console: {errors}"
+    return RenderedDashboard(dom)
+
+
+def cluster() -> FakeCluster:
+    """Two busy workers (one with KV blocks indexed), one draining, one down; streams stall 60 s."""
+    busy = LoadReport(num_running=3, num_waiting=1, kv_usage=0.42, num_free_blocks=290, num_total_blocks=500)
+    calm = LoadReport(num_running=1, kv_usage=0.068, num_free_blocks=466, num_total_blocks=500)
+    draining = LoadReport(
+        num_running=2, kv_usage=0.9, num_free_blocks=50, num_total_blocks=500, is_draining=True
+    )
+    slow = {"chunk_delay": 60.0, "num_chunks": 2}
+    return FakeCluster(
+        [
+            FakeWorker("w0", load=busy, snapshot_blocks=list(range(40)), **slow),  # type: ignore[arg-type]
+            FakeWorker("w1", load=calm, **slow),  # type: ignore[arg-type]
+            FakeWorker("w2", load=draining),
+            FakeWorker("w3", is_up=False),
+        ]
+    )
+
+
+async def send(client: httpx.AsyncClient, count: int) -> None:
+    for _ in range(count):
+        response = await client.post("/v1/chat/completions", json=CHAT)
+        assert response.status_code == 200, response.text
+
+
+@contextlib.asynccontextmanager
+async def held_stream(url: str) -> AsyncIterator[None]:
+    """One streamed request kept open (its second chunk comes after 60 s): one request in flight."""
+    async with httpx.AsyncClient(base_url=url, timeout=10.0) as client:
+        request = client.build_request("POST", "/v1/chat/completions", json={**CHAT, "stream": True})
+        response = await client.send(request, stream=True)
+        try:
+            yield
+        finally:
+            await response.aclose()
+
+
+def expected_row(row: dict[str, Any]) -> dict[str, str]:
+    """What the page should show for one ``/dashboard/data`` worker row."""
+    used, total = row["kv_blocks_used"], row["kv_blocks_total"]
+    kv = {"kv_usage": f"{row['kv_usage'] * 100:.1f} %", "kv_blocks": f"{used} / {total} blocks"}
+    return {
+        "id": f"{row['id']}{row['url']}",
+        "health": row["state"],
+        "requests_total": str(row["requests_total"]),
+        "in_flight": str(row["in_flight"]),
+        "running": str(row["running"]),
+        "waiting": str(row["waiting"]),
+        **(kv if total else {"kv_usage": "no report yet"}),
+        "kv_blocks_indexed": str(row["kv_blocks_indexed"]),
+    }
+
+
+def shown_row(rendered: RenderedDashboard, row: dict[str, Any]) -> dict[str, str]:
+    fields = rendered.rows.get(row["id"], {})
+    return {name: fields.get(name, "<missing>") for name in expected_row(row)}
+
+
+def indexed_blocks(app: FastAPI, worker_id: str) -> int:
+    return int(app.state.registry.models["tiny"].kv_index.num_blocks(worker_id))
+
+
+async def test_dashboard_shows_each_worker_as_its_data_says_and_counts_move(tmp_path: Path) -> None:
+    async with running_gateway(cluster()) as (app, client), serving(app) as url:
+        await send(client, 4)
+        await wait_for(lambda: indexed_blocks(app, "w0") == 40)
+        async with held_stream(url):
+            first = await render(url, tmp_path)
+            data = (await client.get("/dashboard/data")).json()
+            await send(client, 3)
+            second = await render(url, tmp_path)
+            later = (await client.get("/dashboard/data")).json()
+    assert sorted(first.rows) == ["w0", "w1", "w2", "w3"]
+    assert sum(row["in_flight"] for row in data["workers"]) == 1
+    assert [shown_row(first, row) for row in data["workers"]] == [
+        expected_row(row) for row in data["workers"]
+    ]
+    assert [first.rows[worker]["health"] for worker in ("w0", "w1", "w2", "w3")] == [
+        "up",
+        "up",
+        "draining",
+        "down",
+    ]
+    assert first.rows["w0"]["kv_blocks_indexed"] == "40"
+    assert (first.summary["workers"], first.summary["requests_total"]) == ("2 / 4", "4")
+    assert second.summary["requests_total"] == "7" == str(later["requests_total"])
+    assert [shown_row(second, row) for row in later["workers"]] == [
+        expected_row(row) for row in later["workers"]
+    ]
+    assert first.status.startswith("updated") and second.status.startswith("updated")
+
+
+async def test_dashboard_without_workers_says_so(tmp_path: Path) -> None:
+    async with running_gateway(FakeCluster([])) as (app, _), serving(app) as url:
+        rendered = await render(url, tmp_path)
+    assert rendered.rows == {}
+    assert rendered.summary["workers"] == "0 / 0"
+    assert "No workers yet" in rendered.empty
+
+
+async def test_dashboard_screenshot_is_a_picture(tmp_path: Path) -> None:
+    fakes = cluster()
+    shot = tmp_path / "dashboard.png"
+    async with running_gateway(fakes) as (app, client), serving(app) as url:
+        await stream_quickly(fakes, client, 4)
+        await send(client, 6)
+        await wait_for(lambda: indexed_blocks(app, "w0") == 40)
+        async with held_stream(url):
+            size = "--window-size=1280,440"
+            await chromium(f"{url}/dashboard", tmp_path / "profile", f"--screenshot={shot}", size)
+    assert shot.read_bytes().startswith(b"\x89PNG") and shot.stat().st_size > 10_000
+
+
+async def stream_quickly(fakes: FakeCluster, client: httpx.AsyncClient, count: int) -> None:
+    """``count`` streamed requests that finish at once (so TTFT has samples); then streams stall again."""
+    delays = [worker.chunk_delay for worker in fakes.workers]
+    for worker in fakes.workers:
+        worker.chunk_delay = 0.0
+    for _ in range(count):
+        response = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+        assert response.status_code == 200, response.text
+    for worker, delay in zip(fakes.workers, delays, strict=True):
+        worker.chunk_delay = delay
