@@ -164,6 +164,7 @@ class Registry:
         if served is not None:
             served.kv_index.remove_worker(worker_id)
             served.strategy.forget_worker(worker_id)
+            self.tokenizers.forget_source(served, worker_id)
         log.info("worker left", extra={"worker": worker_id, "model": worker.endpoint.model})
 
     async def _stop_all(self) -> None:
@@ -208,6 +209,8 @@ class Registry:
         if not worker.is_healthy:
             worker.is_healthy = True
             log.info("worker admitted", extra={"worker": worker.endpoint.id})
+            if (served := self.models.get(worker.endpoint.model)) is not None:
+                self.tokenizers.forget_source(served, worker.endpoint.id)  # it may have restarted
 
     def _record_failure(self, worker: WorkerState, reason: str) -> None:
         worker.num_failures += 1

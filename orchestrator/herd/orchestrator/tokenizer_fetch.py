@@ -6,6 +6,10 @@ fetcher asks one of them for its tokenizer files (``INTERNAL_PATHS.tokenizer``) 
 renderer off the event loop. One fetch runs at a time per model, and a model gives up after
 ``max_attempts`` failures (until its config changes, which makes a new ``ServedModel``). Until a
 renderer is there the gateway routes the model's requests without tokens.
+
+The worker a renderer came from is remembered: when it leaves or restarts (a new epoch; a restart
+fails ``/ready`` while the model loads, so the registry sees it re-admitted) the next healthy
+worker is asked again, which picks up a new model revision; the old renderer serves meanwhile.
 """
 
 from __future__ import annotations
@@ -34,16 +38,26 @@ class TokenizerFetcher:
         self.max_attempts = max_attempts
         self._tasks: dict[ServedModel, asyncio.Task[None]] = {}
         self._num_failures: weakref.WeakKeyDictionary[ServedModel, int] = weakref.WeakKeyDictionary()
+        self._sources: weakref.WeakKeyDictionary[ServedModel, str] = weakref.WeakKeyDictionary()
+        """The worker each model's renderer came from."""
 
     def offer(self, served: ServedModel, endpoint: WorkerEndpoint) -> None:
         """Fetch from this healthy worker if the model still wants a tokenizer and none is under way."""
-        if not served.wants_worker_tokenizer or served in self._tasks:
+        if served in self._sources or served in self._tasks:
+            return
+        if not served.needs_tokens or served.config.model_path is not None:
             return
         if self._num_failures.get(served, 0) >= self.max_attempts:
             return
         task = asyncio.create_task(self._fetch(served, endpoint), name=f"herd-tokenizer-{served.name}")
         self._tasks[served] = task
         task.add_done_callback(lambda _: self._tasks.pop(served, None))
+
+    def forget_source(self, served: ServedModel, worker_id: str) -> None:
+        """The worker left or restarted: if the model's renderer came from it, fetch it anew."""
+        if self._sources.get(served) == worker_id:
+            del self._sources[served]
+            self._num_failures.pop(served, None)
 
     async def close(self) -> None:
         tasks = list(self._tasks.values())
@@ -61,6 +75,7 @@ class TokenizerFetcher:
             self._record_failure(served, endpoint, f"{type(error).__name__}: {error}")
             return
         served.use_renderer(renderer)
+        self._sources[served] = endpoint.id
         log.info("tokenizer fetched from worker", extra={"model": served.name, "worker": endpoint.id})
 
     def _record_failure(self, served: ServedModel, endpoint: WorkerEndpoint, reason: str) -> None:

@@ -127,3 +127,17 @@ async def test_a_local_model_folder_wins_and_nothing_is_fetched(tiny_llama: Path
         workers = await chosen_workers(client, 3)
         await asyncio.sleep(0.1)
     assert workers == ["w0"] * 3 and cluster.tokens_seen == []
+
+
+async def test_a_restarted_source_worker_is_asked_again(tiny_llama: Path) -> None:
+    cluster = TokenizerCluster([FakeWorker("w0")], files=read_tokenizer_files(tiny_llama))
+    cluster.gate.set()
+    async with running_gateway(cluster, routing=ROUTING, settings=SETTINGS) as (app, client):
+        worker = app.state.registry.workers["w0"]
+        await wait_for(lambda: not app.state.registry.models[MODEL].wants_worker_tokenizer)
+        cluster.workers[0].is_up = False
+        await wait_for(lambda: not worker.is_healthy)
+        cluster.workers[0].is_up = True
+        await wait_for(lambda: len(cluster.tokens_seen) == 2)
+        workers = await chosen_workers(client, 2)
+    assert workers == ["w0", "w0"]
