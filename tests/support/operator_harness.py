@@ -26,10 +26,16 @@ def install_crd(kube: Emulator) -> None:
 
 
 @contextlib.contextmanager
-def embedded_operator(kube: Emulator, namespace: str = "default") -> Iterator[None]:
-    """kopf in a thread with its own event loop, serving ``namespace``; stopped through its stop flag."""
+def embedded_operator(
+    kube: Emulator, namespace: str = "default", config: OperatorConfig | None = None
+) -> Iterator[None]:
+    """kopf in a thread with its own event loop, serving ``namespace``; stopped through its stop flag.
+
+    ``config`` (its kubeconfig is replaced by the emulator's) defaults to a 1 s retry delay.
+    """
     stop, ready = threading.Event(), threading.Event()
-    config = OperatorConfig(kubeconfig=str(kube.kubeconfig), retry_delay=1.0)
+    base = config or OperatorConfig(retry_delay=1.0)
+    config = base.model_copy(update={"kubeconfig": str(kube.kubeconfig)})
     main = run_operator(config, namespaces=[namespace], standalone=True, stop_flag=stop, ready_flag=ready)
     thread = threading.Thread(target=asyncio.run, args=(main,), name="operator", daemon=True)
     thread.start()

@@ -7,7 +7,7 @@ import asyncio
 import sys
 
 from herd.api.logs import configure_logging
-from herd.operator.settings import OperatorConfig, PlanSettings
+from herd.operator.settings import AutoscalerSettings, OperatorConfig, PlanSettings
 
 __all__ = ["register", "run"]
 
@@ -30,7 +30,10 @@ def run(args: argparse.Namespace) -> int:
         orchestrator_service=args.orchestrator_service,
         orchestrator_namespace=args.orchestrator_namespace,
     )
-    config = OperatorConfig(kubeconfig=args.kubeconfig, plan=plan, retry_delay=args.retry_delay)
+    autoscaler = AutoscalerSettings(interval_s=args.autoscale_interval, stabilization_s=args.autoscale_window)
+    config = OperatorConfig(
+        kubeconfig=args.kubeconfig, plan=plan, autoscaler=autoscaler, retry_delay=args.retry_delay
+    )
     namespaces = [] if args.all_namespaces else args.namespace
     asyncio.run(
         run_operator(
@@ -69,6 +72,19 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         type=float,
         default=OperatorConfig().retry_delay,
         help="seconds between passes while pods start",
+    )
+    scaling = AutoscalerSettings()
+    parser.add_argument(
+        "--autoscale-interval",
+        type=float,
+        default=scaling.interval_s,
+        help="seconds between autoscaler rounds (metric scrapes and decisions)",
+    )
+    parser.add_argument(
+        "--autoscale-window",
+        type=float,
+        default=scaling.stabilization_s,
+        help="scale-down stabilization window in seconds",
     )
     parser.add_argument("--log-level", default="INFO")
     parser.set_defaults(func=run)

@@ -6,6 +6,8 @@
   follows pods and manual edits are reverted at once. Events of the operator's own writes are
   skipped. No timer: kopf timers need a finalizer, and a watch that breaks is re-listed by kopf,
   which replays every child as an event.
+* autoscaling: one operator-wide task (``autoscaler.py``), started and stopped with the operator,
+  not a kopf timer, which would add a finalizer; it writes ``spec.replicas`` like ``kubectl scale``.
 * deletion: every child carries an owner reference (``kopf.adopt``), so the garbage collector
   removes them; herd adds no finalizer and no delete handler, so a stopped operator never blocks a
   ``kubectl delete`` and there is nothing to clean up by hand.
@@ -21,6 +23,7 @@ import kopf
 
 from herd.api.crd import GROUP, PLURAL, VERSION
 from herd.api.protocol import LABEL_DEPLOYMENT, LABEL_MANAGED_BY, MANAGED_BY
+from herd.operator.autoscaler import Autoscaler
 from herd.operator.kube import KubeApi, KubeError, load_connection
 from herd.operator.reconcile import ChildConflictError, Reconciler
 from herd.operator.settings import OperatorConfig
@@ -41,7 +44,10 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
         prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
     )
     connection = load_connection(config.kubeconfig)
-    memo.reconciler = Reconciler(KubeApi(connection.http_client()), config.plan)
+    api = KubeApi(connection.http_client())
+    memo.reconciler = Reconciler(api, config.plan)
+    memo.autoscaler = Autoscaler(api, config.autoscaler, memo.get("namespaces", ()))
+    memo.autoscaler.start()
 
 
 @kopf.on.login(registry=registry)
@@ -52,6 +58,8 @@ def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
 
 @kopf.on.cleanup(registry=registry)
 async def close(memo: kopf.Memo, **_: Any) -> None:
+    if "autoscaler" in memo:
+        await memo.autoscaler.stop()
     if "reconciler" in memo:
         await memo.reconciler.api.http.aclose()
 

@@ -98,11 +98,16 @@ def quantile(q: float, histograms: Sequence[Buckets]) -> float | None:
 
 
 def observe(previous: Mapping[str, Scrape], current: Mapping[str, Scrape | None]) -> Observation:
-    """The pool's figures from this round's scrapes (by pod name) and each pod's previous scrape."""
+    """The pool's figures from this round's scrapes (by pod name) and each pod's previous scrape.
+
+    Incomplete when there is no Ready pod at all: a pool whose pods all fail is not an idle pool.
+    """
     answered = {pod: scrape for pod, scrape in current.items() if scrape is not None}
     compared = {pod: scrape for pod, scrape in answered.items() if pod in previous}
-    is_complete = len(compared) == len(current) and all(
-        scrape.is_complete and previous[pod].is_complete for pod, scrape in compared.items()
+    is_complete = (
+        bool(current)
+        and len(compared) == len(current)
+        and all(scrape.is_complete and previous[pod].is_complete for pod, scrape in compared.items())
     )
     p95 = {
         name: quantile(0.95, [_delta(previous[pod], scrape, name) for pod, scrape in compared.items()])

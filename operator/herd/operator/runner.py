@@ -29,7 +29,7 @@ async def run_operator(
     await kopf.operator(
         registry=registry,
         settings=kopf.OperatorSettings(),
-        memo=kopf.Memo(config=config),
+        memo=kopf.Memo(config=config, namespaces=list(namespaces)),
         clusterwide=not namespaces,
         namespaces=list(namespaces),
         standalone=standalone,

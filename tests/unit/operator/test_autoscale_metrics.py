@@ -94,8 +94,8 @@ def test_observe_uses_deltas_between_scrapes_of_each_pod() -> None:
 
 @pytest.mark.parametrize(
     ("previous", "current"),
-    [({}, {"a": "ok"}), ({"a": "ok"}, {"a": None}), ({"a": "ok"}, {"a": "no-itl"})],
-    ids=["no-previous-scrape", "pod-did-not-answer", "metric-missing"],
+    [({}, {"a": "ok"}), ({"a": "ok"}, {"a": None}), ({"a": "ok"}, {"a": "no-itl"}), ({}, {})],
+    ids=["no-previous-scrape", "pod-did-not-answer", "metric-missing", "no-ready-pod"],
 )
 def test_observe_is_incomplete(previous: dict[str, str], current: dict[str, str | None]) -> None:
     bodies: dict[str | None, Scrape | None] = {

@@ -1,0 +1,145 @@
+"""spec.autoscaling end to end: the operator scrapes worker pods, scales up on slow TTFT, and holds
+scale-down for the stabilization window.
+
+The worker pods are fake metrics servers on loopback: each is a ``prometheus_client`` HTTP server
+with the worker's metric names, at 127.0.0.1 on its own port (the pod's container port named
+``http``). The test observes latencies into their histograms as a worker would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
+from support.kube.emulator import Emulator, kube_emulator
+from support.operator_harness import embedded_operator, install_crd, kubectl
+from support.procs import wait_until
+
+from herd.api import metrics as names
+from herd.operator.settings import AutoscalerSettings, OperatorConfig
+
+pytestmark = pytest.mark.e2e
+
+TIMEOUT = 20.0
+WINDOW_S = 120.0  # far longer than the test: any scale-down in it would be a bug
+CONFIG = OperatorConfig(
+    retry_delay=1.0, autoscaler=AutoscalerSettings(interval_s=0.3, stabilization_s=WINDOW_S)
+)
+
+
+@dataclass
+class FakeWorker:
+    """One pod's /metrics: the histograms and gauges the autoscaler reads."""
+
+    port: int
+    ttft: Histogram
+    itl: Histogram
+
+
+@contextlib.contextmanager
+def fake_worker() -> Iterator[FakeWorker]:
+    registry = CollectorRegistry()
+    ttft = Histogram(names.TIME_TO_FIRST_TOKEN_SECONDS, "ttft", ["model_name"], registry=registry)
+    itl = Histogram(names.INTER_TOKEN_LATENCY_SECONDS, "itl", ["model_name"], registry=registry)
+    Gauge(names.NUM_REQUESTS_WAITING, "waiting", registry=registry).set(0)
+    Gauge(names.KV_CACHE_USAGE_PERC, "kv", registry=registry).set(0.2)
+    server, thread = start_http_server(0, addr="127.0.0.1", registry=registry)
+    try:
+        yield FakeWorker(server.server_port, ttft, itl)
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5.0)
+
+
+@pytest.fixture
+def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
+    with kube_emulator(tmp_path_factory.mktemp("kube")) as emulator:
+        install_crd(emulator)
+        with embedded_operator(emulator, config=CONFIG):
+            yield emulator
+
+
+@pytest.fixture
+def workers() -> Iterator[list[FakeWorker]]:
+    with fake_worker() as first, fake_worker() as second:
+        yield [first, second]
+
+
+def manifest(name: str) -> dict[str, Any]:
+    autoscaling = {
+        "enabled": True,
+        "minReplicas": 1,
+        "maxReplicas": 6,
+        "targets": {"ttftP95Ms": 1000, "itlP95Ms": 100},
+    }
+    spec = {"model": {"source": "pvc://weights/chat"}, "workers": {"replicas": 2}, "autoscaling": autoscaling}
+    return {
+        "apiVersion": "herd.dev/v1alpha1",
+        "kind": "ModelDeployment",
+        "metadata": {"name": name},
+        "spec": spec,
+    }
+
+
+def start_pods(kube: Emulator, deployment: str, workers: list[FakeWorker]) -> None:
+    """The Deployment controller's and kubelet's part: Ready pods whose http port is a fake worker."""
+    template = kube.get("deployments.apps", deployment)["spec"]["template"]
+    for index, worker in enumerate(workers):
+        spec = copy.deepcopy(template["spec"])
+        for port in spec["containers"][0]["ports"]:
+            if port["name"] == "http":
+                port["containerPort"] = worker.port
+        meta = {**template["metadata"], "name": f"{deployment}-{index}", "namespace": "default"}
+        kube.create({"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec})
+        kube.set_pod_ready("default", meta["name"], pod_ip="127.0.0.1")
+
+
+def autoscaling(kube: Emulator, md: str) -> dict[str, Any]:
+    return dict(kube.get("md", md).get("status", {}).get("autoscaling") or {})
+
+
+def eventually(check: Any, what: str) -> None:
+    wait_until(check, timeout=TIMEOUT, interval=0.05, what=what)
+
+
+def test_slow_ttft_scales_up_and_scale_down_waits_for_the_window(
+    kube: Emulator, workers: list[FakeWorker]
+) -> None:
+    kubectl(kube, "apply", "--validate=false", "-f", "-", stdin=yaml.safe_dump(manifest("chat")))
+    eventually(lambda: kube.find("deployments.apps", "chat-workers") is not None, "Deployment created")
+    start_pods(kube, "chat-workers", workers)
+    # Idle pods recommend minReplicas, but the window has not passed: no scale-down.
+    eventually(lambda: "window" in autoscaling(kube, "chat").get("reason", ""), "a held scale-down")
+    assert autoscaling(kube, "chat")["desiredReplicas"] == 2
+    assert kube.get("md", "chat")["spec"].get("replicas") is None
+
+    for worker in workers:
+        for _ in range(20):
+            worker.ttft.labels("chat").observe(2.0)  # p95 ~2.4 s against a 1 s target
+            worker.itl.labels("chat").observe(0.02)
+    eventually(lambda: kube.get("md", "chat")["spec"].get("replicas") == 4, "spec.replicas doubled to 4")
+    eventually(
+        lambda: kube.get("deployments.apps", "chat-workers")["spec"]["replicas"] == 4, "Deployment at 4"
+    )
+    status = autoscaling(kube, "chat")
+    assert status["desiredReplicas"] == 4 and status["lastScaleTime"]
+    assert status["observed"]["ttftP95Ms"] > 2000
+    assert "ttft p95" in status["reason"]
+    eventually(lambda: ("Normal", "ScaledUp") in events(kube, "chat"), "a ScaledUp Event")
+
+    # Quiet again, and the new pods are not Ready: no further step up, and no step down in the window.
+    wait_until(lambda: "no scale-down" in autoscaling(kube, "chat").get("reason", ""), timeout=TIMEOUT, interval=0.05, what="a held scale-down after the scale-up")  # fmt: skip
+    assert kube.get("md", "chat")["spec"]["replicas"] == 4
+    assert not kube.get("md", "chat")["metadata"].get("finalizers"), "autoscaling adds no finalizer"
+
+
+def events(kube: Emulator, md: str) -> set[tuple[str, str]]:
+    found = kube.list("events", "default")
+    return {(e["type"], e["reason"]) for e in found if e.get("involvedObject", {}).get("name") == md}
