@@ -21,10 +21,12 @@ import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI
+from fastapi.responses import HTMLResponse, JSONResponse
 from support.gateway_fakes import FakeCluster, FakeWorker, running_gateway, wait_for
 from support.procs import free_port
 
 from herd.api.protocol import LoadReport
+from herd.orchestrator.dashboard import DASHBOARD_HTML
 
 CHROMIUM = shutil.which("chromium")
 
@@ -263,3 +265,20 @@ async def stream_quickly(fakes: FakeCluster, client: httpx.AsyncClient, count: i
         assert response.status_code == 200, response.text
     for worker, delay in zip(fakes.workers, delays, strict=True):
         worker.chunk_delay = delay
+
+
+async def test_dashboard_says_when_its_data_does_not_come(tmp_path: Path) -> None:
+    async def page() -> HTMLResponse:
+        return HTMLResponse(DASHBOARD_HTML)
+
+    async def unavailable() -> JSONResponse:
+        return JSONResponse({"detail": "restarting"}, status_code=503)
+
+    app = FastAPI()
+    app.add_api_route("/dashboard", page)
+    app.add_api_route("/dashboard/data", unavailable)
+    async with serving(app) as url:
+        dom, _ = await chromium(f"{url}/dashboard", tmp_path / "profile", "--dump-dom")
+    assert (
+        RenderedDashboard(dom).status == "orchestrator unreachable (HTTP status 503); retrying every second"
+    )

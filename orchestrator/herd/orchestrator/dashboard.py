@@ -91,6 +91,7 @@ h1{font-size:22px;margin:0}
 .card{background:var(--card);border:1px solid var(--line);border-radius:8px;padding:10px 14px}
 .card .label{color:var(--muted);font-size:12px;text-transform:uppercase;letter-spacing:.04em}
 .card .value{font-size:24px;font-weight:600;font-variant-numeric:tabular-nums;margin-top:2px}
+.card .value.bad{color:var(--down)}
 .card .value.none{font-size:16px;font-weight:400;color:var(--muted);padding:5px 0}
 table{border-collapse:collapse;width:100%}
 th,td{padding:8px 10px;border-bottom:1px solid var(--line);text-align:right;white-space:nowrap}
@@ -134,7 +135,8 @@ td.empty{text-align:center;color:var(--muted);padding:24px}
 <tbody id="workers"><tr><td class="empty" colspan="10">loading&hellip;</td></tr></tbody></table>
 <script>
 const NUMBER=new Intl.NumberFormat("en-US");
-function set(name,text){document.querySelector('[data-summary="'+name+'"]').textContent=text;}
+function set(name,text,flag){const el=document.querySelector('[data-summary="'+name+'"]');el.textContent=text;
+  if(flag)el.classList.toggle(flag[0],flag[1]);}
 function cell(field,text,cls){
   const td=document.createElement("td");td.dataset.field=field;td.textContent=text;
   if(cls)td.className=cls;return td;}
@@ -155,7 +157,7 @@ function kvCache(w){
   blocks.className="sub";td.append(meter,field("kv_usage",(w.kv_usage*100).toFixed(1)+" %"),blocks);return td;}
 function field(name,text){const span=document.createElement("span");span.dataset.field=name;
   span.textContent=text;return span;}
-function ttft(ms){return ms===null?"no streamed requests":ms<1000?ms.toFixed(1)+" ms":(ms/1000).toFixed(2)+" s";}
+function ttft(ms){return ms===null?"no streams":ms<1000?ms.toFixed(1)+" ms":(ms/1000).toFixed(2)+" s";}
 function row(w){
   const tr=document.createElement("tr");tr.dataset.worker=w.id;tr.className=w.state;
   tr.append(withSub("id",w.id,w.url),cell("model",w.model,"text"),cell("role",w.role,"text"),health(w.state),
@@ -168,12 +170,11 @@ function emptyRow(){
     "No workers yet: they appear here once discovery finds them and they answer /ready.","empty");
   td.colSpan=10;tr.append(td);return tr;}
 function render(data){
-  const up=data.workers.filter(w=>w.state==="up").length;
-  set("workers",up+" / "+data.workers.length);set("requests_total",NUMBER.format(data.requests_total));
-  set("errors_total",NUMBER.format(data.errors_total));
-  set("rate_label","Requests / s ("+data.window_seconds+" s)");set("request_rate",data.request_rate_per_s.toFixed(2));
-  set("ttft_label","TTFT p50 ("+data.window_seconds+" s)");set("ttft_p50",ttft(data.ttft_p50_ms));
-  document.querySelector('[data-summary="ttft_p50"]').classList.toggle("none",data.ttft_p50_ms===null);
+  const up=data.workers.filter(w=>w.state==="up").length,period=" ("+data.window_seconds+" s)";
+  set("workers",up+" / "+data.workers.length,["bad",up===0]);
+  set("requests_total",NUMBER.format(data.requests_total));set("errors_total",NUMBER.format(data.errors_total));
+  set("rate_label","Requests / s"+period);set("request_rate",data.request_rate_per_s.toFixed(2));
+  set("ttft_label","TTFT p50"+period);set("ttft_p50",ttft(data.ttft_p50_ms),["none",data.ttft_p50_ms===null]);
   set("models",data.models.length?data.models.join(", "):"none");
   const rows=data.workers.length?data.workers.map(row):[emptyRow()];
   document.getElementById("workers").replaceChildren(...rows);}
