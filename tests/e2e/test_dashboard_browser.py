@@ -227,6 +227,7 @@ async def test_dashboard_shows_each_worker_as_its_data_says_and_counts_move(tmp_
     ]
     assert first.rows["w0"]["kv_blocks_indexed"] == "40"
     assert (first.summary["workers"], first.summary["requests_total"]) == ("2 / 4", "4")
+    assert first.summary["errors_total"] == str(data["errors_total"]) == "0"
     assert second.summary["requests_total"] == "7" == str(later["requests_total"])
     assert [shown_row(second, row) for row in later["workers"]] == [
         expected_row(row) for row in later["workers"]

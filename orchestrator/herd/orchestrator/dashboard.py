@@ -87,12 +87,13 @@ header{display:flex;align-items:baseline;gap:16px;flex-wrap:wrap}
 h1{font-size:22px;margin:0}
 .muted{color:var(--muted)}
 #status.stale{color:var(--down);font-weight:600}
-.cards{display:grid;grid-template-columns:repeat(auto-fit,minmax(150px,1fr));gap:12px;margin:18px 0}
+.cards{display:grid;grid-template-columns:repeat(auto-fit,minmax(130px,1fr));gap:12px;margin:18px 0}
 .card{background:var(--card);border:1px solid var(--line);border-radius:8px;padding:10px 14px}
 .card .label{color:var(--muted);font-size:12px;text-transform:uppercase;letter-spacing:.04em}
 .card .value{font-size:24px;font-weight:600;font-variant-numeric:tabular-nums;margin-top:2px}
 .card .value.bad{color:var(--down)}
 .card .value.none{font-size:16px;font-weight:400;color:var(--muted);padding:5px 0}
+.scroll{overflow-x:auto}
 table{border-collapse:collapse;width:100%}
 th,td{padding:8px 10px;border-bottom:1px solid var(--line);text-align:right;white-space:nowrap}
 th[title]{cursor:help}
@@ -124,7 +125,7 @@ td.empty{text-align:center;color:var(--muted);padding:24px}
 <div class="value" data-summary="ttft_p50">-</div></div>
 <div class="card"><div class="label">Models</div><div class="value" data-summary="models">-</div></div>
 </section>
-<table><thead><tr><th class="text">Worker</th><th class="text">Model</th><th class="text">Role</th>
+<div class="scroll"><table><thead><tr><th class="text">Worker</th><th class="text">Model</th><th class="text">Role</th>
 <th class="text" title="up: routed to; draining: finishing its requests, gets no new ones; down: not ready">Health</th>
 <th title="Requests this orchestrator has answered through the worker since it started">Requests</th>
 <th title="Requests this orchestrator has open on the worker now">In flight</th>
@@ -132,7 +133,7 @@ td.empty{text-align:center;color:var(--muted);padding:24px}
 <th title="Requests queued in the worker's engine (its last load report)">Waiting</th>
 <th class="text" title="Share of the worker's KV cache blocks in use">KV cache</th>
 <th title="Prefix blocks the router's index believes the worker holds">Indexed blocks</th></tr></thead>
-<tbody id="workers"><tr><td class="empty" colspan="10">loading&hellip;</td></tr></tbody></table>
+<tbody id="workers"><tr><td class="empty" colspan="10">loading&hellip;</td></tr></tbody></table></div>
 <script>
 const NUMBER=new Intl.NumberFormat("en-US");
 function set(name,text,flag){const el=document.querySelector('[data-summary="'+name+'"]');el.textContent=text;
