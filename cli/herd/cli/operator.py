@@ -9,7 +9,7 @@ import sys
 from herd.api.logs import configure_logging
 from herd.operator.settings import AutoscalerSettings, OperatorConfig, PlanSettings
 
-__all__ = ["register", "run"]
+__all__ = ["operator_config", "register", "run"]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -23,6 +23,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"herd operator: {error}", file=sys.stderr)
         return 2
     configure_logging("operator", args.log_level)
+    config = operator_config(args)
+    namespaces = [] if args.all_namespaces else args.namespace
+    asyncio.run(
+        run_operator(
+            config, namespaces=namespaces, standalone=args.standalone, liveness_endpoint=args.liveness
+        )
+    )
+    return 0
+
+
+def operator_config(args: argparse.Namespace) -> OperatorConfig:
+    """The operator's settings from its command line."""
     plan = PlanSettings(
         worker_image=args.worker_image,
         s3_image=args.s3_image,
@@ -31,16 +43,9 @@ def run(args: argparse.Namespace) -> int:
         orchestrator_namespace=args.orchestrator_namespace,
     )
     autoscaler = AutoscalerSettings(interval_s=args.autoscale_interval, stabilization_s=args.autoscale_window)
-    config = OperatorConfig(
+    return OperatorConfig(
         kubeconfig=args.kubeconfig, plan=plan, autoscaler=autoscaler, retry_delay=args.retry_delay
     )
-    namespaces = [] if args.all_namespaces else args.namespace
-    asyncio.run(
-        run_operator(
-            config, namespaces=namespaces, standalone=args.standalone, liveness_endpoint=args.liveness
-        )
-    )
-    return 0
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -52,6 +52,11 @@ class _Memory:
     scrapes: dict[str, Scrape] = field(default_factory=dict)
     history: list[Recommendation] = field(default_factory=list)
 
+    def remember(self, recommendation: Recommendation, window_s: float) -> None:
+        """Keep the recommendations the stabilization window still looks at, and this one."""
+        since = recommendation.at - window_s
+        self.history = [r for r in self.history if r.at >= since] + [recommendation]
+
 
 def scalable_pool(md: ModelDeployment) -> PoolName:
     return "decode" if md.spec.serving.mode == "disaggregated" else "workers"
@@ -131,10 +136,7 @@ class Autoscaler:
         last_scale = max(memory.started, _epoch(previous.get("lastScaleTime")))
         state = ScaleState(current, num_ready, now, now - last_scale, tuple(memory.history))
         decision = decide(state, observed, md.spec.autoscaling, self.settings)
-        since = now - self.settings.stabilization_s
-        memory.history = [r for r in memory.history if r.at >= since] + [
-            Recommendation(now, decision.recommendation)
-        ]
+        memory.remember(Recommendation(now, decision.recommendation), self.settings.stabilization_s)
         if decision.desired != current:
             await self._apply(body, current, decision)
             previous = {**previous, "lastScaleTime": _timestamp(now)}

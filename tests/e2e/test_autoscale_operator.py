@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -27,10 +28,14 @@ from herd.operator.settings import AutoscalerSettings, OperatorConfig
 pytestmark = pytest.mark.e2e
 
 TIMEOUT = 20.0
-WINDOW_S = 120.0  # far longer than the test: any scale-down in it would be a bug
-CONFIG = OperatorConfig(
-    retry_delay=1.0, autoscaler=AutoscalerSettings(interval_s=0.3, stabilization_s=WINDOW_S)
-)
+LONG_WINDOW_S = 120.0  # far longer than the test: any scale-down in it would be a bug
+SHORT_WINDOW_S = 1.5
+
+
+def operator_config(window_s: float) -> OperatorConfig:
+    return OperatorConfig(
+        retry_delay=1.0, autoscaler=AutoscalerSettings(interval_s=0.3, stabilization_s=window_s)
+    )
 
 
 @dataclass
@@ -58,11 +63,11 @@ def fake_worker() -> Iterator[FakeWorker]:
         thread.join(5.0)
 
 
-@pytest.fixture
-def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
+@pytest.fixture(params=[LONG_WINDOW_S], ids=lambda window: f"window-{window:g}s")
+def kube(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
     with kube_emulator(tmp_path_factory.mktemp("kube")) as emulator:
         install_crd(emulator)
-        with embedded_operator(emulator, config=CONFIG):
+        with embedded_operator(emulator, config=operator_config(request.param)):
             yield emulator
 
 
@@ -135,9 +140,29 @@ def test_slow_ttft_scales_up_and_scale_down_waits_for_the_window(
     eventually(lambda: ("Normal", "ScaledUp") in events(kube, "chat"), "a ScaledUp Event")
 
     # Quiet again, and the new pods are not Ready: no further step up, and no step down in the window.
-    wait_until(lambda: "no scale-down" in autoscaling(kube, "chat").get("reason", ""), timeout=TIMEOUT, interval=0.05, what="a held scale-down after the scale-up")  # fmt: skip
+    held = "a held scale-down after the scale-up"
+    eventually(lambda: "no scale-down" in autoscaling(kube, "chat").get("reason", ""), held)
+    time.sleep(1.0)  # a few more rounds
     assert kube.get("md", "chat")["spec"]["replicas"] == 4
+    assert autoscaling(kube, "chat")["desiredReplicas"] == 4
     assert not kube.get("md", "chat")["metadata"].get("finalizers"), "autoscaling adds no finalizer"
+
+
+@pytest.mark.parametrize("kube", [SHORT_WINDOW_S], indirect=True, ids=["window-1.5s"])
+def test_an_idle_pool_scales_down_to_min_after_the_window(kube: Emulator, workers: list[FakeWorker]) -> None:
+    applied = time.monotonic()  # the scaler cannot have seen the resource before this
+    kubectl(kube, "apply", "--validate=false", "-f", "-", stdin=yaml.safe_dump(manifest("quiet")))
+    eventually(lambda: kube.find("deployments.apps", "quiet-workers") is not None, "Deployment created")
+    start_pods(kube, "quiet-workers", workers)
+    eventually(
+        lambda: kube.get("md", "quiet")["spec"].get("replicas") == 1, "spec.replicas down to minReplicas"
+    )
+    assert time.monotonic() - applied >= SHORT_WINDOW_S
+    eventually(
+        lambda: kube.get("deployments.apps", "quiet-workers")["spec"]["replicas"] == 1, "Deployment at 1"
+    )
+    eventually(lambda: ("Normal", "ScaledDown") in events(kube, "quiet"), "a ScaledDown Event")
+    assert autoscaling(kube, "quiet")["reason"] == "idle: no requests"
 
 
 def events(kube: Emulator, md: str) -> set[tuple[str, str]]:
