@@ -149,7 +149,9 @@ def test_slow_ttft_scales_up_and_scale_down_waits_for_the_window(
 
 
 @pytest.mark.parametrize("kube", [SHORT_WINDOW_S], indirect=True, ids=["window-1.5s"])
-def test_an_idle_pool_scales_down_to_min_after_the_window(kube: Emulator, workers: list[FakeWorker]) -> None:
+def test_an_idle_pool_scales_down_to_min_after_the_window_and_stops_when_disabled(
+    kube: Emulator, workers: list[FakeWorker]
+) -> None:
     applied = time.monotonic()  # the scaler cannot have seen the resource before this
     kubectl(kube, "apply", "--validate=false", "-f", "-", stdin=yaml.safe_dump(manifest("quiet")))
     eventually(lambda: kube.find("deployments.apps", "quiet-workers") is not None, "Deployment created")
@@ -163,6 +165,10 @@ def test_an_idle_pool_scales_down_to_min_after_the_window(kube: Emulator, worker
     )
     eventually(lambda: ("Normal", "ScaledDown") in events(kube, "quiet"), "a ScaledDown Event")
     assert autoscaling(kube, "quiet")["reason"] == "idle: no requests"
+
+    kube.patch("md", "quiet", {"spec": {"autoscaling": {"enabled": False}}})
+    eventually(lambda: not autoscaling(kube, "quiet"), "status.autoscaling cleared once disabled")
+    assert kube.get("md", "quiet")["spec"]["replicas"] == 1  # where the autoscaler left it
 
 
 def events(kube: Emulator, md: str) -> set[tuple[str, str]]:

@@ -101,12 +101,16 @@ class Autoscaler:
             key = (meta["namespace"], meta["name"])
             if (body.get("spec", {}).get("autoscaling") or {}).get("enabled"):
                 seen.add(key)
-                await self._scale_logged(body, key)
+            await self._visit(body, key, is_enabled=key in seen)
         self._memory = {key: memory for key, memory in self._memory.items() if key in seen}
 
-    async def _scale_logged(self, body: Object, key: tuple[str, str]) -> None:
+    async def _visit(self, body: Object, key: tuple[str, str], *, is_enabled: bool) -> None:
         try:
-            await self._scale(body, key)
+            if is_enabled:
+                await self._scale(body, key)
+            elif (body.get("status") or {}).get("autoscaling"):
+                # A decision left from before autoscaling was switched off would mislead.
+                await self.api.patch_status(API_VERSION, PLURAL, *key, {"autoscaling": None})
         except (KubeError, httpx.HTTPError) as error:
             _log.warning(f"autoscaler: {key[0]}/{key[1]}: {error}; retrying next round")
         except Exception:  # one ModelDeployment's bug must not stop the scaling of every other one
