@@ -85,10 +85,10 @@ class Autoscaler:
 
     async def _run(self) -> None:
         while True:
-            await self.round()
+            await self.run_once()
             await asyncio.sleep(self.settings.interval_s)
 
-    async def round(self) -> None:
+    async def run_once(self) -> None:
         """One decision for every enabled ModelDeployment; a failure is logged and retried next round."""
         try:
             bodies = await self._list()
