@@ -70,3 +70,53 @@ def _hf_greedy(path: Path, prompt: tuple[int, ...], num_tokens: int) -> tuple[li
         )
     logprobs = torch.cat([step.float() for step in out.logits]).log_softmax(dim=-1)
     return out.sequences[0, len(prompt) :].tolist(), logprobs
+
+
+def make_tiny_variant(folder: Path, base: Path, arch: str) -> Path:
+    """A tiny random checkpoint of ``arch`` ('qwen2', 'mistral', 'llama3-rope'), with ``base``'s tokenizer."""
+    import shutil
+
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
+
+    common: dict[str, Any] = {
+        "vocab_size": 384,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 2048,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+    }
+    llama3 = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    builders = {
+        "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=True)),
+        "mistral": lambda: MistralForCausalLM(MistralConfig(**common, sliding_window=None)),
+        "llama3-rope": lambda: LlamaForCausalLM(LlamaConfig(**common, rope_parameters=llama3)),
+    }
+    torch.manual_seed(1)
+    model = builders[arch]()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(4.0 if param.dim() >= 2 else 1.0)
+            if param.dim() == 1 and arch == "qwen2":
+                param.add_(0.1)  # nonzero q/k/v biases, so a missing bias would show
+    model.save_pretrained(folder, safe_serialization=True, max_shard_size="100KB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(base / name, folder / name)
+    return folder
