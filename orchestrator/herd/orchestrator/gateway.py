@@ -21,6 +21,7 @@ from starlette.responses import Response
 from herd.api.kv_hash import block_hashes
 from herd.api.protocol import WORKER_HEADER
 from herd.orchestrator.disagg import Handoff, TwoPhase
+from herd.orchestrator.model_metrics import ModelMetrics
 from herd.orchestrator.proxy import RelayResponse, Upstream, open_upstream
 from herd.orchestrator.registry import Registry
 from herd.orchestrator.routing import RequestContext, WorkerView, healthy
@@ -59,6 +60,7 @@ class GatewaySettings:
 @dataclass(eq=False)
 class _Request:
     served: ServedModel
+    metrics: ModelMetrics
     path: str
     body: bytes
     is_stream: bool
@@ -86,6 +88,7 @@ class Gateway:
         self.settings = settings or GatewaySettings()
         self.timeout = httpx.Timeout(self.settings.request_timeout, connect=self.settings.connect_timeout)
         self._urls: dict[str, httpx.URL] = {}
+        self._metrics: dict[str, ModelMetrics] = {}
         self.disagg = TwoPhase(registry, http, telemetry.registry, max_attempts=self.settings.max_attempts)
         self._untokenized: weakref.WeakSet[ServedModel] = weakref.WeakSet()
         """Models already logged as routed without tokens (once each)."""
@@ -96,8 +99,8 @@ class Gateway:
         """Route and proxy one OpenAI request whose JSON ``payload`` was parsed from ``body``."""
         served = self._served(payload)
         ctx = await self._context(served, payload, headers)
-        request = _Request(served, path, body, payload.get("stream") is True, ctx)
-        self.telemetry.in_flight.labels(served.name).inc()
+        request = _Request(served, self._metrics_of(served), path, body, payload.get("stream") is True, ctx)
+        request.metrics.in_flight.inc()
         try:
             if served.config.mode == "disaggregated":
                 await self._hand_off(request, payload)
@@ -107,6 +110,12 @@ class Gateway:
             if request.handoff is not None:
                 await self.disagg.release(request.handoff)
             raise
+
+    def _metrics_of(self, served: ServedModel) -> ModelMetrics:
+        metrics = self._metrics.get(served.name)
+        if metrics is None:
+            metrics = self._metrics[served.name] = ModelMetrics(self.telemetry, served.name)
+        return metrics
 
     async def _hand_off(self, request: _Request, payload: dict[str, Any]) -> None:
         """Run the prefill phase of a disaggregated model; the decode phase is the usual attempt."""
@@ -132,20 +141,18 @@ class Gateway:
         self, served: ServedModel, payload: dict[str, Any], headers: Mapping[str, str]
     ) -> RequestContext:
         token_ids = self._prompt_tokens(served, payload) if served.strategy.needs_tokens else ()
-        hashes = block_hashes(
-            token_ids, served.config.block_size, model_id=served.name, cache_salt=payload.get("cache_salt")
-        )
-        session_key = headers.get(getattr(served.config.routing, "session_header", "X-Session-ID").lower())
+        hashes = _hashes(served, token_ids, payload.get("cache_salt")) if token_ids else ()
+        session_key = headers.get(served.session_header)
         pinned = None
         if served.strategy.pins_sessions and session_key:
             pinned = await self.state.get_pin(_pin_key(served, session_key))
         return RequestContext(
             model=served.name,
             token_ids=token_ids,
-            block_hashes=tuple(hashes),
+            block_hashes=hashes,
             session_key=session_key,
             pinned_worker_id=pinned,
-            headers=dict(headers),
+            headers=headers,  # the server's read-only mapping: no copy per request
         )
 
     def _prompt_tokens(self, served: ServedModel, payload: dict[str, Any]) -> tuple[int, ...]:
@@ -174,7 +181,7 @@ class Gateway:
                 return await self._respond(request, worker)
             except GatewayError as error:
                 self.registry.end(worker.id)
-                self.telemetry.retries.labels(request.served.name).inc()
+                request.metrics.retries.inc()
                 last_error = error
             if not self._candidates(request, tried):
                 break
@@ -197,12 +204,12 @@ class Gateway:
             return preferred
         started = time.perf_counter()
         choice = served.strategy.select(open_workers, request.ctx)
-        self.telemetry.decision.labels(served.name).observe(time.perf_counter() - started)
+        request.metrics.decision.observe(time.perf_counter() - started)
         if choice is None:
             raise self._busy(served)
         if request.ctx.block_hashes:
             num_hits = served.kv_index.match(request.ctx.block_hashes).get(choice.id, 0)
-            self.telemetry.cache_hit_blocks.labels(served.name).observe(num_hits)
+            request.metrics.cache_hit_blocks.observe(num_hits)
         return await self._pin(request, choice, open_workers)
 
     async def _pin(self, request: _Request, choice: WorkerView, workers: list[WorkerView]) -> WorkerView:
@@ -230,7 +237,7 @@ class Gateway:
         headers = {WORKER_HEADER: worker.id}
         if request.is_stream and upstream.status_code == httpx.codes.OK:
             ttft = time.perf_counter() - request.started
-            self.telemetry.ttft.labels(request.served.name).observe(ttft)
+            request.metrics.ttft.observe(ttft)
             if request.prefill_seconds is not None:
                 self.disagg.observe_decode(request.served, ttft - request.prefill_seconds)
             return RelayResponse(
@@ -273,18 +280,21 @@ class Gateway:
         return GatewayError(502, f"worker {worker.id} failed before answering ({reason}); retry the request")
 
     def _finish(self, request: _Request, worker_id: str | None, status: int, ttft: float | None) -> None:
-        name = request.served.name
+        metrics = request.metrics
         if worker_id is not None:
             self.registry.end(worker_id)
-        if status >= 400:
-            self.telemetry.errors.labels(name, str(status)).inc()
-        self.telemetry.requests.labels(name, worker_id or "", str(status)).inc()
-        self.telemetry.e2e.labels(name).observe(time.perf_counter() - request.started)
-        self.telemetry.in_flight.labels(name).dec()
+        metrics.count_finished(worker_id or "", status)
+        metrics.e2e.observe(time.perf_counter() - request.started)
+        metrics.in_flight.dec()
         self.telemetry.recent.record(ttft)
 
 
 _UPSTREAM_HEADERS = {"content-type": "application/json", "accept": "*/*"}
+
+
+def _hashes(served: ServedModel, token_ids: tuple[int, ...], cache_salt: Any) -> tuple[int, ...]:
+    config = served.config
+    return tuple(block_hashes(token_ids, config.block_size, model_id=served.name, cache_salt=cache_salt))
 
 
 def _pin_key(served: ServedModel, session_key: str) -> str:

@@ -23,10 +23,13 @@ class ServedModel:
     config: ModelConfig
     kv_index: KVIndex = field(default_factory=KVIndex)
     strategy: RoutingStrategy = field(init=False)
+    session_header: str = field(init=False)
+    """The lower-cased header that carries a session key (``X-Session-ID`` unless the routing names one)."""
     _renderer: PromptRenderer | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.strategy = build_strategy(self.config.routing, kv_index=self.kv_index)
+        self.session_header = getattr(self.config.routing, "session_header", "X-Session-ID").lower()
 
     @property
     def name(self) -> str:
