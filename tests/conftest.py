@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
+# One OpenMP thread per process: tests run several torch processes (workers) on a 2-core machine,
+# where OpenMP spin-waiting with 2 threads made the suite several times slower. Set before torch
+# is imported, and inherited by every worker process a test starts.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 from collections.abc import Iterator
 from pathlib import Path
 
