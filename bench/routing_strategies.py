@@ -13,7 +13,9 @@ same tenant sequence, user turns and lengths) runs through it. Caches start cold
 without reloading the workers: each run's system prompts begin with that run's own tag ("Run 3.")
 of the same token length, and block hashes chain from the first token, so no block of an earlier run
 can be hit; the earlier runs' blocks are free and least recently used, so they are evicted first.
-``--restart-workers`` restarts the workers instead (slower, the same in expectation).
+``--restart-workers`` restarts the workers instead (slower, the same in expectation). A warm-up of
+``--warmup-requests`` on the same tenants (other user turns) fills the caches as the strategy routes,
+so the measured requests show the steady-state hit rate rather than the first touch of each tenant.
 
 Every request carries ``X-Session-ID: tenant-N`` (its tenant), which only sticky_session reads: a
 tenant is a session, so sticky routing pins each tenant to one worker.
@@ -29,6 +31,7 @@ import argparse
 import contextlib
 import json
 import math
+import random
 import secrets
 import shlex
 import sys
@@ -69,12 +72,14 @@ SESSION_HEADER = "X-Session-ID"
 
 class TaggedTenantWorkload(SharedPrefixWorkload):
     """The shared-prefix workload with every system prompt opened by ``tag`` (a cold cache per
-    run) and each request under its tenant's session id."""
+    run), each request under its tenant's session id, and the request sequence (tenants, user
+    turns, lengths) drawn from ``request_seed``, so a warm-up can use the same tenants."""
 
-    def __init__(self, *, tag: str, session_header: str, **kwargs: Any) -> None:
+    def __init__(self, *, tag: str, session_header: str, request_seed: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.system_prompts = [f"{tag} {prompt}" for prompt in self.system_prompts]
         self.session_header = session_header
+        self.rng = random.Random(request_seed)
 
     def next_request(self) -> RequestSpec:
         spec = super().next_request()
@@ -86,11 +91,13 @@ class TaggedRunConfig(BenchConfig):
     """``BenchConfig`` whose workload is ``TaggedTenantWorkload``; the runner and client are herd's."""
 
     tag: str
+    request_seed: int
 
     def build_workload(self) -> TaggedTenantWorkload:
         return TaggedTenantWorkload(
             tag=self.tag,
             session_header=self.session_header,
+            request_seed=self.request_seed,
             num_tenants=self.num_tenants,
             prefix_len=self.prefix_len,
             input_len=LengthRange.parse(self.input_len),
@@ -155,11 +162,12 @@ def run_config(args: argparse.Namespace, *, url: str, tag: str, is_warmup: bool 
         output_len=args.output_len,
         session_header=SESSION_HEADER,
         concurrency=args.concurrency,
-        num_requests=args.concurrency if is_warmup else args.num_requests,
+        num_requests=args.warmup_requests if is_warmup else args.num_requests,
         duration_s=None if is_warmup else args.max_seconds,
         timeout_s=args.request_timeout,
         seed=args.seed,
         tag=tag,
+        request_seed=args.seed + 1 if is_warmup else args.seed,
     )
 
 
@@ -192,7 +200,8 @@ def workers(
 def measure(
     args: argparse.Namespace, strategy: str, endpoints: list[str], token: str, log_dir: Path, tag: str
 ) -> dict[str, Any]:
-    """One strategy: a fresh orchestrator over the running workers, a warm-up, the measured run."""
+    """One strategy: a fresh orchestrator over the running workers, a warm-up on this run's tenants
+    (other user turns), then the measured run."""
     engine = engine_block(args, args.num_kv_blocks)  # the orchestrator reads the block size from it
     manifest_path = log_dir / f"{strategy}.yaml"
     manifest_path.write_text(json.dumps(manifest(args, strategy, engine)))
@@ -203,7 +212,7 @@ def measure(
     url = f"http://{HOST}:{port}"
     with serving(argv, ready_url=f"{url}/ready", log=log_dir / f"orchestrator-{strategy}.log", env={}):
         time.sleep(2.0)  # /ready needs one healthy worker; a few health polls admit the second
-        run_load(run_config(args, url=url, tag="Run 0.", is_warmup=True))
+        run_load(run_config(args, url=url, tag=tag, is_warmup=True))
         report = run_load(run_config(args, url=url, tag=tag))
     row = {**summary_row(report), "load_average_after": machine_info()["load_average"]}
     print(f"{strategy}: hit rate {row['prefix_cache_hit_rate']}, TTFT {row['ttft_ms']}", flush=True)
@@ -271,15 +280,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-tenants", type=int, default=8)
     parser.add_argument("--prefix-len", type=int, default=256, help="system prompt words per tenant")
     parser.add_argument("--input-len", default="16:32", help="user words per request: N or LOW:HIGH")
-    parser.add_argument("--output-len", default="16", help="max_tokens (ignore_eos): N or LOW:HIGH")
+    parser.add_argument("--output-len", default="8", help="max_tokens (ignore_eos): N or LOW:HIGH")
     parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--num-requests", type=int, default=48, help="measured requests per strategy")
+    parser.add_argument("--warmup-requests", type=int, default=12, help="unmeasured, per strategy")
+    parser.add_argument("--num-requests", type=int, default=36, help="measured requests per strategy")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch/OpenMP threads per worker")
     parser.add_argument("--max-batch-tokens", type=int, default=1024)
     parser.add_argument("--restart-workers", action="store_true", help="fresh workers for every strategy")
     parser.add_argument(
-        "--max-seconds", type=float, default=150.0, help="stop sending after this per strategy"
+        "--max-seconds", type=float, default=120.0, help="stop sending after this per strategy"
     )
     parser.add_argument("--request-timeout", type=float, default=300.0)
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "routing_strategies.json")
