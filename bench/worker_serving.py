@@ -112,6 +112,7 @@ class Server:
     model: str
     env: dict[str, str]
     needs_done_line: bool = False
+    token: str = ""  # the internal token, kept out of the results
 
 
 def num_kv_blocks(args: argparse.Namespace) -> int:
@@ -129,15 +130,12 @@ def herd_server(args: argparse.Namespace) -> Server:
         "maxBatchTokens": args.max_batch_tokens,
         "kvCache": {"blockSize": BLOCK_SIZE, "memoryGiB": args.kv_memory_gib, "prefixCaching": True},
     }
+    token = secrets.token_urlsafe(16)
     argv = herd_worker_argv(
-        args.model,
-        name=SERVED_NAME,
-        port=port,
-        internal_port=free_port(),
-        token=secrets.token_urlsafe(16),
-        engine=engine,
+        args.model, name=SERVED_NAME, port=port, internal_port=free_port(), token=token, engine=engine
     )
-    return Server("herd", argv, f"http://{HOST}:{port}", "/ready", SERVED_NAME, thread_env(args.threads))
+    url = f"http://{HOST}:{port}"
+    return Server("herd", argv, url, "/ready", SERVED_NAME, thread_env(args.threads), token=token)
 
 
 def transformers_server(args: argparse.Namespace) -> Server:
@@ -211,7 +209,9 @@ def measure(server: Server, args: argparse.Namespace, log_dir: Path) -> dict[str
         "startup_s": round(startup_s, 1),
         "load_average_before": load_before,
         "load_average_after": machine_info()["load_average"],
-        "argv": shlex.join(server.argv),
+        "argv": shlex.join(
+            server.argv if not server.token else [a.replace(server.token, "<token>") for a in server.argv]
+        ),
     }
 
 
