@@ -4,9 +4,9 @@ Two ``herd worker`` processes serve SmolLM2-135M-Instruct (fp32, CPU) behind ``h
 The workload is herd's shared-prefix multi-tenant one (``herd.cli.loadgen``, what ``herd bench``
 runs): each tenant has a long system prompt that all its requests share, tenants drawn at random.
 Each worker's KV pool is sized to hold about half of the tenants' prefixes (its number of blocks =
-half the tenants' full prefix blocks, plus room for the private blocks of the requests it runs),
-so a worker that sees every tenant (round robin) keeps evicting prefixes, while one that sees half
-of them keeps them all.
+``--cache-share`` (0.5) x the tenants' full prefix blocks, plus room for the private blocks of the
+requests it runs), so a worker that sees every tenant (round robin) keeps evicting prefixes, while
+one that sees half of them keeps them all.
 
 For each strategy the orchestrator restarts with that strategy; the same workload (same seed, so the
 same tenant sequence, user turns and lengths) runs through it. Caches start cold for every strategy
@@ -282,6 +282,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--input-len", default="16:32", help="user words per request: N or LOW:HIGH")
     parser.add_argument("--output-len", default="8", help="max_tokens (ignore_eos): N or LOW:HIGH")
     parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument(
+        "--cache-share", type=float, default=0.5, help="tenants' prefixes a worker's pool holds"
+    )
     parser.add_argument("--warmup-requests", type=int, default=12, help="unmeasured, per strategy")
     parser.add_argument("--num-requests", type=int, default=36, help="measured requests per strategy")
     parser.add_argument("--seed", type=int, default=0)
@@ -305,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     prefix_blocks = prefix_blocks_per_tenant(args)
-    args.num_kv_blocks = math.ceil(args.num_tenants * prefix_blocks / 2) + running_blocks(args)
+    args.num_kv_blocks = math.ceil(args.num_tenants * prefix_blocks * args.cache_share) + running_blocks(args)
     machine = machine_info()
     results = run_all(args, strategies, Path(tempfile.mkdtemp(prefix="herd-bench-routing-")))
     settings = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
