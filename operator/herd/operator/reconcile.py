@@ -59,10 +59,19 @@ class Reconciler:
         self._written: dict[tuple[str, str, str], str] = {}
 
     async def reconcile(self, body: Object, logger: logging.Logger | logging.LoggerAdapter[Any]) -> Outcome:
-        """One pass for ``body``; raises ``kopf.PermanentError`` naming the field if the spec is invalid."""
+        """One pass for the resource ``body`` names; raises ``kopf.PermanentError`` naming the field if
+        the spec is invalid.
+
+        The pass acts on the resource as it is now, read under the lock, not on ``body``: kopf may hand
+        over a body that a newer change has overtaken (a resume queued behind an update), and acting
+        on it would roll the children back to the older spec.
+        """
         meta = body["metadata"]
         async with self._lock(meta["namespace"], meta["name"]):
-            return await self._pass(body, logger)
+            latest = await self.api.get(API_VERSION, PLURAL, meta["namespace"], meta["name"])
+            if latest is None:  # deleted meanwhile: its children go with it
+                return Outcome(is_ready=True, waiting="")
+            return await self._pass(latest, logger)
 
     async def poke(
         self, namespace: str, name: str, logger: logging.Logger | logging.LoggerAdapter[Any]
