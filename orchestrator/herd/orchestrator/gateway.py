@@ -210,6 +210,7 @@ class Gateway:
         if request.ctx.block_hashes:
             num_hits = served.kv_index.match(request.ctx.block_hashes).get(choice.id, 0)
             request.metrics.cache_hit_blocks.observe(num_hits)
+            served.kv_index.expect(choice.id, request.ctx.block_hashes)
         return await self._pin(request, choice, open_workers)
 
     async def _pin(self, request: _Request, choice: WorkerView, workers: list[WorkerView]) -> WorkerView:

@@ -9,6 +9,12 @@ Events are numbered per worker ``epoch``; each worker's ``(epoch, last seq)`` is
   must fetch a snapshot and call ``reset``. Until then the worker keeps its (possibly stale) entries;
   staleness costs only routing quality, never correctness.
 
+Expected blocks: events arrive only after a worker has computed a prompt's blocks (its prefill plus
+a polling interval), so a tenant's next request, routed meanwhile, would see no cached prefix
+anywhere and go by load alone, duplicating the prefix on another worker. ``expect`` records that a
+routed request's blocks are about to exist on its worker; ``match`` counts them until the worker's
+own events take over, a ``removed`` event or resync drops them, or ``expected_ttl_s`` passes.
+
 Cost: ``apply`` is O(blocks in the batch), ``reset`` and ``remove_worker`` O(blocks the worker holds),
 ``match`` O(k x w) for the leading run of k matched blocks over the w workers still matching (it
 stops at the first block no worker holds), ``num_blocks`` O(1). Memory: one dict entry per distinct
@@ -17,7 +23,9 @@ block plus one set entry per (block, worker).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from herd.api.kv_hash import BlockHash
@@ -36,9 +44,22 @@ class _WorkerState:
 class KVIndex:
     """Block hash -> ids of the workers whose prefix cache holds that block."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, expected_ttl_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
         self._holders: dict[BlockHash, set[str]] = {}
         self._workers: dict[str, _WorkerState] = {}
+        self._expected: dict[BlockHash, dict[str, float]] = {}
+        self._expiries: deque[tuple[float, str, Sequence[BlockHash]]] = deque()
+        self._expected_ttl_s = expected_ttl_s
+        self._clock = clock
+
+    def expect(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> None:
+        """A request with these blocks was just routed to ``worker_id``: count them as held there."""
+        now = self._clock()
+        self._expire(now)
+        deadline = now + self._expected_ttl_s
+        for block in block_hashes:
+            self._expected.setdefault(block, {})[worker_id] = deadline
+        self._expiries.append((deadline, worker_id, block_hashes))
 
     def apply(self, worker_id: str, batch: KVEventBatch) -> bool:
         """Apply a worker's events in order; ``False`` means a gap or a new epoch: resync with ``reset``."""
@@ -66,13 +87,19 @@ class KVIndex:
         state = self._workers.pop(worker_id, None)
         if state is not None:
             self._remove(worker_id, state, list(state.blocks))
+        self._unexpect_worker(worker_id)
 
     def match(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
-        """Length of the leading run of ``block_hashes`` each worker holds (workers with none omitted)."""
+        """Length of the leading run of ``block_hashes`` each worker holds or is expected to hold
+        (workers with none omitted)."""
+        self._expire(self._clock())
         run: dict[str, int] = {}
         alive: set[str] | None = None
         for depth, block in enumerate(block_hashes):
             holders = self._holders.get(block)
+            expected = self._expected.get(block)
+            if expected:
+                holders = holders | expected.keys() if holders else set(expected)
             if not holders:
                 break
             alive = set(holders) if alive is None else alive & holders
@@ -101,6 +128,7 @@ class KVIndex:
             self._remove(worker_id, state, event.block_hashes)
         else:
             self._remove(worker_id, state, list(state.blocks))
+            self._unexpect_worker(worker_id)
 
     def _store(self, worker_id: str, state: _WorkerState, blocks: Iterable[BlockHash]) -> None:
         for block in blocks:
@@ -109,6 +137,7 @@ class KVIndex:
 
     def _remove(self, worker_id: str, state: _WorkerState, blocks: Iterable[BlockHash]) -> None:
         for block in blocks:
+            self._unexpect(worker_id, block)
             state.blocks.discard(block)
             holders = self._holders.get(block)
             if holders is None:
@@ -116,3 +145,22 @@ class KVIndex:
             holders.discard(worker_id)
             if not holders:
                 del self._holders[block]
+
+    def _unexpect(self, worker_id: str, block: BlockHash) -> None:
+        expected = self._expected.get(block)
+        if expected is not None and expected.pop(worker_id, None) is not None and not expected:
+            del self._expected[block]
+
+    def _unexpect_worker(self, worker_id: str) -> None:
+        for block in [block for block, workers in self._expected.items() if worker_id in workers]:
+            self._unexpect(worker_id, block)
+
+    def _expire(self, now: float) -> None:
+        """Drop expectations past their deadline (oldest first: deadlines grow with time)."""
+        while self._expiries and self._expiries[0][0] <= now:
+            deadline, worker_id, blocks = self._expiries.popleft()
+            for block in blocks:
+                expected = self._expected.get(block)
+                # A later expect() of the same block on the same worker extended the deadline.
+                if expected is not None and expected.get(worker_id) == deadline:
+                    self._unexpect(worker_id, block)
