@@ -29,12 +29,11 @@ import shlex
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
-import httpx
 from _common import (
     BYTES_PER_TOKEN,
     DEMO_MODEL,
@@ -57,48 +56,6 @@ __all__ = ["main"]
 TARGET_RATIO = 2.0
 BLOCK_SIZE = 16
 SERVED_NAME = "smollm2"
-_FINISHED = b'"finish_reason":"'
-
-
-class _DoneTerminatedStream(httpx.AsyncByteStream):
-    """Passes an SSE body through and, when it ended cleanly after a ``finish_reason``, adds the
-    ``data: [DONE]`` line that the OpenAI API sends and ``transformers serve`` leaves out."""
-
-    def __init__(self, inner: httpx.AsyncByteStream) -> None:
-        self.inner = inner
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        is_finished, tail = False, b""
-        async for chunk in self.inner:
-            is_finished = is_finished or _FINISHED in tail + chunk
-            tail = chunk[-len(_FINISHED) :]
-            yield chunk
-        if is_finished:
-            yield b"data: [DONE]\n\n"
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
-
-
-class DoneTerminatingTransport(httpx.AsyncBaseTransport):
-    """The load generator's transport for the peer: plain HTTP plus the missing ``[DONE]``, so
-    herd's strict client (a stream without ``[DONE]`` counts as failed) can drive it. Chunk timing
-    is untouched; the line is added only after the server's own stream has ended."""
-
-    def __init__(self) -> None:
-        self.inner = httpx.AsyncHTTPTransport(
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        )
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        response = await self.inner.handle_async_request(request)
-        stream = _DoneTerminatedStream(cast(httpx.AsyncByteStream, response.stream))
-        return httpx.Response(
-            response.status_code, headers=response.headers, stream=stream, extensions=response.extensions
-        )
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +68,6 @@ class Server:
     ready_path: str
     model: str
     env: dict[str, str]
-    needs_done_line: bool = False
     token: str = ""  # the internal token, kept out of the results
 
 
@@ -165,9 +121,7 @@ def transformers_server(args: argparse.Namespace) -> Server:
     hf_home = Path(tempfile.mkdtemp(prefix="herd-bench-hf-"))
     (hf_home / "hub").mkdir()
     env = {**thread_env(args.threads), "HF_HUB_OFFLINE": "1", "HF_HOME": str(hf_home)}
-    return Server(
-        "transformers", argv, f"http://{HOST}:{port}", "/health", str(args.model), env, needs_done_line=True
-    )
+    return Server("transformers", argv, f"http://{HOST}:{port}", "/health", str(args.model), env)
 
 
 SERVERS: dict[str, Callable[[argparse.Namespace], Server]] = {
@@ -199,10 +153,9 @@ def measure(server: Server, args: argparse.Namespace, log_dir: Path) -> dict[str
     started = time.monotonic()
     with serving(server.argv, ready_url=server.url + server.ready_path, log=log, env=server.env):
         startup_s = time.monotonic() - started
-        transport = DoneTerminatingTransport if server.needs_done_line else None
-        run_load(load_config(server, args, is_warmup=True), transport=transport)
+        run_load(load_config(server, args, is_warmup=True))
         load_before = machine_info()["load_average"]
-        report = run_load(load_config(server, args, is_warmup=False), transport=transport)
+        report = run_load(load_config(server, args, is_warmup=False))
     print(f"{server.name}: {report['output_token_throughput']:.1f} output tok/s; log {log}", flush=True)
     return {
         **summary_row(report),

@@ -37,7 +37,9 @@ class FakeOpenAI:
     token_delay_s: float = 0.0
     reject_unknown: bool = False
     fail_mode: str | None = None
-    """``"http"`` (503 every 3rd request), ``"event"`` (an error event), ``"truncate"`` (no [DONE])."""
+    """``"http"`` (503 every 3rd request), ``"event"`` (an error event), ``"truncate"`` (no finish, no [DONE]),
+    ``"no-done"`` (a complete answer without [DONE], as transformers serve sends),
+    ``"no-cache-details"`` (usage without ``prompt_tokens_details``)."""
     requests: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -79,9 +81,19 @@ class FakeOpenAI:
             yield _sse({"choices": [choice]})
         if self.fail_mode == "truncate":
             return
+        finish = (
+            {"index": 0, "delta": {}, "finish_reason": "length"}
+            if chat
+            else {"index": 0, "text": "", "finish_reason": "length"}
+        )
+        yield _sse({"choices": [finish]})
         if body.get("stream_options", {}).get("include_usage"):
-            yield _sse({"choices": [], "usage": _usage(body)})
-        yield "data: [DONE]\n\n"
+            usage = _usage(body)
+            if self.fail_mode == "no-cache-details":
+                del usage["prompt_tokens_details"]
+            yield _sse({"choices": [], "usage": usage})
+        if self.fail_mode != "no-done":
+            yield "data: [DONE]\n\n"
 
 
 def _usage(body: dict[str, Any]) -> dict[str, Any]:

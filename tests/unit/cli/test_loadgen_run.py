@@ -100,6 +100,18 @@ async def test_failures_are_counted_by_message(fail_mode: str, num_errors: int, 
     assert next(iter(report["errors"])).startswith(message)
 
 
+async def test_a_complete_answer_without_done_counts_as_completed() -> None:
+    report = await _run(FakeOpenAI(fail_mode="no-done"), num_requests=4)
+    assert report["num_errors"] == 0
+    assert report["num_completed"] == 4
+
+
+async def test_hit_rate_is_unknown_when_the_server_reports_no_cache_details() -> None:
+    report = await _run(FakeOpenAI(fail_mode="no-cache-details"), num_requests=4)
+    assert report["num_completed"] == 4
+    assert report["prefix_cache_hit_rate"] is None
+
+
 async def test_multi_turn_sends_the_session_header_and_a_growing_conversation() -> None:
     server = FakeOpenAI()
     report = await _run(server, workload="multi-turn", num_turns=3, concurrency=1, num_requests=6)

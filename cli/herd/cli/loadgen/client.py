@@ -33,6 +33,7 @@ class RequestResult:
     prompt_tokens: int | None = None
     output_tokens: int | None = None
     cached_tokens: int | None = None
+    finish_reason: str | None = None
     worker: str | None = None
     error: str | None = None
 
@@ -97,7 +98,9 @@ async def _read_stream(response: httpx.Response, result: RequestResult) -> None:
         _apply_chunk(json.loads(data), result)
         if result.error is not None:
             return
-    result.error = "the stream closed before [DONE]: the server or the connection failed mid-answer"
+    # Some servers (transformers serve) end a complete answer without the [DONE] line.
+    if result.finish_reason is None:
+        result.error = "the stream closed before [DONE]: the server or the connection failed mid-answer"
 
 
 def _apply_chunk(chunk: Mapping[str, Any], result: RequestResult) -> None:
@@ -110,12 +113,14 @@ def _apply_chunk(chunk: Mapping[str, Any], result: RequestResult) -> None:
         if text:
             result.chunk_times.append(time.perf_counter() - result.start)
             result.text += text
+        result.finish_reason = choice.get("finish_reason") or result.finish_reason
     usage = chunk.get("usage")
     if usage:
         result.prompt_tokens = usage.get("prompt_tokens")
         result.output_tokens = usage.get("completion_tokens")
+        # A server that reports no cache details has an unknown hit rate, not a zero one.
         details = usage.get("prompt_tokens_details") or {}
-        result.cached_tokens = details.get("cached_tokens", 0)
+        result.cached_tokens = details.get("cached_tokens")
 
 
 def _http_error(status: int, body: bytes) -> str:
