@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +15,7 @@ from support.worker_server import engine_config, sse_data
 from herd.api.protocol import INTERNAL_PATHS, TOKEN_HEADER
 from herd.worker.async_engine import AsyncEngine
 from herd.worker.engine import LLMEngine
+from herd.worker.sampling_params import SamplingParams
 from herd.worker.server import PublicOptions, build_internal_app, build_public_app
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
@@ -318,12 +319,25 @@ async def test_a_full_queue_is_429_with_retry_after(tiny_llama: Path) -> None:
     busy.start()
     await busy.wait_loaded()
     app = build_public_app(busy, PublicOptions("tiny"))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://worker") as client:
-        long = [asyncio.create_task(client.post(CHAT, json=chat_body(max_tokens=190))) for _ in range(2)]
+
+    async def generate_long(request_id: str) -> None:
+        # Straight into the engine: one request runs, the other fills the queue of one.
+        prompt = busy.renderer.encode("Once upon a time there was a cat")
+        async for _ in busy.generate(request_id, prompt, SamplingParams(max_tokens=190, ignore_eos=True)):
+            pass
+
+    async def until(is_true: Callable[[], bool]) -> None:
         for _ in range(300):
-            if busy.load_report().num_waiting == 1:
-                break
+            if is_true():
+                return
             await asyncio.sleep(0.02)
+
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://worker") as client:
+        # One at a time: both adds in one batch of commands would find the first still queued.
+        long = [asyncio.create_task(generate_long("long-0"))]
+        await until(lambda: busy.load_report().num_running == 1)
+        long.append(asyncio.create_task(generate_long("long-1")))
+        await until(lambda: busy.load_report().num_waiting == 1)
         refused = await client.post(CHAT, json=chat_body(max_tokens=1))
         for task in long:
             task.cancel()
