@@ -35,6 +35,8 @@ _T = TypeVar("_T")
 _STREAM = "herd:kv"
 _PIN_PREFIX = "herd:pin:"
 _STREAM_MAXLEN = 100_000
+_CLOSE_TIMEOUT_S = 3.0
+"""How long close() waits for the KV consumer to finish its current read (250 ms) or retry pause."""
 
 
 class State(Protocol):
@@ -102,6 +104,7 @@ class RedisState:
         self._retry_at = 0.0
         self._is_degraded = False
         self._consumer: asyncio.Task[None] | None = None
+        self._is_closing = False
 
     @property
     def is_degraded(self) -> bool:
@@ -112,10 +115,16 @@ class RedisState:
         self._consumer = asyncio.create_task(self._consume(sink), name="herd-redis-kv-consumer")
 
     async def close(self) -> None:
+        # The consumer stops on its own after its current read (block=250 ms): cancelling redis-py
+        # in the middle of a blocking XREAD can leave the task hanging in its connection cleanup.
+        self._is_closing = True
         if self._consumer is not None:
-            self._consumer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._consumer
+            try:
+                await asyncio.wait_for(asyncio.shield(self._consumer), timeout=_CLOSE_TIMEOUT_S)
+            except TimeoutError:
+                self._consumer.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._consumer
         await self._redis.aclose()
 
     async def get_pin(self, key: str) -> str | None:
@@ -186,7 +195,7 @@ class RedisState:
     async def _consume(self, sink: KVSink) -> None:
         """Tail the KV stream from now on, forever; survives Redis going away and coming back."""
         last_id = "$"
-        while True:
+        while not self._is_closing:
             try:
                 replies: Any = await self._redis.xread({_STREAM: last_id}, count=500, block=250)
             except (RedisError, OSError) as error:
