@@ -7,19 +7,16 @@ Tiny-model manifest in tmp_path for speed. The prefill worker is killed in the l
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import signal
-import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from support.procs import free_port, running, wait_until
+from support.herd_up import Up, herd_up_of, shipped_example
+from support.procs import wait_until
 
 from herd.api.protocol import WORKER_HEADER
 
@@ -45,50 +42,6 @@ spec:
 """
     )
     return path
-
-
-@dataclass(frozen=True)
-class Up:
-    base_url: str
-    log: Path
-
-    def workers(self) -> dict[str, dict[str, object]]:
-        entries = [json.loads(line) for line in self.log.read_text().splitlines() if line.startswith("{")]
-        return {entry["worker"]: entry for entry in entries if entry.get("msg") == "started worker"}
-
-    def worker(self, role: str) -> dict[str, object]:
-        return next(entry for name, entry in self.workers().items() if f"-{role}-" in name)
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-@contextlib.contextmanager
-def herd_up_of(manifest: Path, folder: Path) -> Iterator[Up]:
-    """``herd up MANIFEST`` until it serves; stopped by its pid on exit."""
-    port = free_port()
-    argv = [
-        sys.executable,
-        "-m",
-        "herd.cli.main",
-        "up",
-        str(manifest),
-        "--port",
-        str(port),
-        "--log-dir",
-        str(folder / "logs"),
-        "--ready-timeout",
-        "300",
-    ]
-    log = folder / "up.log"
-    with running(argv, log=log, env={"OMP_NUM_THREADS": "1"}) as process:
-
-        def ready() -> bool:
-            assert process.poll() is None, f"herd up exited: {log.read_text()[-2000:]}"
-            return httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200
-
-        wait_until(ready, timeout=330, what="herd up serving")
-        yield Up(f"http://127.0.0.1:{port}", log)
 
 
 @pytest.fixture(scope="module")
@@ -181,10 +134,8 @@ def test_a_dying_decode_worker_ends_the_stream_with_an_error(herd_up: Up) -> Non
 @pytest.mark.slow
 def test_the_smollm2_disagg_example_streams_to_the_openai_sdk(tmp_path: Path, demo_model: Path) -> None:
     """The shipped example, its relative model path made absolute (tests may run from anywhere)."""
-    shipped = (Path(__file__).resolve().parents[2] / "examples" / "smollm2-disagg.yaml").read_text()
-    assert "mode: disaggregated" in shipped and "file://.cache/models/smollm2-135m-instruct" in shipped
-    manifest = tmp_path / "smollm2-disagg.yaml"
-    manifest.write_text(shipped.replace("file://.cache/models/smollm2-135m-instruct", f"file://{demo_model}"))
+    manifest = shipped_example("smollm2-disagg.yaml", tmp_path, demo_model)
+    assert "mode: disaggregated" in manifest.read_text()
     with herd_up_of(manifest, tmp_path) as up:
         # About 400 SmolLM2 tokens: above the example's prefillThresholdTokens (256).
         prompt = (
