@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from support.procs import free_port, running, wait_until
+from support.herd_up import Up, herd_up_of
+from support.procs import wait_until
 
 from herd.api.protocol import WORKER_HEADER
 
@@ -39,49 +37,14 @@ spec:
     return path
 
 
-@dataclass(frozen=True)
-class Up:
-    base_url: str
-    log: Path
-
-    def worker_pids(self) -> dict[str, int]:
-        entries = [json.loads(line) for line in self.log.read_text().splitlines() if line.startswith("{")]
-        return {entry["worker"]: entry["pid"] for entry in entries if entry.get("msg") == "started worker"}
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
-
-
 @pytest.fixture(scope="module")
 def herd_up(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Iterator[Up]:
     """One ``herd up`` for the module (workers take a while to load); the kill test runs last."""
     tmp_path = tmp_path_factory.mktemp("herd-up")
-    port = free_port()
-    argv = [
-        sys.executable,
-        "-m",
-        "herd.cli.main",
-        "up",
-        str(write_manifest(tmp_path, tiny_llama)),
-        "--port",
-        str(port),
-        "--log-dir",
-        str(tmp_path / "logs"),
-        "--ready-timeout",
-        "120",
-    ]
-    log = tmp_path / "up.log"
-    with running(argv, log=log, env={"OMP_NUM_THREADS": "1"}) as process:
-
-        def ready() -> bool:
-            assert process.poll() is None, f"herd up exited: {log.read_text()[-2000:]}"
-            return httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200
-
-        wait_until(ready, timeout=150, what="herd up serving")
-        up = Up(f"http://127.0.0.1:{port}", log)
+    with herd_up_of(write_manifest(tmp_path, tiny_llama), tmp_path) as up:
         yield up
     # `running` stopped herd up with SIGTERM: it must have stopped every worker by pid first.
-    assert "herd is up" in log.read_text()
+    assert "herd is up" in up.log.read_text()
     assert not [pid for pid in up.worker_pids().values() if is_alive(pid)]
 
 

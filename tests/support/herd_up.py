@@ -29,6 +29,9 @@ class Up:
         entries = [json.loads(line) for line in self.log.read_text().splitlines() if line.startswith("{")]
         return {entry["worker"]: entry for entry in entries if entry.get("msg") == "started worker"}
 
+    def worker_pids(self) -> dict[str, int]:
+        return {name: int(str(entry["pid"])) for name, entry in self.workers().items()}
+
     def worker(self, role: str) -> dict[str, object]:
         return next(entry for name, entry in self.workers().items() if f"-{role}-" in name)
 
