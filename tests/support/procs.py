@@ -59,16 +59,14 @@ def running(
             stop_process(process)
 
 
-@contextlib.contextmanager
-def redis_server(workdir: Path) -> Iterator[str]:
-    """A throwaway ``redis-server`` on a free loopback port, without persistence; yields its URL."""
+def redis_argv(port: int, workdir: Path) -> list[str]:
+    """A loopback ``redis-server`` on ``port`` without persistence, working in ``workdir``."""
     binary = shutil.which("redis-server")
     if binary is None:
         raise RuntimeError(
             "redis-server is not installed: run `make test` (it installs Debian's redis-server)"
         )
-    port = free_port()
-    argv = [
+    return [
         binary,
         "--bind",
         "127.0.0.1",
@@ -81,7 +79,13 @@ def redis_server(workdir: Path) -> Iterator[str]:
         "--dir",
         str(workdir),
     ]
-    with running(argv, log=workdir / "redis.log") as process:
+
+
+@contextlib.contextmanager
+def redis_server(workdir: Path) -> Iterator[str]:
+    """A throwaway ``redis-server`` on a free loopback port, without persistence; yields its URL."""
+    port = free_port()
+    with running(redis_argv(port, workdir), log=workdir / "redis.log") as process:
 
         def is_up() -> bool:
             with socket.create_connection(("127.0.0.1", port), timeout=0.2) as sock:

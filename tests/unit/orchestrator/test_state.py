@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from support.gateway_fakes import wait_for
-from support.procs import free_port, running, wait_until
+from support.procs import free_port, redis_argv, running, wait_until
 
 from herd.api.protocol import KVEvent, KVEventBatch, KVSnapshot
 from herd.orchestrator.state import KVPayload, MemoryState, RedisState, State
@@ -63,24 +63,6 @@ def stoppable_redis(tmp_path: Path) -> tuple[int, Path]:
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed: run `make test`")
     return free_port(), tmp_path
-
-
-def redis_argv(port: int, workdir: Path) -> list[str]:
-    binary = shutil.which("redis-server")
-    assert binary is not None
-    return [
-        binary,
-        "--bind",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--save",
-        "",
-        "--appendonly",
-        "no",
-        "--dir",
-        str(workdir),
-    ]
 
 
 async def test_redis_loss_degrades_to_local_and_recovers(stoppable_redis: tuple[int, Path]) -> None:
