@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,9 @@ from support.worker_server import engine_config, sse_data
 
 from herd.api.protocol import INTERNAL_PATHS, TOKEN_HEADER
 from herd.worker.async_engine import AsyncEngine
+from herd.worker.config import EngineConfig
 from herd.worker.engine import LLMEngine
+from herd.worker.outputs import RequestOutput
 from herd.worker.sampling_params import SamplingParams
 from herd.worker.server import PublicOptions, build_internal_app, build_public_app
 
@@ -313,9 +316,26 @@ async def test_kv_events_long_poll_returns_nothing_new(internal: httpx.AsyncClie
     assert too_long.json()["error"]["param"] == "query.wait"
 
 
+class HeldEngine(LLMEngine):
+    """The real engine, but a step runs only when the test grants one.
+
+    A held step is a short no-op, so the engine thread still runs commands (adds, aborts) between
+    held steps, and a running request cannot finish however fast the machine is.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.grants = threading.Semaphore(0)
+
+    def step(self) -> list[RequestOutput]:
+        if not self.grants.acquire(timeout=0.01):
+            return []
+        return super().step()
+
+
 async def test_a_full_queue_is_429_with_retry_after(tiny_llama: Path) -> None:
-    config = engine_config(tiny_llama, maxBatchSize=1, maxQueueLen=1)
-    busy = AsyncEngine(lambda: LLMEngine(config))
+    held = HeldEngine(engine_config(tiny_llama, maxBatchSize=1, maxQueueLen=1))
+    busy = AsyncEngine(lambda: held)
     busy.start()
     await busy.wait_loaded()
     app = build_public_app(busy, PublicOptions("tiny"))
@@ -326,23 +346,31 @@ async def test_a_full_queue_is_429_with_retry_after(tiny_llama: Path) -> None:
         async for _ in busy.generate(request_id, prompt, SamplingParams(max_tokens=190, ignore_eos=True)):
             pass
 
-    async def until(is_true: Callable[[], bool]) -> None:
-        for _ in range(300):
+    async def until(is_true: Callable[[], bool], what: str) -> None:
+        for _ in range(1500):
             if is_true():
                 return
             await asyncio.sleep(0.02)
+        raise AssertionError(f"{what} did not happen within 30 s")
 
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://worker") as client:
-        # One at a time: both adds in one batch of commands would find the first still queued.
-        long = [asyncio.create_task(generate_long("long-0"))]
-        await until(lambda: busy.load_report().num_running == 1)
-        long.append(asyncio.create_task(generate_long("long-1")))
-        await until(lambda: busy.load_report().num_waiting == 1)
-        refused = await client.post(CHAT, json=chat_body(max_tokens=1))
-        for task in long:
-            task.cancel()
-        await asyncio.gather(*long, return_exceptions=True)
-    await busy.stop()
+    try:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://worker"
+        ) as client:
+            # One at a time: both adds in one batch of commands would find the first still queued.
+            long = [asyncio.create_task(generate_long("long-0"))]
+            await until(lambda: busy.load_report().num_waiting == 1, "long-0 queued")
+            held.grants.release()  # one step: long-0 is scheduled, and no further step lets it finish
+            await until(lambda: busy.load_report().num_running == 1, "long-0 running")
+            long.append(asyncio.create_task(generate_long("long-1")))
+            await until(lambda: busy.load_report().num_waiting == 1, "long-1 queued")
+            # held steps would never serve it: a queued (not refused) request fails here, not at the timeout
+            refused = await asyncio.wait_for(client.post(CHAT, json=chat_body(max_tokens=1)), 30)
+            for task in long:
+                task.cancel()
+            await asyncio.gather(*long, return_exceptions=True)
+    finally:
+        await busy.stop()
     assert refused.status_code == 429, refused.text
     assert refused.headers["retry-after"] == "1"
     assert refused.json()["error"]["type"] == "rate_limit_error"

@@ -12,24 +12,49 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+_handed_out: set[int] = set()
+"""Ports already given to a caller in this process: the kernel may offer a closed one again at once."""
+
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A loopback port free now and never handed out before in this test process.
+
+    Callers often take two ports before either is bound (a worker's public and internal ports), and
+    the kernel can offer the port it just freed again; such a pair would make one server fail to bind.
+    """
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+    raise RuntimeError("no fresh loopback port after 100 tries: is the ephemeral port range exhausted?")
 
 
 def wait_until(
     check: Callable[[], bool], *, timeout: float, interval: float = 0.05, what: str = "condition"
 ) -> None:
-    """Poll ``check`` until it holds; bounded in time, raises naming ``what`` otherwise."""
+    """Poll ``check`` until it holds; bounded in time, raises naming ``what`` otherwise.
+
+    Exceptions from ``check`` count as "not yet" (a server not listening yet), except an
+    ``AssertionError``: a check asserts what must never happen (a process exited), so that fails at
+    once with its own message. ``check`` gets one last call at the deadline, so a machine that
+    stalled past it while the condition came true does not fail.
+    """
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(Exception):
+    while True:
+        is_last = time.monotonic() >= deadline
+        try:
             if check():
                 return
+        except AssertionError:
+            raise
+        except Exception:  # not ready yet; the deadline bounds the wait
+            pass
+        if is_last:
+            raise TimeoutError(f"{what} did not hold within {timeout:.1f}s")
         time.sleep(interval)
-    raise TimeoutError(f"{what} did not hold within {timeout:.1f}s")
 
 
 def stop_process(process: subprocess.Popen[bytes], *, grace: float = 10.0) -> None:
