@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import socket
 from pathlib import Path
@@ -14,6 +15,9 @@ from support.procs import free_port, redis_argv, running, wait_until
 from herd.api.protocol import KVEvent, KVEventBatch, KVSnapshot
 from herd.orchestrator.state import KVPayload, MemoryState, RedisState, State
 
+WITHIN_S = 30.0
+"""Budget for what involves a real redis-server: generous for a loaded machine, no cost when quick."""
+PROBE = "probe"
 SNAPSHOT = KVSnapshot(epoch="e", seq=0, block_size=4, block_hashes=[1, 2])
 BATCH = KVEventBatch(epoch="e", events=[KVEvent(seq=1, kind="stored", block_hashes=[3])])
 
@@ -42,8 +46,8 @@ async def test_two_redis_states_agree_on_pins_and_kv(redis_url: str) -> None:
     sinks = [Collected(), Collected()]
     for state, sink in zip(states, sinks, strict=True):
         await state.start(sink)
-    await asyncio.sleep(0.1)  # both consumers are tailing the stream
     try:
+        await until_tailing(states[0], sinks[1])
         winners = await asyncio.gather(
             states[0].claim_pin("m:s1", "w0", 60), states[1].claim_pin("m:s1", "w1", 60)
         )
@@ -51,11 +55,33 @@ async def test_two_redis_states_agree_on_pins_and_kv(redis_url: str) -> None:
         assert await states[1].get_pin("m:s1") == winners[0]
         await states[0].publish_kv("w0", SNAPSHOT)
         await states[0].publish_kv("w0", BATCH)
-        await wait_for(lambda: len(sinks[1]) == 2)
-        assert sinks[1] == [("w0", SNAPSHOT), ("w0", BATCH)]
+        await wait_for(lambda: len(without_probes(sinks[1])) == 2, within=WITHIN_S)
+        assert without_probes(sinks[1]) == [("w0", SNAPSHOT), ("w0", BATCH)]
     finally:
         for state in states:
             await state.close()
+
+
+async def until_tailing(publisher: State, sink: Collected) -> None:
+    """Publish probe batches until ``sink``'s consumer receives one: it then tails the stream.
+
+    A consumer starts reading at the stream's end once connected, so what is published before that
+    never reaches it; a fixed sleep guessed how long connecting takes.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + WITHIN_S
+    number = 0
+    while loop.time() < deadline:
+        number += 1
+        await publisher.publish_kv(PROBE, KVEventBatch(epoch=f"probe-{number}", events=[]))
+        with contextlib.suppress(TimeoutError):
+            await wait_for(lambda: any(worker == PROBE for worker, _ in sink), within=0.2)
+            return
+    raise TimeoutError(f"no probe reached the second consumer within {WITHIN_S:g}s")
+
+
+def without_probes(sink: Collected) -> list[tuple[str, KVPayload]]:
+    return [(worker, payload) for worker, payload in sink if worker != PROBE]
 
 
 @pytest.fixture
@@ -70,7 +96,7 @@ async def test_redis_loss_degrades_to_local_and_recovers(stoppable_redis: tuple[
     state: State = RedisState(f"redis://127.0.0.1:{port}/0", retry_seconds=0.2)
     sink = Collected()
     with running(redis_argv(port, workdir), log=workdir / "redis1.log"):
-        wait_until(lambda: _answers(port), timeout=10, what="redis-server")
+        wait_until(lambda: _answers(port), timeout=WITHIN_S, what="redis-server")
         await state.start(sink)
         await state.set_pin("s", "w0", 60)
         assert not state.is_degraded
@@ -81,11 +107,17 @@ async def test_redis_loss_degrades_to_local_and_recovers(stoppable_redis: tuple[
     await state.publish_kv("w0", BATCH)
     assert sink == [("w0", BATCH)]
     with running(redis_argv(port, workdir), log=workdir / "redis2.log"):
-        wait_until(lambda: _answers(port), timeout=10, what="redis-server")
-        await asyncio.sleep(0.3)
-        await state.set_pin("s", "w2", 60)
-        assert await state.get_pin("s") == "w2"
+        wait_until(lambda: _answers(port), timeout=WITHIN_S, what="redis-server")
+        # Redis is tried again retry_seconds after the last failure (the KV consumer's included):
+        # wait for that rather than sleeping a guess.
+        for _ in range(int(WITHIN_S / 0.05)):
+            await state.set_pin("s", "w2", 60)
+            if not state.is_degraded:
+                break
+            await asyncio.sleep(0.05)
         assert not state.is_degraded
+        assert _get(port, "herd:pin:s") == b"w2"  # written to the new Redis, not only to local state
+        assert await state.get_pin("s") == "w2"
         await state.close()
 
 
@@ -94,3 +126,14 @@ def _answers(port: int) -> bool:
     with socket.create_connection(("127.0.0.1", port), timeout=0.2) as sock:
         sock.sendall(b"PING\r\n")
         return sock.recv(16).startswith(b"+PONG")
+
+
+def _get(port: int, key: str) -> bytes | None:
+    """``GET key`` on a raw connection (RESP bulk string), independent of the state under test."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(f"*2\r\n$3\r\nGET\r\n${len(key)}\r\n{key}\r\n".encode())
+        reply = sock.recv(4096)
+    if reply.startswith(b"$-1"):
+        return None
+    header, _, rest = reply.partition(b"\r\n")
+    return rest[: int(header[1:])]
