@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
@@ -12,9 +13,12 @@ from support.gateway_fakes import MODEL, FakeCluster, FakeWorker, running_gatewa
 from herd.api.crd import KVCacheAwareRouting, StickySessionRouting
 from herd.api.protocol import WORKER_HEADER, KVEvent
 from herd.orchestrator.app import AppSettings
+from herd.orchestrator.kv_index import KVIndex
 from herd.orchestrator.registry import RegistrySettings
 from herd.orchestrator.state import RedisState
 
+WITHIN_S = 30.0
+"""Budget for what goes through a real redis-server: generous for a loaded machine, free when quick."""
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 
 
@@ -58,12 +62,33 @@ async def test_replicas_hold_the_same_kv_index(redis_url: str) -> None:
         replica(cluster, redis_url, routing, 600.0) as (listening, _),
     ):
         indexes = [app.state.registry.models[MODEL].kv_index for app in (polling, listening)]
-        await wait_for(lambda: all(index.match([11, 12]) == {"w0": 2} for index in indexes))
+        await wait_for(lambda: all(index.match([11, 12]) == {"w0": 2} for index in indexes), within=WITHIN_S)
+        await until_listening(worker, indexes[1])
         worker.events += [
             KVEvent(seq=1, kind="stored", block_hashes=[13]),
             KVEvent(seq=2, kind="removed", block_hashes=[11]),
         ]
         await wait_for(
-            lambda: all(index.match([12]) == {"w0": 1} and index.match([11]) == {} for index in indexes)
+            lambda: all(index.match([12]) == {"w0": 1} and index.match([11]) == {} for index in indexes),
+            within=WITHIN_S,
         )
-        assert [index.position("w0") for index in indexes] == [("e1", 2), ("e1", 2)]
+        assert [index.position("w0") for index in indexes] == [(worker.epoch, 2), (worker.epoch, 2)]
+
+
+async def until_listening(worker: FakeWorker, index: KVIndex) -> None:
+    """Restart ``worker`` (a new epoch, same blocks) until the replica that does not poll sees it.
+
+    The polling replica publishes each restart's snapshot to Redis; the other replica's consumer
+    reads the stream from its end once connected, so only what is published after that reaches it.
+    A restart it sees proves it is tailing; a fixed wait would guess how long connecting takes.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + WITHIN_S
+    number = 1
+    while loop.time() < deadline:
+        number += 1
+        worker.epoch = f"e{number}"
+        with contextlib.suppress(TimeoutError):
+            await wait_for(lambda: index.position("w0") == (worker.epoch, 0), within=0.5)
+            return
+    raise TimeoutError(f"the listening replica saw no worker restart through Redis within {WITHIN_S:g}s")
