@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import queue
 import signal
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +20,8 @@ from herd.api.protocol import WORKER_HEADER
 pytestmark = pytest.mark.e2e
 
 MODEL = "tiny"
+# long enough that no machine decodes it between a stream's first token and the kill
+LONG = 1900
 
 
 def write_manifest(folder: Path, model: Path, *, replicas: int = 2, strategy: str = "kv_cache_aware") -> Path:
@@ -29,7 +32,7 @@ kind: ModelDeployment
 metadata: {{name: tiny}}
 spec:
   model: {{source: "file://{model}", servedName: {MODEL}}}
-  engine: {{dtype: float32, device: cpu, maxModelLen: 512, maxBatchSize: 8, kvCache: {{blockSize: 16, memoryGiB: 0.05}}}}
+  engine: {{dtype: float32, device: cpu, maxModelLen: 2048, maxBatchSize: 8, kvCache: {{blockSize: 16, memoryGiB: 0.05}}}}
   workers: {{replicas: {replicas}}}
   routing: {{strategy: {strategy}}}
 """
@@ -54,11 +57,6 @@ def is_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
-
-
-def busy_workers(up: Up) -> list[str]:
-    rows = httpx.get(f"{up.base_url}/dashboard/data").json()["workers"]
-    return [row["id"] for row in rows if row["in_flight"] > 0]
 
 
 def stream_finish(client: openai.OpenAI, prompt: str, max_tokens: int) -> str | None:
@@ -98,7 +96,7 @@ def test_gateway_block_hashes_match_the_workers(herd_up: Up) -> None:
             row["kv_blocks_indexed"] > 0
             for row in httpx.get(f"{herd_up.base_url}/dashboard/data").json()["workers"]
         ),
-        timeout=10,
+        timeout=60,
         what="the worker's KV events reaching the index",
     )
     second = httpx.post(f"{herd_up.base_url}/v1/chat/completions", json=body, timeout=60)
@@ -114,20 +112,32 @@ def test_gateway_block_hashes_match_the_workers(herd_up: Up) -> None:
 
 def test_killing_a_worker_loses_no_unstarted_request(herd_up: Up) -> None:
     client = herd_up.client()
+    decoding: queue.Queue[str] = queue.Queue()  # the worker of each stream, once a token has come
 
     def in_flight_outcome(number: int) -> str:
         try:
-            stream_finish(client, f"long story {number}", 200)
+            raw = client.chat.completions.with_raw_response.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": f"long story {number}"}],
+                max_tokens=LONG,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            for chunk in raw.parse():
+                if chunk.choices and chunk.choices[0].delta.content:
+                    decoding.put(raw.headers[WORKER_HEADER])
         except openai.APIError:
             return "error-event"
         return "finished"
 
     with ThreadPoolExecutor(max_workers=4) as pool:
         long_streams = [pool.submit(in_flight_outcome, number) for number in range(4)]
-        wait_until(lambda: bool(busy_workers(herd_up)), timeout=30, what="a stream in flight")
-        os.kill(herd_up.worker_pids()[busy_workers(herd_up)[0]], signal.SIGKILL)
+        # Kill a worker that is decoding a stream, whatever the machine's speed: not merely routed to
+        # (a request the worker never answered may be retried elsewhere), and not yet finished.
+        victim = decoding.get(timeout=120)
+        os.kill(herd_up.worker_pids()[victim], signal.SIGKILL)
         after_kill = [stream_finish(client, f"short {number}", 4) for number in range(6)]
-        outcomes = [future.result(timeout=120) for future in long_streams]
+        outcomes = [future.result(timeout=600) for future in long_streams]
     assert after_kill == ["length"] * 6
     assert set(outcomes) <= {"finished", "error-event"}
     assert "error-event" in outcomes

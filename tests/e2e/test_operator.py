@@ -24,7 +24,7 @@ from herd.orchestrator.kube_discovery import KubeSource
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
-TIMEOUT = 20.0
+TIMEOUT = 60.0  # for what the operator does in the background: generous for a loaded machine, free when quick
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +51,12 @@ def manifest(name: str, **spec: Any) -> dict[str, Any]:
 
 def eventually(check: Callable[[], bool], what: str) -> None:
     wait_until(check, timeout=TIMEOUT, interval=0.05, what=what)
+
+
+def is_observed(kube: Emulator, md: str) -> bool:
+    """The operator has written the status of the ModelDeployment's current generation."""
+    body = kube.get("md", md)
+    return bool(body.get("status", {}).get("observedGeneration") == body["metadata"]["generation"])
 
 
 def children(kube: Emulator, md: str) -> dict[str, dict[str, Any]]:
@@ -274,7 +280,10 @@ def test_operator_restart_creates_no_duplicates(tmp_path: Path) -> None:
         install_crd(kube)
         apply(kube, manifest("steady"))
         with embedded_operator(kube):
-            eventually(lambda: len(children(kube, "steady")) == 2, "children created")
+            # the whole first pass, status included: stopping between children and status is no restart test
+            eventually(
+                lambda: len(children(kube, "steady")) == 2 and is_observed(kube, "steady"), "a full pass"
+            )
         before = {key: obj["metadata"]["uid"] for key, obj in children(kube, "steady").items()}
         versions = {key: obj["metadata"]["resourceVersion"] for key, obj in children(kube, "steady").items()}
         generation = kube.get("md", "steady")["status"]["observedGeneration"]

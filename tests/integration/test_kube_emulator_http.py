@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import threading
 import time
 from typing import Any
 
@@ -75,11 +74,13 @@ def test_watch_of_one_object_sees_only_it(kube: Emulator) -> None:
 
 def test_watch_sees_writes_made_while_it_waits(kube: Emulator) -> None:
     start = kube.resource_version
-    writer = threading.Timer(0.3, lambda: kube.create(_configmap("late")))
-    writer.start()
-    events = _watch(kube, "/api/v1/namespaces/default/configmaps", watch="true", resourceVersion=start)
-    writer.join()
-    assert [(event["type"], event["object"]["metadata"]["name"]) for event in events] == [("ADDED", "late")]
+    query = {"watch": "true", "resourceVersion": start, "timeoutSeconds": "60"}
+    url = f"{kube.url}/api/v1/namespaces/default/configmaps"
+    with httpx.stream("GET", url, params=query, timeout=60) as response:
+        assert response.status_code == 200
+        kube.create(_configmap("late"))  # the watch is open: its headers came
+        event = json.loads(next(line for line in response.iter_lines() if line))
+    assert (event["type"], event["object"]["metadata"]["name"]) == ("ADDED", "late")
 
 
 def test_deleting_a_namespace_deletes_its_objects(kube: Emulator) -> None:
@@ -284,6 +285,6 @@ def test_stopping_ends_open_watches_promptly(tmp_path_factory: pytest.TempPathFa
         stream = httpx.stream("GET", f"{kube.url}/api/v1/pods", params={"watch": "true"}, timeout=10)
         response = stream.__enter__()
         started = time.monotonic()
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 15  # a watch left open would hold the stop for the emulator's 30 s
     assert list(response.iter_lines()) == []
     stream.__exit__(None, None, None)

@@ -18,7 +18,7 @@ from support.kube.emulator import Emulator
 __all__ = ["CRD", "embedded_operator", "install_crd", "kubectl"]
 
 CRD = Path(__file__).resolve().parents[2] / "crds" / "herd.dev_modeldeployments.yaml"
-TIMEOUT_S = 20.0
+TIMEOUT_S = 60.0  # generous for a loaded machine; nothing waits for it when things are quick
 
 
 def install_crd(kube: Emulator) -> None:

@@ -36,8 +36,11 @@ __all__ = ["Emulator", "kube_emulator"]
 
 T = TypeVar("T")
 KUBELET_FINALIZER = "emulator.herd.dev/kubelet"
-_START_TIMEOUT_S = 15.0
-_CALL_TIMEOUT_S = 15.0
+_START_TIMEOUT_S = 60.0  # generous for a loaded machine; a quick start does not wait for it
+_CALL_TIMEOUT_S = 60.0
+_SHUTDOWN_TIMEOUT_S = 30.0
+"""How long stopping waits for open requests: a watch that does not end on its own costs all of it,
+far above what a prompt stop takes even on a loaded machine (test_stopping_ends_open_watches_promptly)."""
 
 
 class Emulator:
@@ -84,7 +87,9 @@ class Emulator:
             self._loop, self._stopping, self._store = asyncio.get_running_loop(), asyncio.Event(), Store()
             router = Router(self._store, address="")
             self._handler = KubeHandler(router=router)
-            runner = aiohttp.web.ServerRunner(aiohttp.web.Server(self._handler), shutdown_timeout=5.0)
+            runner = aiohttp.web.ServerRunner(
+                aiohttp.web.Server(self._handler), shutdown_timeout=_SHUTDOWN_TIMEOUT_S
+            )
             await runner.setup()
             await aiohttp.web.TCPSite(runner, "127.0.0.1", 0).start()
         except BaseException as error:
