@@ -1,4 +1,4 @@
-"""The registry over fake workers: ejection within 2 s, re-admission, load, KV sync and resync."""
+"""The registry over fake workers: ejection after two failed probes (within 2 s), re-admission, load, KV sync and resync."""
 
 from __future__ import annotations
 
@@ -21,9 +21,11 @@ KV_AWARE = KVCacheAwareRouting(strategy="kv_cache_aware")
 
 @contextlib.asynccontextmanager
 async def registry_for(
-    cluster: FakeCluster, settings: RegistrySettings | None = None
+    cluster: FakeCluster,
+    settings: RegistrySettings | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
 ) -> AsyncIterator[Registry]:
-    async with httpx.AsyncClient(transport=cluster.transport()) as http:
+    async with httpx.AsyncClient(transport=transport or cluster.transport()) as http:
         registry = Registry(WorkerClient(http, token="t"), MemoryState(), settings or RegistrySettings())
         task = asyncio.create_task(registry.run(cluster.source(KV_AWARE)))
         try:
@@ -35,16 +37,37 @@ async def registry_for(
                 await task
 
 
-async def test_ejects_within_two_seconds_and_readmits() -> None:
+async def test_ejects_after_two_failed_probes_within_two_seconds_and_readmits() -> None:
     cluster = FakeCluster([FakeWorker("w0"), FakeWorker("w1")])
-    async with registry_for(cluster) as registry:
+    down = cluster.workers[0]
+    registries: list[Registry] = []
+    admitted_at_failed_probe: list[bool] = []  # per failed /ready probe of w0: was it still admitted?
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        worker = next(worker for worker in cluster.workers if request.url.host.startswith(f"{worker.id}."))
+        if worker is down and not worker.is_up and request.url.path == "/ready":
+            admitted_at_failed_probe.append(registries[0].workers["w0"].is_healthy)
+        return worker.handle(request)
+
+    async with registry_for(cluster, transport=httpx.MockTransport(handle)) as registry:
+        registries.append(registry)
         await wait_for(lambda: all(view.is_healthy for view in registry.views(MODEL)))
-        cluster.workers[0].is_up = False
-        ejected_after = await wait_for(lambda: not registry.workers["w0"].is_healthy)
+        down.is_up = False
+        await wait_for(lambda: not registry.workers["w0"].is_healthy)
         assert registry.workers["w1"].is_healthy
-        cluster.workers[0].is_up = True
+        down.is_up = True
         await wait_for(lambda: registry.workers["w0"].is_healthy)
-    assert ejected_after < 2.0
+    # Counted in probes, not seconds, so a loaded machine cannot fail it: the probe that ejects is the
+    # `failures_to_eject`-th in a row, and the defaults space that many probes well within 2 s.
+    defaults = RegistrySettings()
+    num_admitted = admitted_at_failed_probe.count(True)
+    assert (
+        admitted_at_failed_probe[:num_admitted]
+        == [True] * num_admitted
+        == [True] * defaults.failures_to_eject
+    )
+    assert not any(admitted_at_failed_probe[num_admitted:])
+    assert defaults.failures_to_eject * defaults.poll_interval <= 1.0
 
 
 async def test_not_ready_worker_is_ejected_and_draining_is_unhealthy() -> None:
