@@ -144,13 +144,17 @@ async def render(url: str, tmp_path: Path) -> RenderedDashboard:
 
 
 def cluster() -> FakeCluster:
-    """Two busy workers (one with KV blocks indexed), one draining, one down; streams stall 60 s."""
+    """Two busy workers (one with KV blocks indexed), one draining, one down; streams stall an hour.
+
+    A held stream must stay in flight while Chromium renders, however slowly a loaded machine starts
+    it; the test closes it, so the stall never costs its length.
+    """
     busy = LoadReport(num_running=3, num_waiting=1, kv_usage=0.42, num_free_blocks=290, num_total_blocks=500)
     calm = LoadReport(num_running=1, kv_usage=0.068, num_free_blocks=466, num_total_blocks=500)
     draining = LoadReport(
         num_running=2, kv_usage=0.9, num_free_blocks=50, num_total_blocks=500, is_draining=True
     )
-    slow = {"chunk_delay": 60.0, "num_chunks": 2}
+    slow = {"chunk_delay": 3600.0, "num_chunks": 2}
     return FakeCluster(
         [
             FakeWorker("w0", load=busy, snapshot_blocks=list(range(40)), **slow),  # type: ignore[arg-type]
@@ -169,7 +173,7 @@ async def send(client: httpx.AsyncClient, count: int) -> None:
 
 @contextlib.asynccontextmanager
 async def held_stream(url: str) -> AsyncIterator[None]:
-    """One streamed request kept open (its second chunk comes after 60 s): one request in flight."""
+    """One streamed request kept open (its second chunk comes after an hour): one request in flight."""
     async with httpx.AsyncClient(base_url=url, timeout=10.0) as client:
         request = client.build_request("POST", "/v1/chat/completions", json={**CHAT, "stream": True})
         response = await client.send(request, stream=True)
@@ -207,7 +211,7 @@ def indexed_blocks(app: FastAPI, worker_id: str) -> int:
 async def test_dashboard_shows_each_worker_as_its_data_says_and_counts_move(tmp_path: Path) -> None:
     async with running_gateway(cluster()) as (app, client), serving(app) as url:
         await send(client, 4)
-        await wait_for(lambda: indexed_blocks(app, "w0") == 40)
+        await wait_for(lambda: indexed_blocks(app, "w0") == 40, within=30.0)
         async with held_stream(url):
             first = await render(url, tmp_path)
             data = (await client.get("/dashboard/data")).json()
@@ -249,7 +253,7 @@ async def test_dashboard_screenshot_is_a_picture(tmp_path: Path) -> None:
     async with running_gateway(fakes) as (app, client), serving(app) as url:
         await stream_quickly(fakes, client, 4)
         await send(client, 6)
-        await wait_for(lambda: indexed_blocks(app, "w0") == 40)
+        await wait_for(lambda: indexed_blocks(app, "w0") == 40, within=30.0)
         async with held_stream(url):
             size = "--window-size=1280,440"
             await chromium(f"{url}/dashboard", tmp_path / "profile", f"--screenshot={shot}", size)
