@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 import yaml
-from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Gauge, Histogram, Metric, start_http_server
+from prometheus_client.registry import Collector
 from support.kube.emulator import Emulator, kube_emulator
 from support.operator_harness import embedded_operator, install_crd, kubectl
 from support.procs import wait_until
@@ -27,8 +28,8 @@ from herd.operator.settings import AutoscalerSettings, OperatorConfig
 
 pytestmark = pytest.mark.e2e
 
-TIMEOUT = 20.0
-LONG_WINDOW_S = 120.0  # far longer than the test: any scale-down in it would be a bug
+TIMEOUT = 60.0  # generous for a loaded machine; nothing waits for it when the operator is quick
+LONG_WINDOW_S = 3600.0  # far longer than any run of the test, however slow: a scale-down in it is a bug
 SHORT_WINDOW_S = 1.5
 
 
@@ -38,6 +39,20 @@ def operator_config(window_s: float) -> OperatorConfig:
     )
 
 
+class ScrapeCounter(Collector):
+    """Counts the scrapes of a registry: each autoscaler round scrapes every Ready pod once."""
+
+    def __init__(self) -> None:
+        self.num_scrapes = 0
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> list[Metric]:
+        self.num_scrapes += 1
+        return []
+
+
 @dataclass
 class FakeWorker:
     """One pod's /metrics: the histograms and gauges the autoscaler reads."""
@@ -45,6 +60,7 @@ class FakeWorker:
     port: int
     ttft: Histogram
     itl: Histogram
+    scrapes: ScrapeCounter
 
 
 @contextlib.contextmanager
@@ -54,9 +70,11 @@ def fake_worker() -> Iterator[FakeWorker]:
     itl = Histogram(names.INTER_TOKEN_LATENCY_SECONDS, "itl", ["model_name"], registry=registry)
     Gauge(names.NUM_REQUESTS_WAITING, "waiting", registry=registry).set(0)
     Gauge(names.KV_CACHE_USAGE_PERC, "kv", registry=registry).set(0.2)
+    scrapes = ScrapeCounter()
+    registry.register(scrapes)
     server, thread = start_http_server(0, addr="127.0.0.1", registry=registry)
     try:
-        yield FakeWorker(server.server_port, ttft, itl)
+        yield FakeWorker(server.server_port, ttft, itl, scrapes)
     finally:
         server.shutdown()
         server.server_close()
@@ -142,7 +160,11 @@ def test_slow_ttft_scales_up_and_scale_down_waits_for_the_window(
     # Quiet again, and the new pods are not Ready: no further step up, and no step down in the window.
     held = "a held scale-down after the scale-up"
     eventually(lambda: "no scale-down" in autoscaling(kube, "chat").get("reason", ""), held)
-    time.sleep(1.0)  # a few more rounds
+    rounds = [worker.scrapes.num_scrapes for worker in workers]
+    eventually(
+        lambda: all(w.scrapes.num_scrapes >= n + 3 for w, n in zip(workers, rounds, strict=True)),
+        "three more autoscaler rounds",
+    )
     assert kube.get("md", "chat")["spec"]["replicas"] == 4
     assert autoscaling(kube, "chat")["desiredReplicas"] == 4
     assert not kube.get("md", "chat")["metadata"].get("finalizers"), "autoscaling adds no finalizer"
