@@ -30,6 +30,8 @@ CHAT = {
     "messages": [{"role": "user", "content": "Tell me a long story about a careful llama. " * 6}],
 }
 ROUTING = KVCacheAwareRouting(strategy="kv_cache_aware")
+WITHIN_S = 30.0
+"""Budget for background work (a tokenizer built off the loop): generous when loaded, free when quick."""
 SETTINGS = AppSettings(internal_token="s3cret", registry=RegistrySettings(poll_interval=0.02))
 
 
@@ -42,11 +44,14 @@ class TokenizerCluster(FakeCluster):
     gate: asyncio.Event = field(default_factory=asyncio.Event)
     model_path: Path | None = None
     tokens_seen: list[str | None] = field(default_factory=list)
+    num_ready_probes: int = 0
 
     def transport(self) -> httpx.MockTransport:
         workers = super().transport()
 
         async def handle(request: httpx.Request) -> httpx.Response:
+            if request.url.path == "/ready":
+                self.num_ready_probes += 1
             if request.url.path != INTERNAL_PATHS.tokenizer:
                 return await workers.handle_async_request(request)
             self.tokens_seen.append(request.headers.get(TOKEN_HEADER))
@@ -71,6 +76,13 @@ def expected_hashes(tiny_llama: Path) -> list[int]:
     return block_hashes(token_ids, 16, model_id=MODEL)
 
 
+async def more_polls(cluster: TokenizerCluster, num_rounds: int) -> None:
+    """Wait for ``num_rounds`` more registry polls of every worker: counted, not slept, so a loaded
+    machine cannot pass a "nothing more happens" check by polling less."""
+    target = cluster.num_ready_probes + num_rounds * len(cluster.workers)
+    await wait_for(lambda: cluster.num_ready_probes >= target, within=WITHIN_S)
+
+
 async def chosen_workers(client: httpx.AsyncClient, num_requests: int) -> list[str]:
     responses = [await client.post("/v1/chat/completions", json=CHAT) for _ in range(num_requests)]
     assert [response.status_code for response in responses] == [200] * num_requests
@@ -88,7 +100,9 @@ async def test_requests_are_served_before_the_fetch_and_routed_by_cache_after(
             before = await chosen_workers(client, 20)
         assert served.wants_worker_tokenizer, "the fetch is held at the gate"
         cluster.gate.set()
-        await wait_for(lambda: not served.wants_worker_tokenizer)
+        await wait_for(lambda: not served.wants_worker_tokenizer, within=WITHIN_S)
+        hashes = expected_hashes(tiny_llama)
+        await wait_for(lambda: served.kv_index.match(hashes) == {"w1": len(hashes)}, within=WITHIN_S)
         after = await chosen_workers(client, 4)
     # Token routing would send all 20 to w1; least in-flight breaks ties at random (all w1: p = 2**-20).
     assert "w0" in before, "no tokens: routed by load alone"
@@ -104,7 +118,7 @@ async def test_the_fetched_tokenizer_hashes_as_the_local_one(tiny_llama: Path) -
     cluster.gate.set()
     async with running_gateway(cluster, routing=ROUTING, settings=SETTINGS) as (app, _):
         served = app.state.registry.models[MODEL]
-        await wait_for(lambda: not served.wants_worker_tokenizer)
+        await wait_for(lambda: not served.wants_worker_tokenizer, within=WITHIN_S)
         token_ids = prompt_token_ids(served.renderer, CHAT)
     assert block_hashes(token_ids, 16, model_id=MODEL) == expected_hashes(tiny_llama)
 
@@ -113,8 +127,8 @@ async def test_a_worker_without_the_route_costs_bounded_retries_and_no_errors(ti
     cluster = cluster_for(tiny_llama, status=404)
     cluster.gate.set()
     async with running_gateway(cluster, routing=ROUTING, settings=SETTINGS) as (app, client):
-        await wait_for(lambda: len(cluster.tokens_seen) >= 5)
-        await asyncio.sleep(0.2)  # ten more polls: no further fetch
+        await wait_for(lambda: len(cluster.tokens_seen) >= 5, within=WITHIN_S)
+        await more_polls(cluster, 10)  # no further fetch
         workers = await chosen_workers(client, 3)
         assert app.state.registry.models[MODEL].wants_worker_tokenizer
     assert len(cluster.tokens_seen) == 5 and len(workers) == 3
@@ -125,7 +139,7 @@ async def test_a_local_model_folder_wins_and_nothing_is_fetched(tiny_llama: Path
     cluster.workers[0].snapshot_blocks = expected_hashes(tiny_llama)
     async with running_gateway(cluster, routing=ROUTING, settings=SETTINGS) as (_, client):
         workers = await chosen_workers(client, 3)
-        await asyncio.sleep(0.1)
+        await more_polls(cluster, 5)
     assert workers == ["w0"] * 3 and cluster.tokens_seen == []
 
 
@@ -134,10 +148,10 @@ async def test_a_restarted_source_worker_is_asked_again(tiny_llama: Path) -> Non
     cluster.gate.set()
     async with running_gateway(cluster, routing=ROUTING, settings=SETTINGS) as (app, client):
         worker = app.state.registry.workers["w0"]
-        await wait_for(lambda: not app.state.registry.models[MODEL].wants_worker_tokenizer)
+        await wait_for(lambda: not app.state.registry.models[MODEL].wants_worker_tokenizer, within=WITHIN_S)
         cluster.workers[0].is_up = False
         await wait_for(lambda: not worker.is_healthy)
         cluster.workers[0].is_up = True
-        await wait_for(lambda: len(cluster.tokens_seen) == 2)
+        await wait_for(lambda: len(cluster.tokens_seen) == 2, within=WITHIN_S)
         workers = await chosen_workers(client, 2)
     assert workers == ["w0", "w0"]
