@@ -216,6 +216,14 @@ class AsyncEngine:
 
     async def call(self, function: Callable[[EngineCore], T]) -> T:
         """Run ``function(engine)`` on the engine thread between steps and return its result."""
+        return await self.submit(function)
+
+    def submit(self, function: Callable[[EngineCore], T]) -> asyncio.Future[T]:
+        """Queue ``function(engine)`` for the engine thread now; its result arrives in the future.
+
+        Unlike ``call``, the command is queued before this returns, so a command queued next (an
+        ``add_request`` from ``generate``) runs after it, usually in the same pause between steps.
+        """
         if self.error is not None:
             raise EngineDeadError(f"the engine is not running: {self.error}")
         loop = asyncio.get_running_loop()
@@ -230,7 +238,16 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(_settle, future, result, None)
 
         self._commands.put(command)
-        return await future
+        return future
+
+    async def run_beside(self, function: Callable[[EngineCore], T]) -> T:
+        """Run ``function(engine)`` on a pool thread while the engine thread keeps stepping.
+
+        Only for reads that no step can change: KV blocks held by a lease (a held, full block is
+        never written nor reallocated), or a lookup whose staleness the caller tolerates.
+        """
+        engine = self._require_engine()
+        return await asyncio.to_thread(function, engine)
 
     # -- reads -------------------------------------------------------------------------------
 

@@ -85,6 +85,7 @@ class LLMEngine:
             head_dim=geometry.head_dim,
         )
         self._requests: dict[str, _Request] = {}
+        self._held: dict[str, list[int]] = {}
         log.info("engine ready", extra={"model": config.served_name, "num_kv_blocks": geometry.num_blocks})
 
     def add_request(
@@ -141,6 +142,7 @@ class LLMEngine:
         request = self._requests.pop(request_id, None)
         if request is not None:
             self.scheduler.finish(request.seq)
+        self.release_held(request_id)  # the caller may have gone before it saw its held blocks
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -170,8 +172,10 @@ class LLMEngine:
         text = request.detokenizer.add([sampled.token_id], is_last=reason is not None)
         if request.detokenizer.is_stopped:
             reason = "stop"
+        held = None
         if reason is not None:
             seq.finish_reason = reason
+            held = self._hold_prompt(seq) if seq.params.hold_prompt_blocks else None
             self.scheduler.finish(seq)
             del self._requests[seq.request_id]
         return RequestOutput(
@@ -184,7 +188,16 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens,
             num_output_tokens=seq.num_output_tokens,
             logprobs=None if sampled.logprob is None else [sampled.logprob],
+            held_block_ids=held,
         )
+
+    def _hold_prompt(self, seq: Sequence) -> list[int]:
+        """Hold the prompt's cached full blocks in the same step that finishes ``seq``: waiting for
+        a later pause between steps could cost another request's whole prefill chunk."""
+        num_full = seq.num_prompt_tokens // self.block_manager.block_size
+        held = self.block_manager.hold_prefix(seq.block_hashes[:num_full])
+        self._held[seq.request_id] = held
+        return held
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
         params = seq.params
@@ -219,20 +232,26 @@ class LLMEngine:
 
     # Disaggregation: whole KV blocks leave a prefill engine and enter a decode engine's cache.
 
-    def hold_prefix(self, block_hashes: list[BlockHash]) -> list[int]:
-        """Hold the leading run of ``block_hashes`` still cached until ``release_blocks``; their ids."""
-        return self.block_manager.hold_prefix(block_hashes)
-
-    def release_blocks(self, block_ids: list[int]) -> None:
-        self.block_manager.release(block_ids)
+    def release_held(self, request_id: str) -> int:
+        """Release the blocks a finished ``hold_prompt_blocks`` request holds; how many (0 if none)."""
+        held = self._held.pop(request_id, [])
+        self.block_manager.release(held)
+        return len(held)
 
     def missing_blocks(self, block_hashes: list[BlockHash]) -> list[int]:
-        """Indexes of the ``block_hashes`` this engine's prefix cache does not hold."""
+        """Indexes of the ``block_hashes`` this engine's prefix cache does not hold.
+
+        Safe beside a step (each lookup is atomic); the answer may be stale by then, which
+        ``write_blocks`` tolerates: it skips blocks cached meanwhile.
+        """
         cached = self.block_manager.cached
         return [index for index, block_hash in enumerate(block_hashes) if block_hash not in cached]
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """A CPU copy of the blocks' KV: ``[layers, 2, len(block_ids), block_size, kv_heads, head_dim]``."""
+        """A CPU copy of the blocks' KV: ``[layers, 2, len(block_ids), block_size, kv_heads, head_dim]``.
+
+        Safe beside a step for blocks held by ``hold_prompt_blocks``: no step writes or reallocates them.
+        """
         return self.runner.kv_cache[:, :, block_ids].cpu()
 
     def write_blocks(
@@ -250,7 +269,8 @@ class LLMEngine:
                 indexes.append(index)
                 imported.append(block_id)
         if imported:  # one indexed copy: a copy per block is ~20x slower
-            self.runner.kv_cache[:, :, imported] = kv[:, :, indexes].to(self.runner.kv_cache.device)
+            source = kv if len(indexes) == len(block_hashes) else kv[:, :, indexes]
+            self.runner.kv_cache[:, :, imported] = source.to(self.runner.kv_cache.device)
         self.block_manager.release(imported)
         return len(imported)
 

@@ -11,6 +11,7 @@ heads, head dim) and refuse a mismatch with ``KVLayoutError``.
 
 from __future__ import annotations
 
+import asyncio
 import struct
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Protocol
@@ -191,7 +192,7 @@ class HttpKVTransfer:
                 f"prefill worker {source.base_url} answered {response.status_code}: "
                 f"{_error_message(response)}"
             )
-        remote, hashes, kv = decode_frame(response.content)
+        remote, hashes, kv = await asyncio.to_thread(decode_frame, response.content)  # copies MBs
         check_layout(layout, remote, peer=f"prefill worker {source.base_url}")
         if hashes != block_hashes:
             raise KVTransferError(f"prefill worker {source.base_url} sent other blocks than asked for")

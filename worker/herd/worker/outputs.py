@@ -37,3 +37,5 @@ class RequestOutput:
     num_output_tokens: int
     logprobs: list[TokenLogprob] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    held_block_ids: list[int] | None = None
+    """On the last output of a ``hold_prompt_blocks`` request: the prompt blocks still held."""

@@ -31,6 +31,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    hold_prompt_blocks: bool = False
+    """Disaggregated prefill: when the sequence finishes, keep its prompt's cached full blocks held
+    (reported in the last output's ``held_block_ids``) until ``release_held`` or an abort."""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=BaseModel)
 
-_FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+_FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, hold_prompt_blocks=True)
 _MAX_SWEEP_WAIT_S = 0.5
 _TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
@@ -56,9 +56,7 @@ _TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.
 class KVBlockStore(Protocol):
     """What disaggregation needs from the engine beyond ``EngineCore`` (``LLMEngine`` has it)."""
 
-    def hold_prefix(self, block_hashes: list[BlockHash]) -> list[int]: ...
-
-    def release_blocks(self, block_ids: list[int]) -> None: ...
+    def release_held(self, request_id: str) -> int: ...
 
     def missing_blocks(self, block_hashes: list[BlockHash]) -> list[int]: ...
 
@@ -145,7 +143,7 @@ class PrefillService:
         request_id = f"prefill-{uuid.uuid4().hex}"
         first = [output async for output in self.engine.generate(request_id, prompt, _FIRST_TOKEN, salt)][-1]
         seconds = min(asked.lease_seconds or DEFAULT_LEASE_SECONDS, MAX_LEASE_SECONDS)
-        lease = await self._lease(request_id, prompt, salt, seconds)
+        lease = self._lease(request_id, prompt, salt, first.held_block_ids or [], seconds)
         return KVTransferParams(
             do_remote_prefill=True,
             remote_engine_id=self.engine.info.epoch,
@@ -160,11 +158,13 @@ class PrefillService:
             num_cached_tokens=first.num_cached_tokens,
         )
 
-    async def _lease(self, request_id: str, prompt: list[int], salt: str | None, seconds: float) -> Lease:
-        """Hold the prompt's computed full blocks (those still cached) for the decode side."""
+    def _lease(
+        self, request_id: str, prompt: list[int], salt: str | None, held: list[int], seconds: float
+    ) -> Lease:
+        """Lease the prompt's full blocks the engine held when the prefill finished (its leading
+        cached run) to the decode side."""
         info = self.engine.info
         hashes = block_hashes(prompt, info.block_size, model_id=info.model, cache_salt=salt)
-        held = await self.engine.call(lambda core: block_store(core).hold_prefix(hashes))
         lease = self.leases.add(request_id, held, hashes[: len(held)], seconds)
         self._ensure_sweeper()
         return lease
@@ -184,9 +184,15 @@ class PrefillService:
         except (KVLayoutError, TypeError) as error:
             raise ApiError(409, str(error)) from None
         block_ids = self._leased_ids(body)
-        kv = await self.engine.call(lambda core: block_store(core).read_blocks(block_ids))
-        frame = encode_frame(local, body.block_hashes, kv)
-        self.metrics.moved("sent", len(block_ids), kv.nbytes)
+
+        def read_frame(core: EngineCore) -> tuple[bytes, int]:
+            kv = block_store(core).read_blocks(block_ids)
+            return encode_frame(local, body.block_hashes, kv), kv.nbytes
+
+        # Leased blocks are immutable, so they are read beside the engine's steps: waiting for a
+        # pause between steps would cost up to a whole prefill chunk (seconds on a busy worker).
+        frame, num_bytes = await self.engine.run_beside(read_frame)
+        self.metrics.moved("sent", len(block_ids), num_bytes)
         return Response(frame, media_type=FRAME_MEDIA_TYPE)
 
     def _leased_ids(self, body: BlockRequest) -> list[int]:
@@ -208,7 +214,7 @@ class PrefillService:
         return {"num_released_blocks": 0 if lease is None else len(lease.block_ids)}
 
     async def _free(self, lease: Lease) -> None:
-        await self.engine.call(lambda core: block_store(core).release_blocks(lease.block_ids))
+        await self.engine.call(lambda core: block_store(core).release_held(lease.request_id))
 
     def _ensure_sweeper(self) -> None:
         if self._sweeper is None or self._sweeper.done():

@@ -3,14 +3,16 @@
 An ASGI middleware on the public app. A chat or completion request whose body carries
 ``kv_transfer_params.do_remote_prefill`` first has its prompt tokenized and hashed as the handler
 will; the hashes must equal the prefill worker's (else the two serve different models: 409). The
-blocks this worker's prefix cache lacks are fetched through a ``KVTransfer``, imported into the
-cache, and the lease is released; then the request goes to the ordinary handler, which finds the
-prompt cached and computes only its partial last block. A failed fetch (prefill worker gone, lease
+blocks this worker's prefix cache lacks are fetched through a ``KVTransfer`` while the engine keeps
+stepping, their import into the cache is queued to the engine thread, and the lease is released in
+the background; then the request goes to the ordinary handler, whose request is queued right after
+the import, finds the prompt cached and computes only its partial last block. A failed fetch (prefill worker gone, lease
 expired) is logged and the handler prefills locally; a layout mismatch is refused with 409.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -44,6 +46,7 @@ class RemotePrefill:
         self.engine = engine
         self.transfer = transfer
         self.metrics = metrics
+        self._releases: set[asyncio.Task[None]] = set()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in _PATHS:
@@ -72,14 +75,19 @@ class RemotePrefill:
             return
         try:
             prompt = request_prompt(self.engine, payload)
-        except ApiError:
-            await self.transfer.release(source)
-            return  # the handler answers the same error
-        try:
             hashes = self._checked_hashes(prompt, payload.get("cache_salt"), params.remote_block_hashes or [])
             await self._pull(source, prompt, hashes)
+        except ApiError:
+            return  # the handler answers the same error
         finally:
-            await self.transfer.release(source)
+            self._release_later(source)
+
+    def _release_later(self, source: KVSource) -> None:
+        """End the lease without making the request wait: the prefill worker frees the blocks
+        between its own steps, which can be a whole prefill chunk away."""
+        task = asyncio.create_task(self.transfer.release(source), name="herd-kv-release")
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
 
     def _checked_hashes(self, prompt: list[int], salt: Any, remote: list[BlockHash]) -> list[BlockHash]:
         """Our hashes of the blocks the prefill side leased; they must be the same as theirs."""
@@ -95,8 +103,13 @@ class RemotePrefill:
         return ours[:usable]
 
     async def _pull(self, source: KVSource, prompt: list[int], hashes: list[BlockHash]) -> None:
+        """Fetch the blocks this worker lacks and queue their import; the engine keeps stepping.
+
+        Only the import's copy into the pool runs between steps, and it is queued just before the
+        handler queues the request, so both usually run in the same pause.
+        """
         started = time.perf_counter()
-        missing = await self.engine.call(lambda core: block_store(core).missing_blocks(hashes))
+        missing = await self.engine.run_beside(lambda core: block_store(core).missing_blocks(hashes))
         if not missing:
             return
         wanted = [hashes[index] for index in missing]
@@ -107,16 +120,23 @@ class RemotePrefill:
             return
         size = self.engine.info.block_size
         tokens = [prompt[index * size : (index + 1) * size] for index in missing]
-        await self.engine.call(lambda core: block_store(core).write_blocks(wanted, tokens, kv))
-        seconds = time.perf_counter() - started
+        imported = self.engine.submit(lambda core: block_store(core).write_blocks(wanted, tokens, kv))
         self.metrics.moved("received", len(wanted), kv.nbytes)
+        imported.add_done_callback(lambda done: self._record(done, started, len(hashes), kv.nbytes))
+
+    def _record(self, imported: asyncio.Future[int], started: float, num_blocks: int, num_bytes: int) -> None:
+        """Transfer time and log line of one finished import (a failed one leaves a local prefill)."""
+        if imported.cancelled() or imported.exception() is not None:
+            log.warning("KV import failed; prefilling locally", extra={"error": str(imported.exception())})
+            return
+        seconds = time.perf_counter() - started
         self.metrics.seconds.labels(self.metrics.model_name).observe(seconds)
         log.info(
             "KV blocks pulled",
             extra={
-                "num_blocks": len(wanted),
-                "num_cached_blocks": len(hashes) - len(wanted),
-                "num_bytes": kv.nbytes,
+                "num_blocks": imported.result(),
+                "num_cached_blocks": num_blocks - imported.result(),
+                "num_bytes": num_bytes,
                 "seconds": round(seconds, 6),
             },
         )
