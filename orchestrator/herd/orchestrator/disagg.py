@@ -5,8 +5,9 @@ For a model with ``serving.mode: disaggregated`` the gateway asks ``TwoPhase.pla
 1. The decode worker is chosen by the model's strategy over the decode pool (its load, and with
    ``kv_cache_aware`` its cached prefix), with ``RequestContext.phase = "decode"``.
 2. The prompt's uncached part on that worker (prompt tokens minus its cached leading blocks, from
-   the KV index) decides the path: below ``serving.prefillThresholdTokens`` the decode worker
-   prefills locally, which costs less than a transfer.
+   the KV index) and the best prefill worker's load decide the path (``choose_path``): from
+   ``serving.prefillThresholdTokens`` on, always the prefill pool; shorter parts of a few blocks
+   go there only while that prefill worker is idle; the rest prefill on the decode worker.
 3. Otherwise the prefill worker with the most of the prompt cached against the least queued
    prefill work runs ``POST /internal/prefill`` and returns ``kv_transfer_params``; a prefill worker
    that fails is reported and the next one is tried, and when none succeeds the decode worker
@@ -38,7 +39,15 @@ from herd.orchestrator.routing import RequestContext, WorkerView, healthy
 from herd.orchestrator.served import ServedModel
 from herd.orchestrator.tokens import prompt_token_ids
 
-__all__ = ["Handoff", "TwoPhase", "choose_prefill", "num_uncached_tokens"]
+__all__ = [
+    "MIN_IDLE_REMOTE_BLOCKS",
+    "Handoff",
+    "TwoPhase",
+    "choose_path",
+    "choose_prefill",
+    "is_idle",
+    "num_uncached_tokens",
+]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +70,37 @@ class Handoff:
 
 def num_uncached_tokens(num_tokens: int, num_cached_blocks: int, block_size: int) -> int:
     return max(0, num_tokens - num_cached_blocks * block_size)
+
+
+MIN_IDLE_REMOTE_BLOCKS = 4
+"""Below this many uncached blocks a prompt prefills on its decode worker even beside an idle
+prefill pool: a short local chunk costs the decode batch less than a round trip adds to TTFT."""
+
+
+def is_idle(worker: WorkerView) -> bool:
+    """Nothing in flight to it from this orchestrator and no prefill queued in its last load report."""
+    return worker.num_in_flight == 0 and worker.num_waiting_prefill_tokens == 0
+
+
+def choose_path(
+    num_uncached: int, prefill: WorkerView | None, *, threshold_tokens: int, block_size: int
+) -> Path:
+    """Where a prompt's uncached part is computed (conditional disaggregation).
+
+    - no prefill worker: locally on the decode worker;
+    - at least ``threshold_tokens``: on ``prefill``, whatever its queue (a long local prefill
+      would stall every decode on the decode worker, which is what disaggregation avoids);
+    - shorter, but ``MIN_IDLE_REMOTE_BLOCKS`` blocks or more: on ``prefill`` only while it is idle,
+      so the decode worker spends its steps decoding and an otherwise idle prefill pool works;
+    - otherwise locally.
+    """
+    if prefill is None:
+        return "local_prefill"
+    if num_uncached >= threshold_tokens:
+        return "remote_prefill"
+    if num_uncached >= MIN_IDLE_REMOTE_BLOCKS * block_size and is_idle(prefill):
+        return "remote_prefill"
+    return "local_prefill"
 
 
 def choose_prefill(
@@ -114,9 +154,17 @@ class TwoPhase:
         tokens = self._tokens(served, ctx, payload)
         matches: Mapping[str, int] = {}
         if tokens is not None:
+            config = served.config
             matches = served.kv_index.match(self._hashes(served, ctx, tokens, payload))
-            uncached = num_uncached_tokens(len(tokens), matches.get(decode.id, 0), served.config.block_size)
-            if uncached < served.config.prefill_threshold_tokens:
+            uncached = num_uncached_tokens(len(tokens), matches.get(decode.id, 0), config.block_size)
+            prefill = choose_prefill(self._prefill_views(served), matches, config.block_size)
+            path = choose_path(
+                uncached,
+                prefill,
+                threshold_tokens=config.prefill_threshold_tokens,
+                block_size=config.block_size,
+            )
+            if path == "local_prefill":
                 return Handoff(body, "local_prefill", decode.id)
         started = time.perf_counter()
         params = await self._prefill(served, payload, matches)

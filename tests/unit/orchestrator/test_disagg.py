@@ -1,10 +1,10 @@
-"""The pure parts of disaggregated routing: the uncached-token count and the prefill choice."""
+"""The pure parts of disaggregated routing: the uncached-token count, the path and the prefill choice."""
 
 from __future__ import annotations
 
 import pytest
 
-from herd.orchestrator.disagg import choose_prefill, num_uncached_tokens
+from herd.orchestrator.disagg import MIN_IDLE_REMOTE_BLOCKS, choose_path, choose_prefill, num_uncached_tokens
 from herd.orchestrator.routing import WorkerView
 
 
@@ -47,3 +47,35 @@ def test_choose_prefill(workers: list[WorkerView], cached: dict[str, int], expec
 
 def test_choose_prefill_without_workers_is_none() -> None:
     assert choose_prefill([], {}, 16) is None
+
+
+SMALL = MIN_IDLE_REMOTE_BLOCKS * 16
+
+
+@pytest.mark.parametrize(
+    ("num_uncached", "prefill", "expected"),
+    [
+        (1000, None, "local_prefill"),
+        (256, view("p", waiting=4096, in_flight=3), "remote_prefill"),
+        (1000, view("p"), "remote_prefill"),
+        (SMALL, view("p"), "remote_prefill"),
+        (255, view("p"), "remote_prefill"),
+        (SMALL, view("p", in_flight=1), "local_prefill"),
+        (SMALL, view("p", waiting=16), "local_prefill"),
+        (SMALL - 1, view("p"), "local_prefill"),
+        (0, view("p"), "local_prefill"),
+    ],
+    ids=[
+        "no-prefill-worker",
+        "long-goes-remote-even-when-busy",
+        "long-goes-remote",
+        "short-goes-to-an-idle-prefill-worker",
+        "just-below-threshold-idle",
+        "short-stays-local-beside-a-request-in-flight",
+        "short-stays-local-beside-a-queue",
+        "too-few-blocks-to-move",
+        "all-cached",
+    ],
+)
+def test_choose_path(num_uncached: int, prefill: WorkerView | None, expected: str) -> None:
+    assert choose_path(num_uncached, prefill, threshold_tokens=256, block_size=16) == expected
