@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from pathlib import Path
@@ -126,6 +127,8 @@ async def test_concurrency_bounds_requests_in_flight() -> None:
     server = FakeOpenAI(token_delay_s=0.01)
     in_flight: list[int] = []
 
+    all_in = asyncio.Event()
+
     class Counting(httpx.AsyncBaseTransport):
         def __init__(self) -> None:
             self.inner = httpx.ASGITransport(app=server.app())
@@ -134,6 +137,15 @@ async def test_concurrency_bounds_requests_in_flight() -> None:
         async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
             self.open += 1
             in_flight.append(self.open)
+            if self.open == 3:
+                all_in.set()
+            # The first requests wait for the third, so a stalled loop cannot let one finish first;
+            # with a concurrency below 3 the third never comes: one bounded wait, then the count fails.
+            if request.url.path.endswith("/completions"):  # not the model lookup before the run
+                try:
+                    await asyncio.wait_for(all_in.wait(), 10)
+                except TimeoutError:
+                    all_in.set()
             try:
                 return await self.inner.handle_async_request(request)
             finally:
@@ -148,9 +160,12 @@ async def test_request_rate_and_duration_modes_stop_on_time() -> None:
     started = time.monotonic()
     by_rate = await _run(FakeOpenAI(), concurrency=None, request_rate=200.0, num_requests=20)
     assert by_rate["num_completed"] == 20
+    assert time.monotonic() - started < 5.0  # 20 arrivals at 200/s take about 0.1 s
     by_time = await _run(FakeOpenAI(token_delay_s=0.02), num_requests=None, duration_s=0.3)
-    assert 2 <= by_time["num_completed"] < 40
-    assert time.monotonic() - started < 5.0
+    # A request of 3 tokens takes at least 2 x 0.02 s, however fast the machine: each of the 2
+    # loops can start at most 0.3 // 0.04 + 1 requests before the deadline. A slow machine only
+    # completes fewer, but each loop starts one at once.
+    assert 1 <= by_time["num_completed"] <= 2 * (0.3 // 0.04 + 1)
 
 
 def test_cli_against_a_streaming_loopback_server(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
