@@ -49,12 +49,12 @@ def test_chart_crd_serves_modeldeployments_that_reconcile(
         kube.apply(manifest)
         wait_until(
             lambda: kube.find("deployments", "llama-3-8b-workers") is not None,
-            timeout=20,
+            timeout=60,
             what="the operator creating llama-3-8b-workers from the chart-installed CRD",
         )
         wait_until(
             lambda: kube.find("services", "llama-3-8b-workers") is not None,
-            timeout=20,
+            timeout=60,
             what="the operator creating the llama-3-8b-workers Service",
         )
     deployment = kube.get("deployments", "llama-3-8b-workers")

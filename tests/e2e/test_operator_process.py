@@ -26,13 +26,13 @@ def test_herd_operator_process_reconciles_and_reports_liveness(tmp_path: Path) -
         with running(argv, log=tmp_path / "operator.log") as process:
             wait_until(
                 lambda: httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200,
-                timeout=30,
+                timeout=60,
                 what="liveness",
             )
             kubectl(kube, "apply", "--validate=false", "-f", str(REPO / "examples" / "smollm2.yaml"))
             wait_until(
                 lambda: kube.find("deployments.apps", "smollm2-workers") is not None,
-                timeout=20,
+                timeout=60,
                 what="Deployment",
             )
             image = kube.get("deployments.apps", "smollm2-workers")["spec"]["template"]["spec"]["containers"][
@@ -42,10 +42,10 @@ def test_herd_operator_process_reconciles_and_reports_liveness(tmp_path: Path) -
             endpoint = "http://herd-orchestrator.herd.svc:8000/v1"
             wait_until(
                 lambda: kube.get("md", "smollm2")["status"]["endpoint"] == endpoint,
-                timeout=20,
+                timeout=60,
                 what="endpoint",
             )
             process.terminate()
-            assert process.wait(timeout=20) == 0
+            assert process.wait(timeout=60) == 0
         log = (tmp_path / "operator.log").read_text()
         assert '"component": "operator"' in log

@@ -63,43 +63,54 @@ def start_pod(kube: Emulator, template: dict[str, Any], port: int, internal_port
 
 
 def test_the_orchestrator_routes_to_the_pod_the_operator_planned(tmp_path: Path, tiny_llama: Path) -> None:
-    with kube_emulator(tmp_path / "kube") as kube, embedded_operator(kube):
+    with kube_emulator(tmp_path / "kube") as kube:
+        # The CRD before the operator: kopf picks up a CRD created after its start only eventually
+        # (a run here waited a minute for it), and that is no part of what this test checks.
         install_crd(kube)
-        kubectl(kube, "apply", "--validate=false", "-f", "-", stdin=yaml.safe_dump(manifest(tiny_llama)))
-        wait_until(
-            lambda: kube.find("deployments.apps", "tiny-workers") is not None, timeout=20, what="Deployment"
-        )
-        template = kube.get("deployments.apps", "tiny-workers")["spec"]["template"]
-        container = template["spec"]["containers"][0]
-        assert container["env"][0]["name"] == "HERD_INTERNAL_TOKEN"
-        port, internal_port, gateway_port = free_port(), free_port(), free_port()
-        env = {"HERD_INTERNAL_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"}
-        worker_argv = as_kubelet_runs_it(container, port, internal_port)
-        gateway_argv = [sys.executable, "-m", "herd.cli.main", "orchestrator", "--kubernetes", "--namespace", "default",
-                        "--port", str(gateway_port), "--log-level", "WARNING"]  # fmt: skip
-        gateway_env = {**env, "KUBECONFIG": str(kube.kubeconfig)}
-        with running(worker_argv, log=tmp_path / "worker.log", env=env) as worker:
+        with embedded_operator(kube):
+            kubectl(kube, "apply", "--validate=false", "-f", "-", stdin=yaml.safe_dump(manifest(tiny_llama)))
+            wait_until(
+                lambda: kube.find("deployments.apps", "tiny-workers") is not None,
+                timeout=60,
+                what="Deployment",
+            )
+            template = kube.get("deployments.apps", "tiny-workers")["spec"]["template"]
+            container = template["spec"]["containers"][0]
+            assert container["env"][0]["name"] == "HERD_INTERNAL_TOKEN"
+            port, internal_port, gateway_port = free_port(), free_port(), free_port()
+            env = {"HERD_INTERNAL_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"}
+            worker_argv = as_kubelet_runs_it(container, port, internal_port)
+            gateway_argv = [sys.executable, "-m", "herd.cli.main", "orchestrator", "--kubernetes", "--namespace", "default",
+                            "--port", str(gateway_port), "--log-level", "WARNING"]  # fmt: skip
+            gateway_env = {**env, "KUBECONFIG": str(kube.kubeconfig)}
+            with running(worker_argv, log=tmp_path / "worker.log", env=env) as worker:
 
-            def is_worker_ready() -> bool:
-                assert worker.poll() is None, (tmp_path / "worker.log").read_text()[-2000:]
-                return httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200
+                def is_worker_ready() -> bool:
+                    assert worker.poll() is None, (tmp_path / "worker.log").read_text()[-2000:]
+                    return httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200
 
-            wait_until(is_worker_ready, timeout=120, interval=0.2, what="the planned worker command serving")
-            start_pod(kube, template, port, internal_port)
-            wait_until(lambda: _ready(kube), timeout=20, what="ModelDeployment Ready=True")
-            with running(gateway_argv, log=tmp_path / "gateway.log", env=gateway_env):
-                body = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+                wait_until(
+                    is_worker_ready, timeout=120, interval=0.2, what="the planned worker command serving"
+                )
+                start_pod(kube, template, port, internal_port)
+                wait_until(lambda: _ready(kube), timeout=60, what="ModelDeployment Ready=True")
+                with running(gateway_argv, log=tmp_path / "gateway.log", env=gateway_env):
+                    body = {
+                        "model": "tiny",
+                        "messages": [{"role": "user", "content": "hello"}],
+                        "max_tokens": 4,
+                    }
 
-                def routed() -> bool:
-                    response = httpx.post(
-                        f"http://127.0.0.1:{gateway_port}/v1/chat/completions", json=body, timeout=30
-                    )
-                    return (
-                        response.status_code == 200
-                        and response.headers[WORKER_HEADER] == "default/tiny-workers-0"
-                    )
+                    def routed() -> bool:
+                        response = httpx.post(
+                            f"http://127.0.0.1:{gateway_port}/v1/chat/completions", json=body, timeout=30
+                        )
+                        return (
+                            response.status_code == 200
+                            and response.headers[WORKER_HEADER] == "default/tiny-workers-0"
+                        )
 
-                wait_until(routed, timeout=60, interval=0.3, what="a chat completion routed to the pod")
+                    wait_until(routed, timeout=180, interval=0.3, what="a chat completion routed to the pod")
 
 
 def _ready(kube: Emulator) -> bool:

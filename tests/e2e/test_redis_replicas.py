@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +29,8 @@ ENGINE = {
 PROMPT = " ".join(f"word{number}" for number in range(60))
 
 
-def is_ready(url: str) -> bool:
+def is_ready(url: str, process: subprocess.Popen[bytes], log: Path) -> bool:
+    assert process.poll() is None, f"pid {process.pid} exited; see {log}"
     return httpx.get(f"{url}/ready", timeout=1).status_code == 200
 
 
@@ -36,7 +38,7 @@ def is_ready(url: str) -> bool:
 def workers(model: Path, logs: Path, count: int) -> Iterator[list[str]]:
     """``count`` real workers; yields ``URL,INTERNAL_URL`` for each."""
     with contextlib.ExitStack() as stack:
-        specs = []
+        specs, processes = [], []
         for number in range(count):
             port, internal = free_port(), free_port()
             argv = [
@@ -61,10 +63,15 @@ def workers(model: Path, logs: Path, count: int) -> Iterator[list[str]]:
                 "--engine-json",
                 json.dumps(ENGINE),
             ]
-            stack.enter_context(running(argv, log=logs / f"worker{number}.log", env={"OMP_NUM_THREADS": "1"}))
+            log = logs / f"worker{number}.log"
+            processes.append((stack.enter_context(running(argv, log=log, env={"OMP_NUM_THREADS": "1"})), log))
             specs.append(f"http://127.0.0.1:{port},http://127.0.0.1:{internal}")
-        for spec in specs:
-            wait_until(lambda spec=spec: is_ready(spec.split(",")[0]), timeout=180, what=f"worker {spec}")
+        for spec, (process, log) in zip(specs, processes, strict=True):
+            wait_until(
+                lambda spec=spec, process=process, log=log: is_ready(spec.split(",")[0], process, log),
+                timeout=180,
+                what=f"worker {spec}",
+            )
         yield specs
 
 
@@ -87,9 +94,9 @@ def orchestrator(manifest: Path, worker_specs: list[str], redis_url: str, log: P
     ]
     for spec in worker_specs:
         argv += ["--worker", spec]
-    with running(argv, log=log):
+    with running(argv, log=log) as process:
         url = f"http://127.0.0.1:{port}"
-        wait_until(lambda: is_ready(url), timeout=60, what=f"orchestrator on {port}")
+        wait_until(lambda: is_ready(url, process, log), timeout=180, what=f"orchestrator on {port}")
         yield url
 
 
@@ -122,6 +129,6 @@ def test_replicas_agree_on_sessions_and_kv_index(tmp_path: Path, tiny_llama: Pat
 
         wait_until(
             lambda: index_of(first) == index_of(second) and any(blocks for _, blocks, _ in index_of(first)),
-            timeout=15,
+            timeout=60,
             what="both replicas holding the same non-empty KV index",
         )

@@ -136,7 +136,7 @@ def test_watch_streams_added_modified_deleted(api: kubernetes.client.ApiClient) 
         for event in watch.stream(
             core.list_namespaced_config_map,
             "default",
-            timeout_seconds=5,
+            timeout_seconds=60,  # it stops at DELETED; the bound only matters when events go missing
             resource_version=listed.metadata.resource_version,
         ):
             events.append((event["type"], event["object"].metadata.name))
@@ -148,7 +148,7 @@ def test_watch_streams_added_modified_deleted(api: kubernetes.client.ApiClient) 
     consumer.start()
     core.patch_namespaced_config_map("early", "default", {"data": {"k": "v"}})
     core.delete_namespaced_config_map("early", "default")
-    consumer.join(10)
+    consumer.join(60)
     assert events == [("ADDED", "early"), ("MODIFIED", "early"), ("DELETED", "early")]
 
 

@@ -53,12 +53,12 @@ def _operator(registry: kopf.OperatorRegistry) -> Iterator[None]:
     thread = threading.Thread(target=asyncio.run, args=(coroutine,), name="kopf")
     thread.start()
     try:
-        assert ready.wait(20), "kopf did not become ready within 20 s"
+        assert ready.wait(60), "kopf did not become ready within 60 s"
         yield
     finally:
         stop.set()
-        thread.join(20)
-    assert not thread.is_alive(), "kopf did not stop within 20 s"
+        thread.join(60)
+    assert not thread.is_alive(), "kopf did not stop within 60 s"
 
 
 def test_kopf_reconciles_a_custom_resource(kube: Emulator) -> None:
@@ -68,7 +68,7 @@ def test_kopf_reconciles_a_custom_resource(kube: Emulator) -> None:
         kube.create({"apiVersion": "example.dev/v1", "kind": "Widget", "metadata": {"name": "w"}, "spec": {}})
         wait_until(
             lambda: kube.get("widgets", "w").get("status", {}).get("create"),
-            timeout=20,
+            timeout=60,
             what="kopf patched the widget's status",
         )
         widget = kube.get("widgets", "w")
@@ -80,10 +80,10 @@ def test_kopf_reconciles_a_custom_resource(kube: Emulator) -> None:
         assert widget["metadata"]["finalizers"] == ["kopf.zalando.org/KopfFinalizerMarker"]
         wait_until(
             lambda: any(event.get("reason") == "Created" for event in kube.list("events", "default")),
-            timeout=20,
+            timeout=60,
             what="kopf posted an event",
         )
         kube.delete("widgets", "w")
-        wait_until(lambda: kube.find("widgets", "w") is None, timeout=20, what="kopf released its finalizer")
+        wait_until(lambda: kube.find("widgets", "w") is None, timeout=60, what="kopf released its finalizer")
     assert deleted.is_set()
     assert kube.find("configmaps", "w-cfg") is None

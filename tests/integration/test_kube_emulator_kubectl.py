@@ -45,13 +45,15 @@ DEPLOYMENT = {
 def kubectl(kube: Emulator, *args: str, manifest: Any = None) -> str:
     """Run kubectl against the emulator with its own discovery cache; fail with its stderr."""
     env = {**os.environ, "KUBECONFIG": str(kube.kubeconfig), "HOME": str(kube.workdir)}
-    argv = ["kubectl", f"--cache-dir={kube.workdir / 'kubectl-cache'}", "--request-timeout=20s", *args]
+    argv = ["kubectl", f"--cache-dir={kube.workdir / 'kubectl-cache'}", "--request-timeout=60s", *args]
     stdin = (
         None
         if manifest is None
         else yaml.safe_dump_all(manifest if isinstance(manifest, list) else [manifest])
     )
-    done = subprocess.run(argv, env=env, input=stdin, capture_output=True, text=True, timeout=60, check=False)
+    done = subprocess.run(
+        argv, env=env, input=stdin, capture_output=True, text=True, timeout=120, check=False
+    )
     assert done.returncode == 0, f"kubectl {' '.join(args)} failed: {done.stderr}"
     return done.stdout
 
@@ -119,11 +121,11 @@ def test_server_side_apply_wait_and_rollout_status(kube: Emulator) -> None:
         kube.create(pod(name, app="web"))
     ready_later = threading.Timer(0.5, lambda: kube.set_pod_ready("default", "web-1"))
     ready_later.start()
-    assert "condition met" in kubectl(kube, "wait", "--for=condition=Ready", "pod/web-1", "--timeout=15s")
+    assert "condition met" in kubectl(kube, "wait", "--for=condition=Ready", "pod/web-1", "--timeout=60s")
     ready_later.join()
     kube.set_pod_ready("default", "web-2")
     kube.sync_deployment_status("default", "web")
-    assert "successfully rolled out" in kubectl(kube, "rollout", "status", "deployment/web", "--timeout=15s")
+    assert "successfully rolled out" in kubectl(kube, "rollout", "status", "deployment/web", "--timeout=60s")
 
 
 def test_get_prints_the_crd_printer_columns(kube: Emulator) -> None:

@@ -57,23 +57,28 @@ def start_pod(kube: Emulator, template: dict[str, Any], ports: tuple[int, int]) 
 
 
 def test_an_hf_model_is_routed_by_the_workers_tokenizer(tmp_path: Path, tiny_llama: Path) -> None:
-    with kube_emulator(tmp_path / "kube") as kube, embedded_operator(kube):
+    with kube_emulator(tmp_path / "kube") as kube:
+        # The CRD before the operator: kopf picks up a CRD created after its start only eventually
+        # (a run here waited a minute for it), and that is no part of what this test checks.
         install_crd(kube)
-        kubectl(kube, "apply", "--validate=false", "-f", "-", stdin=yaml.safe_dump(MANIFEST))
-        wait_until(lambda: kube.find("deployments.apps", "tiny-workers") is not None, timeout=20, what="plan")
-        template = kube.get("deployments.apps", "tiny-workers")["spec"]["template"]
-        ports, gateway_port = (free_port(), free_port()), free_port()
-        env = {"HERD_INTERNAL_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"}
-        worker_argv = kubelet_argv(template["spec"]["containers"][0], tiny_llama, ports)
-        gateway_argv = [sys.executable, "-m", "herd.cli.main", "orchestrator", "--kubernetes", "--namespace", "default",
-                        "--port", str(gateway_port), "--log-level", "INFO"]  # fmt: skip
-        with running(worker_argv, log=tmp_path / "worker.log", env=env):
-            ready = f"http://127.0.0.1:{ports[0]}/ready"
-            wait_until(lambda: _answers(ready), timeout=120, interval=0.2, what="the worker serving")
-            start_pod(kube, template, ports)
-            gateway_env = {**env, "KUBECONFIG": str(kube.kubeconfig)}
-            with running(gateway_argv, log=tmp_path / "gateway.log", env=gateway_env):
-                statuses = _chat_until_tokenized(gateway_port, tmp_path / "gateway.log")
+        with embedded_operator(kube):
+            kubectl(kube, "apply", "--validate=false", "-f", "-", stdin=yaml.safe_dump(MANIFEST))
+            wait_until(
+                lambda: kube.find("deployments.apps", "tiny-workers") is not None, timeout=60, what="plan"
+            )
+            template = kube.get("deployments.apps", "tiny-workers")["spec"]["template"]
+            ports, gateway_port = (free_port(), free_port()), free_port()
+            env = {"HERD_INTERNAL_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"}
+            worker_argv = kubelet_argv(template["spec"]["containers"][0], tiny_llama, ports)
+            gateway_argv = [sys.executable, "-m", "herd.cli.main", "orchestrator", "--kubernetes", "--namespace", "default",
+                            "--port", str(gateway_port), "--log-level", "INFO"]  # fmt: skip
+            with running(worker_argv, log=tmp_path / "worker.log", env=env):
+                ready = f"http://127.0.0.1:{ports[0]}/ready"
+                wait_until(lambda: _answers(ready), timeout=120, interval=0.2, what="the worker serving")
+                start_pod(kube, template, ports)
+                gateway_env = {**env, "KUBECONFIG": str(kube.kubeconfig)}
+                with running(gateway_argv, log=tmp_path / "gateway.log", env=gateway_env):
+                    statuses = _chat_until_tokenized(gateway_port, tmp_path / "gateway.log")
     assert set(statuses) == {200}, statuses
 
 
@@ -89,7 +94,9 @@ def _chat_until_tokenized(port: int, log: Path) -> list[int]:
             assert response.headers.get(WORKER_HEADER) == f"default/{POD}", response.text
         return "tokenizer fetched from worker" in log.read_text() and len(statuses) >= 2
 
-    wait_until(served_after_fetch, timeout=60, interval=0.3, what="a chat answered after the tokenizer fetch")
+    wait_until(
+        served_after_fetch, timeout=180, interval=0.3, what="a chat answered after the tokenizer fetch"
+    )
     return statuses
 
 
