@@ -1,0 +1,458 @@
+"""Issue 4's routing benchmark as a fast, deterministic simulation built from the real pieces.
+
+What is real: each simulated worker is the worker's own ``Scheduler`` over its own ``BlockManager``
+(the LRU prefix cache that frees a sequence's blocks tail first), and the routers are the
+orchestrator's strategies (``build_strategy``) over a real ``KVIndex``. The gateway's part is
+mirrored: its own in-flight count per worker, ``select`` on health-filtered views, then
+``KVIndex.expect`` on the chosen worker; the worker's ``stored`` / ``removed`` events and load
+reports reach the orchestrator only at the registry's next poll (every 250 ms).
+
+What is modelled: there is no model. A worker step costs ``step_ms + token_ms x tokens`` of
+simulated time (defaults near SmolLM2 fp32 on one CPU thread: a 300-token prefill about 0.5 s, a
+decode step 60 ms), and the two workers step independently. Clients form a closed loop: ``N``
+requests in flight, each finished request immediately replaced by the next one. Tenants are drawn
+i.i.d. uniformly by ``herd.cli.loadgen``'s own shared-prefix workload (the tenant and user-turn
+length of every request are its draws); every tenant's system prompt is ``prefix_blocks`` full
+blocks plus 3 tokens, the user turn its 16-32 words plus 9 template tokens (the real run averaged
+308 prompt tokens; here about 308 too), and 8 output tokens. ``--replay`` replays the benchmark's
+exact sequences (12 warm-up requests drawn with seed + 1, the warm-up drained, then 36 measured
+with the seed), to show how much a 36-request run varies from one seed to the next.
+
+Two reference routers that exist only here bound what routing can do:
+
+* ``affine``: a perfect tenant-affine router, tenant ``t`` always on worker ``t mod n`` (a balanced
+  split, no load limit at all);
+* ``affine_bounded``: the same home, but under the issue's bounded-load cap (``_load``): when the home
+  is at the cap, the least loaded worker.
+
+Hit rate = cached prompt tokens over prompt tokens (what the benchmark reads from
+``usage.prompt_tokens_details.cached_tokens``), over the measured requests after a warm-up.
+``ceiling`` is the share of prompt tokens in full prefix blocks (the user turn and the partial
+block never hit). Also reported: TTFT p50 in simulated ms; the spill rate (requests sent to a
+worker other than one holding the longest run of their prefix, by the index, when they were
+routed) and the forced part of it (every such worker was at the bounded-load cap); and the mean
+number of tenants whose whole prefix every worker's cache holds (duplication), sampled at each poll.
+
+    .venv/bin/python bench/routing_sim.py                 # the benchmark's shape, several seeds
+    .venv/bin/python bench/routing_sim.py --sweep         # plus tenants, pool share, in-flight count
+    .venv/bin/python bench/routing_sim.py --out bench/results/routing_sim.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import itertools
+import json
+import math
+import random
+import statistics
+import sys
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import TypeAdapter
+
+from herd.api.crd import RoutingSpec
+from herd.api.kv_hash import block_hashes, root_hash
+from herd.api.protocol import KVEventBatch, KVSnapshot
+from herd.cli.loadgen.workloads import LengthRange, SharedPrefixWorkload
+from herd.orchestrator.kv_index import KVIndex
+from herd.orchestrator.routing import RequestContext, RoutingStrategy, WorkerView, build_strategy
+from herd.orchestrator.routing._load import bounded_load_cap, least_in_flight
+from herd.worker.block_manager import BlockManager
+from herd.worker.sampling_params import SamplingParams
+from herd.worker.scheduler import Scheduler
+from herd.worker.sequence import Sequence
+
+__all__ = ["main"]
+
+REAL = ("round_robin", "least_request", "random", "prefix_hash", "sticky_session", "kv_cache_aware")
+REFERENCE = ("affine", "affine_bounded")
+BLOCK_SIZE = 16
+MODEL_ID = "smollm2"
+PREFIX_EXTRA_TOKENS = 3
+USER_WORDS = "16:32"
+TEMPLATE_TOKENS = 9
+OUTPUT_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One workload and cluster shape."""
+
+    num_tenants: int = 8
+    prefix_blocks: int = 17
+    cache_share: float = 0.5
+    concurrency: int = 4
+    num_workers: int = 2
+    warmup: int = 200
+    measured: int = 2000
+    replay: bool = False
+    """The benchmark's own request sequence: ``warmup`` drawn with seed + 1, then ``measured`` with seed."""
+    poll_ms: float = 250.0
+    step_ms: float = 60.0
+    token_ms: float = 1.5
+    load_factor: float = 1.25
+    """``spec.routing.loadFactor`` of prefix_hash, kv_cache_aware and affine_bounded (1.25: the default)."""
+    load_weight: float = 1.0
+    """``spec.routing.loadWeight`` of kv_cache_aware (1.0: the default)."""
+
+    def num_kv_blocks(self) -> int:
+        """As ``bench/routing_strategies.py`` sizes a pool: the share of all prefixes, plus the private
+        blocks of the worker's share of the requests in flight."""
+        per_request = math.ceil((LengthRange.parse(USER_WORDS).high + OUTPUT_TOKENS) / BLOCK_SIZE) + 1
+        private = math.ceil(self.concurrency / self.num_workers) * per_request
+        return math.ceil(self.num_tenants * self.prefix_blocks * self.cache_share) + private
+
+
+@dataclass
+class Request:
+    number: int
+    tenant: int
+    token_ids: list[int]
+    hashes: list[int]
+    sent_ms: float
+    seq: Sequence | None = None
+    first_token_ms: float | None = None
+
+
+@dataclass
+class SimWorker:
+    id: str
+    scheduler: Scheduler
+    epoch: str = "e"
+    busy: bool = False
+    requests: dict[str, Request] = field(default_factory=dict)
+    report: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def blocks(self) -> BlockManager:
+        return self.scheduler.block_manager
+
+
+class Router:
+    """A real strategy, or one of the reference routers, behind the gateway's steps."""
+
+    def __init__(self, name: str, index: KVIndex, seed: int, shape: Shape) -> None:
+        self.name = name
+        self.load_factor = shape.load_factor
+        self.index = index
+        self.rng = random.Random(seed)
+        self.pins: dict[int, str] = {}
+        self.strategy: RoutingStrategy | None = None
+        if name in REAL:
+            settings: dict[str, Any] = {"strategy": name}
+            if name in ("prefix_hash", "kv_cache_aware"):
+                settings["loadFactor"] = shape.load_factor
+            if name == "kv_cache_aware":
+                settings["loadWeight"] = shape.load_weight
+            spec = TypeAdapter(RoutingSpec).validate_python(settings)
+            self.strategy = build_strategy(spec, kv_index=index, rng=random.Random(seed))
+
+    def select(self, views: list[WorkerView], request: Request) -> WorkerView:
+        if self.strategy is None:
+            return self._reference(views, request.tenant)
+        ctx = RequestContext(
+            model=MODEL_ID,
+            token_ids=request.token_ids,
+            block_hashes=request.hashes,
+            session_key=f"tenant-{request.tenant}",
+            pinned_worker_id=self.pins.get(request.tenant),
+        )
+        choice = self.strategy.select(views, ctx)
+        assert choice is not None, "the cap always leaves a worker open"
+        if self.strategy.pins_sessions:
+            self.pins[request.tenant] = choice.id
+        return choice
+
+    def _reference(self, views: list[WorkerView], tenant: int) -> WorkerView:
+        home = views[tenant % len(views)]
+        if self.name == "affine" or home.num_in_flight < bounded_load_cap(views, self.load_factor):
+            return home
+        return least_in_flight(views, self.rng)
+
+
+class Simulation:
+    """One router over one shape and seed: a discrete-event loop in simulated milliseconds."""
+
+    def __init__(self, shape: Shape, router_name: str, seed: int) -> None:
+        self.shape = shape
+        self.now = 0.0
+        self.index = KVIndex(clock=lambda: self.now / 1000)
+        self.router = Router(router_name, self.index, seed, shape)
+        self.workers = [self._worker(number) for number in range(shape.num_workers)]
+        self.in_flight = {worker.id: 0 for worker in self.workers}
+        self.turns = self._turns(seed)
+        self.prefixes = [
+            random.Random(seed * 1000 + t).choices(range(49152), k=self._prefix_len())
+            for t in range(shape.num_tenants)
+        ]
+        self.events: list[tuple[float, int, str, Any]] = []
+        self.counter = itertools.count()
+        self.done: list[Request] = []
+        self.num_sent = 0
+        self.num_spilled = 0
+        self.num_forced = 0
+        self.duplication: list[int] = []
+
+    def _prefix_len(self) -> int:
+        return self.shape.prefix_blocks * BLOCK_SIZE + PREFIX_EXTRA_TOKENS
+
+    def _worker(self, number: int) -> SimWorker:
+        manager = BlockManager(self.shape.num_kv_blocks(), BLOCK_SIZE)
+        worker = SimWorker(f"worker-{number}", Scheduler(manager, max_batch_tokens=1024, max_batch_size=64))
+        self.index.reset(
+            worker.id, KVSnapshot(epoch=worker.epoch, seq=0, block_size=BLOCK_SIZE, block_hashes=[])
+        )
+        worker.report = {"num_running": 0, "num_waiting": 0, "num_waiting_prefill_tokens": 0, "kv_usage": 0.0}
+        return worker
+
+    def run(self) -> dict[str, Any]:
+        for _ in range(self.shape.concurrency):
+            self._send()
+        self._at(self.shape.poll_ms, "poll", None)
+        while len(self.done) < len(self.turns):
+            self.now, _, kind, payload = heapq.heappop(self.events)
+            if kind == "step":
+                self._step(payload)
+            elif kind == "finish":
+                self._finish(*payload)
+            elif kind == "poll":
+                self._poll()
+                self._at(self.now + self.shape.poll_ms, "poll", None)
+        first, end = self.shape.warmup, self.shape.warmup + self.shape.measured
+        return self._summary([request for request in self.done if first <= request.number < end])
+
+    def _at(self, when: float, kind: str, payload: Any) -> None:
+        heapq.heappush(self.events, (when, next(self.counter), kind, payload))
+
+    def _turns(self, seed: int) -> list[tuple[int, int]]:
+        """``(tenant, user words)`` of every request, drawn by ``herd.cli.loadgen`` as ``herd bench`` does."""
+
+        def draw(seed: int, count: int) -> list[tuple[int, int]]:
+            workload = SharedPrefixWorkload(
+                num_tenants=self.shape.num_tenants,
+                prefix_len=1,
+                input_len=LengthRange.parse(USER_WORDS),
+                output_len=LengthRange.parse(str(OUTPUT_TOKENS)),
+                seed=seed,
+            )
+            specs = [workload.next_request() for _ in range(count)]
+            return [(spec.tenant or 0, len(spec.messages[-1]["content"].split())) for spec in specs]
+
+        if self.shape.replay:
+            return draw(seed + 1, self.shape.warmup) + draw(seed, self.shape.measured)
+        # A few more than needed: the closed loop sends its last requests while the others finish.
+        return draw(seed, self.shape.warmup + self.shape.measured + self.shape.concurrency)
+
+    def _send(self) -> None:
+        if self.num_sent >= len(self.turns):
+            return
+        if self.shape.replay and self.num_sent >= self.shape.warmup > len(self.done):
+            return  # the benchmark's warm-up run ends before its measured run starts
+        tenant, num_words = self.turns[self.num_sent]
+        user = random.Random(self.num_sent).choices(range(49152), k=num_words + TEMPLATE_TOKENS)
+        token_ids = self.prefixes[tenant] + user
+        hashes = block_hashes(token_ids, BLOCK_SIZE, model_id=MODEL_ID)
+        request = Request(self.num_sent, tenant, token_ids, hashes, self.now)
+        self.num_sent += 1
+        views = [self._view(worker) for worker in self.workers]
+        matched = self.index.match(hashes)
+        choice = self.router.select(views, request)
+        if matched and matched.get(choice.id, 0) < max(matched.values()):
+            self.num_spilled += 1
+            cap = bounded_load_cap(views, self.shape.load_factor)
+            best = max(matched.values())
+            if all(view.num_in_flight >= cap for view in views if matched.get(view.id, 0) == best):
+                self.num_forced += 1
+        self.index.expect(choice.id, hashes)
+        self.in_flight[choice.id] += 1
+        self._admit(next(w for w in self.workers if w.id == choice.id), request)
+
+    def _view(self, worker: SimWorker) -> WorkerView:
+        report = worker.report
+        return WorkerView(
+            id=worker.id,
+            url=f"http://{worker.id}",
+            num_in_flight=self.in_flight[worker.id],
+            num_running=int(report["num_running"]),
+            num_waiting=int(report["num_waiting"]),
+            num_waiting_prefill_tokens=int(report["num_waiting_prefill_tokens"]),
+            kv_usage=report["kv_usage"],
+        )
+
+    def _admit(self, worker: SimWorker, request: Request) -> None:
+        seq = Sequence(
+            request_id=str(request.number),
+            prompt_token_ids=request.token_ids,
+            params=SamplingParams(max_tokens=OUTPUT_TOKENS, ignore_eos=True),
+            root_hash=root_hash(MODEL_ID),
+        )
+        request.seq = seq
+        worker.requests[seq.request_id] = request
+        worker.scheduler.add(seq)
+        if not worker.busy:
+            worker.busy = True
+            self._at(self.now, "step", worker)
+
+    def _step(self, worker: SimWorker) -> None:
+        """One engine step: plan, 'run' (advance the clock by its cost), update, sample, retire."""
+        scheduler = worker.scheduler
+        output = scheduler.schedule()
+        if output.is_empty:
+            worker.busy = False
+            return
+        finish_ms = self.now + self.shape.step_ms + self.shape.token_ms * output.num_tokens
+        sampled = [chunk.seq for chunk in output.chunks if chunk.is_sampled]
+        scheduler.update(output)
+        for seq in sampled:
+            seq.append_token(0, None)
+            request = worker.requests[seq.request_id]
+            if request.first_token_ms is None:
+                request.first_token_ms = finish_ms
+            if seq.num_output_tokens >= OUTPUT_TOKENS:
+                self._at(finish_ms, "finish", (worker, request))
+        # Pushed after the finishes of the same instant, so they retire before the next plan.
+        self._at(finish_ms, "step", worker)
+
+    def _finish(self, worker: SimWorker, request: Request) -> None:
+        assert request.seq is not None
+        worker.scheduler.finish(request.seq)
+        del worker.requests[request.seq.request_id]
+        self.in_flight[worker.id] -= 1
+        self.done.append(request)
+        is_warmup_over = self.shape.replay and len(self.done) == self.shape.warmup
+        for _ in range(self.shape.concurrency if is_warmup_over else 1):
+            self._send()
+
+    def _poll(self) -> None:
+        """The registry's poll: each worker's KV events since the last one, and its load report."""
+        for worker in self.workers:
+            events = worker.blocks.events.drain()
+            if events and not self.index.apply(worker.id, KVEventBatch(epoch=worker.epoch, events=events)):
+                raise RuntimeError(f"{worker.id}: KV events out of order; the simulation lost some")
+            scheduler = worker.scheduler
+            worker.report = {
+                "num_running": len(scheduler.running),
+                "num_waiting": len(scheduler.waiting),
+                "num_waiting_prefill_tokens": sum(seq.num_uncomputed_tokens for seq in scheduler.waiting),
+                "kv_usage": worker.blocks.usage,
+            }
+        self.duplication.append(self._num_duplicated())
+
+    def _num_duplicated(self) -> int:
+        """Tenants whose whole prefix every worker's cache holds."""
+        caches = [worker.blocks.cached for worker in self.workers]
+        count = 0
+        for prefix in self.prefixes:
+            last = block_hashes(prefix, BLOCK_SIZE, model_id=MODEL_ID)[-1]
+            count += all(last in cache for cache in caches)
+        return count
+
+    def _summary(self, measured: list[Request]) -> dict[str, Any]:
+        prompt = sum(len(request.token_ids) for request in measured)
+        cached = sum(request.seq.num_cached_tokens for request in measured if request.seq is not None)
+        ttft = [(request.first_token_ms or 0.0) - request.sent_ms for request in measured]
+        return {
+            "hit_rate": cached / prompt,
+            "ceiling": len(measured) * self.shape.prefix_blocks * BLOCK_SIZE / prompt,
+            "ttft_p50_ms": statistics.median(ttft),
+            "spill_rate": self.num_spilled / self.num_sent,
+            "forced_spill_rate": self.num_forced / self.num_sent,
+            "duplicated_tenants": statistics.fmean(self.duplication) if self.duplication else 0.0,
+        }
+
+
+def simulate(shape: Shape, routers: Seq[str], seeds: Seq[int]) -> dict[str, dict[str, float]]:
+    """Mean of each figure over ``seeds``, per router, plus the hit rate over round robin's."""
+    table: dict[str, dict[str, float]] = {}
+    for name in routers:
+        runs = [Simulation(shape, name, seed).run() for seed in seeds]
+        table[name] = {key: round(statistics.fmean(run[key] for run in runs), 4) for key in runs[0]}
+        table[name]["hit_rate_min"] = round(min(run["hit_rate"] for run in runs), 4)
+        table[name]["hit_rate_max"] = round(max(run["hit_rate"] for run in runs), 4)
+    base = table.get("round_robin", {}).get("hit_rate")
+    for row in table.values():
+        row["vs_round_robin"] = round(row["hit_rate"] / base, 3) if base else math.nan
+    return table
+
+
+def sweep_shapes(base: Shape) -> list[tuple[str, Shape]]:
+    """The benchmark's shape, then one knob at a time."""
+    shapes = [("benchmark", base)]
+    shapes += [(f"tenants={n}", Shape(**{**vars(base), "num_tenants": n})) for n in (4, 16)]
+    shapes += [(f"cache_share={s}", Shape(**{**vars(base), "cache_share": s})) for s in (0.34, 0.75)]
+    shapes += [(f"concurrency={c}", Shape(**{**vars(base), "concurrency": c})) for c in (2, 8)]
+    shapes += [(f"load_factor={f}", Shape(**{**vars(base), "load_factor": f})) for f in (2.0,)]
+    return shapes
+
+
+def print_table(label: str, shape: Shape, table: dict[str, dict[str, float]]) -> None:
+    print(
+        f"\n{label}: {shape.num_tenants} tenants x {shape.prefix_blocks} blocks, pool {shape.num_kv_blocks()}"
+    )
+    print(
+        "| router | hit rate (min-max) | vs round robin | of ceiling | TTFT p50 (sim ms) | spill (forced) | dup tenants |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, row in table.items():
+        print(
+            f"| {name} | {row['hit_rate']:.1%} ({row['hit_rate_min']:.1%}-{row['hit_rate_max']:.1%}) | "
+            f"{row['vs_round_robin']:.2f}x | {row['hit_rate'] / row['ceiling']:.0%} | "
+            f"{row['ttft_p50_ms']:.0f} | {row['spill_rate']:.1%} ({row['forced_spill_rate']:.1%}) | {row['duplicated_tenants']:.2f} |"
+        )
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--routers", default=",".join(("round_robin", *REFERENCE, *REAL[1:])))
+    parser.add_argument("--seeds", type=int, default=5, help="runs per router (seeds 0..N-1), averaged")
+    parser.add_argument("--warmup", type=int, default=200)
+    parser.add_argument("--measured", type=int, default=2000)
+    parser.add_argument(
+        "--replay", action="store_true", help="the benchmark's sequences: 12 warm-up (seed + 1), 36 measured"
+    )
+    parser.add_argument("--load-factor", type=float, default=1.25, help="spec.routing.loadFactor")
+    parser.add_argument("--load-weight", type=float, default=1.0, help="kv_cache_aware's loadWeight")
+    parser.add_argument("--sweep", action="store_true", help="also vary tenants, pool share, in-flight")
+    parser.add_argument("--out", type=Path, default=None, help="write the tables as JSON here")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    routers = [name.strip() for name in args.routers.split(",") if name.strip()]
+    if unknown := set(routers) - set(REAL) - set(REFERENCE):
+        print(
+            f"--routers: unknown {sorted(unknown)}; choose from {', '.join(REAL + REFERENCE)}",
+            file=sys.stderr,
+        )
+        return 2
+    knobs = {"load_factor": args.load_factor, "load_weight": args.load_weight}
+    base = Shape(warmup=args.warmup, measured=args.measured, **knobs)
+    if args.replay:
+        base = Shape(warmup=12, measured=36, replay=True, **knobs)
+    shapes = sweep_shapes(base) if args.sweep else [("benchmark", base)]
+    results = {}
+    for label, shape in shapes:
+        table = simulate(shape, routers, range(args.seeds))
+        print_table(label, shape, table)
+        results[label] = {"shape": {**vars(shape), "num_kv_blocks": shape.num_kv_blocks()}, "routers": table}
+    if args.out is not None:
+        command = ["python", "bench/routing_sim.py", *(argv if argv is not None else sys.argv[1:])]
+        args.out.write_text(
+            json.dumps(
+                {"benchmark": "routing_sim", "command": " ".join(command), "shapes": results}, indent=2
+            )
+            + "\n"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
