@@ -110,7 +110,7 @@ async def serving(app: FastAPI) -> AsyncIterator[str]:
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
     try:
-        await wait_for(lambda: server.started or task.done(), within=10.0)
+        await wait_for(lambda: server.started or task.done(), within=30.0)
         assert server.started, "uvicorn did not start the dashboard server"
         yield f"http://127.0.0.1:{port}"
     finally:

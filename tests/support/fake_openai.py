@@ -127,7 +127,7 @@ def serving(app: Starlette) -> Iterator[str]:
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
-        wait_until(lambda: server.started, timeout=10.0)
+        wait_until(lambda: server.started, timeout=30.0)
         yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True

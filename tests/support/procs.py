@@ -117,5 +117,5 @@ def redis_server(workdir: Path) -> Iterator[str]:
                 sock.sendall(b"PING\r\n")
                 return sock.recv(16).startswith(b"+PONG")
 
-        wait_until(is_up, timeout=10, what=f"redis-server (pid {process.pid}) answering on port {port}")
+        wait_until(is_up, timeout=30, what=f"redis-server (pid {process.pid}) answering on port {port}")
         yield f"redis://127.0.0.1:{port}/0"
