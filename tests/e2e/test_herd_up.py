@@ -89,25 +89,34 @@ def test_gateway_block_hashes_match_the_workers(herd_up: Up) -> None:
     """The index holds the hashes workers publish; a predicted hit means the gateway computed the same ones."""
     prompt = " ".join(f"word{number}" for number in range(60))
     body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 2}
+    indexed_before = indexed_blocks(herd_up)
     first = httpx.post(f"{herd_up.base_url}/v1/chat/completions", json=body, timeout=60)
     assert first.status_code == 200
+    chosen = first.headers[WORKER_HEADER]
+    # This prompt's blocks, not an earlier test's, whatever the order and speed of the tests.
     wait_until(
-        lambda: any(
-            row["kv_blocks_indexed"] > 0
-            for row in httpx.get(f"{herd_up.base_url}/dashboard/data").json()["workers"]
-        ),
+        lambda: indexed_blocks(herd_up)[chosen] > indexed_before.get(chosen, 0),
         timeout=60,
         what="the worker's KV events reaching the index",
     )
+    hits_before = predicted_hit_blocks(herd_up)
     second = httpx.post(f"{herd_up.base_url}/v1/chat/completions", json=body, timeout=60)
-    assert second.headers[WORKER_HEADER] == first.headers[WORKER_HEADER]
-    metrics = httpx.get(f"{herd_up.base_url}/metrics").text
-    hit_sum = next(
+    assert second.headers[WORKER_HEADER] == chosen
+    assert predicted_hit_blocks(herd_up) - hits_before >= 1
+
+
+def indexed_blocks(up: Up) -> dict[str, int]:
+    rows = httpx.get(f"{up.base_url}/dashboard/data").json()["workers"]
+    return {row["id"]: int(row["kv_blocks_indexed"]) for row in rows}
+
+
+def predicted_hit_blocks(up: Up) -> float:
+    metrics = httpx.get(f"{up.base_url}/metrics").text
+    return next(
         float(line.split()[-1])
         for line in metrics.splitlines()
         if line.startswith("herd_router_predicted_cache_hit_blocks_sum")
     )
-    assert hit_sum >= 1
 
 
 def test_killing_a_worker_loses_no_unstarted_request(herd_up: Up) -> None:
