@@ -19,6 +19,7 @@ import httpx
 import pytest
 import pytest_asyncio
 from support.disagg import TOKEN, HostDispatch, InProcessWorker, start_worker
+from support.upstream_fakes import HttpxUpstream
 from support.worker_server import sse_data
 
 from herd.api.crd import KVCacheAwareRouting
@@ -72,7 +73,7 @@ async def cluster(tiny_llama: Path) -> AsyncIterator[Cluster]:
     )
     served = [worker.endpoint for worker in workers.values() if worker.role != "unified"]
     settings = AppSettings(internal_token=TOKEN, registry=RegistrySettings(poll_interval=0.05))
-    app = build_app(StaticSource([model], served), settings=settings, http=http)
+    app = build_app(StaticSource([model], served), settings=settings, http=http, upstream=HttpxUpstream(http))
     async with app.router.lifespan_context(app):
         registry = app.state.registry
         for _ in range(100):

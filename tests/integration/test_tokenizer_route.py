@@ -15,6 +15,7 @@ import pytest
 import pytest_asyncio
 from fastapi import FastAPI
 from support.gateway_fakes import wait_for
+from support.upstream_fakes import HttpxUpstream
 from support.worker_server import engine_config
 
 from herd.api.crd import KVCacheAwareRouting
@@ -95,7 +96,12 @@ async def test_an_orchestrator_without_the_folder_hashes_as_the_worker(
     endpoint = WorkerEndpoint("w0", "tiny", "http://worker.test", "http://worker.internal")
     settings = AppSettings(internal_token=TOKEN, registry=RegistrySettings(poll_interval=0.05))
     async with httpx.AsyncClient(transport=_ByHost(apps)) as upstream:
-        app = build_app(StaticSource([model], [endpoint]), settings=settings, http=upstream)
+        app = build_app(
+            StaticSource([model], [endpoint]),
+            settings=settings,
+            http=upstream,
+            upstream=HttpxUpstream(upstream),
+        )
         served_hashes = await _serve_and_fetch(app, tiny_llama)
     assert served_hashes
 

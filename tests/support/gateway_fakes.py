@@ -20,6 +20,7 @@ from herd.api.protocol import KVEvent, KVEventBatch, KVSnapshot, LoadReport
 from herd.orchestrator.app import AppSettings, build_app
 from herd.orchestrator.discovery import ModelConfig, StaticSource, WorkerEndpoint
 from herd.orchestrator.registry import RegistrySettings
+from support.upstream_fakes import HttpxUpstream
 
 MODEL = "tiny"
 
@@ -146,7 +147,9 @@ async def running_gateway(
     """The orchestrator app over ``cluster``, started, with every up worker admitted."""
     upstream = httpx.AsyncClient(transport=cluster.transport())
     settings = settings or AppSettings(registry=FAST_REGISTRY)
-    app = build_app(cluster.source(routing), settings=settings, http=upstream, **kwargs)  # type: ignore[arg-type]
+    app = build_app(
+        cluster.source(routing), settings=settings, http=upstream, upstream=HttpxUpstream(upstream), **kwargs
+    )  # type: ignore[arg-type]
     registry = app.state.registry
     try:
         async with app.router.lifespan_context(app):

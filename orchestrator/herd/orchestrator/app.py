@@ -29,6 +29,7 @@ from herd.orchestrator.proxy import build_http_client
 from herd.orchestrator.registry import Registry, RegistrySettings
 from herd.orchestrator.state import MemoryState, State
 from herd.orchestrator.telemetry import Telemetry
+from herd.orchestrator.upstream import UpstreamClient, UpstreamPool
 from herd.orchestrator.worker_client import WorkerClient
 
 __all__ = ["AppSettings", "build_app"]
@@ -50,16 +51,26 @@ def build_app(
     state: State | None = None,
     api_keys: ApiKeys | None = None,
     http: httpx.AsyncClient | None = None,
+    upstream: UpstreamClient | None = None,
 ) -> FastAPI:
-    """The orchestrator app; ``http`` replaces the shared upstream client (tests pass a mock transport)."""
+    """The orchestrator app. ``upstream`` replaces the proxy's client and ``http`` the one for every
+    other call to workers (tests pass fakes); the app closes the clients it creates."""
     settings = settings or AppSettings()
     client = http or build_http_client(connect_timeout=settings.gateway.connect_timeout)
+    pool = upstream or UpstreamPool(
+        connect_timeout=settings.gateway.connect_timeout, read_timeout=settings.gateway.request_timeout
+    )
     state = state or MemoryState()
     telemetry = Telemetry()
     registry = Registry(WorkerClient(client, token=settings.internal_token), state, settings.registry)
-    gateway = Gateway(registry, state, client, telemetry, settings.gateway)
+    gateway = Gateway(registry, state, client, pool, telemetry, settings.gateway)
 
-    lifespan = _lifespan(registry, source, client if http is None else None)
+    owned: list[httpx.AsyncClient | UpstreamClient] = []
+    if http is None:
+        owned.append(client)
+    if upstream is None:
+        owned.append(pool)
+    lifespan = _lifespan(registry, source, owned)
     app = FastAPI(title="herd orchestrator", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.registry, app.state.gateway, app.state.telemetry = registry, gateway, telemetry
     app.exception_handler(GatewayError)(_gateway_error)
@@ -69,9 +80,9 @@ def build_app(
 
 
 def _lifespan(
-    registry: Registry, source: WorkerSource, owned_client: httpx.AsyncClient | None
+    registry: Registry, source: WorkerSource, owned_clients: list[httpx.AsyncClient | UpstreamClient]
 ) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
-    """Follow the source while the app runs; close the upstream client if the app created it."""
+    """Follow the source while the app runs; close the clients the app created."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -82,8 +93,8 @@ def _lifespan(
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-            if owned_client is not None:
-                await owned_client.aclose()
+            for owned in owned_clients:
+                await owned.aclose()
 
     return lifespan
 

@@ -22,20 +22,20 @@ from herd.api.kv_hash import block_hashes
 from herd.api.protocol import WORKER_HEADER
 from herd.orchestrator.disagg import Handoff, TwoPhase
 from herd.orchestrator.model_metrics import ModelMetrics
-from herd.orchestrator.proxy import RelayResponse, Upstream, open_upstream
+from herd.orchestrator.proxy import RelayResponse
 from herd.orchestrator.registry import Registry
 from herd.orchestrator.routing import RequestContext, WorkerView, healthy
 from herd.orchestrator.served import RendererUnavailableError, ServedModel
 from herd.orchestrator.state import State
 from herd.orchestrator.telemetry import Telemetry
 from herd.orchestrator.tokens import prompt_token_ids
+from herd.orchestrator.upstream import Upstream, UpstreamClient, UpstreamError
 
 __all__ = ["Gateway", "GatewayError", "GatewaySettings"]
 
 log = logging.getLogger(__name__)
 
 _RETRY_STATUSES = frozenset({429, 502, 503, 504})
-_MAX_CACHED_URLS = 4096
 
 
 class GatewayError(Exception):
@@ -78,16 +78,16 @@ class Gateway:
         registry: Registry,
         state: State,
         http: httpx.AsyncClient,
+        upstream: UpstreamClient,
         telemetry: Telemetry,
         settings: GatewaySettings | None = None,
     ) -> None:
         self.registry = registry
         self.state = state
-        self.http = http
+        self.upstream = upstream
+        """The hot path's client; ``http`` serves the prefill phase of disaggregated models."""
         self.telemetry = telemetry
         self.settings = settings or GatewaySettings()
-        self.timeout = httpx.Timeout(self.settings.request_timeout, connect=self.settings.connect_timeout)
-        self._urls: dict[str, httpx.URL] = {}
         self._metrics: dict[str, ModelMetrics] = {}
         self.disagg = TwoPhase(registry, http, telemetry.registry, max_attempts=self.settings.max_attempts)
         self._untokenized: weakref.WeakSet[ServedModel] = weakref.WeakSet()
@@ -248,16 +248,15 @@ class Gateway:
             )
         try:
             content = await upstream.read_rest()
-        except httpx.HTTPError as error:
+        except UpstreamError as error:
             raise self._worker_failed(worker, error) from None
         self._finish(request, worker.id, upstream.status_code, None)
         return Response(content, upstream.status_code, headers={**upstream.headers_for_client(), **headers})
 
     async def _open(self, request: _Request, worker: WorkerView) -> Upstream:
-        url = self._url(worker.url + request.path)
         try:
-            upstream = await open_upstream(self.http, url, request.body, _UPSTREAM_HEADERS, self.timeout)
-        except httpx.HTTPError as error:
+            upstream = await self.upstream.post(worker.url + request.path, request.body)
+        except UpstreamError as error:
             raise self._worker_failed(worker, error) from None
         if upstream.status_code in _RETRY_STATUSES:
             await upstream.aclose()
@@ -266,17 +265,8 @@ class Gateway:
             raise GatewayError(503, f"worker {worker.id} answered {upstream.status_code}; retry shortly")
         return upstream
 
-    def _url(self, text: str) -> httpx.URL:
-        """Parsed once per worker and path: httpx's URL parsing is a large share of a request's cost."""
-        url = self._urls.get(text)
-        if url is None:
-            if len(self._urls) >= _MAX_CACHED_URLS:  # workers come and go (pods): never grow unbounded
-                self._urls.clear()
-            url = self._urls[text] = httpx.URL(text)
-        return url
-
-    def _worker_failed(self, worker: WorkerView, error: httpx.HTTPError) -> GatewayError:
-        reason = f"{type(error).__name__}: {error}"
+    def _worker_failed(self, worker: WorkerView, error: UpstreamError) -> GatewayError:
+        reason = str(error)
         self.registry.report_failure(worker.id, reason)
         return GatewayError(502, f"worker {worker.id} failed before answering ({reason}); retry the request")
 
@@ -288,9 +278,6 @@ class Gateway:
         metrics.e2e.observe(time.perf_counter() - request.started)
         metrics.in_flight.dec()
         self.telemetry.recent.record(ttft)
-
-
-_UPSTREAM_HEADERS = {"content-type": "application/json", "accept": "*/*"}
 
 
 def _hashes(served: ServedModel, token_ids: tuple[int, ...], cache_salt: Any) -> tuple[int, ...]:

@@ -1,19 +1,17 @@
-"""The streaming proxy: open a request on a worker, then relay its bytes to the client as they arrive.
+"""The streaming proxy's client side: relay a worker's open answer to the client as it arrives.
 
-``open_upstream`` sends the request and reads the first chunk before anything goes to the client,
-so a worker that fails before its first byte can still be replaced by another (the caller retries).
-``RelayResponse`` then writes each chunk the moment it arrives (no buffering), watches the client
-for a disconnect and, on one, closes the upstream stream so the worker aborts the request. A worker
+``RelayResponse`` writes each chunk the moment it arrives (no buffering), watches the client for a
+disconnect and, on one, closes the upstream answer so the worker aborts the request. A worker
 failing mid-stream ends the client's stream with an SSE error event rather than leaving it hanging.
-The upstream response is always closed, shielded from cancellation, and ``on_done`` always runs.
+The upstream answer is always closed, shielded from cancellation, and ``on_done`` always runs.
+Opening the answer (and retrying before its first byte) is ``herd.orchestrator.upstream``'s job.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 
 import anyio
 import httpx
@@ -21,63 +19,17 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from herd.api.openai import ErrorResponse
+from herd.orchestrator.upstream import Upstream, UpstreamError
 
-__all__ = ["RelayResponse", "Upstream", "build_http_client", "open_upstream", "sse_error"]
+__all__ = ["RelayResponse", "build_http_client", "sse_error"]
 
 log = logging.getLogger(__name__)
 
-_FORWARDED_RESPONSE_HEADERS = ("content-type", "retry-after")
-
 
 def build_http_client(*, max_connections: int = 1024, connect_timeout: float = 2.0) -> httpx.AsyncClient:
-    """The one client every upstream call shares: pooled keep-alive connections, bounded."""
+    """The client the orchestrator's other calls share (polling, prefill, tokenizer fetch): pooled, bounded."""
     limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
     return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(60.0, connect=connect_timeout))
-
-
-@dataclass(eq=False)
-class Upstream:
-    """An open worker response whose first chunk has been read already."""
-
-    response: httpx.Response
-    chunks: AsyncIterator[bytes]
-    first_chunk: bytes
-
-    @property
-    def status_code(self) -> int:
-        return self.response.status_code
-
-    def headers_for_client(self) -> dict[str, str]:
-        return {
-            name: value for name in _FORWARDED_RESPONSE_HEADERS if (value := self.response.headers.get(name))
-        }
-
-    async def read_rest(self) -> bytes:
-        """The whole body (for non-streaming requests); the response is closed afterwards."""
-        try:
-            return self.first_chunk + b"".join([chunk async for chunk in self.chunks])
-        finally:
-            await self.response.aclose()
-
-    async def aclose(self) -> None:
-        with anyio.CancelScope(shield=True):
-            await self.response.aclose()
-
-
-async def open_upstream(
-    http: httpx.AsyncClient, url: httpx.URL, body: bytes, headers: Mapping[str, str], timeouts: httpx.Timeout
-) -> Upstream:
-    """POST ``body`` to ``url`` and wait for the first chunk; raises ``httpx.HTTPError`` on failure."""
-    request = http.build_request("POST", url, content=body, headers=dict(headers), timeout=timeouts)
-    response = await http.send(request, stream=True)
-    chunks = response.aiter_raw()
-    try:
-        first_chunk = await anext(chunks, b"")
-    except BaseException:
-        with anyio.CancelScope(shield=True):
-            await response.aclose()
-        raise
-    return Upstream(response, chunks, first_chunk)
 
 
 def sse_error(message: str, status: int = 502) -> bytes:
@@ -117,9 +69,9 @@ class RelayResponse(Response):
         is_clean = True
         await send({"type": "http.response.body", "body": self.upstream.first_chunk, "more_body": True})
         try:
-            async for chunk in self.upstream.chunks:
+            async for chunk in self.upstream:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except httpx.HTTPError as error:
+        except UpstreamError as error:
             log.warning("upstream failed mid-stream", extra={"error": f"{type(error).__name__}: {error}"})
             message = "the worker failed mid-response; retry the request"
             await send({"type": "http.response.body", "body": sse_error(message), "more_body": True})

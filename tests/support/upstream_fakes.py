@@ -1,0 +1,47 @@
+"""The proxy's ``UpstreamClient`` over an httpx client, for tests whose workers sit behind
+``httpx.MockTransport`` or ``httpx.ASGITransport`` (no sockets). The real pool has its own tests."""
+
+from __future__ import annotations
+
+import httpx
+
+from herd.orchestrator.upstream import Upstream, UpstreamError
+
+
+class HttpxUpstream:
+    def __init__(self, http: httpx.AsyncClient) -> None:
+        self.http = http
+
+    async def post(self, url: str, body: bytes) -> Upstream:
+        request = self.http.build_request(
+            "POST", url, content=body, headers={"content-type": "application/json"}
+        )
+        try:
+            response = await self.http.send(request, stream=True)
+        except httpx.HTTPError as error:
+            raise UpstreamError(f"{type(error).__name__}: {error}") from None
+        stream = _HttpxBody(response)
+        try:
+            first_chunk = await stream.next_chunk()
+        except BaseException:
+            await stream.close()
+            raise
+        return Upstream(response.status_code, dict(response.headers), first_chunk, stream)
+
+    async def aclose(self) -> None:
+        """The httpx client belongs to the test."""
+
+
+class _HttpxBody:
+    def __init__(self, response: httpx.Response) -> None:
+        self.response = response
+        self._chunks = response.aiter_raw()
+
+    async def next_chunk(self) -> bytes:
+        try:
+            return await anext(self._chunks, b"")
+        except httpx.HTTPError as error:
+            raise UpstreamError(f"{type(error).__name__}: {error}") from None
+
+    async def close(self) -> None:
+        await self.response.aclose()
