@@ -227,9 +227,13 @@ def _metric(worker: WorkerProcess, name: str) -> float:
 def test_sigterm_drains_in_flight_work_then_exits(tiny_llama: Path, tmp_path: Path) -> None:
     events: list[str] = []
     first_event = threading.Event()
-    with worker_process(tiny_llama, log=tmp_path / "worker.log", token=TOKEN) as worker:
+    log = tmp_path / "worker.log"
+    # LONG tokens: the stream must still be running when SIGTERM lands, however fast the machine
+    with worker_process(
+        tiny_llama, log=log, token=TOKEN, max_model_len="2048", drain_timeout="300"
+    ) as worker:
         url = worker.url
-        body = {"model": "tiny", "messages": HELLO, "max_tokens": 120, "ignore_eos": True, "stream": True}
+        body = {"model": "tiny", "messages": HELLO, "max_tokens": LONG, "ignore_eos": True, "stream": True}
 
         def consume() -> None:
             with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as response:
@@ -242,11 +246,13 @@ def test_sigterm_drains_in_flight_work_then_exits(tiny_llama: Path, tmp_path: Pa
         reader.start()
         assert first_event.wait(timeout=60)
         os.kill(worker.process.pid, signal.SIGTERM)
-        wait_until(lambda: httpx.get(f"{url}/ready").status_code == 503, timeout=5, what="/ready turning 503")
+        wait_until(
+            lambda: httpx.get(f"{url}/ready").status_code == 503, timeout=30, what="/ready turning 503"
+        )
         refused = httpx.post(
             f"{url}/v1/chat/completions", json={"model": "tiny", "messages": HELLO, "max_tokens": 1}
         )
-        reader.join(timeout=120)
+        reader.join(timeout=300)
         assert worker.process.wait(timeout=30) == 0
     assert refused.status_code == 503
     assert events[-1] == "data: [DONE]"
