@@ -14,15 +14,23 @@ With 2 unified workers a long prompt's prefill runs in the same engine steps as 
 requests sharing its worker (chunks of ``maxBatchTokens`` tokens), stalling them: that is what ITL
 p99 shows. With disaggregation the prefill worker computes it and the decode worker only imports
 the blocks and computes the prompt's partial last block. The short prompts are below
-``prefillThresholdTokens`` and prefill on the decode worker in both setups.
+``prefillThresholdTokens``: the orchestrator sends them to the prefill worker only while it is idle
+(conditional disaggregation), otherwise they prefill on the decode worker.
 
-Reported per setup and per stream: TTFT, ITL and E2E (p50/p99); for the disaggregated setup the
-transfer overhead per long request from the decode worker's metrics (bytes, blocks, seconds) and the
+Reported per setup and per stream: TTFT, ITL and E2E (p50/p99) and the load average at the end of
+the setup's run; for the disaggregated setup the transfer overhead from the decode worker's metrics
+(bytes, blocks, seconds): averaged over every pull of the run (long and remotely prefilled short
+prompts alike), and for exactly one long request sent alone after the run (``probe``), with the
 orchestrator's per-phase timings. The setups run one after the other, each started fresh, warmed up
 (two short and one long request), measured, then stopped by pid.
 
     .venv/bin/python bench/disagg.py                          # writes bench/results/disagg.json
     .venv/bin/python bench/disagg.py --num-short 6 --num-long 2 --out /tmp/smoke.json
+    .venv/bin/python bench/disagg.py --transfer-stages   # bench/results/disagg_transfer_stages.json
+
+``--transfer-stages`` times the stages of one long prompt's transfer without a model or a server:
+the prefill side's gather of the leased blocks and frame encoding, the decode side's frame decoding
+and copy into its pool, on tensors of the benchmark's KV geometry.
 """
 
 from __future__ import annotations
@@ -30,13 +38,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shlex
+import statistics
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
+import torch
 from _common import (
     DEMO_MODEL,
     HOST,
@@ -51,6 +64,7 @@ from _common import (
 from prometheus_client.parser import text_string_to_metric_families
 
 from herd.cli.loadgen import BenchConfig, run_benchmark
+from herd.worker.kv_transfer import KVLayout, decode_frame, encode_frame
 
 __all__ = ["main"]
 
@@ -127,26 +141,40 @@ def metric_sums(url: str, names: tuple[str, ...]) -> dict[str, float]:
     return totals
 
 
+_TRANSFER_SAMPLES = (
+    "herd_kv_transfer_seconds_sum",
+    "herd_kv_transfer_seconds_count",
+    "herd_kv_transfer_bytes_total",
+    "herd_kv_transfer_blocks_total",
+)
+
+
 def transfer_overhead(gateway: str) -> dict[str, Any]:
     """Per pulled request on the decode worker, and the orchestrator's per-phase means."""
-    sums = metric_sums(
-        decode_url(gateway),
-        (
-            "herd_kv_transfer_seconds_sum",
-            "herd_kv_transfer_seconds_count",
-            "herd_kv_transfer_bytes_total",
-            "herd_kv_transfer_blocks_total",
-        ),
-    )
-    pulls = sums["herd_kv_transfer_seconds_count"] or 1.0
+    sums = metric_sums(decode_url(gateway), _TRANSFER_SAMPLES)
     phases = _phase_means(httpx.get(f"{gateway}/metrics", timeout=10).text)
+    return {**_per_pull(sums), "phase_mean_seconds": phases}
+
+
+def _per_pull(sums: dict[str, float]) -> dict[str, Any]:
+    pulls = sums["herd_kv_transfer_seconds_count"] or 1.0
     return {
         "num_pulls": int(sums["herd_kv_transfer_seconds_count"]),
         "seconds_per_request": round(sums["herd_kv_transfer_seconds_sum"] / pulls, 4),
         "megabytes_per_request": round(sums["herd_kv_transfer_bytes_total"] / pulls / 2**20, 2),
         "blocks_per_request": round(sums["herd_kv_transfer_blocks_total"] / pulls, 1),
-        "phase_mean_seconds": phases,
     }
+
+
+def probe_long_transfer(gateway: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The transfer of one long request sent alone after the run (a prompt not seen before)."""
+    url = decode_url(gateway)
+    before = metric_sums(url, _TRANSFER_SAMPLES)
+    config = stream_configs(gateway, args, warmup=True)[1].model_copy(update={"seed": args.seed + 2000})
+    report = asyncio.run(run_benchmark(config))
+    after = metric_sums(url, _TRANSFER_SAMPLES)
+    delta = _per_pull({name: after[name] - before[name] for name in _TRANSFER_SAMPLES})
+    return {**delta, "ttft_ms": report["ttft_ms"]["p50"] if report["ttft_ms"] else None}
 
 
 def _phase_means(text: str) -> dict[str, float]:
@@ -188,8 +216,10 @@ def measure(args: argparse.Namespace, *, disaggregated: bool, log_dir: Path) -> 
         asyncio.run(run_streams(stream_configs(gateway, args, warmup=True)))
         short, long = asyncio.run(run_streams(stream_configs(gateway, args, warmup=False)))
         result = {"setup": name, "short": summary_row(short), "long": summary_row(long)}
+        result["load_average_after_run"] = [round(value, 2) for value in os.getloadavg()]
         if disaggregated:
             result["transfer"] = transfer_overhead(gateway)
+            result["transfer"]["probe"] = probe_long_transfer(gateway, args)
     print(json.dumps(result, indent=2), flush=True)
     return result
 
@@ -207,6 +237,45 @@ def compare(unified: dict[str, Any], disagg: dict[str, Any]) -> dict[str, Any]:
         "ttft_p50_disagg_over_unified": {stream: round(value, 2) for stream, value in ttft.items()},
         "ttft_limit_met": all(value <= TTFT_LIMIT for value in ttft.values()),
     }
+
+
+def transfer_stages(num_blocks: int = 69, repeats: int = 5) -> dict[str, Any]:
+    """Median milliseconds per stage of moving ``num_blocks`` blocks (SmolLM2-135M, fp32, 1 GiB pool)."""
+    torch.set_num_threads(1)
+    layout = KVLayout("smollm2", "float32", 16, 30, 3, 64)
+    pool = torch.randn(30, 2, 1400, 16, 3, 64)
+    source_ids, target_ids = list(range(100, 100 + num_blocks)), list(range(600, 600 + num_blocks))
+    hashes = list(range(num_blocks))
+    kv = pool[:, :, source_ids].cpu()
+    frame = encode_frame(layout, hashes, kv)
+    received = decode_frame(frame)[2]
+
+    def import_blocks() -> None:
+        pool[:, :, target_ids] = received
+
+    stages = {
+        "gather_leased_blocks": lambda: pool[:, :, source_ids].cpu(),
+        "encode_frame": lambda: encode_frame(layout, hashes, kv),
+        "decode_frame": lambda: decode_frame(frame),
+        "copy_into_pool": import_blocks,
+    }
+    timings = {name: _median_ms(stage, repeats) for name, stage in stages.items()}
+    return {
+        "num_blocks": num_blocks,
+        "megabytes": round(kv.nbytes / 2**20, 2),
+        "frame_overhead_bytes": len(frame) - kv.nbytes,
+        "median_ms": timings,
+        "load_average": [round(value, 2) for value in os.getloadavg()],
+    }
+
+
+def _median_ms(stage: Callable[[], object], repeats: int) -> float:
+    samples = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        stage()
+        samples.append(time.perf_counter() - started)
+    return round(statistics.median(samples) * 1000, 1)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -227,11 +296,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--num-long", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "disagg.json")
+    parser.add_argument(
+        "--transfer-stages", action="store_true", help="time the transfer's stages only (no servers)"
+    )
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.transfer_stages:
+        stages = {
+            "benchmark": "KV transfer stages, 69 blocks",
+            "machine": machine_info(),
+            **transfer_stages(),
+        }
+        write_json(REPO / "bench" / "results" / "disagg_transfer_stages.json", stages)
+        print(json.dumps(stages, indent=2))
+        return 0
     with tempfile.TemporaryDirectory(prefix="herd-bench-disagg-") as folder:
         unified = measure(args, disaggregated=False, log_dir=Path(folder))
         disagg = measure(args, disaggregated=True, log_dir=Path(folder))
