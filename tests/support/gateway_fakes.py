@@ -171,7 +171,7 @@ def _is_up(cluster: FakeCluster, worker_id: str) -> bool:
     return next(worker for worker in cluster.workers if worker.id == worker_id).is_up
 
 
-async def wait_for(check: Callable[[], bool], *, within: float = 3.0) -> float:
+async def wait_for(check: Callable[[], bool], *, within: float = 30.0) -> float:
     """Poll ``check()`` until true; returns the seconds it took; bounded by ``within`` seconds."""
     loop = asyncio.get_running_loop()
     start = loop.time()
