@@ -23,6 +23,8 @@ tenant is a session, so sticky routing pins each tenant to one worker.
     .venv/bin/python bench/routing_strategies.py         # writes bench/results/routing_strategies.json
     .venv/bin/python bench/routing_strategies.py --num-requests 6 --strategies round_robin,prefix_hash \\
         --out /tmp/smoke.json
+    .venv/bin/python bench/routing_strategies.py --strategies round_robin,kv_cache_aware --kv-load-weight 0 \
+        --out bench/results/routing_strategies_kv_load_weight0.json
 """
 
 from __future__ import annotations
@@ -146,9 +148,16 @@ def manifest(args: argparse.Namespace, strategy: str, engine: dict[str, Any]) ->
             "model": {"source": f"file://{args.model.resolve()}", "servedName": SERVED_NAME},
             "engine": engine,
             "workers": {"replicas": 2},
-            "routing": {"strategy": strategy},
+            "routing": routing(args, strategy),
         },
     }
+
+
+def routing(args: argparse.Namespace, strategy: str) -> dict[str, Any]:
+    """``spec.routing``: the strategy's defaults, except kv_cache_aware's ``loadWeight`` if given."""
+    if strategy == "kv_cache_aware" and args.kv_load_weight is not None:
+        return {"strategy": strategy, "loadWeight": args.kv_load_weight}
+    return {"strategy": strategy}
 
 
 def run_config(args: argparse.Namespace, *, url: str, tag: str, is_warmup: bool = False) -> TaggedRunConfig:
@@ -290,6 +299,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch/OpenMP threads per worker")
     parser.add_argument("--max-batch-tokens", type=int, default=1024)
+    parser.add_argument(
+        "--kv-load-weight", type=float, default=None, help="kv_cache_aware's loadWeight (default: the CRD's)"
+    )
     parser.add_argument("--restart-workers", action="store_true", help="fresh workers for every strategy")
     parser.add_argument(
         "--max-seconds", type=float, default=120.0, help="stop sending after this per strategy"
