@@ -9,7 +9,9 @@ reports reach the orchestrator only at the registry's next poll (every 250 ms).
 
 What is modelled: there is no model. A worker step costs ``step_ms + token_ms x tokens`` of
 simulated time (defaults near SmolLM2 fp32 on one CPU thread: a 300-token prefill about 0.5 s, a
-decode step 60 ms), and the two workers step independently. Clients form a closed loop: ``N``
+decode step 60 ms), and the two workers step independently (no contention for the CPU). A step's
+effects on the cache (committed blocks, their events) happen when it is planned, up to one step
+before its simulated end. Clients form a closed loop: ``N``
 requests in flight, each finished request immediately replaced by the next one. Tenants are drawn
 i.i.d. uniformly by ``herd.cli.loadgen``'s own shared-prefix workload (the tenant and user-turn
 length of every request are its draws); every tenant's system prompt is ``prefix_blocks`` full
