@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import sys
@@ -17,7 +16,7 @@ from herd.orchestrator.app import AppSettings, build_app
 from herd.orchestrator.auth import load_api_keys
 from herd.orchestrator.discovery import ModelConfig, StaticSource, WorkerEndpoint, WorkerSource
 from herd.orchestrator.gateway import GatewaySettings
-from herd.orchestrator.server import serve
+from herd.orchestrator.server import run_server
 from herd.orchestrator.state import build_state
 
 __all__ = ["local_model_path", "model_configs", "parse_worker", "register"]
@@ -87,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         gateway=GatewaySettings(request_timeout=args.request_timeout),
     )
     app = build_app(source, settings=settings, state=build_state(args.redis), api_keys=api_keys)
-    asyncio.run(serve(app, host=args.host, port=args.port))
+    run_server(app, host=args.host, port=args.port)
     return 0
 
 

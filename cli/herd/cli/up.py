@@ -8,7 +8,6 @@ Ctrl-C or SIGTERM stops everything, each worker by its own pid.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import secrets
@@ -32,7 +31,7 @@ from herd.api.protocol import Role
 from herd.cli.orchestrator import local_model_path
 from herd.orchestrator.app import AppSettings, build_app
 from herd.orchestrator.discovery import ModelConfig, StaticSource, WorkerEndpoint
-from herd.orchestrator.server import serve
+from herd.orchestrator.server import run_server
 
 __all__ = ["LocalWorker", "UpError", "plan_workers", "register"]
 
@@ -196,7 +195,7 @@ def _serve(deployments: list[ModelDeployment], workers: list[LocalWorker], token
     source = StaticSource(models, [worker.endpoint for worker in workers])
     app = build_app(source, settings=AppSettings(internal_token=token))
     names = [model.served_name for model in models]
-    asyncio.run(serve(app, host=HOST, port=port, on_started=lambda: _print_endpoint(port, names)))
+    run_server(app, host=HOST, port=port, on_started=lambda: _print_endpoint(port, names))
 
 
 def run(args: argparse.Namespace) -> int:

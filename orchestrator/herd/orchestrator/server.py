@@ -1,4 +1,4 @@
-"""Serving the orchestrator app with uvicorn on one host and port."""
+"""Serving the orchestrator app with uvicorn on one host and port, on uvloop."""
 
 from __future__ import annotations
 
@@ -6,12 +6,18 @@ import asyncio
 from collections.abc import Callable
 
 import uvicorn
+import uvloop
 from fastapi import FastAPI
 
-__all__ = ["serve"]
+__all__ = ["run_server", "serve"]
 
 _STARTUP_POLL_SECONDS = 0.05
 _STARTUP_LIMIT_SECONDS = 60.0
+
+
+def run_server(app: FastAPI, *, host: str, port: int, on_started: Callable[[], None] | None = None) -> None:
+    """``serve`` on a uvloop event loop (``asyncio.run`` would give the slower pure-Python loop)."""
+    uvloop.run(serve(app, host=host, port=port, on_started=on_started))
 
 
 async def serve(app: FastAPI, *, host: str, port: int, on_started: Callable[[], None] | None = None) -> None:

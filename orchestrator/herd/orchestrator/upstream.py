@@ -19,7 +19,7 @@ import collections
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 from urllib.parse import urlsplit
 
 import anyio
@@ -301,8 +301,7 @@ class _Connection(asyncio.Protocol):
     # asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        self._transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass it
         sock = transport.get_extra_info("socket")
         if sock is not None:  # chunks are small and must leave at once: no Nagle delay
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 import pytest_asyncio
+import uvloop
 
 from herd.orchestrator.upstream import UpstreamError, UpstreamPool
 
@@ -46,15 +47,19 @@ class Server:
             writer.close()
 
 
+async def start_server(answer: Answer) -> Server:
+    server = Server(answer)
+    server.server = await asyncio.start_server(server._serve, "127.0.0.1", 0)
+    return server
+
+
 @pytest_asyncio.fixture
 async def serve() -> AsyncIterator[Callable[[Answer], Awaitable[Server]]]:
     servers: list[Server] = []
 
     async def start(answer: Answer) -> Server:
-        server = Server(answer)
-        server.server = await asyncio.start_server(server._serve, "127.0.0.1", 0)
-        servers.append(server)
-        return server
+        servers.append(await start_server(answer))
+        return servers[-1]
 
     yield start
     for server in servers:
@@ -245,3 +250,21 @@ async def test_a_slow_reader_pauses_the_worker_instead_of_buffering_everything(
     await upstream.aclose()
     await client.aclose()
     assert server.num_connections == 1
+
+
+def test_the_pool_works_on_uvloop_the_loop_the_orchestrator_serves_on() -> None:
+    """uvloop's transports are not asyncio's classes (the rest of this module runs on asyncio)."""
+
+    async def scenario() -> None:
+        server = await start_server(chunked)
+        client = pool()
+        upstream = await client.post(server.url, b"{}")
+        assert [upstream.first_chunk, *[chunk async for chunk in upstream]][-1] == b"data: 2\n\n"
+        await upstream.aclose()
+        assert (await (await client.post(server.url, b"{}")).read_rest()).count(b"data:") == 3
+        assert server.num_connections == 1
+        await client.aclose()
+        assert server.server is not None
+        server.server.close()
+
+    uvloop.run(scenario())

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import uvicorn
+import uvloop
 from fastapi import FastAPI
 
 from herd.worker.async_engine import AsyncEngine, EngineCore
@@ -49,7 +50,7 @@ class _Server(uvicorn.Server):
 
 def serve(config: EngineConfig, options: ServeOptions) -> int:
     """Run the worker until it is drained; returns the process exit code."""
-    return asyncio.run(_serve(lambda: LLMEngine(config), config.served_name, options))
+    return uvloop.run(_serve(lambda: LLMEngine(config), config.served_name, options))
 
 
 async def _serve(factory: Callable[[], EngineCore], served_name: str, options: ServeOptions) -> int:
