@@ -49,3 +49,13 @@ def test_herd_operator_process_reconciles_and_reports_liveness(tmp_path: Path) -
             assert process.wait(timeout=60) == 0
         log = (tmp_path / "operator.log").read_text()
         assert '"component": "operator"' in log
+
+
+@pytest.mark.parametrize("scope", [["-n", "default"], ["-A"]], ids=["namespace", "cluster-wide"])
+def test_herd_operator_refuses_to_start_before_its_crd_is_installed(tmp_path: Path, scope: list[str]) -> None:
+    herd = shutil.which("herd") or str(REPO / ".venv" / "bin" / "herd")
+    with kube_emulator(tmp_path / "kube") as kube:
+        argv = [herd, "operator", *scope, "--standalone", "--kubeconfig", str(kube.kubeconfig)]
+        with running(argv, log=tmp_path / "operator.log") as process:
+            assert process.wait(timeout=60) == 2
+    assert "install the ModelDeployment CRD first" in (tmp_path / "operator.log").read_text()

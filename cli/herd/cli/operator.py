@@ -15,7 +15,7 @@ __all__ = ["operator_config", "register", "run"]
 def run(args: argparse.Namespace) -> int:
     # kopf is imported only when the operator runs.
     from herd.operator.kube import CredentialsError, load_connection
-    from herd.operator.runner import run_operator
+    from herd.operator.runner import CrdMissingError, run_operator
 
     try:
         load_connection(args.kubeconfig)
@@ -25,11 +25,15 @@ def run(args: argparse.Namespace) -> int:
     configure_logging("operator", args.log_level)
     config = operator_config(args)
     namespaces = [] if args.all_namespaces else args.namespace
-    asyncio.run(
-        run_operator(
-            config, namespaces=namespaces, standalone=args.standalone, liveness_endpoint=args.liveness
+    try:
+        asyncio.run(
+            run_operator(
+                config, namespaces=namespaces, standalone=args.standalone, liveness_endpoint=args.liveness
+            )
         )
-    )
+    except CrdMissingError as error:
+        print(f"herd operator: {error}", file=sys.stderr)
+        return 2
     return 0
 
 

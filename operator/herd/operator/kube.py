@@ -116,6 +116,15 @@ class KubeApi:
         response = await self.http.get(resource_path(api_version, plural, namespace, name))
         return None if response.status_code == 404 else _json(response)
 
+    async def serves(self, api_version: str, plural: str, namespace: str | None) -> bool:
+        """Whether the API server knows this resource type (in ``namespace``, or cluster-wide for ``None``)."""
+        path = resource_path(api_version, plural, namespace) if namespace else f"/apis/{api_version}/{plural}"
+        response = await self.http.get(path, params={"limit": "1"})
+        if response.status_code == 404:
+            return False
+        _json(response)
+        return True
+
     async def list(self, api_version: str, plural: str, namespace: str, selector: str) -> list[Object]:
         path = resource_path(api_version, plural, namespace)
         items: list[Object] = _json(await self.http.get(path, params={"labelSelector": selector}))["items"]
