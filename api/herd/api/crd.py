@@ -145,7 +145,11 @@ class ServingSpec(_Spec):
     prefill_threshold_tokens: int = Field(
         default=256,
         ge=0,
-        description="Disaggregated only: requests whose uncached prompt part is shorter prefill on the decode worker.",
+        description=(
+            "Disaggregated only: uncached prompt parts of at least this many tokens always prefill on the "
+            "prefill pool; shorter ones prefill there only while a prefill worker is idle (and from 4 "
+            "blocks on), else on the decode worker."
+        ),
     )
 
 
