@@ -159,11 +159,15 @@ async def test_prefill_holds_blocks_until_the_decode_side_releases_them(workers:
 async def test_an_expired_lease_frees_its_blocks_and_is_counted(workers: Workers) -> None:
     worker = workers["prefill"]
     expired_before = await worker.metric("herd_kv_leases_expired_total")
-    params = await prefill(worker, chat(sentence(random.Random(13), 60)), lease_seconds=0.5)
-    held = await worker.total_blocks() - len(params["remote_block_ids"])
+    # long enough that even a loaded machine sees the blocks held first; then wait for the expiry
+    params = await prefill(worker, chat(sentence(random.Random(13), 60)), lease_seconds=5.0)
+    total = await worker.total_blocks()
+    held = total - len(params["remote_block_ids"])
     assert await worker.settled_free_blocks(held) == held
-    await asyncio.sleep(1.0)
-    assert await worker.settled_free_blocks() == await worker.total_blocks()
+    for _ in range(12):  # settled_free_blocks waits up to 2.5 s itself: about 30 s in all
+        if await worker.settled_free_blocks() == total:
+            break
+    assert await worker.settled_free_blocks() == total
     assert await worker.metric("herd_kv_leases_expired_total") == expired_before + 1
     body = {
         "remote_request_id": params["remote_request_id"],
