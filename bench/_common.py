@@ -9,8 +9,6 @@ import contextlib
 import json
 import os
 import platform
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -39,16 +37,13 @@ __all__ = [
 ]
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))  # one free_port and one stop-by-pid for tests and benchmarks
+from support.procs import free_port, stop_process  # noqa: E402
+
 DEMO_MODEL = REPO / ".cache" / "models" / "smollm2-135m-instruct"
 HOST = "127.0.0.1"
 # SmolLM2-135M, fp32: K and V x 30 layers x 3 KV heads x head_dim 64 x 4 bytes.
 BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 4
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
 
 
 def thread_env(num_threads: int) -> dict[str, str]:
@@ -104,18 +99,6 @@ def _wait_ready(process: subprocess.Popen[bytes], url: str, timeout: float, log:
         time.sleep(0.5)
 
 
-def _stop(process: subprocess.Popen[bytes], grace: float = 20.0) -> None:
-    """SIGTERM by pid, SIGKILL after ``grace`` seconds."""
-    if process.poll() is not None:
-        return
-    os.kill(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        os.kill(process.pid, signal.SIGKILL)
-        process.wait(timeout=grace)
-
-
 @contextlib.contextmanager
 def serving(
     argv: Sequence[str], *, ready_url: str, log: Path, env: dict[str, str], timeout: float = 300.0
@@ -130,7 +113,7 @@ def serving(
         _wait_ready(process, ready_url, timeout, log)
         yield process
     finally:
-        _stop(process)
+        stop_process(process, grace=20.0)
 
 
 def run_load(
