@@ -6,7 +6,6 @@ app through the in-process transport) and a unified worker as the reference for 
 
 from __future__ import annotations
 
-import asyncio
 import random
 from collections.abc import AsyncIterator
 from pathlib import Path
