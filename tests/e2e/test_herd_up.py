@@ -15,7 +15,7 @@ import pytest
 from support.herd_up import Up, herd_up_of
 from support.procs import wait_until
 
-from herd.api.protocol import WORKER_HEADER
+from herd.api.protocol import REQUEST_ID_HEADER, WORKER_HEADER
 
 pytestmark = pytest.mark.e2e
 
@@ -83,6 +83,32 @@ def test_openai_sdk_streams_through_the_gateway(herd_up: Up) -> None:
     )
     assert response.status_code == 200 and response.headers[WORKER_HEADER].startswith("tiny-workers-")
     assert len(herd_up.worker_pids()) == 2
+
+
+@pytest.mark.parametrize(
+    ("given", "is_kept"),
+    [("trace-7", True), ("", False), ("x" * 129, False)],
+    ids=["valid", "empty", "too-long"],
+)
+def test_the_clients_request_id_reaches_the_worker_and_comes_back(
+    herd_up: Up, given: str, is_kept: bool
+) -> None:
+    for stream in (False, True):
+        response = httpx.post(
+            f"{herd_up.base_url}/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2,
+                "stream": stream,
+            },
+            headers={REQUEST_ID_HEADER: given},
+            timeout=60,
+        )
+        assert response.status_code == 200, response.text
+        echoed = response.headers[REQUEST_ID_HEADER]
+        assert (echoed == given) is is_kept and echoed  # an invalid id is replaced by the worker's own
+        assert f'"chatcmpl-{echoed}"' in response.text  # the worker named its answer after it
 
 
 def test_gateway_block_hashes_match_the_workers(herd_up: Up) -> None:

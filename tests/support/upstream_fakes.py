@@ -12,10 +12,9 @@ class HttpxUpstream:
     def __init__(self, http: httpx.AsyncClient) -> None:
         self.http = http
 
-    async def post(self, url: str, body: bytes) -> Upstream:
-        request = self.http.build_request(
-            "POST", url, content=body, headers={"content-type": "application/json"}
-        )
+    async def post(self, url: str, body: bytes, *, request_id: str | None = None) -> Upstream:
+        headers = {"content-type": "application/json", **({"x-request-id": request_id} if request_id else {})}
+        request = self.http.build_request("POST", url, content=body, headers=headers)
         try:
             response = await self.http.send(request, stream=True)
         except httpx.HTTPError as error:

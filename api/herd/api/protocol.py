@@ -18,6 +18,7 @@ __all__ = [
     "LABEL_MANAGED_BY",
     "LABEL_ROLE",
     "MANAGED_BY",
+    "REQUEST_ID_HEADER",
     "TOKEN_HEADER",
     "WORKER_HEADER",
     "KVEvent",
@@ -28,6 +29,7 @@ __all__ = [
     "Role",
     "TokenizerFiles",
     "WorkerInfo",
+    "is_valid_request_id",
 ]
 
 Role = Literal["unified", "prefill", "decode"]
@@ -36,6 +38,16 @@ TOKEN_HEADER = "X-Herd-Token"
 """Carries the shared internal token on every internal request."""
 WORKER_HEADER = "X-Herd-Worker"
 """Names the worker that served a request, on the orchestrator's responses."""
+REQUEST_ID_HEADER = "X-Request-Id"
+"""A client's id for its request: the gateway passes it to the worker, which uses it for the
+response's ``id`` and echoes it (making one up when the client sent none or an invalid one)."""
+_MAX_REQUEST_ID_LEN = 128
+
+
+def is_valid_request_id(value: str) -> bool:
+    """Whether a client's ``X-Request-Id`` is used as given: 1-128 printable ASCII characters."""
+    return 0 < len(value) <= _MAX_REQUEST_ID_LEN and value.isascii() and value.isprintable()
+
 
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGED_BY = "herd"

@@ -19,7 +19,7 @@ import httpx
 from starlette.responses import Response
 
 from herd.api.kv_hash import block_hashes
-from herd.api.protocol import WORKER_HEADER
+from herd.api.protocol import REQUEST_ID_HEADER, WORKER_HEADER, is_valid_request_id
 from herd.orchestrator.disagg import Handoff, TwoPhase
 from herd.orchestrator.model_metrics import ModelMetrics
 from herd.orchestrator.proxy import RelayResponse
@@ -70,6 +70,12 @@ class _Request:
     """Tried first when open (the decode worker a disaggregated plan paired with its prefill)."""
     prefill_seconds: float | None = None
     handoff: Handoff | None = None
+
+    @property
+    def request_id(self) -> str | None:
+        """The client's ``X-Request-Id``, passed on when the worker would use it as given."""
+        value = self.ctx.headers.get(REQUEST_ID_HEADER)
+        return value if value is not None and is_valid_request_id(value) else None
 
 
 class Gateway:
@@ -255,7 +261,9 @@ class Gateway:
 
     async def _open(self, request: _Request, worker: WorkerView) -> Upstream:
         try:
-            upstream = await self.upstream.post(worker.url + request.path, request.body)
+            upstream = await self.upstream.post(
+                worker.url + request.path, request.body, request_id=request.request_id
+            )
         except UpstreamError as error:
             raise self._worker_failed(worker, error) from None
         if upstream.status_code in _RETRY_STATUSES:

@@ -27,7 +27,7 @@ import httptools
 
 __all__ = ["Upstream", "UpstreamClient", "UpstreamError", "UpstreamPool"]
 
-_FORWARDED_RESPONSE_HEADERS = ("content-type", "retry-after")
+_FORWARDED_RESPONSE_HEADERS = ("content-type", "retry-after", "x-request-id")
 _PAUSE_ABOVE = 1 << 20
 """Buffered response bytes above which reading from the worker pauses (the client is slower)."""
 _RESUME_BELOW = 1 << 18
@@ -86,8 +86,9 @@ class Upstream:
 class UpstreamClient(Protocol):
     """What the gateway needs to reach a worker (``UpstreamPool``; tests substitute fakes)."""
 
-    async def post(self, url: str, body: bytes) -> Upstream:
-        """POST the JSON ``body`` to ``url`` and wait for the first body chunk (raises ``UpstreamError``)."""
+    async def post(self, url: str, body: bytes, *, request_id: str | None = None) -> Upstream:
+        """POST the JSON ``body`` to ``url`` (with ``X-Request-Id`` when given) and wait for the first
+        body chunk; raises ``UpstreamError``."""
         ...
 
     async def aclose(self) -> None: ...
@@ -113,9 +114,10 @@ class UpstreamPool:
         self._idle: dict[tuple[str, int], collections.deque[_Connection]] = {}
         self._targets: dict[str, _Target] = {}
 
-    async def post(self, url: str, body: bytes) -> Upstream:
+    async def post(self, url: str, body: bytes, *, request_id: str | None = None) -> Upstream:
         target = self._target(url)
-        request = b"%b%d\r\n\r\n%b" % (target.head, len(body), body)
+        extra = b"\r\nx-request-id: %b" % request_id.encode("ascii") if request_id else b""
+        request = b"%b%d%b\r\n\r\n%b" % (target.head, len(body), extra, body)
         while True:
             connection, is_reused = await self._acquire(target)
             connection.send(request)

@@ -24,6 +24,7 @@ class Server:
         self.answer = answer
         self.num_connections = 0
         self.bodies: list[bytes] = []
+        self.heads: list[bytes] = []
         self.hung_up = asyncio.Event()
         self.server: asyncio.Server | None = None
 
@@ -38,6 +39,7 @@ class Server:
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
+                self.heads.append(head)
                 length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
                 self.bodies.append(await reader.readexactly(length))
                 await self.answer(reader, writer)
@@ -100,6 +102,17 @@ async def test_a_sized_answer_is_read_whole_and_the_connection_is_reused(
         assert await upstream.read_rest() == JSON
     assert server.bodies == [b'{"n": 0}', b'{"n": 1}', b'{"n": 2}']
     assert server.num_connections == 1
+    await client.aclose()
+
+
+async def test_a_request_id_travels_as_a_header(serve: Callable[[Answer], Awaitable[Server]]) -> None:
+    server = await serve(sized)
+    client = pool()
+    await (await client.post(server.url, b"{}", request_id="trace-7")).read_rest()
+    await (await client.post(server.url, b"{}")).read_rest()
+    assert b"\r\nx-request-id: trace-7\r\n" in server.heads[0]
+    assert b"x-request-id" not in server.heads[1]
+    assert server.bodies == [b"{}", b"{}"]
     await client.aclose()
 
 

@@ -8,10 +8,9 @@ from starlette.datastructures import MutableHeaders
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-__all__ = ["REQUEST_ID_HEADER", "RequestIdMiddleware", "request_id"]
+from herd.api.protocol import REQUEST_ID_HEADER, is_valid_request_id
 
-REQUEST_ID_HEADER = "X-Request-Id"
-_MAX_LEN = 128
+__all__ = ["RequestIdMiddleware", "request_id"]
 
 
 class RequestIdMiddleware:
@@ -25,11 +24,7 @@ class RequestIdMiddleware:
             await self.app(scope, receive, send)
             return
         given = Request(scope).headers.get(REQUEST_ID_HEADER, "")
-        value = (
-            given
-            if 0 < len(given) <= _MAX_LEN and given.isascii() and given.isprintable()
-            else uuid.uuid4().hex
-        )
+        value = given if is_valid_request_id(given) else uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = value
 
         async def send_with_id(message: Message) -> None:
