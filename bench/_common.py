@@ -11,7 +11,6 @@ import os
 import platform
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -38,7 +37,7 @@ __all__ = [
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))  # one free_port and one stop-by-pid for tests and benchmarks
-from support.procs import free_port, stop_process  # noqa: E402
+from support.procs import free_port, running, wait_until  # noqa: E402
 
 DEMO_MODEL = REPO / ".cache" / "models" / "smollm2-135m-instruct"
 HOST = "127.0.0.1"
@@ -80,40 +79,20 @@ def herd_worker_argv(
     ]
 
 
-def _is_ready(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=2.0).status_code == httpx.codes.OK
-    except httpx.HTTPError:
-        return False
-
-
-def _wait_ready(process: subprocess.Popen[bytes], url: str, timeout: float, log: Path) -> None:
-    deadline = time.monotonic() + timeout
-    while not _is_ready(url):
-        if process.poll() is not None:
-            raise RuntimeError(
-                f"server exited with code {process.returncode} before {url} was ready; see {log}"
-            )
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{url} was not ready after {timeout:.0f}s; see {log}")
-        time.sleep(0.5)
-
-
 @contextlib.contextmanager
 def serving(
     argv: Sequence[str], *, ready_url: str, log: Path, env: dict[str, str], timeout: float = 300.0
 ) -> Iterator[subprocess.Popen[bytes]]:
     """A server subprocess (output to ``log``) once ``ready_url`` answers 200; stopped by pid on exit."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("wb") as sink:
-        process = subprocess.Popen(
-            list(argv), stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, **env}
-        )
-    try:
-        _wait_ready(process, ready_url, timeout, log)
+    with running(argv, log=log, env=env, grace=20.0) as process:
+
+        def is_ready() -> bool:
+            assert process.poll() is None, f"server exited with code {process.returncode}; see {log}"
+            return httpx.get(ready_url, timeout=2.0).status_code == httpx.codes.OK
+
+        wait_until(is_ready, timeout=timeout, interval=0.5, what=f"{ready_url} answering 200 (see {log})")
         yield process
-    finally:
-        stop_process(process, grace=20.0)
 
 
 def run_load(

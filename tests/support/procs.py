@@ -71,9 +71,10 @@ def stop_process(process: subprocess.Popen[bytes], *, grace: float = 10.0) -> No
 
 @contextlib.contextmanager
 def running(
-    argv: Sequence[str], *, log: Path, env: dict[str, str] | None = None
+    argv: Sequence[str], *, log: Path, env: dict[str, str] | None = None, grace: float = 10.0
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """Run ``argv`` with output to ``log``; always stopped by its own pid on exit."""
+    """Run ``argv`` with output to ``log``; always stopped by its own pid on exit (SIGKILL after
+    ``grace`` seconds)."""
     with log.open("wb") as sink:
         process = subprocess.Popen(
             list(argv), stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
@@ -81,7 +82,7 @@ def running(
         try:
             yield process
         finally:
-            stop_process(process)
+            stop_process(process, grace=grace)
 
 
 def redis_argv(port: int, workdir: Path) -> list[str]:

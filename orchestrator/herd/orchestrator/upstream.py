@@ -1,9 +1,8 @@
 """HTTP/1.1 to the workers on the proxy's hot path: pooled keep-alive connections parsed by httptools.
 
 The proxy needs one thing from HTTP: POST a JSON body to a worker it already knows and hand back the
-answer's bytes as they arrive. httpx's client spends about a millisecond of CPU on that per request
-on a small machine (request and URL models, header merging, cookies, h11), which is more than the
-gateway's whole latency budget. ``UpstreamPool`` sends each request in one write on a pooled
+answer's bytes as they arrive. httpx's client layers (request and URL models, header merging,
+cookies, h11) led the gateway's CPU profile for that (docs/benchmarks/gateway.md). ``UpstreamPool`` sends each request in one write on a pooled
 connection and parses the answer with httptools (the C parser uvicorn serves with), chunk by chunk
 with flow control. httpx still does the orchestrator's other calls (polling, prefill, KV transfer).
 

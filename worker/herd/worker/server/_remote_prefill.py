@@ -126,8 +126,9 @@ class RemotePrefill:
 
     def _record(self, imported: asyncio.Future[int], started: float, num_blocks: int, num_bytes: int) -> None:
         """Transfer time and log line of one finished import (a failed one leaves a local prefill)."""
-        if imported.cancelled() or imported.exception() is not None:
-            log.warning("KV import failed; prefilling locally", extra={"error": str(imported.exception())})
+        error = "cancelled" if imported.cancelled() else imported.exception()
+        if error is not None:  # exception() itself raises on a cancelled future
+            log.warning("KV import failed; prefilling locally", extra={"error": str(error)})
             return
         seconds = time.perf_counter() - started
         self.metrics.seconds.labels(self.metrics.model_name).observe(seconds)
