@@ -95,8 +95,8 @@ async def prompt_tokens(worker: InProcessWorker, body: dict[str, Any]) -> list[i
 
 
 def num_pullable(tokens: list[int]) -> int:
-    """The full blocks before the one holding the last prompt token (the decode side recomputes that one)."""
-    return (len(tokens) - 1) // BLOCK
+    """The prompt's full blocks: the prefill worker leases them all."""
+    return len(tokens) // BLOCK
 
 
 async def num_held_blocks(worker: InProcessWorker, tokens: list[int]) -> int:
@@ -218,4 +218,44 @@ async def test_the_decode_side_refuses_blocks_of_another_prompt(workers: Workers
     response = await workers["decode"].public(CHAT, {**body, "kv_transfer_params": params})
     assert response.status_code == 409
     assert "different models" in response.json()["error"]["message"]
+    await assert_every_block_free(workers)
+
+
+async def forced_first_token(workers: Workers, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """A prefill whose logit bias forces a first token the model would not pick greedily."""
+    plain = await prefill(workers["prefill"], body)
+    await release(workers["prefill"], plain)
+    forced = (plain["first_token_ids"][0] + 1) % 200
+    params = await prefill(workers["prefill"], {**body, "logit_bias": {str(forced): 100.0}})
+    assert params["first_token_ids"] == [forced]  # sampled with the request's own settings
+    return forced, params
+
+
+async def test_the_decode_side_continues_from_the_prefill_workers_first_token(workers: Workers) -> None:
+    prompt = (await workers["decode"].public("/tokenize", {"prompt": sentence(random.Random(17), 50)})).json()
+    body = {
+        "model": "tiny",
+        "prompt": prompt["tokens"],
+        "max_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    forced, params = await forced_first_token(workers, body)
+    handed = await workers["decode"].public("/v1/completions", {**body, "kv_transfer_params": params})
+    assert handed.status_code == 200, handed.text
+    # the rest is what a unified worker generates after the prompt plus that token
+    reference = {**body, "prompt": [*prompt["tokens"], forced], "max_tokens": 5}
+    rest = (await workers["unified"].public("/v1/completions", reference)).json()["choices"][0]["text"]
+    text = handed.json()["choices"][0]["text"]
+    assert text.endswith(rest) and len(text) > len(rest)
+    assert handed.json()["usage"]["completion_tokens"] == 6
+    await assert_every_block_free(workers)
+
+
+async def test_a_seeded_request_samples_its_first_token_again(workers: Workers) -> None:
+    body = chat(sentence(random.Random(18), 50), temperature=1.0, seed=3)
+    _, params = await forced_first_token(workers, body)
+    response = await workers["decode"].public(CHAT, {**body, "kv_transfer_params": params})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"] == await unified_text(workers, body)
     await assert_every_block_free(workers)

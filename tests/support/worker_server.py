@@ -91,10 +91,14 @@ class ScriptedEngine:
         params: SamplingParams,
         *,
         cache_salt: str | None = None,
-    ) -> None:
+        first_token_id: int | None = None,
+    ) -> RequestOutput | None:
+        if first_token_id is not None:
+            raise ValueError("the scripted engine takes no handed-over first token")
         self.requests[request_id] = _Request(prompt_token_ids, params)
         self._seq += 1
         self._events.append(KVEvent(seq=self._seq, kind="stored", block_hashes=[self._seq]))
+        return None
 
     def abort_request(self, request_id: str) -> None:
         if self.requests.pop(request_id, None) is not None:

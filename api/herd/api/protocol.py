@@ -138,3 +138,6 @@ class KVTransferParams(BaseModel):
     remote_port: int | None = None
     remote_request_id: str | None = None
     lease_seconds: float | None = None
+    first_token_ids: list[int] | None = None
+    """The first output token, sampled by the prefill worker with the request's own settings: a
+    decode worker streams it at once and computes the second, instead of sampling the first again."""

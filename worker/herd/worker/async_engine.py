@@ -61,7 +61,8 @@ class EngineCore(Protocol):
         params: SamplingParams,
         *,
         cache_salt: str | None = None,
-    ) -> None: ...
+        first_token_id: int | None = None,
+    ) -> RequestOutput | None: ...
 
     def abort_request(self, request_id: str) -> None: ...
 
@@ -164,12 +165,14 @@ class AsyncEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        first_token_id: int | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Add a request and yield its outputs until it finishes.
 
-        Raises the engine's admission errors (``QueueFullError``, ``PromptTooLongError``) before
-        the first output, ``EngineDrainingError`` while draining, ``ValueError`` on a duplicate id.
-        Closing or cancelling the iteration aborts the request.
+        A ``first_token_id`` handed over by a prefill worker is yielded as soon as the request is
+        added, before any step computes. Raises the engine's admission errors (``QueueFullError``,
+        ``PromptTooLongError``) before the first output, ``EngineDrainingError`` while draining,
+        ``ValueError`` on a duplicate id. Closing or cancelling the iteration aborts the request.
         """
         self.check_accepting()
         if request_id in self._outputs:
@@ -181,14 +184,21 @@ class AsyncEngine:
         needs_abort = True
         try:
             try:
-                await self.call(
+                first = await self.call(
                     lambda engine: engine.add_request(
-                        request_id, prompt_token_ids, params, cache_salt=cache_salt
+                        request_id,
+                        prompt_token_ids,
+                        params,
+                        cache_salt=cache_salt,
+                        first_token_id=first_token_id,
                     )
                 )
             except Exception:
                 needs_abort = False
                 raise
+            if first is not None:
+                needs_abort = not first.finished
+                yield first
             while needs_abort:
                 item = await outputs.get()
                 if isinstance(item, BaseException):

@@ -95,9 +95,21 @@ class LLMEngine:
         params: SamplingParams,
         *,
         cache_salt: str | None = None,
-    ) -> None:
-        """Queue a request; raises ``QueueFullError``, ``PromptTooLongError`` or ``ValueError``."""
+        first_token_id: int | None = None,
+    ) -> RequestOutput | None:
+        """Queue a request; raises ``QueueFullError``, ``PromptTooLongError`` or ``ValueError``.
+
+        ``first_token_id`` is a first output token sampled elsewhere (a prefill worker, with this
+        request's settings): it is appended now, through the same stop checks and detokenizer as a
+        sampled token, and returned as the request's first output; the steps then compute the
+        prompt's uncached tail with it and sample the second token. Without it, returns None.
+        """
         self._check_request(request_id, prompt_token_ids, params)
+        if first_token_id is not None and not 0 <= first_token_id < self.runner.args.vocab_size:
+            raise ValueError(
+                f"first token id {first_token_id} is outside this model's vocabulary "
+                f"(0..{self.runner.args.vocab_size - 1}): the prefill and decode pools serve different models"
+            )
         seq = Sequence(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -110,6 +122,9 @@ class LLMEngine:
         self._requests[request_id] = _Request(seq, detokenizer)
         self.scheduler.add(seq)
         self.stats.prompt_tokens += len(prompt_token_ids)
+        if first_token_id is None:
+            return None
+        return self._advance(seq, SampledToken(first_token_id, None))
 
     def _check_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if request_id in self._requests:

@@ -1,7 +1,7 @@
 """Disaggregation on the internal port: prefill for a remote decode, leased block export, release.
 
 ``POST prefill`` takes an OpenAI chat or completion body flagged ``kv_transfer_params.do_remote_decode``,
-computes the prompt's KV and first token, holds the prompt's full blocks under a lease and answers
+computes the prompt's KV and its first token (with the request's own sampling settings), holds the prompt's full blocks under a lease and answers
 the ``kv_transfer_params`` a decode worker needs (vLLM's field names). ``POST kv_blocks`` sends
 leased blocks in a block frame (``herd.worker.kv_transfer``), refusing a foreign layout with 409.
 ``POST kv_release`` ends a lease. Leases that nobody releases expire: a sweep task releases their
@@ -37,9 +37,8 @@ from herd.worker.kv_transfer import (
     check_layout,
     encode_frame,
 )
-from herd.worker.sampling_params import SamplingParams
 from herd.worker.server._errors import ApiError
-from herd.worker.server._params import chat_prompt, completion_prompts
+from herd.worker.server._params import chat_prompt, completion_prompts, first_token_params, plan_choices
 
 __all__ = ["DisaggMetrics", "KVBlockStore", "PrefillService", "block_store", "request_prompt"]
 
@@ -47,7 +46,6 @@ log = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=BaseModel)
 
-_FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, hold_prompt_blocks=True)
 _MAX_SWEEP_WAIT_S = 0.5
 _TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
@@ -104,13 +102,22 @@ class DisaggMetrics:
 
 def request_prompt(engine: AsyncEngine, payload: dict[str, Any]) -> list[int]:
     """The one prompt of an OpenAI chat or completion body, as the public handlers tokenize it."""
-    renderer = engine.renderer
+    return _prompt(engine, _parse_request(payload))
+
+
+def _parse_request(payload: dict[str, Any]) -> ChatCompletionRequest | CompletionRequest:
     try:
         if "messages" in payload:
-            return chat_prompt(renderer, ChatCompletionRequest.model_validate(payload))
-        prompts = completion_prompts(renderer, CompletionRequest.model_validate(payload))
+            return ChatCompletionRequest.model_validate(payload)
+        return CompletionRequest.model_validate(payload)
     except ValidationError as error:
         raise ApiError(400, f"invalid request: {error.errors(include_url=False)[0]['msg']}") from None
+
+
+def _prompt(engine: AsyncEngine, request: ChatCompletionRequest | CompletionRequest) -> list[int]:
+    if isinstance(request, ChatCompletionRequest):
+        return chat_prompt(engine.renderer, request)
+    prompts = completion_prompts(engine.renderer, request)
     if len(prompts) != 1:
         raise ApiError(400, "a disaggregated request carries exactly one prompt", param="prompt")
     return prompts[0]
@@ -139,9 +146,19 @@ class PrefillService:
             asked = KVTransferParams.model_validate(payload.get("kv_transfer_params") or {})
         except ValidationError as error:
             raise ApiError(400, f"invalid kv_transfer_params: {error}", param="kv_transfer_params") from None
-        prompt, salt = request_prompt(self.engine, payload), payload.get("cache_salt")
+        body = _parse_request(payload)
+        prompt, salt = _prompt(self.engine, body), payload.get("cache_salt")
+        param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+        choice = plan_choices(
+            body,
+            [prompt],
+            max_model_len=self.engine.info.max_model_len,
+            num_logprobs=None,
+            prompt_param=param,
+        )[0]
         request_id = f"prefill-{uuid.uuid4().hex}"
-        first = [output async for output in self.engine.generate(request_id, prompt, _FIRST_TOKEN, salt)][-1]
+        params = first_token_params(choice.params)
+        first = [output async for output in self.engine.generate(request_id, prompt, params, salt)][-1]
         seconds = min(asked.lease_seconds or DEFAULT_LEASE_SECONDS, MAX_LEASE_SECONDS)
         lease = self._lease(request_id, prompt, salt, first.held_block_ids or [], seconds)
         return KVTransferParams(

@@ -80,7 +80,9 @@ class Generation:
         # A unique engine id per attempt: clients may reuse X-Request-Id values.
         engine_id = f"{self.request_id}-{choice.index}-{uuid.uuid4().hex[:8]}"
         timing = _Timing()
-        stream = self.engine.generate(engine_id, choice.prompt_token_ids, choice.params, self.cache_salt)
+        stream = self.engine.generate(
+            engine_id, choice.prompt_token_ids, choice.params, self.cache_salt, choice.first_token_id
+        )
         try:
             async with aclosing(stream):
                 async for output in stream:

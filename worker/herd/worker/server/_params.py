@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from pydantic import ValidationError
 
 from herd.api.openai import ChatCompletionRequest, CompletionRequest, SamplingFields
 from herd.api.prompt import PromptError, PromptRenderer
+from herd.api.protocol import KVTransferParams
 from herd.worker.sampling_params import SamplingParams
 from herd.worker.server._errors import ApiError
 
-__all__ = ["Choice", "chat_prompt", "completion_prompts", "plan_choices"]
+__all__ = [
+    "Choice",
+    "chat_prompt",
+    "completion_prompts",
+    "first_token_params",
+    "handed_first_token",
+    "plan_choices",
+]
 
 
 @dataclass(frozen=True)
@@ -20,6 +30,8 @@ class Choice:
     prompt_index: int
     prompt_token_ids: list[int]
     params: SamplingParams
+    first_token_id: int | None = None
+    """The first output token, when a prefill worker sampled it (``handed_first_token``)."""
 
 
 def chat_prompt(renderer: PromptRenderer, request: ChatCompletionRequest) -> list[int]:
@@ -45,14 +57,46 @@ def plan_choices(
     num_logprobs: int | None,
     prompt_param: str,
 ) -> list[Choice]:
-    """``n`` choices per prompt; seeded requests get ``seed + i`` for choice ``i`` of a prompt."""
+    """``n`` choices per prompt; seeded requests get ``seed + i`` for choice ``i`` of a prompt.
+
+    A lone choice continues from the first token a prefill worker handed over, if it may.
+    """
     choices: list[Choice] = []
     for prompt_index, prompt in enumerate(prompts):
         max_tokens = _max_tokens(request, len(prompt), max_model_len, prompt_param)
         for i in range(request.n):
             params = sampling_params(request, max_tokens=max_tokens, num_logprobs=num_logprobs, offset=i)
             choices.append(Choice(len(choices), prompt_index, prompt, params))
+    if len(choices) == 1 and (first := handed_first_token(request, choices[0].params)) is not None:
+        choices[0] = replace(choices[0], first_token_id=first)
     return choices
+
+
+def handed_first_token(request: SamplingFields, params: SamplingParams) -> int | None:
+    """The first token in the request's ``kv_transfer_params``, when this choice may start from it.
+
+    The prefill worker sampled it with the request's own settings (``first_token_params``), so a
+    greedy or unseeded choice may. A seeded one samples it again, so that its draws stay those of a
+    unified worker; one asking for logprobs too, since the prefill side returns none.
+    """
+    raw = (request.model_extra or {}).get("kv_transfer_params")
+    if raw is None or params.seed is not None or params.logprobs is not None:
+        return None
+    try:
+        handoff = KVTransferParams.model_validate(raw)
+    except ValidationError as error:
+        raise ApiError(400, f"invalid kv_transfer_params: {error}", param="kv_transfer_params") from None
+    if not handoff.do_remote_prefill or not handoff.first_token_ids or len(handoff.first_token_ids) != 1:
+        return None
+    return handoff.first_token_ids[0]
+
+
+def first_token_params(params: SamplingParams) -> SamplingParams:
+    """A prefill worker's settings for a request's first token: the request's own sampling, one
+    token, the prompt's blocks held for the decode side."""
+    return replace(
+        params, max_tokens=1, min_tokens=min(params.min_tokens, 1), logprobs=None, hold_prompt_blocks=True
+    )
 
 
 def _max_tokens(

@@ -6,8 +6,11 @@ will; the hashes must equal the prefill worker's (else the two serve different m
 blocks this worker's prefix cache lacks are fetched through a ``KVTransfer`` while the engine keeps
 stepping, their import into the cache is queued to the engine thread, and the lease is released in
 the background; then the request goes to the ordinary handler, whose request is queued right after
-the import, finds the prompt cached and computes only its partial last block. A failed fetch (prefill worker gone, lease
-expired) is logged and the handler prefills locally; a layout mismatch is refused with 409.
+the import and finds the prompt cached. With the first token the prefill worker handed over
+(``first_token_ids``) it streams that token at once and computes only the prompt's partial last
+block with it; a seeded or logprobs request recomputes the last prompt token and samples again.
+A failed fetch (prefill worker gone, lease expired) is logged and the handler prefills locally; a
+layout mismatch is refused with 409.
 """
 
 from __future__ import annotations
@@ -93,8 +96,9 @@ class RemotePrefill:
         """Our hashes of the blocks the prefill side leased; they must be the same as theirs."""
         info = self.engine.info
         ours = block_hashes(prompt, info.block_size, model_id=info.model, cache_salt=salt)
-        # The handler recomputes the block holding the last prompt token, so it is never pulled.
-        usable = min(len(remote), (len(prompt) - 1) // info.block_size)
+        # Every full block moves: a handler continuing from the handed-over first token computes
+        # none of them, one sampling the first token again recomputes the last (the cache keeps one).
+        usable = min(len(remote), len(prompt) // info.block_size)
         if ours[:usable] != remote[:usable]:
             raise KVLayoutError(
                 "the prefill worker's block hashes for this prompt differ from this worker's: the two "
