@@ -23,7 +23,8 @@ class StepInputs:
 
 
 def prepare_inputs(chunks: list[ScheduledChunk], block_size: int, device: torch.device) -> StepInputs:
-    """Flatten every chunk's tokens; decodes form one attention group, each prefill chunk its own."""
+    """Flatten every chunk's tokens; decodes form groups of similar context length (``decode_groups``),
+    each prefill chunk a group of its own."""
     token_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -41,7 +42,8 @@ def prepare_inputs(chunks: list[ScheduledChunk], block_size: int, device: torch.
     decodes = [span for span in spans if span[1].num_tokens == 1]
     prefills = [[span] for span in spans if span[1].num_tokens > 1]
     groups = tuple(
-        _group(group, len(token_ids), block_size, device) for group in [decodes, *prefills] if group
+        _group(group, len(token_ids), block_size, device)
+        for group in [*decode_groups(decodes, block_size), *prefills]
     )
     metadata = AttentionMetadata(
         slot_mapping=_tensor(slots, device), groups=groups, num_tokens=len(token_ids)
@@ -49,6 +51,31 @@ def prepare_inputs(chunks: list[ScheduledChunk], block_size: int, device: torch.
     return StepInputs(
         _tensor(token_ids, device), _tensor(positions, device), metadata, _tensor(sample_rows, device)
     )
+
+
+MIN_SPLIT_BLOCKS = 16
+"""Decodes whose contexts differ by fewer blocks share a group whatever the ratio: another group
+costs more gathers and SDPA calls per layer than padding a few blocks does."""
+
+
+def decode_groups(decodes: list[_Span], block_size: int) -> list[list[_Span]]:
+    """The decodes in groups of similar context length, shortest first.
+
+    A group pads every context to its longest, so one long context in a batch of short ones would
+    make each of them attend over the long one's length. A new group starts where a context is over
+    twice as long as the group's shortest and at least ``MIN_SPLIT_BLOCKS`` blocks longer: padding
+    stays under half of each group's work, and the number of groups under log2 of the longest.
+    """
+    ordered = sorted(decodes, key=lambda span: span[1].start)
+    groups: list[list[_Span]] = []
+    first_blocks = 0
+    for span in ordered:
+        blocks = span[1].start // block_size + 1
+        if not groups or (blocks > 2 * first_blocks and blocks - first_blocks >= MIN_SPLIT_BLOCKS):
+            groups.append([])
+            first_blocks = blocks
+        groups[-1].append(span)
+    return groups
 
 
 def _group(spans: list[_Span], num_tokens: int, block_size: int, device: torch.device) -> AttentionGroup:
