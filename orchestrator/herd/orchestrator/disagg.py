@@ -5,9 +5,10 @@ For a model with ``serving.mode: disaggregated`` the gateway asks ``TwoPhase.pla
 1. The decode worker is chosen by the model's strategy over the decode pool (its load, and with
    ``kv_cache_aware`` its cached prefix), with ``RequestContext.phase = "decode"``.
 2. The prompt's uncached part on that worker (prompt tokens minus its cached leading blocks, from
-   the KV index) and the best prefill worker's load decide the path (``choose_path``): from
-   ``serving.prefillThresholdTokens`` on, always the prefill pool; shorter parts of a few blocks
-   go there only while that prefill worker is idle; the rest prefill on the decode worker.
+   the KV index) and the prefill work queued on the best prefill worker decide the path
+   (``choose_path``): from ``serving.prefillThresholdTokens`` on, always the prefill pool; shorter
+   parts of a few blocks go there while that worker's queue, with them, stays within the
+   threshold; the rest prefill on the decode worker.
 3. Otherwise the prefill worker with the most of the prompt cached against the least queued
    prefill work runs ``POST /internal/prefill`` and returns ``kv_transfer_params``; a prefill worker
    that fails is reported and the next one is tried, and when none succeeds the decode worker
@@ -20,6 +21,7 @@ Per-phase timings go to ``herd_router_phase_seconds`` and to one log line per re
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
@@ -40,13 +42,13 @@ from herd.orchestrator.served import ServedModel
 from herd.orchestrator.tokens import prompt_token_ids
 
 __all__ = [
-    "MIN_IDLE_REMOTE_BLOCKS",
+    "MIN_REMOTE_BLOCKS",
     "Handoff",
     "TwoPhase",
     "choose_path",
     "choose_prefill",
-    "is_idle",
     "num_uncached_tokens",
+    "queued_prefill_tokens",
 ]
 
 log = logging.getLogger(__name__)
@@ -72,41 +74,54 @@ def num_uncached_tokens(num_tokens: int, num_cached_blocks: int, block_size: int
     return max(0, num_tokens - num_cached_blocks * block_size)
 
 
-MIN_IDLE_REMOTE_BLOCKS = 4
+MIN_REMOTE_BLOCKS = 4
 """Below this many uncached blocks a prompt prefills on its decode worker even beside an idle
 prefill pool: a short local chunk costs the decode batch less than a round trip adds to TTFT."""
 
 
-def is_idle(worker: WorkerView) -> bool:
-    """Nothing in flight to it from this orchestrator and no prefill queued in its last load report."""
-    return worker.num_in_flight == 0 and worker.num_waiting_prefill_tokens == 0
+def queued_prefill_tokens(worker: WorkerView, in_flight_tokens: Mapping[str, int]) -> int:
+    """The prefill work ahead of a new prompt on ``worker``: the uncached tokens of the prefills
+    this orchestrator has in flight there, or the waiting ones of its last load report if more (the
+    report lags and leaves out the prompt being computed; the count misses other orchestrators)."""
+    return max(in_flight_tokens.get(worker.id, 0), worker.num_waiting_prefill_tokens)
 
 
 def choose_path(
-    num_uncached: int, prefill: WorkerView | None, *, threshold_tokens: int, block_size: int
+    num_uncached: int,
+    prefill: WorkerView | None,
+    *,
+    queued_tokens: int,
+    threshold_tokens: int,
+    block_size: int,
 ) -> Path:
     """Where a prompt's uncached part is computed (conditional disaggregation).
 
     - no prefill worker: locally on the decode worker;
     - at least ``threshold_tokens``: on ``prefill``, whatever its queue (a long local prefill
       would stall every decode on the decode worker, which is what disaggregation avoids);
-    - shorter, but ``MIN_IDLE_REMOTE_BLOCKS`` blocks or more: on ``prefill`` only while it is idle,
-      so the decode worker spends its steps decoding and an otherwise idle prefill pool works;
+    - shorter, but ``MIN_REMOTE_BLOCKS`` blocks or more: on ``prefill`` while ``queued_tokens``
+      there plus this prompt stay within ``threshold_tokens``, so it waits there no longer than
+      for a prompt the decode worker would prefill itself, and a burst of short prompts is shared
+      between the two workers instead of piling onto the decode worker's steps;
     - otherwise locally.
     """
     if prefill is None:
         return "local_prefill"
     if num_uncached >= threshold_tokens:
         return "remote_prefill"
-    if num_uncached >= MIN_IDLE_REMOTE_BLOCKS * block_size and is_idle(prefill):
+    if num_uncached >= MIN_REMOTE_BLOCKS * block_size and queued_tokens + num_uncached <= threshold_tokens:
         return "remote_prefill"
     return "local_prefill"
 
 
 def choose_prefill(
-    workers: Sequence[WorkerView], cached_blocks: Mapping[str, int], block_size: int
+    workers: Sequence[WorkerView],
+    cached_blocks: Mapping[str, int],
+    block_size: int,
+    in_flight_tokens: Mapping[str, int],
 ) -> WorkerView | None:
-    """The worker with the least prefill work for this prompt: queued tokens minus its cached prefix.
+    """The worker with the least prefill work for this prompt: queued tokens (``queued_prefill_tokens``)
+    minus its cached prefix.
 
     Ties go to fewer requests in flight from this orchestrator, then to the id (stable).
     """
@@ -115,7 +130,7 @@ def choose_prefill(
     return min(
         workers,
         key=lambda worker: (
-            worker.num_waiting_prefill_tokens - cached_blocks.get(worker.id, 0) * block_size,
+            queued_prefill_tokens(worker, in_flight_tokens) - cached_blocks.get(worker.id, 0) * block_size,
             worker.num_in_flight,
             worker.id,
         ),
@@ -137,6 +152,8 @@ class TwoPhase:
         self.http = http
         self.max_attempts = max_attempts
         self.timeout = httpx.Timeout(600.0, connect=2.0)
+        self._prefill_tokens: collections.Counter[str] = collections.Counter()
+        """Uncached prompt tokens of the prefills in flight, per prefill worker."""
         self.phase_seconds = Histogram(
             names.HERD_ROUTER_PHASE_SECONDS,
             "Time per phase of disaggregated requests (prefill; decode up to its first byte).",
@@ -157,17 +174,20 @@ class TwoPhase:
             config = served.config
             matches = served.kv_index.match(self._hashes(served, ctx, tokens, payload))
             uncached = num_uncached_tokens(len(tokens), matches.get(decode.id, 0), config.block_size)
-            prefill = choose_prefill(self._prefill_views(served), matches, config.block_size)
+            prefill = choose_prefill(
+                self._prefill_views(served), matches, config.block_size, self._prefill_tokens
+            )
             path = choose_path(
                 uncached,
                 prefill,
+                queued_tokens=0 if prefill is None else queued_prefill_tokens(prefill, self._prefill_tokens),
                 threshold_tokens=config.prefill_threshold_tokens,
                 block_size=config.block_size,
             )
             if path == "local_prefill":
                 return Handoff(body, "local_prefill", decode.id)
         started = time.perf_counter()
-        params = await self._prefill(served, payload, matches)
+        params = await self._prefill(served, payload, matches, 0 if tokens is None else len(tokens))
         if params is None:
             return Handoff(body, "local_prefill", decode.id)
         seconds = time.perf_counter() - started
@@ -228,17 +248,19 @@ class TwoPhase:
         return block_hashes(tokens, served.config.block_size, model_id=served.name, cache_salt=salt)
 
     async def _prefill(
-        self, served: ServedModel, payload: dict[str, Any], matches: Mapping[str, int]
+        self, served: ServedModel, payload: dict[str, Any], matches: Mapping[str, int], num_tokens: int
     ) -> dict[str, Any] | None:
         """Run the prefill on the best prefill worker, the next on failure; ``None`` if none did."""
         tried: set[str] = set()
+        block_size = served.config.block_size
         for _ in range(self.max_attempts):
             views = [view for view in self._prefill_views(served) if view.id not in tried]
-            worker = choose_prefill(views, matches, served.config.block_size)
+            worker = choose_prefill(views, matches, block_size, self._prefill_tokens)
             if worker is None:
                 break
             tried.add(worker.id)
-            params = await self._prefill_on(worker, payload)
+            work = num_uncached_tokens(num_tokens, matches.get(worker.id, 0), block_size)
+            params = await self._prefill_on(worker, payload, work)
             if params is not None:
                 return params
         log.warning(
@@ -250,10 +272,13 @@ class TwoPhase:
         workers = self.registry.model_workers(served.name)
         return healthy([worker.view() for worker in workers if worker.endpoint.role == "prefill"])
 
-    async def _prefill_on(self, worker: WorkerView, payload: dict[str, Any]) -> dict[str, Any] | None:
+    async def _prefill_on(
+        self, worker: WorkerView, payload: dict[str, Any], work: int
+    ) -> dict[str, Any] | None:
         endpoint = self.registry.workers[worker.id].endpoint
         body = {**payload, "kv_transfer_params": {"do_remote_decode": True}}
         self.registry.begin(worker.id)
+        self._prefill_tokens[worker.id] += work
         try:
             response = await self.http.post(
                 endpoint.internal_url + INTERNAL_PATHS.prefill,
@@ -266,6 +291,9 @@ class TwoPhase:
             return None
         finally:
             self.registry.end(worker.id)
+            self._prefill_tokens[worker.id] -= work
+            if self._prefill_tokens[worker.id] <= 0:
+                del self._prefill_tokens[worker.id]
         try:
             params = response.json() if response.status_code == httpx.codes.OK else None
         except ValueError:

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from herd.orchestrator.disagg import MIN_IDLE_REMOTE_BLOCKS, choose_path, choose_prefill, num_uncached_tokens
+from herd.orchestrator.disagg import (
+    MIN_REMOTE_BLOCKS,
+    choose_path,
+    choose_prefill,
+    num_uncached_tokens,
+    queued_prefill_tokens,
+)
 from herd.orchestrator.routing import WorkerView
 
 
@@ -24,46 +30,62 @@ def view(worker_id: str, *, waiting: int = 0, in_flight: int = 0) -> WorkerView:
 
 
 @pytest.mark.parametrize(
-    ("workers", "cached", "expected"),
+    ("workers", "cached", "in_flight_tokens", "expected"),
     [
-        ([view("a", waiting=100), view("b", waiting=10)], {}, "b"),
-        ([view("a", waiting=100), view("b", waiting=10)], {"a": 8}, "a"),
-        ([view("a", waiting=100), view("b", waiting=10)], {"a": 2}, "b"),
-        ([view("a", in_flight=3), view("b", in_flight=1)], {}, "b"),
-        ([view("b"), view("a")], {}, "a"),
+        ([view("a", waiting=100), view("b", waiting=10)], {}, {}, "b"),
+        ([view("a", waiting=100), view("b", waiting=10)], {"a": 8}, {}, "a"),
+        ([view("a", waiting=100), view("b", waiting=10)], {"a": 2}, {}, "b"),
+        ([view("a", in_flight=3), view("b", in_flight=1)], {}, {}, "b"),
+        ([view("a"), view("b")], {}, {"a": 1130}, "b"),
+        ([view("a", waiting=10), view("b")], {}, {"b": 90}, "a"),
+        ([view("b"), view("a")], {}, {}, "a"),
     ],
     ids=[
         "least-queued",
         "cache-outweighs-queue",
         "queue-outweighs-small-cache",
         "fewest-in-flight",
+        "own-prefills-in-flight-count",
+        "report-and-own-count-compare",
         "stable-id",
     ],
 )
-def test_choose_prefill(workers: list[WorkerView], cached: dict[str, int], expected: str) -> None:
-    choice = choose_prefill(workers, cached, 16)
+def test_choose_prefill(
+    workers: list[WorkerView], cached: dict[str, int], in_flight_tokens: dict[str, int], expected: str
+) -> None:
+    choice = choose_prefill(workers, cached, 16, in_flight_tokens)
     assert choice is not None and choice.id == expected
 
 
 def test_choose_prefill_without_workers_is_none() -> None:
-    assert choose_prefill([], {}, 16) is None
-
-
-SMALL = MIN_IDLE_REMOTE_BLOCKS * 16
+    assert choose_prefill([], {}, 16, {}) is None
 
 
 @pytest.mark.parametrize(
-    ("num_uncached", "prefill", "expected"),
+    ("worker", "in_flight_tokens", "expected"),
+    [(view("p"), {}, 0), (view("p", waiting=50), {"p": 200}, 200), (view("p", waiting=300), {"p": 200}, 300)],
+    ids=["nothing", "own-count-beyond-the-report", "report-beyond-the-own-count"],
+)
+def test_queued_prefill_tokens(worker: WorkerView, in_flight_tokens: dict[str, int], expected: int) -> None:
+    assert queued_prefill_tokens(worker, in_flight_tokens) == expected
+
+
+SMALL = MIN_REMOTE_BLOCKS * 16
+
+
+@pytest.mark.parametrize(
+    ("num_uncached", "prefill", "queued", "expected"),
     [
-        (1000, None, "local_prefill"),
-        (256, view("p", waiting=4096, in_flight=3), "remote_prefill"),
-        (1000, view("p"), "remote_prefill"),
-        (SMALL, view("p"), "remote_prefill"),
-        (255, view("p"), "remote_prefill"),
-        (SMALL, view("p", in_flight=1), "local_prefill"),
-        (SMALL, view("p", waiting=16), "local_prefill"),
-        (SMALL - 1, view("p"), "local_prefill"),
-        (0, view("p"), "local_prefill"),
+        (1000, None, 0, "local_prefill"),
+        (256, view("p"), 4096, "remote_prefill"),
+        (1000, view("p"), 0, "remote_prefill"),
+        (SMALL, view("p"), 0, "remote_prefill"),
+        (255, view("p"), 0, "remote_prefill"),
+        (90, view("p"), 166, "remote_prefill"),
+        (90, view("p"), 167, "local_prefill"),
+        (SMALL, view("p"), 1130, "local_prefill"),
+        (SMALL - 1, view("p"), 0, "local_prefill"),
+        (0, view("p"), 0, "local_prefill"),
     ],
     ids=[
         "no-prefill-worker",
@@ -71,11 +93,13 @@ SMALL = MIN_IDLE_REMOTE_BLOCKS * 16
         "long-goes-remote",
         "short-goes-to-an-idle-prefill-worker",
         "just-below-threshold-idle",
-        "short-stays-local-beside-a-request-in-flight",
-        "short-stays-local-beside-a-queue",
+        "short-joins-a-queue-that-stays-within-the-threshold",
+        "short-stays-local-when-the-queue-would-pass-it",
+        "short-stays-local-beside-a-long-prompt",
         "too-few-blocks-to-move",
         "all-cached",
     ],
 )
-def test_choose_path(num_uncached: int, prefill: WorkerView | None, expected: str) -> None:
-    assert choose_path(num_uncached, prefill, threshold_tokens=256, block_size=16) == expected
+def test_choose_path(num_uncached: int, prefill: WorkerView | None, queued: int, expected: str) -> None:
+    path = choose_path(num_uncached, prefill, queued_tokens=queued, threshold_tokens=256, block_size=16)
+    assert path == expected
