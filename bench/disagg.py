@@ -14,8 +14,9 @@ With 2 unified workers a long prompt's prefill runs in the same engine steps as 
 requests sharing its worker (chunks of ``maxBatchTokens`` tokens), stalling them: that is what ITL
 p99 shows. With disaggregation the prefill worker computes it and the decode worker only imports
 the blocks and computes the prompt's partial last block. The short prompts are below
-``prefillThresholdTokens``: the orchestrator sends them to the prefill worker only while it is idle
-(conditional disaggregation), otherwise they prefill on the decode worker.
+``prefillThresholdTokens``: the orchestrator sends them to the prefill worker while its queued
+prefill work, theirs included, stays within that threshold (conditional disaggregation), otherwise
+they prefill on the decode worker.
 
 Reported per setup and per stream: TTFT, ITL and E2E (p50/p99) and the load average at the end of
 the setup's run; for the disaggregated setup the transfer overhead from the decode worker's metrics

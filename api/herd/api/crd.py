@@ -147,8 +147,8 @@ class ServingSpec(_Spec):
         ge=0,
         description=(
             "Disaggregated only: uncached prompt parts of at least this many tokens always prefill on the "
-            "prefill pool; shorter ones prefill there only while a prefill worker is idle (and from 4 "
-            "blocks on), else on the decode worker."
+            "prefill pool; shorter ones (from 4 blocks on) prefill there while that worker's queued prefill "
+            "tokens, theirs included, stay within this many, else on the decode worker."
         ),
     )
 

@@ -3,8 +3,9 @@
 A step's tokens come flattened (``[num_tokens, heads, head_dim]``) from sequences at different
 positions. Each backend stores the new keys and values into the paged pool at ``slot_mapping`` and
 attends each query to its sequence's cached context through ``block_tables``. The reference
-backend pads sequences into groups of similar query length (all decodes together; each prefill
-chunk alone), so a long prefill never inflates the padding of a batch of decodes.
+backend pads sequences into groups of similar shape (decodes of similar context length together;
+each prefill chunk alone), so neither a long prefill nor a long context inflates the padding of a
+batch of short decodes.
 """
 
 from __future__ import annotations
