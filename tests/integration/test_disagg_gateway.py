@@ -26,7 +26,7 @@ from herd.api.crd import KVCacheAwareRouting
 from herd.api.protocol import INTERNAL_PATHS, WORKER_HEADER
 from herd.orchestrator.app import AppSettings, build_app
 from herd.orchestrator.discovery import ModelConfig, StaticSource
-from herd.orchestrator.registry import RegistrySettings
+from herd.orchestrator.registry import Registry, RegistrySettings
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)]
 
@@ -41,6 +41,16 @@ class Cluster:
     dispatch: HostDispatch
     workers: dict[str, InProcessWorker]
     gateway: httpx.AsyncClient
+    registry: Registry
+
+    async def wait_all_admitted(self) -> None:
+        """Every served worker healthy in the registry (an ejected one is re-admitted by the poller,
+        every 0.05 s; bounded at 10 s for a loaded machine)."""
+        for _ in range(200):
+            if len(self.registry.workers) == 3 and all(w.is_healthy for w in self.registry.workers.values()):
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"workers not admitted: {sorted(self.registry.workers)}")
 
     async def sent_blocks(self, worker_id: str) -> float:
         return await self.workers[worker_id].metric(SENT, direction="sent")
@@ -76,15 +86,13 @@ async def cluster(tiny_llama: Path) -> AsyncIterator[Cluster]:
     app = build_app(StaticSource([model], served), settings=settings, http=http, upstream=HttpxUpstream(http))
     async with app.router.lifespan_context(app):
         registry = app.state.registry
-        for _ in range(100):
-            if len(registry.workers) == 3 and all(worker.is_healthy for worker in registry.workers.values()):
-                break
-            await asyncio.sleep(0.05)
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(
             transport=transport, base_url="http://orchestrator", timeout=60
         ) as gateway:
-            yield Cluster(dispatch, workers, gateway)
+            cluster = Cluster(dispatch, workers, gateway, registry)
+            await cluster.wait_all_admitted()
+            yield cluster
     for worker in workers.values():
         await worker.engine.stop()
     await http.aclose()
@@ -142,6 +150,7 @@ async def test_short_prompts_skip_the_prefill_pool(cluster: Cluster) -> None:
 async def test_a_prefill_worker_failing_before_the_handoff_is_replaced(
     cluster: Cluster, dead: tuple[str, ...]
 ) -> None:
+    await cluster.wait_all_admitted()  # an earlier case ejected prefill-0: it must be back first
     refused = {(f"{worker_id}.internal", INTERNAL_PATHS.prefill) for worker_id in dead}
     cluster.dispatch.refused |= refused
     try:
