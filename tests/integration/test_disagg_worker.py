@@ -155,6 +155,19 @@ async def test_prefill_holds_blocks_until_the_decode_side_releases_them(workers:
     assert await worker.settled_free_blocks() == await worker.total_blocks()
 
 
+async def test_a_prefill_counts_as_a_one_token_request_in_the_request_metrics(workers: Workers) -> None:
+    """The prefill pool's TTFT is what its dashboards and the autoscaler read."""
+    worker = workers["prefill"]
+    ttft_before = await worker.metric("vllm:time_to_first_token_seconds_count")
+    e2e_before = await worker.metric("vllm:e2e_request_latency_seconds_count")
+    itl_before = await worker.metric("vllm:inter_token_latency_seconds_count")
+    params = await prefill(worker, chat(sentence(random.Random(13), 40)))
+    assert await worker.metric("vllm:time_to_first_token_seconds_count") == ttft_before + 1
+    assert await worker.metric("vllm:e2e_request_latency_seconds_count") == e2e_before + 1
+    assert await worker.metric("vllm:inter_token_latency_seconds_count") == itl_before
+    await release(worker, params)
+
+
 async def test_an_expired_lease_frees_its_blocks_and_is_counted(workers: Workers) -> None:
     worker = workers["prefill"]
     expired_before = await worker.metric("herd_kv_leases_expired_total")

@@ -5,7 +5,9 @@ computes the prompt's KV and its first token (with the request's own sampling se
 the ``kv_transfer_params`` a decode worker needs (vLLM's field names). ``POST kv_blocks`` sends
 leased blocks in a block frame (``herd.worker.kv_transfer``), refusing a foreign layout with 409.
 ``POST kv_release`` ends a lease. Leases that nobody releases expire: a sweep task releases their
-blocks and counts them in ``herd_kv_leases_expired_total``.
+blocks and counts them in ``herd_kv_leases_expired_total``. A prefill counts in the worker's request
+metrics as a one-token request (TTFT = E2E), as a vLLM prefill instance's does: its TTFT is the
+prefill pool's latency, which dashboards and the autoscaler read.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 import uuid
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
@@ -38,6 +41,7 @@ from herd.worker.kv_transfer import (
     encode_frame,
 )
 from herd.worker.server._errors import ApiError
+from herd.worker.server._metrics import WorkerMetrics
 from herd.worker.server._params import chat_prompt, completion_prompts, first_token_params, plan_choices
 
 __all__ = ["DisaggMetrics", "KVBlockStore", "PrefillService", "block_store", "request_prompt"]
@@ -126,9 +130,10 @@ def _prompt(engine: AsyncEngine, request: ChatCompletionRequest | CompletionRequ
 class PrefillService:
     """The prefill side: the lease table, its expiry sweep and the three internal routes."""
 
-    def __init__(self, engine: AsyncEngine, metrics: DisaggMetrics) -> None:
+    def __init__(self, engine: AsyncEngine, metrics: DisaggMetrics, requests: WorkerMetrics) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.requests = requests
         self.leases = LeaseTable()
         self._sweeper: asyncio.Task[None] | None = None
 
@@ -158,7 +163,12 @@ class PrefillService:
         )[0]
         request_id = f"prefill-{uuid.uuid4().hex}"
         params = first_token_params(choice.params)
+        started = time.monotonic()
         first = [output async for output in self.engine.generate(request_id, prompt, params, salt)][-1]
+        seconds_to_token = time.monotonic() - started
+        self.requests.observe_finished(
+            reason=first.finish_reason or "length", ttft=seconds_to_token, itls=[], e2e=seconds_to_token
+        )
         seconds = min(asked.lease_seconds or DEFAULT_LEASE_SECONDS, MAX_LEASE_SECONDS)
         lease = self._lease(request_id, prompt, salt, first.held_block_ids or [], seconds)
         return KVTransferParams(

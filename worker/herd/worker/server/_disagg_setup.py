@@ -40,5 +40,5 @@ def attach_disaggregation(
     metrics = DisaggMetrics(worker_metrics.registry, worker_metrics.model_name)
     http = http or httpx.AsyncClient(limits=httpx.Limits(max_connections=64))
     public.add_middleware(RemotePrefill, engine=engine, transfer=HttpKVTransfer(http, token), metrics=metrics)
-    prefill = PrefillService(engine, metrics)
+    prefill = PrefillService(engine, metrics, worker_metrics)
     return Disaggregation(prefill.router(), http, prefill)
