@@ -95,14 +95,21 @@ def workers() -> Iterator[list[FakeWorker]]:
         yield [first, second]
 
 
-def manifest(name: str) -> dict[str, Any]:
-    autoscaling = {
-        "enabled": True,
-        "minReplicas": 1,
-        "maxReplicas": 6,
-        "targets": {"ttftP95Ms": 1000, "itlP95Ms": 100},
+AUTOSCALING = {
+    "enabled": True,
+    "minReplicas": 1,
+    "maxReplicas": 6,
+    "targets": {"ttftP95Ms": 1000, "itlP95Ms": 100},
+}
+DISAGGREGATED = {"serving": {"mode": "disaggregated"}, "prefill": {"replicas": 1}, "decode": {"replicas": 1}}
+
+
+def manifest(name: str, pools: dict[str, Any] | None = None) -> dict[str, Any]:
+    spec = {
+        "model": {"source": "pvc://weights/chat"},
+        **(pools or {"workers": {"replicas": 2}}),
+        "autoscaling": AUTOSCALING,
     }
-    spec = {"model": {"source": "pvc://weights/chat"}, "workers": {"replicas": 2}, "autoscaling": autoscaling}
     return {
         "apiVersion": "herd.dev/v1alpha1",
         "kind": "ModelDeployment",
@@ -168,6 +175,42 @@ def test_slow_ttft_scales_up_and_scale_down_waits_for_the_window(
     assert kube.get("md", "chat")["spec"]["replicas"] == 4
     assert autoscaling(kube, "chat")["desiredReplicas"] == 4
     assert not kube.get("md", "chat")["metadata"].get("finalizers"), "autoscaling adds no finalizer"
+
+
+def test_a_disaggregated_prefill_pool_scales_on_its_own_ttft(
+    kube: Emulator, workers: list[FakeWorker]
+) -> None:
+    prefill, decode = workers
+    kubectl(kube, "apply", "--validate=false", "-f", "-", stdin=yaml.safe_dump(manifest("pd", DISAGGREGATED)))
+    eventually(lambda: kube.find("deployments.apps", "pd-prefill") is not None, "prefill Deployment")
+    eventually(lambda: kube.find("deployments.apps", "pd-decode") is not None, "decode Deployment")
+    start_pods(kube, "pd-prefill", [prefill])
+    start_pods(kube, "pd-decode", [decode])
+    # A first round per pod is the baseline: latencies are bucket deltas between two scrapes.
+    eventually(lambda: "prefill" in autoscaling(kube, "pd"), "a first decision for the prefill pool")
+    eventually(
+        lambda: prefill.scrapes.num_scrapes > 0 and decode.scrapes.num_scrapes > 0, "both pods scraped"
+    )
+    for _ in range(20):
+        prefill.ttft.labels("pd").observe(2.0)  # a prefill worker reports TTFT and no ITL
+        decode.itl.labels("pd").observe(0.05)  # decode within its ITL target
+    eventually(lambda: kube.get("md", "pd")["spec"]["prefill"]["replicas"] == 2, "spec.prefill.replicas 2")
+    eventually(lambda: kube.get("deployments.apps", "pd-prefill")["spec"]["replicas"] == 2, "prefill at 2")
+    status = autoscaling(kube, "pd")["prefill"]
+    assert status["desiredReplicas"] == 2 and status["lastScaleTime"]
+    assert "itlP95Ms" not in status["observed"]
+    assert kube.get("md", "pd")["spec"].get("replicas") is None, "the decode pool is not scaled"
+    assert kube.get("deployments.apps", "pd-decode")["spec"]["replicas"] == 1
+    assert autoscaling(kube, "pd")["desiredReplicas"] == 1
+    # Later rounds see no new latencies (idle, held by the window); the Event keeps why it scaled.
+    eventually(
+        lambda: any(
+            e["message"].startswith("prefill replicas 1 -> 2: ttft p95 at")
+            for e in kube.list("events", "default")
+            if e.get("reason") == "ScaledUp"
+        ),
+        "a ScaledUp Event for the prefill pool, driven by TTFT",
+    )
 
 
 @pytest.mark.parametrize("kube", [SHORT_WINDOW_S], indirect=True, ids=["window-1.5s"])

@@ -23,6 +23,7 @@ __all__ = [
     "VERSION",
     "Accelerator",
     "AutoscalingObserved",
+    "AutoscalingPoolStatus",
     "AutoscalingSpec",
     "AutoscalingStatus",
     "AutoscalingTargets",
@@ -229,6 +230,9 @@ class AutoscalingTargets(_Spec):
 
 
 class AutoscalingSpec(_Spec):
+    """HPA-style scaling of the pool behind ``spec.replicas`` (``workers``, or ``decode`` when
+    disaggregated) and, when disaggregated, of ``prefill`` (never below one replica)."""
+
     enabled: bool = False
     min_replicas: int = Field(default=1, ge=0)
     max_replicas: int = Field(default=8, ge=1)
@@ -345,16 +349,23 @@ class AutoscalingObserved(BaseModel):
     kv_cache_usage: float = 0.0
 
 
-class AutoscalingStatus(BaseModel):
-    """The autoscaler's last decision for the scalable pool (written only when spec.autoscaling is on)."""
+class AutoscalingPoolStatus(BaseModel):
+    """The autoscaler's last decision for one pool."""
 
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True)
     desired_replicas: int = 0
-    last_scale_time: str | None = Field(
-        default=None, description="When spec.replicas was last changed by it."
-    )
+    last_scale_time: str | None = Field(default=None, description="When it last changed the pool's replicas.")
     reason: str = ""
     observed: AutoscalingObserved = Field(default_factory=AutoscalingObserved)
+
+
+class AutoscalingStatus(AutoscalingPoolStatus):
+    """The autoscaler's last decisions (written only when spec.autoscaling is on): the pool behind
+    ``spec.replicas`` at the top level, the prefill pool of a disaggregated model in ``prefill``."""
+
+    prefill: AutoscalingPoolStatus | None = Field(
+        default=None, description="Disaggregated only: the decision for spec.prefill.replicas."
+    )
 
 
 class ModelDeploymentStatus(BaseModel):

@@ -1,4 +1,8 @@
-"""The pure autoscaling decision for one ModelDeployment's scalable pool, in the manner of the HPA.
+"""The pure autoscaling decision for one pool of a ModelDeployment, in the manner of the HPA.
+
+A unified model scales ``workers``; a disaggregated one scales ``decode`` and ``prefill``
+separately, each on its own pods' figures: prefill workers produce one token per request, so their
+TTFT drives the prefill pool, while the decode pool sees the ITL of every stream.
 
 Steps, each a rule from the Kubernetes Horizontal Pod Autoscaler:
 
@@ -23,10 +27,20 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from herd.api.crd import AutoscalingSpec
+from herd.api.crd import AutoscalingSpec, ModelDeploymentSpec, PoolName
 from herd.operator.settings import AutoscalerSettings
 
-__all__ = ["Decision", "Observation", "Recommendation", "ScaleState", "decide", "recommend"]
+__all__ = [
+    "Decision",
+    "Observation",
+    "Recommendation",
+    "ScaleState",
+    "autoscaled_pools",
+    "decide",
+    "pool_bounds",
+    "recommend",
+    "scalable_pool",
+]
 
 
 @dataclass(frozen=True)
@@ -69,6 +83,29 @@ class Decision:
     desired: int
     reason: str
     recommendation: int
+
+
+def scalable_pool(spec: ModelDeploymentSpec) -> PoolName:
+    """The pool behind ``spec.replicas`` and the scale subresource."""
+    return "decode" if spec.serving.mode == "disaggregated" else "workers"
+
+
+def autoscaled_pools(spec: ModelDeploymentSpec) -> tuple[PoolName, ...]:
+    """The pools the autoscaler sizes, the scalable pool first."""
+    if spec.serving.mode == "disaggregated":
+        return ("decode", "prefill")
+    return ("workers",)
+
+
+def pool_bounds(spec: AutoscalingSpec, pool: PoolName) -> AutoscalingSpec:
+    """``spec`` with the bounds that apply to ``pool``.
+
+    The prefill pool never goes below one replica: at zero, prompts prefill on the decode workers
+    and no prefill pod would report the waiting requests that bring it back.
+    """
+    if pool != "prefill" or spec.min_replicas >= 1:
+        return spec
+    return spec.model_copy(update={"min_replicas": 1})
 
 
 def decide(

@@ -1,11 +1,12 @@
 """The autoscaler loop: every interval, each ModelDeployment with ``spec.autoscaling.enabled`` is
 scraped, decided (``autoscale.decide``) and, when the decision differs, scaled.
 
-Source of truth: the scaler writes ``spec.replicas`` through the scale subresource, exactly what
-``kubectl scale`` does. The reconcile already plans the scalable pool (``workers``, or ``decode``
-when disaggregated) from ``spec.replicas``, so the Deployment, ``status.replicas``, ``kubectl get md``
-and the reconcile all agree, and a manual ``kubectl scale`` is simply the next starting point.
-Only that pool scales; a disaggregated prefill pool keeps its own ``replicas``.
+Source of truth: for the scalable pool (``workers``, or ``decode`` when disaggregated) the scaler
+writes ``spec.replicas`` through the scale subresource, exactly what ``kubectl scale`` does. The
+reconcile already plans that pool from ``spec.replicas``, so the Deployment, ``status.replicas``,
+``kubectl get md`` and the reconcile all agree, and a manual ``kubectl scale`` is simply the next
+starting point. A disaggregated prefill pool is scaled apart, on its own pods' figures, by a merge
+patch of ``spec.prefill.replicas``; its decision is kept in ``status.autoscaling.prefill``.
 
 One asyncio task per operator, started and stopped with it, rather than a kopf timer or daemon:
 those add a finalizer to every ModelDeployment, and a finalizer blocks ``kubectl delete`` while the
@@ -29,14 +30,23 @@ import httpx
 from pydantic import ValidationError
 
 from herd.api.crd import API_VERSION, KIND, PLURAL, ModelDeployment, PoolName
-from herd.operator.autoscale import Decision, Observation, Recommendation, ScaleState, decide
+from herd.operator.autoscale import (
+    Decision,
+    Observation,
+    Recommendation,
+    ScaleState,
+    autoscaled_pools,
+    decide,
+    pool_bounds,
+    scalable_pool,
+)
 from herd.operator.kube import KubeApi, KubeError, resource_path
 from herd.operator.metrics_source import Scrape, metrics_url, observe, scrape_all
 from herd.operator.plan import pool_labels, selector_string
 from herd.operator.settings import AutoscalerSettings
 from herd.operator.status import is_pod_ready
 
-__all__ = ["Autoscaler", "scalable_pool"]
+__all__ = ["Autoscaler", "merge_patch_between"]
 
 Object = dict[str, Any]
 _MERGE_PATCH = {"Content-Type": "application/merge-patch+json"}
@@ -58,10 +68,6 @@ class _Memory:
         self.history = [r for r in self.history if r.at >= since] + [recommendation]
 
 
-def scalable_pool(md: ModelDeployment) -> PoolName:
-    return "decode" if md.spec.serving.mode == "disaggregated" else "workers"
-
-
 class Autoscaler:
     """Scales ModelDeployments in ``namespaces`` (every namespace when empty) every interval."""
 
@@ -70,7 +76,7 @@ class Autoscaler:
         self.settings = settings
         self.namespaces = list(namespaces)
         self.scraper = httpx.AsyncClient(timeout=settings.scrape_timeout_s)
-        self._memory: dict[tuple[str, str], _Memory] = {}
+        self._memory: dict[tuple[str, str, PoolName], _Memory] = {}
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -102,7 +108,7 @@ class Autoscaler:
             if (body.get("spec", {}).get("autoscaling") or {}).get("enabled"):
                 seen.add(key)
             await self._visit(body, key, is_enabled=key in seen)
-        self._memory = {key: memory for key, memory in self._memory.items() if key in seen}
+        self._memory = {key: memory for key, memory in self._memory.items() if key[:2] in seen}
 
     async def _visit(self, body: Object, key: tuple[str, str], *, is_enabled: bool) -> None:
         try:
@@ -132,22 +138,37 @@ class Autoscaler:
             )
         except ValidationError:
             return  # the reconcile reports an invalid spec in the status; nothing to scale
-        now = time.time()
-        memory = self._memory.setdefault(key, _Memory(started=now))
-        current = md.spec.pools()[scalable_pool(md)].replicas
-        observed, num_ready = await self._observe(md, memory)
         previous = (body.get("status") or {}).get("autoscaling") or {}
-        last_scale = max(memory.started, _epoch(previous.get("lastScaleTime")))
+        status: Object = {}
+        for pool in autoscaled_pools(md.spec):
+            if pool == scalable_pool(md.spec):
+                status.update(await self._scale_pool(md, body, pool, previous))
+            else:
+                status[pool] = await self._scale_pool(md, body, pool, previous.get(pool) or {})
+        await self._record(body, status)
+
+    async def _scale_pool(
+        self, md: ModelDeployment, body: Object, pool: PoolName, previous: Object
+    ) -> Object:
+        """Decide and apply one pool's size; returns its status (``previous`` is its last one)."""
+        now = time.time()
+        memory = self._memory.setdefault(
+            (md.metadata.namespace, md.metadata.name, pool), _Memory(started=now)
+        )
+        current = md.spec.pools()[pool].replicas
+        observed, num_ready = await self._observe(md, pool, memory)
+        last_scale_time = previous.get("lastScaleTime")
+        last_scale = max(memory.started, _epoch(last_scale_time))
         state = ScaleState(current, num_ready, now, now - last_scale, tuple(memory.history))
-        decision = decide(state, observed, md.spec.autoscaling, self.settings)
+        decision = decide(state, observed, pool_bounds(md.spec.autoscaling, pool), self.settings)
         memory.remember(Recommendation(now, decision.recommendation), self.settings.stabilization_s)
         if decision.desired != current:
-            await self._apply(body, current, decision)
-            previous = {**previous, "lastScaleTime": _timestamp(now)}
-        await self._record(body, previous, decision, observed)
+            await self._apply(body, pool, current, decision, is_scalable=pool == scalable_pool(md.spec))
+            last_scale_time = _timestamp(now)
+        return _pool_status(decision, observed, last_scale_time)
 
-    async def _observe(self, md: ModelDeployment, memory: _Memory) -> tuple[Observation, int]:
-        selector = selector_string(pool_labels(md.metadata.name, scalable_pool(md)))
+    async def _observe(self, md: ModelDeployment, pool: PoolName, memory: _Memory) -> tuple[Observation, int]:
+        selector = selector_string(pool_labels(md.metadata.name, pool))
         pods = await self.api.list("v1", "pods", md.metadata.namespace, selector)
         ready = [pod for pod in pods if is_pod_ready(pod)]
         urls = {pod["metadata"]["name"]: metrics_url(pod) for pod in ready}
@@ -156,39 +177,46 @@ class Autoscaler:
         memory.scrapes = {pod: scrape for pod, scrape in scrapes.items() if scrape is not None}
         return observed, len(ready)
 
-    async def _apply(self, body: Object, current: int, decision: Decision) -> None:
+    async def _apply(
+        self, body: Object, pool: PoolName, current: int, decision: Decision, *, is_scalable: bool
+    ) -> None:
+        """Write the pool's new size: the scale subresource for the scalable pool, else the pool's
+        own ``replicas`` in the spec."""
         meta = body["metadata"]
-        path = resource_path(API_VERSION, PLURAL, meta["namespace"], meta["name"]) + "/scale"
-        patch = {"spec": {"replicas": decision.desired}}
+        path = resource_path(API_VERSION, PLURAL, meta["namespace"], meta["name"])
+        patch: Object
+        if is_scalable:
+            path, patch = path + "/scale", {"spec": {"replicas": decision.desired}}
+        else:
+            patch = {"spec": {pool: {"replicas": decision.desired}}}
         response = await self.api.http.patch(path, json=patch, headers=_MERGE_PATCH)
         response.raise_for_status()
         verb = "ScaledUp" if decision.desired > current else "ScaledDown"
-        message = f"replicas {current} -> {decision.desired}: {decision.reason}"
+        message = f"{pool} replicas {current} -> {decision.desired}: {decision.reason}"
         _log.info(f"autoscaler: {meta['namespace']}/{meta['name']} {message}")
         await self.api.create("v1", "events", _event(body, verb, message))
 
-    async def _record(
-        self, body: Object, previous: Object, decision: Decision, observed: Observation
-    ) -> None:
-        figures = {
-            "ttftP95Ms": observed.ttft_p95_ms,
-            "itlP95Ms": observed.itl_p95_ms,
-            "numRequestsWaiting": observed.num_waiting,
-            "kvCacheUsage": observed.kv_usage,
-        }
-        status = {
-            "desiredReplicas": decision.desired,
-            "lastScaleTime": previous.get("lastScaleTime"),
-            "reason": decision.reason,
-            "observed": _present(figures),
-        }
-        status = _present(status)  # a null in a merge patch deletes the field; leave it out instead
-        old = (body.get("status") or {}).get("autoscaling")
-        if status != old:
+    async def _record(self, body: Object, status: Object) -> None:
+        patch = merge_patch_between((body.get("status") or {}).get("autoscaling") or {}, status)
+        if patch:
             meta = body["metadata"]
             await self.api.patch_status(
-                API_VERSION, PLURAL, meta["namespace"], meta["name"], {"autoscaling": status}
+                API_VERSION, PLURAL, meta["namespace"], meta["name"], {"autoscaling": patch}
             )
+
+
+def merge_patch_between(old: Object, new: Object) -> Object:
+    """The JSON merge patch (RFC 7386) that turns ``old`` into ``new``: fields gone from ``new``
+    become nulls, so a figure no longer observed, or a pool no longer scaled, leaves the status."""
+    patch: Object = {key: None for key in old if key not in new}
+    for key, value in new.items():
+        before = old.get(key)
+        if isinstance(value, dict) and isinstance(before, dict):
+            if nested := merge_patch_between(before, value):
+                patch[key] = nested
+        elif value != before:
+            patch[key] = value
+    return patch
 
 
 def _event(body: Object, reason: str, message: str) -> Object:
@@ -214,6 +242,22 @@ def _event(body: Object, reason: str, message: str) -> Object:
         "lastTimestamp": now,
         "count": 1,
     }
+
+
+def _pool_status(decision: Decision, observed: Observation, last_scale_time: str | None) -> Object:
+    figures = {
+        "ttftP95Ms": observed.ttft_p95_ms,
+        "itlP95Ms": observed.itl_p95_ms,
+        "numRequestsWaiting": observed.num_waiting,
+        "kvCacheUsage": observed.kv_usage,
+    }
+    status = {
+        "desiredReplicas": decision.desired,
+        "lastScaleTime": last_scale_time,
+        "reason": decision.reason,
+        "observed": _present(figures),
+    }
+    return _present(status)  # a null in a merge patch deletes the field; leave it out instead
 
 
 def _present(fields: Object) -> Object:

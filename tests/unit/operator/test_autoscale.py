@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
-from herd.api.crd import AutoscalingSpec
-from herd.operator.autoscale import Observation, Recommendation, ScaleState, decide
+from herd.api.crd import AutoscalingSpec, ModelDeploymentSpec, PoolName
+from herd.operator.autoscale import (
+    Observation,
+    Recommendation,
+    ScaleState,
+    autoscaled_pools,
+    decide,
+    pool_bounds,
+    scalable_pool,
+)
+from herd.operator.autoscaler import merge_patch_between
 from herd.operator.settings import AutoscalerSettings
 
 SETTINGS = AutoscalerSettings(stabilization_s=300.0, tolerance=0.1, kv_high_water=0.9)
@@ -104,3 +114,61 @@ def test_a_held_scale_down_still_records_the_lower_recommendation() -> None:
 def test_the_reason_names_the_metric_that_drove_it() -> None:
     decision = decide(QUIET, replace(ON_TARGET, itl_p95_ms=300.0), SPEC, SETTINGS)
     assert decision.reason.startswith("itl p95 at 300% of target")
+
+
+UNIFIED = {"model": {"source": "pvc://weights/chat"}}
+DISAGGREGATED = {**UNIFIED, "serving": {"mode": "disaggregated"}, "prefill": {}, "decode": {}}
+
+
+@pytest.mark.parametrize(
+    ("spec", "scalable", "pools"),
+    [(UNIFIED, "workers", ("workers",)), (DISAGGREGATED, "decode", ("decode", "prefill"))],
+    ids=["unified", "disaggregated"],
+)
+def test_which_pools_scale(spec: dict[str, Any], scalable: PoolName, pools: tuple[PoolName, ...]) -> None:
+    parsed = ModelDeploymentSpec.model_validate(spec)
+    assert scalable_pool(parsed) == scalable
+    assert autoscaled_pools(parsed) == pools
+
+
+@pytest.mark.parametrize(
+    ("pool", "min_replicas", "bounds"),
+    [
+        ("workers", 0, (0, 8)),
+        ("decode", 0, (0, 8)),
+        ("prefill", 0, (1, 8)),  # at zero nothing would bring it back
+        ("prefill", 2, (2, 8)),
+    ],
+    ids=["workers-to-zero", "decode-to-zero", "prefill-floored-at-one", "prefill-keeps-a-higher-min"],
+)
+def test_pool_bounds(pool: PoolName, min_replicas: int, bounds: tuple[int, int]) -> None:
+    spec = pool_bounds(SPEC.model_copy(update={"min_replicas": min_replicas}), pool)
+    assert (spec.min_replicas, spec.max_replicas) == bounds
+
+
+def test_an_idle_prefill_pool_stops_at_one_replica() -> None:
+    decision = decide(QUIET, IDLE, pool_bounds(FROM_ZERO, "prefill"), SETTINGS)
+    assert decision.desired == 1
+
+
+def test_a_prefill_pool_scales_on_ttft_alone() -> None:
+    """Prefill workers make one token per request: no ITL, and TTFT decides."""
+    observed = replace(ON_TARGET, ttft_p95_ms=2000.0, itl_p95_ms=None)
+    decision = decide(QUIET, observed, pool_bounds(SPEC, "prefill"), SETTINGS)
+    assert decision.desired == 8 and decision.reason.startswith("ttft p95 at 200%")
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "patch"),
+    [
+        ({}, {"a": 1}, {"a": 1}),
+        ({"a": 1}, {"a": 1}, {}),
+        ({"a": 1, "b": 2}, {"a": 1}, {"b": None}),
+        ({"o": {"x": 1, "y": 2}}, {"o": {"x": 1}}, {"o": {"y": None}}),
+        ({"o": {"x": 1}}, {"o": {"x": 3}}, {"o": {"x": 3}}),
+        ({"prefill": {"reason": "r"}, "reason": "r"}, {"reason": "r"}, {"prefill": None}),
+    ],
+    ids=["added", "unchanged", "removed", "nested-removed", "nested-changed", "pool-no-longer-scaled"],
+)
+def test_merge_patch_between(old: dict[str, Any], new: dict[str, Any], patch: dict[str, Any]) -> None:
+    assert merge_patch_between(old, new) == patch
