@@ -79,3 +79,14 @@ def test_dashboard_configmap_carries_the_sidecar_label_and_the_json() -> None:
     assert config_map["metadata"]["annotations"] == {"grafana_folder": "LLM"}
     assert config_map["metadata"]["namespace"] == "monitoring"
     assert json.loads(config_map["data"]["herd.json"]) == json.loads(DASHBOARD.read_text())
+
+
+@pytest.mark.parametrize("name", [metrics.TIME_TO_FIRST_TOKEN_SECONDS, metrics.INTER_TOKEN_LATENCY_SECONDS])
+def test_worker_latency_panels_split_by_role(name: str) -> None:
+    """A prefill worker's TTFT is its pool's prefill latency: mixed with the decode workers' it
+    would mean neither (the PodMonitor puts the pod's herd.dev/role on every series as ``role``)."""
+    exprs = [
+        target["expr"] for panel in _panels() for target in panel.get("targets", []) if name in target["expr"]
+    ]
+    assert exprs
+    assert all("sum by (le, model_name, role)" in expr for expr in exprs), exprs

@@ -113,6 +113,9 @@ def test_monitoring_objects_select_the_right_targets() -> None:
         "path": "/metrics",
         "interval": "30s",
         "scrapeTimeout": "10s",
+        "relabelings": [
+            {"sourceLabels": ["__meta_kubernetes_pod_label_herd_dev_role"], "targetLabel": "role"}
+        ],
     }
 
 
