@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from herd.api.body import BodyError, json_object, read_limited
 from herd.api.openai import ErrorResponse, ModelCard, ModelList
 from herd.orchestrator.auth import ApiKeys
 from herd.orchestrator.dashboard import DASHBOARD_HTML, dashboard_data
@@ -102,9 +102,9 @@ def _lifespan(
 def _add_openai_routes(app: FastAPI, gateway: Gateway, api_keys: ApiKeys, max_body_bytes: int) -> None:
     async def proxy(request: Request) -> Response:
         _authenticate(request, api_keys)
-        body = await _read_body(request, max_body_bytes)
+        body, payload = await _read_json(request, max_body_bytes)
         # The scope's path, not request.url.path: building the full URL per request costs more.
-        return await gateway.forward(request.scope["path"], body, _parse_json(body), request.headers)
+        return await gateway.forward(request.scope["path"], body, payload, request.headers)
 
     async def models(request: Request) -> Response:
         _authenticate(request, api_keys)
@@ -167,32 +167,14 @@ def _authenticate(request: Request, api_keys: ApiKeys) -> None:
         raise GatewayError(401, message, headers={"WWW-Authenticate": "Bearer"})
 
 
-async def _read_body(request: Request, max_body_bytes: int) -> bytes:
+async def _read_json(request: Request, max_body_bytes: int) -> tuple[bytes, dict[str, Any]]:
+    """The raw body (forwarded as is) and its JSON object; 413 / 400 in the OpenAI envelope."""
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
-        raise _too_large(max_body_bytes)
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_body_bytes:
-            raise _too_large(max_body_bytes)
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _too_large(max_body_bytes: int) -> GatewayError:
-    return GatewayError(413, f"the request body exceeds {max_body_bytes} bytes; send a shorter prompt")
-
-
-def _parse_json(body: bytes) -> dict[str, Any]:
     try:
-        payload = json.loads(body)
-    except ValueError as error:
-        raise GatewayError(400, f"the request body is not valid JSON: {error}") from None
-    if not isinstance(payload, dict):
-        raise GatewayError(400, "the request body must be a JSON object")
-    return payload
+        body = await read_limited(request.stream(), max_body_bytes, declared_length=declared)
+        return body, json_object(body)
+    except BodyError as error:
+        raise GatewayError(error.status, str(error)) from None
 
 
 async def _gateway_error(_: Request, error: Exception) -> Response:

@@ -13,7 +13,6 @@ prefill pool's latency, which dashboards and the autoscaler read.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -26,6 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from pydantic import BaseModel, ValidationError
 
 from herd.api import metrics as names
+from herd.api.body import BodyError, json_object
 from herd.api.kv_hash import BlockHash, block_hashes
 from herd.api.openai import ChatCompletionRequest, CompletionRequest
 from herd.api.protocol import INTERNAL_PATHS, KVTransferParams
@@ -262,12 +262,9 @@ class PrefillService:
 
 def _json_object(raw: bytes) -> dict[str, Any]:
     try:
-        payload = json.loads(raw)
-    except ValueError as error:
-        raise ApiError(400, f"the request body is not valid JSON: {error}") from None
-    if not isinstance(payload, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    return payload
+        return json_object(raw)
+    except BodyError as error:
+        raise ApiError(error.status, str(error)) from None
 
 
 def _parse(model: type[M], raw: bytes) -> M:
