@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -73,9 +74,10 @@ def test_plan_workers_for_each_pool(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")  # planning only checks that a model folder is there
     disaggregated = deployment(
         f"file://{tmp_path}",
+        engine={"maxBatchSize": 8, "maxQueueLen": 100},
         serving={"mode": "disaggregated"},
-        prefill={"replicas": 1},
-        decode={"replicas": 2},
+        prefill={"replicas": 1, "engine": {"maxBatchTokens": 4096}},
+        decode={"replicas": 2, "engine": {"maxBatchSize": 32}},
     )
     workers = plan_workers(disaggregated, "secret")  # type: ignore[arg-type]
     assert [(w.endpoint.id, w.endpoint.role) for w in workers] == [
@@ -88,6 +90,10 @@ def test_plan_workers_for_each_pool(tmp_path: Path) -> None:
     assert (
         argv[argv.index("--internal-token") + 1] == "secret" and argv[argv.index("--role") + 1] == "prefill"
     )
+    engines = [json.loads(w.argv[w.argv.index("--engine-json") + 1]) for w in workers]
+    assert [(e["maxBatchSize"], e["maxBatchTokens"]) for e in engines] == [(8, 4096), (32, 8192), (32, 8192)]
+    # The gateway caps each decode worker at the decode pool's batch and queue, not the model's.
+    assert ModelConfig.from_deployment(disaggregated).max_in_flight_per_worker == 32 + 100  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

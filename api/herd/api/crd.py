@@ -14,11 +14,14 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
+from herd.api.protocol import Role
+
 __all__ = [
     "API_VERSION",
     "GROUP",
     "KIND",
     "PLURAL",
+    "POOL_ROLES",
     "SHORT_NAME",
     "VERSION",
     "Accelerator",
@@ -38,6 +41,8 @@ __all__ = [
     "ModelDeploymentStatus",
     "ModelSpec",
     "ObjectMeta",
+    "PoolEngineSpec",
+    "PoolKVCacheSpec",
     "PoolName",
     "PoolSpec",
     "PoolStatus",
@@ -60,6 +65,8 @@ SHORT_NAME = "md"
 
 SOURCE_SCHEMES = ("hf://", "s3://", "pvc://", "file://")
 PoolName = Literal["workers", "prefill", "decode"]
+POOL_ROLES: dict[PoolName, Role] = {"workers": "unified", "prefill": "prefill", "decode": "decode"}
+"""The worker role each pool's pods run (their ``herd.dev/role`` label)."""
 StrategyName = Literal[
     "round_robin", "least_request", "random", "prefix_hash", "sticky_session", "kv_cache_aware"
 ]
@@ -141,6 +148,52 @@ class EngineSpec(_Spec):
     kv_cache: KVCacheSpec = Field(default_factory=KVCacheSpec)
 
 
+def _refuse_shared(data: Any, shared: dict[str, str], where: str) -> Any:
+    """A pool's engine block may not set what every pool must share; name the field and the fix."""
+    if isinstance(data, dict):
+        for key in map(to_camel, data):
+            if key in shared:
+                raise ValueError(
+                    f"{where}.{key} must be the same in every pool ({shared[key]}): "
+                    f"set it in spec.{where} instead of a pool's engine"
+                )
+    return data
+
+
+class PoolKVCacheSpec(_Spec):
+    """A pool's KV pool size; given here, it replaces ``spec.engine.kvCache``'s sizing."""
+
+    memory_utilization: float | None = Field(default=None, gt=0.0, le=1.0)
+    memory_gib: float | None = Field(default=None, alias="memoryGiB", gt=0.0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_shared(cls, data: Any) -> Any:
+        shared = {"blockSize": "blocks move between pools as stored", "prefixCaching": "KV handoff needs it"}
+        return _refuse_shared(data, shared, "engine.kvCache")
+
+
+class PoolEngineSpec(_Spec):
+    """Engine settings one pool sets apart from ``spec.engine`` (a prefill pool with a large
+    chunk budget, a decode pool with large batches): batch, queue and KV pool sizes. The model's
+    layout stays one for every pool, since KV blocks move between pools as they are stored."""
+
+    max_batch_size: int | None = Field(default=None, ge=1)
+    max_batch_tokens: int | None = Field(default=None, ge=16)
+    max_queue_len: int | None = Field(default=None, ge=1)
+    kv_cache: PoolKVCacheSpec | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_shared(cls, data: Any) -> Any:
+        shared = {
+            "dtype": "blocks move between pools as stored",
+            "device": "it decides the dtype, so the KV layout",
+            "maxModelLen": "a request admitted by one pool must fit the other",
+        }
+        return _refuse_shared(data, shared, "engine")
+
+
 class ServingSpec(_Spec):
     mode: Literal["aggregated", "disaggregated"] = "aggregated"
     prefill_threshold_tokens: int = Field(
@@ -172,6 +225,9 @@ class PoolSpec(_Spec):
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[dict[str, Any]] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the worker.")
+    engine: PoolEngineSpec | None = Field(
+        default=None, description="This pool's batch, queue and KV pool sizes, over spec.engine."
+    )
 
 
 class _Routing(_Spec):
@@ -284,22 +340,38 @@ class ModelDeploymentSpec(_Spec):
                 )
         return self
 
+    @property
+    def serving_pool(self) -> PoolName:
+        """The pool that answers clients (``workers``, or ``decode`` when disaggregated): the one
+        ``spec.replicas`` and the scale subresource size."""
+        return "decode" if self.serving.mode == "disaggregated" else "workers"
+
     def pools(self) -> dict[PoolName, PoolSpec]:
-        """The pools this spec runs, with the scale target applied to the scalable pool."""
-        if self.serving.mode == "disaggregated":
-            assert self.prefill is not None and self.decode is not None
-            decode = (
-                self.decode
-                if self.replicas is None
-                else self.decode.model_copy(update={"replicas": self.replicas})
-            )
-            return {"prefill": self.prefill, "decode": decode}
-        workers = (
-            self.workers
-            if self.replicas is None
-            else self.workers.model_copy(update={"replicas": self.replicas})
+        """The pools this spec runs, with the scale target applied to the serving pool."""
+        pools: dict[PoolName, PoolSpec | None] = (
+            {"prefill": self.prefill, "decode": self.decode}
+            if self.serving.mode == "disaggregated"
+            else {"workers": self.workers}
         )
-        return {"workers": workers}
+        resolved = {name: pool for name, pool in pools.items() if pool is not None}
+        if self.replicas is not None:
+            serving = resolved[self.serving_pool]
+            resolved[self.serving_pool] = serving.model_copy(update={"replicas": self.replicas})
+        return resolved
+
+    def engine_for(self, pool: PoolName) -> EngineSpec:
+        """``spec.engine`` with ``pool``'s own ``engine`` settings over it (a pool's ``kvCache``
+        replaces the model's KV sizing as a whole: its ``memoryGiB``, or its utilization alone)."""
+        spec = self.pools()[pool].engine
+        if spec is None:
+            return self.engine
+        changes: dict[str, Any] = spec.model_dump(exclude_none=True, exclude={"kv_cache"})
+        if spec.kv_cache is not None:
+            sizing = {"memory_gib": spec.kv_cache.memory_gib}
+            if spec.kv_cache.memory_utilization is not None:
+                sizing["memory_utilization"] = spec.kv_cache.memory_utilization
+            changes["kv_cache"] = self.engine.kv_cache.model_copy(update=sizing)
+        return self.engine.model_copy(update=changes)
 
 
 class ObjectMeta(BaseModel):

@@ -24,10 +24,9 @@ from types import FrameType
 
 import httpx
 
-from herd.api.crd import ModelDeployment, PoolName
+from herd.api.crd import POOL_ROLES, ModelDeployment, PoolName
 from herd.api.logs import configure_logging
 from herd.api.manifest import ManifestError, load_manifest
-from herd.api.protocol import Role
 from herd.cli.orchestrator import local_model_path
 from herd.orchestrator.app import AppSettings, build_app
 from herd.orchestrator.discovery import ModelConfig, StaticSource, WorkerEndpoint
@@ -38,7 +37,6 @@ __all__ = ["LocalWorker", "UpError", "plan_workers", "register"]
 log = logging.getLogger("herd.up")
 
 HOST = "127.0.0.1"
-_ROLE_OF_POOL: dict[PoolName, Role] = {"workers": "unified", "prefill": "prefill", "decode": "decode"}
 
 
 class UpError(RuntimeError):
@@ -87,15 +85,20 @@ def plan_workers(deployment: ModelDeployment, token: str) -> list[LocalWorker]:
                 deployment.served_name,
                 f"http://{HOST}:{port}",
                 f"http://{HOST}:{internal_port}",
-                _ROLE_OF_POOL[pool_name],
+                POOL_ROLES[pool_name],
             )
-            argv = _worker_argv(deployment, folder, endpoint, (port, internal_port), token)
+            argv = _worker_argv(deployment, pool_name, folder, endpoint, (port, internal_port), token)
             workers.append(LocalWorker(endpoint, port, argv, dict(pool.env)))
     return workers
 
 
 def _worker_argv(
-    deployment: ModelDeployment, folder: Path, endpoint: WorkerEndpoint, ports: tuple[int, int], token: str
+    deployment: ModelDeployment,
+    pool: PoolName,
+    folder: Path,
+    endpoint: WorkerEndpoint,
+    ports: tuple[int, int],
+    token: str,
 ) -> tuple[str, ...]:
     flags = {
         "--model": str(folder),
@@ -105,7 +108,7 @@ def _worker_argv(
         "--internal-port": str(ports[1]),
         "--internal-token": token,
         "--role": endpoint.role,
-        "--engine-json": deployment.spec.engine.model_dump_json(by_alias=True),
+        "--engine-json": deployment.spec.engine_for(pool).model_dump_json(by_alias=True),
     }
     return (
         sys.executable,

@@ -39,7 +39,6 @@ __all__ = [
     "decide",
     "pool_bounds",
     "recommend",
-    "scalable_pool",
 ]
 
 
@@ -85,13 +84,8 @@ class Decision:
     recommendation: int
 
 
-def scalable_pool(spec: ModelDeploymentSpec) -> PoolName:
-    """The pool behind ``spec.replicas`` and the scale subresource."""
-    return "decode" if spec.serving.mode == "disaggregated" else "workers"
-
-
 def autoscaled_pools(spec: ModelDeploymentSpec) -> tuple[PoolName, ...]:
-    """The pools the autoscaler sizes, the scalable pool first."""
+    """The pools the autoscaler sizes, the serving pool (behind ``spec.replicas``) first."""
     if spec.serving.mode == "disaggregated":
         return ("decode", "prefill")
     return ("workers",)

@@ -38,7 +38,6 @@ from herd.operator.autoscale import (
     autoscaled_pools,
     decide,
     pool_bounds,
-    scalable_pool,
 )
 from herd.operator.kube import KubeApi, KubeError, resource_path
 from herd.operator.metrics_source import Scrape, metrics_url, observe, scrape_all
@@ -141,7 +140,7 @@ class Autoscaler:
         previous = (body.get("status") or {}).get("autoscaling") or {}
         status: Object = {}
         for pool in autoscaled_pools(md.spec):
-            if pool == scalable_pool(md.spec):
+            if pool == md.spec.serving_pool:
                 status.update(await self._scale_pool(md, body, pool, previous))
             else:
                 status[pool] = await self._scale_pool(md, body, pool, previous.get(pool) or {})
@@ -163,7 +162,7 @@ class Autoscaler:
         decision = decide(state, observed, pool_bounds(md.spec.autoscaling, pool), self.settings)
         memory.remember(Recommendation(now, decision.recommendation), self.settings.stabilization_s)
         if decision.desired != current:
-            await self._apply(body, pool, current, decision, is_scalable=pool == scalable_pool(md.spec))
+            await self._apply(body, pool, current, decision, is_scalable=pool == md.spec.serving_pool)
             last_scale_time = _timestamp(now)
         return _pool_status(decision, observed, last_scale_time)
 

@@ -15,15 +15,14 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from herd.api.crd import ModelDeployment, PoolName, PoolSpec
-from herd.api.protocol import LABEL_DEPLOYMENT, LABEL_MANAGED_BY, LABEL_ROLE, MANAGED_BY, Role
+from herd.api.crd import POOL_ROLES, ModelDeployment, PoolName, PoolSpec
+from herd.api.protocol import LABEL_DEPLOYMENT, LABEL_MANAGED_BY, LABEL_ROLE, MANAGED_BY
 from herd.operator.pod import HTTP_PORT, INTERNAL_PORT, plan_pod_spec
 from herd.operator.settings import PlanSettings
 
 __all__ = [
     "ANNOTATION_SPEC_HASH",
     "LABEL_TEMPLATE_HASH",
-    "ROLES",
     "DesiredObject",
     "Plan",
     "child_name",
@@ -35,7 +34,6 @@ __all__ = [
 
 ANNOTATION_SPEC_HASH = "herd.dev/spec-hash"
 LABEL_TEMPLATE_HASH = "herd.dev/template-hash"
-ROLES: dict[PoolName, Role] = {"workers": "unified", "prefill": "prefill", "decode": "decode"}
 
 Object = dict[str, Any]
 
@@ -78,7 +76,7 @@ def child_name(md_name: str, pool: PoolName) -> str:
 
 
 def pool_labels(md_name: str, pool: PoolName) -> dict[str, str]:
-    return {LABEL_MANAGED_BY: MANAGED_BY, LABEL_DEPLOYMENT: md_name, LABEL_ROLE: ROLES[pool]}
+    return {LABEL_MANAGED_BY: MANAGED_BY, LABEL_DEPLOYMENT: md_name, LABEL_ROLE: POOL_ROLES[pool]}
 
 
 def selector_string(labels: dict[str, str]) -> str:
@@ -103,7 +101,7 @@ def _deployment(
     md: ModelDeployment, pool_name: PoolName, pool: PoolSpec, settings: PlanSettings
 ) -> DesiredObject:
     labels = pool_labels(md.metadata.name, pool_name)
-    pod_spec = plan_pod_spec(md, pool, ROLES[pool_name], settings)
+    pod_spec = plan_pod_spec(md, pool_name, pool, settings)
     template_labels = {**labels, LABEL_TEMPLATE_HASH: spec_hash(pod_spec)}
     spec = {
         "replicas": pool.replicas,

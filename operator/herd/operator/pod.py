@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from herd.api.crd import ModelDeployment, PoolSpec, Resources
-from herd.api.protocol import Role
+from herd.api.crd import POOL_ROLES, ModelDeployment, PoolName, PoolSpec, Resources
 from herd.operator.settings import PlanSettings
 from herd.operator.source import ModelSource, plan_source
 
@@ -22,14 +21,14 @@ _CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop
 Object = dict[str, Any]
 
 
-def worker_argv(md: ModelDeployment, role: Role, model_path: str) -> list[str]:
-    """The worker command line; the engine settings travel as one camelCase JSON argument."""
-    engine = md.spec.engine.model_dump(by_alias=True, mode="json", exclude_none=True)
+def worker_argv(md: ModelDeployment, pool: PoolName, model_path: str) -> list[str]:
+    """The worker command line; the pool's engine settings travel as one camelCase JSON argument."""
+    engine = md.spec.engine_for(pool).model_dump(by_alias=True, mode="json", exclude_none=True)
     return [
         "herd", "worker",
         "--model", model_path,
         "--served-name", md.served_name,
-        "--role", role,
+        "--role", POOL_ROLES[pool],
         "--engine-json", json.dumps(engine, sort_keys=True, separators=(",", ":")),
         "--host", "0.0.0.0",  # the worker binds loopback by default; probes and peers come from outside
         "--port", str(HTTP_PORT),
@@ -37,10 +36,10 @@ def worker_argv(md: ModelDeployment, role: Role, model_path: str) -> list[str]:
     ]  # fmt: skip
 
 
-def plan_pod_spec(md: ModelDeployment, pool: PoolSpec, role: Role, settings: PlanSettings) -> Object:
+def plan_pod_spec(md: ModelDeployment, pool_name: PoolName, pool: PoolSpec, settings: PlanSettings) -> Object:
     image = pool.image or settings.worker_image
     source = plan_source(md.spec.model, settings, worker_image=image)
-    worker = _worker_container(md, pool, role, settings, image, source)
+    worker = _worker_container(md, pool_name, pool, settings, image, source)
     spec: Object = {
         "securityContext": {"fsGroup": settings.fs_group, "seccompProfile": {"type": "RuntimeDefault"}},
         "containers": [worker],
@@ -57,12 +56,17 @@ def plan_pod_spec(md: ModelDeployment, pool: PoolSpec, role: Role, settings: Pla
 
 
 def _worker_container(
-    md: ModelDeployment, pool: PoolSpec, role: Role, settings: PlanSettings, image: str, source: ModelSource
+    md: ModelDeployment,
+    pool_name: PoolName,
+    pool: PoolSpec,
+    settings: PlanSettings,
+    image: str,
+    source: ModelSource,
 ) -> Object:
     container: Object = {
         "name": "worker",
         "image": image,
-        "command": worker_argv(md, role, source.path),
+        "command": worker_argv(md, pool_name, source.path),
         "ports": [
             {"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
             {"name": "internal", "containerPort": INTERNAL_PORT, "protocol": "TCP"},

@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from herd.api.crd import Condition, ModelDeployment, PoolName, PoolStatus
+from herd.api.crd import POOL_ROLES, Condition, ModelDeployment, PoolName, PoolStatus
 from herd.api.protocol import LABEL_ROLE
 from herd.operator.conditions import DEGRADED, PROGRESSING, READY, Reason, condition, merge_conditions
-from herd.operator.plan import LABEL_TEMPLATE_HASH, ROLES, Plan, pool_labels, selector_string
+from herd.operator.plan import LABEL_TEMPLATE_HASH, Plan, pool_labels, selector_string
 from herd.operator.settings import PlanSettings
 
 __all__ = ["Problem", "blocked_status", "find_problem", "is_pod_ready", "plan_status", "pool_status"]
@@ -83,7 +83,7 @@ def plan_status(
                  for obj in plan.objects if obj.kind == "Deployment"}  # fmt: skip
     pools = {
         name: pool_status(
-            [p for p in pods if _labels(p).get(LABEL_ROLE) == ROLES[name]], desired, templates[name]
+            [p for p in pods if _labels(p).get(LABEL_ROLE) == POOL_ROLES[name]], desired, templates[name]
         )
         for name, desired in plan.replicas.items()
     }

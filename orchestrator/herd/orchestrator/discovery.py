@@ -62,6 +62,7 @@ class ModelConfig:
     def from_deployment(cls, deployment: ModelDeployment, *, model_path: Path | None = None) -> ModelConfig:
         """The config a ModelDeployment implies; ``model_path`` is its local folder, if any."""
         spec = deployment.spec
+        serving = spec.engine_for(spec.serving_pool)  # the pool that takes clients' requests
         return cls(
             served_name=deployment.served_name,
             routing=spec.routing,
@@ -70,7 +71,7 @@ class ModelConfig:
             model_path=model_path,
             mode=spec.serving.mode,
             prefill_threshold_tokens=spec.serving.prefill_threshold_tokens,
-            max_in_flight_per_worker=spec.engine.max_batch_size + spec.engine.max_queue_len,
+            max_in_flight_per_worker=serving.max_batch_size + serving.max_queue_len,
         )
 
 

@@ -60,6 +60,23 @@ def test_scale_target_overrides_the_scalable_pool() -> None:
         ({"engine": {"maxModelLen": "long"}}, "spec.engine.maxModelLen: Input should be a valid integer"),
         ({"engine": {"dtypes": "float32"}}, "spec.engine.dtypes: unknown field"),
         ({"autoscaling": {"minReplicas": 4, "maxReplicas": 2}}, "minReplicas (4) exceeds maxReplicas (2)"),
+        (
+            {"workers": {"engine": {"dtype": "float16"}}},
+            "spec.workers.engine: engine.dtype must be the same in every pool",
+        ),
+        (
+            {"workers": {"engine": {"max_model_len": 64}}},
+            "engine.maxModelLen must be the same in every pool (a request admitted by one pool must fit "
+            "the other): set it in spec.engine instead of a pool's engine",
+        ),
+        (
+            {"workers": {"engine": {"kvCache": {"blockSize": 32}}}},
+            "engine.kvCache.blockSize must be the same",
+        ),
+        (
+            {"workers": {"engine": {"maxBatchTokens": 8}}},
+            "spec.workers.engine.maxBatchTokens: Input should be",
+        ),
     ],
     ids=[
         "disagg-without-pools",
@@ -71,6 +88,10 @@ def test_scale_target_overrides_the_scalable_pool() -> None:
         "wrong-type",
         "typo",
         "autoscaling-bounds",
+        "pool-dtype",
+        "pool-max-model-len-snake-case",
+        "pool-block-size",
+        "pool-chunk-too-small",
     ],
 )
 def test_invalid_specs_name_the_field(spec: dict[str, Any], expected: str) -> None:
@@ -121,3 +142,34 @@ def test_round_trip_uses_camel_case() -> None:
     assert dumped["spec"]["engine"]["maxModelLen"] == 1024
     assert dumped["spec"]["engine"]["kvCache"]["memoryGiB"] == 2
     assert ModelDeployment.model_validate(dumped) == md
+
+
+PER_POOL = {
+    "engine": {"maxBatchSize": 32, "maxBatchTokens": 512, "kvCache": {"memoryGiB": 2}},
+    "serving": {"mode": "disaggregated"},
+    "prefill": {"engine": {"maxBatchTokens": 4096}},
+    "decode": {"engine": {"maxBatchSize": 128, "kvCache": {"memoryUtilization": 0.95}}},
+}
+
+
+@pytest.mark.parametrize(
+    ("pool", "batch_size", "batch_tokens", "memory_gib", "utilization"),
+    [("prefill", 32, 4096, 2.0, 0.9), ("decode", 128, 512, None, 0.95)],
+    ids=["prefill-chunk", "decode-batch-and-kv-share"],
+)
+def test_a_pool_engine_overrides_the_model_engine(
+    pool: str, batch_size: int, batch_tokens: int, memory_gib: float | None, utilization: float
+) -> None:
+    """A pool's kvCache replaces the model's KV sizing: the decode pool's utilization is not
+    overruled by the model's memoryGiB."""
+    spec = parse_manifest(manifest(**PER_POOL)).spec
+    engine = spec.engine_for(pool)  # type: ignore[arg-type]
+    assert (engine.max_batch_size, engine.max_batch_tokens) == (batch_size, batch_tokens)
+    assert (engine.kv_cache.memory_gib, engine.kv_cache.memory_utilization) == (memory_gib, utilization)
+    assert (engine.max_model_len, engine.kv_cache.block_size) == (spec.engine.max_model_len, 16)
+
+
+def test_the_serving_pool_answers_clients() -> None:
+    assert parse_manifest(manifest()).spec.serving_pool == "workers"
+    assert parse_manifest(manifest(**PER_POOL)).spec.serving_pool == "decode"
+    assert parse_manifest(manifest()).spec.engine_for("workers") == parse_manifest(manifest()).spec.engine

@@ -15,7 +15,6 @@ from herd.operator.autoscale import (
     autoscaled_pools,
     decide,
     pool_bounds,
-    scalable_pool,
 )
 from herd.operator.autoscaler import merge_patch_between
 from herd.operator.settings import AutoscalerSettings
@@ -127,7 +126,7 @@ DISAGGREGATED = {**UNIFIED, "serving": {"mode": "disaggregated"}, "prefill": {},
 )
 def test_which_pools_scale(spec: dict[str, Any], scalable: PoolName, pools: tuple[PoolName, ...]) -> None:
     parsed = ModelDeploymentSpec.model_validate(spec)
-    assert scalable_pool(parsed) == scalable
+    assert parsed.serving_pool == scalable
     assert autoscaled_pools(parsed) == pools
 
 

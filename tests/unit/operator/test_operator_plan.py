@@ -123,6 +123,20 @@ def test_worker_command() -> None:
     assert engine["kvCache"]["blockSize"] == 16
 
 
+def test_each_pool_runs_its_own_engine_settings() -> None:
+    md = make_md(
+        engine={"maxBatchTokens": 512},
+        serving={"mode": "disaggregated"},
+        prefill={"engine": {"maxBatchTokens": 8192}},
+        decode={"engine": {"maxBatchSize": 256}},
+    )
+    prefill = json.loads(arg(container(md, "chat-prefill")["command"], "--engine-json"))
+    decode = json.loads(arg(container(md, "chat-decode")["command"], "--engine-json"))
+    assert (prefill["maxBatchTokens"], prefill["maxBatchSize"]) == (8192, 64)
+    assert (decode["maxBatchTokens"], decode["maxBatchSize"]) == (512, 256)
+    assert prefill["kvCache"] == decode["kvCache"]
+
+
 def test_probes_drain_and_token() -> None:
     worker = container(make_md())
     assert worker["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
