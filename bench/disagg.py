@@ -22,8 +22,9 @@ Reported per setup and per stream: TTFT, ITL and E2E (p50/p99) and the load aver
 the setup's run; for the disaggregated setup the transfer overhead from the decode worker's metrics
 (bytes, blocks, seconds): averaged over every pull of the run (long and remotely prefilled short
 prompts alike), and for exactly one long request sent alone after the run (``probe``), with the
-orchestrator's per-phase timings. The setups run one after the other, each started fresh, warmed up
-(two short and one long request), measured, then stopped by pid.
+orchestrator's per-phase timings. The setups run one after the other (unified first unless
+``--order disaggregated-first``, to check that the order does not decide the result), each started
+fresh, warmed up (two short and one long request), measured, then stopped by pid.
 
     .venv/bin/python bench/disagg.py                          # writes bench/results/disagg.json
     .venv/bin/python bench/disagg.py --num-short 6 --num-long 2 --out /tmp/smoke.json
@@ -302,6 +303,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--long-rate", type=float, default=0.15, help="long prompts per second")
     parser.add_argument("--num-long", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--order",
+        choices=("unified-first", "disaggregated-first"),
+        default="unified-first",
+        help="which setup runs first",
+    )
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "disagg.json")
     parser.add_argument(
         "--transfer-stages", action="store_true", help="time the transfer's stages only (no servers)"
@@ -321,8 +328,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(stages, indent=2))
         return 0
     with tempfile.TemporaryDirectory(prefix="herd-bench-disagg-") as folder:
-        unified = measure(args, disaggregated=False, log_dir=Path(folder))
-        disagg = measure(args, disaggregated=True, log_dir=Path(folder))
+        order = (True, False) if args.order == "disaggregated-first" else (False, True)
+        results = {flag: measure(args, disaggregated=flag, log_dir=Path(folder)) for flag in order}
+    unified, disagg = results[False], results[True]
     command = " ".join(
         shlex.quote(part) for part in [".venv/bin/python", "bench/disagg.py", *(argv or sys.argv[1:])]
     )
