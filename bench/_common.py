@@ -70,8 +70,7 @@ def herd_worker_argv(
         str(port),
         "--internal-port",
         str(internal_port),
-        "--internal-token",
-        token,
+        f"--internal-token={token}",  # one word: a token_urlsafe token may start with '-'
         "--engine-json",
         json.dumps(engine),
         "--log-level",

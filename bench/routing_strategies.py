@@ -217,7 +217,7 @@ def measure(
     port = free_port()
     argv = [sys.executable, "-m", "herd.cli.main", "orchestrator", "--manifest", str(manifest_path)]
     argv += [arg for endpoint in endpoints for arg in ("--worker", endpoint)]
-    argv += ["--internal-token", token, "--host", HOST, "--port", str(port), "--log-level", "WARNING"]
+    argv += [f"--internal-token={token}", "--host", HOST, "--port", str(port), "--log-level", "WARNING"]
     url = f"http://{HOST}:{port}"
     with serving(argv, ready_url=f"{url}/ready", log=log_dir / f"orchestrator-{strategy}.log", env={}):
         time.sleep(2.0)  # /ready needs one healthy worker; a few health polls admit the second

@@ -11,6 +11,7 @@ import pytest
 
 from herd.api.crd import RoundRobinRouting
 from herd.api.manifest import parse_manifest
+from herd.api.protocol import TOKEN_ENV
 from herd.cli.orchestrator import local_model_path, parse_worker
 from herd.cli.up import UpError, plan_workers
 from herd.orchestrator.discovery import ModelConfig, WorkerEndpoint
@@ -79,7 +80,8 @@ def test_plan_workers_for_each_pool(tmp_path: Path) -> None:
         prefill={"replicas": 1, "engine": {"maxBatchTokens": 4096}},
         decode={"replicas": 2, "engine": {"maxBatchSize": 32}},
     )
-    workers = plan_workers(disaggregated, "secret")  # type: ignore[arg-type]
+    token = "-starts-like-a-flag"  # token_urlsafe makes one in 64 of these
+    workers = plan_workers(disaggregated, token)  # type: ignore[arg-type]
     assert [(w.endpoint.id, w.endpoint.role) for w in workers] == [
         ("tiny-prefill-0", "prefill"),
         ("tiny-decode-0", "decode"),
@@ -87,9 +89,9 @@ def test_plan_workers_for_each_pool(tmp_path: Path) -> None:
     ]
     assert len({w.port for w in workers}) == 3
     argv = workers[0].argv
-    assert (
-        argv[argv.index("--internal-token") + 1] == "secret" and argv[argv.index("--role") + 1] == "prefill"
-    )
+    assert argv[argv.index("--role") + 1] == "prefill"
+    # The token travels in the environment: argv is public (ps) and a leading '-' would read as a flag.
+    assert all(w.env[TOKEN_ENV] == token and not any(token in part for part in w.argv) for w in workers)
     engines = [json.loads(w.argv[w.argv.index("--engine-json") + 1]) for w in workers]
     assert [(e["maxBatchSize"], e["maxBatchTokens"]) for e in engines] == [(8, 4096), (32, 8192), (32, 8192)]
     # The gateway caps each decode worker at the decode pool's batch and queue, not the model's.

@@ -19,6 +19,7 @@ __all__ = [
     "LABEL_ROLE",
     "MANAGED_BY",
     "REQUEST_ID_HEADER",
+    "TOKEN_ENV",
     "TOKEN_HEADER",
     "WORKER_HEADER",
     "KVEvent",
@@ -36,6 +37,9 @@ Role = Literal["unified", "prefill", "decode"]
 
 TOKEN_HEADER = "X-Herd-Token"
 """Carries the shared internal token on every internal request."""
+TOKEN_ENV = "HERD_INTERNAL_TOKEN"
+"""Where workers and the orchestrator read the shared internal token: the environment, never a
+command line (``ps`` shows argv to every user, and a token starting with '-' reads as a flag)."""
 WORKER_HEADER = "X-Herd-Worker"
 """Names the worker that served a request, on the orchestrator's responses."""
 REQUEST_ID_HEADER = "X-Request-Id"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from herd.api.logs import configure_logging
 from herd.api.manifest import ManifestError, load_manifest
-from herd.api.protocol import Role
+from herd.api.protocol import TOKEN_ENV, Role
 from herd.orchestrator.app import AppSettings, build_app
 from herd.orchestrator.auth import load_api_keys
 from herd.orchestrator.discovery import ModelConfig, StaticSource, WorkerEndpoint, WorkerSource
@@ -22,7 +22,6 @@ from herd.orchestrator.state import build_state
 __all__ = ["local_model_path", "model_configs", "parse_worker", "register"]
 
 _ROLES: tuple[Role, ...] = ("unified", "prefill", "decode")
-TOKEN_ENV = "HERD_INTERNAL_TOKEN"
 
 
 def local_model_path(source: str, *, cwd: Path | None = None) -> Path | None:

@@ -27,6 +27,7 @@ import httpx
 from herd.api.crd import POOL_ROLES, ModelDeployment, PoolName
 from herd.api.logs import configure_logging
 from herd.api.manifest import ManifestError, load_manifest
+from herd.api.protocol import TOKEN_ENV
 from herd.cli.orchestrator import local_model_path
 from herd.orchestrator.app import AppSettings, build_app
 from herd.orchestrator.discovery import ModelConfig, StaticSource, WorkerEndpoint
@@ -87,8 +88,8 @@ def plan_workers(deployment: ModelDeployment, token: str) -> list[LocalWorker]:
                 f"http://{HOST}:{internal_port}",
                 POOL_ROLES[pool_name],
             )
-            argv = _worker_argv(deployment, pool_name, folder, endpoint, (port, internal_port), token)
-            workers.append(LocalWorker(endpoint, port, argv, dict(pool.env)))
+            argv = _worker_argv(deployment, pool_name, folder, endpoint, (port, internal_port))
+            workers.append(LocalWorker(endpoint, port, argv, {**pool.env, TOKEN_ENV: token}))
     return workers
 
 
@@ -98,7 +99,6 @@ def _worker_argv(
     folder: Path,
     endpoint: WorkerEndpoint,
     ports: tuple[int, int],
-    token: str,
 ) -> tuple[str, ...]:
     flags = {
         "--model": str(folder),
@@ -106,7 +106,6 @@ def _worker_argv(
         "--host": HOST,
         "--port": str(ports[0]),
         "--internal-port": str(ports[1]),
-        "--internal-token": token,
         "--role": endpoint.role,
         "--engine-json": deployment.spec.engine_for(pool).model_dump_json(by_alias=True),
     }

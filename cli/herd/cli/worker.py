@@ -13,10 +13,9 @@ from pydantic import ValidationError
 
 from herd.api.crd import EngineSpec
 from herd.api.logs import configure_logging
+from herd.api.protocol import TOKEN_ENV
 
 __all__ = ["engine_spec", "register"]
-
-TOKEN_ENV = "HERD_INTERNAL_TOKEN"
 
 # flag -> where it lands in the camelCase EngineSpec document
 _OVERRIDES: dict[str, tuple[str, ...]] = {

@@ -6,14 +6,14 @@ import json
 from typing import Any
 
 from herd.api.crd import POOL_ROLES, ModelDeployment, PoolName, PoolSpec, Resources
+from herd.api.protocol import TOKEN_ENV
 from herd.operator.settings import PlanSettings
 from herd.operator.source import ModelSource, plan_source
 
-__all__ = ["HTTP_PORT", "INTERNAL_PORT", "TOKEN_ENV", "plan_pod_spec", "worker_argv"]
+__all__ = ["HTTP_PORT", "INTERNAL_PORT", "plan_pod_spec", "worker_argv"]
 
 HTTP_PORT = 8000
 INTERNAL_PORT = 9000
-TOKEN_ENV = "HERD_INTERNAL_TOKEN"
 _GPU_RESOURCE = {"nvidia": "nvidia.com/gpu", "amd": "amd.com/gpu"}
 # Neither the worker nor the fetchers need privileges; GPUs come through the device plugin.
 _CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}

@@ -50,7 +50,7 @@ def test_orchestrator_command_parses_with_the_intended_wiring(
     assert parsed.kubernetes is True
     assert parsed.namespace == (watched[0] if watched else None)
     assert (parsed.host, parsed.port) == ("0.0.0.0", 8000)
-    assert parsed.internal_token == "$(HERD_INTERNAL_TOKEN)"
+    assert parsed.internal_token is None  # read from HERD_INTERNAL_TOKEN: never on a command line
     assert parsed.redis == _redis_url(values)
     has_keys = bool(values.get("orchestrator", {}).get("apiKeys"))
     assert (parsed.api_keys_file is not None) is has_keys
