@@ -38,8 +38,9 @@ Role = Literal["unified", "prefill", "decode"]
 TOKEN_HEADER = "X-Herd-Token"
 """Carries the shared internal token on every internal request."""
 TOKEN_ENV = "HERD_INTERNAL_TOKEN"
-"""Where workers and the orchestrator read the shared internal token: the environment, never a
-command line (``ps`` shows argv to every user, and a token starting with '-' reads as a flag)."""
+"""The environment variable workers and the orchestrator read the shared internal token from when
+no ``--internal-token`` is given. ``herd up``, the operator and the chart use it rather than a
+command line: ``ps`` shows argv to every user, and a token starting with '-' would read as a flag."""
 WORKER_HEADER = "X-Herd-Worker"
 """Names the worker that served a request, on the orchestrator's responses."""
 REQUEST_ID_HEADER = "X-Request-Id"

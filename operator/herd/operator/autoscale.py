@@ -85,10 +85,10 @@ class Decision:
 
 
 def autoscaled_pools(spec: ModelDeploymentSpec) -> tuple[PoolName, ...]:
-    """The pools the autoscaler sizes, the serving pool (behind ``spec.replicas``) first."""
-    if spec.serving.mode == "disaggregated":
-        return ("decode", "prefill")
-    return ("workers",)
+    """The pools the autoscaler sizes: every pool the spec runs, the serving pool (behind
+    ``spec.replicas``) first."""
+    serving = spec.serving_pool
+    return (serving, *(pool for pool in spec.pools() if pool != serving))
 
 
 def pool_bounds(spec: AutoscalingSpec, pool: PoolName) -> AutoscalingSpec:

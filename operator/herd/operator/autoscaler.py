@@ -1,7 +1,7 @@
 """The autoscaler loop: every interval, each ModelDeployment with ``spec.autoscaling.enabled`` is
 scraped, decided (``autoscale.decide``) and, when the decision differs, scaled.
 
-Source of truth: for the scalable pool (``workers``, or ``decode`` when disaggregated) the scaler
+Source of truth: for the serving pool (``workers``, or ``decode`` when disaggregated) the scaler
 writes ``spec.replicas`` through the scale subresource, exactly what ``kubectl scale`` does. The
 reconcile already plans that pool from ``spec.replicas``, so the Deployment, ``status.replicas``,
 ``kubectl get md`` and the reconcile all agree, and a manual ``kubectl scale`` is simply the next
@@ -140,14 +140,16 @@ class Autoscaler:
         previous = (body.get("status") or {}).get("autoscaling") or {}
         status: Object = {}
         for pool in autoscaled_pools(md.spec):
-            if pool == md.spec.serving_pool:
-                status.update(await self._scale_pool(md, body, pool, previous))
+            # The serving pool's decision is the top level of the status; another pool's is a key.
+            if is_serving := pool == md.spec.serving_pool:
+                status.update(await self._scale_pool(md, body, pool, previous, is_serving=is_serving))
             else:
-                status[pool] = await self._scale_pool(md, body, pool, previous.get(pool) or {})
+                before = previous.get(pool) or {}
+                status[pool] = await self._scale_pool(md, body, pool, before, is_serving=is_serving)
         await self._record(body, status)
 
     async def _scale_pool(
-        self, md: ModelDeployment, body: Object, pool: PoolName, previous: Object
+        self, md: ModelDeployment, body: Object, pool: PoolName, previous: Object, *, is_serving: bool
     ) -> Object:
         """Decide and apply one pool's size; returns its status (``previous`` is its last one)."""
         now = time.time()
@@ -162,7 +164,7 @@ class Autoscaler:
         decision = decide(state, observed, pool_bounds(md.spec.autoscaling, pool), self.settings)
         memory.remember(Recommendation(now, decision.recommendation), self.settings.stabilization_s)
         if decision.desired != current:
-            await self._apply(body, pool, current, decision, is_scalable=pool == md.spec.serving_pool)
+            await self._apply(body, pool, current, decision, is_serving=is_serving)
             last_scale_time = _timestamp(now)
         return _pool_status(decision, observed, last_scale_time)
 
@@ -177,14 +179,14 @@ class Autoscaler:
         return observed, len(ready)
 
     async def _apply(
-        self, body: Object, pool: PoolName, current: int, decision: Decision, *, is_scalable: bool
+        self, body: Object, pool: PoolName, current: int, decision: Decision, *, is_serving: bool
     ) -> None:
-        """Write the pool's new size: the scale subresource for the scalable pool, else the pool's
+        """Write the pool's new size: the scale subresource for the serving pool, else the pool's
         own ``replicas`` in the spec."""
         meta = body["metadata"]
         path = resource_path(API_VERSION, PLURAL, meta["namespace"], meta["name"])
         patch: Object
-        if is_scalable:
+        if is_serving:
             path, patch = path + "/scale", {"spec": {"replicas": decision.desired}}
         else:
             patch = {"spec": {pool: {"replicas": decision.desired}}}
@@ -256,7 +258,7 @@ def _pool_status(decision: Decision, observed: Observation, last_scale_time: str
         "reason": decision.reason,
         "observed": _present(figures),
     }
-    return _present(status)  # a null in a merge patch deletes the field; leave it out instead
+    return _present(status)  # a figure not observed is left out, so the status diff removes it
 
 
 def _present(fields: Object) -> Object:

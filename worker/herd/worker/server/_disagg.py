@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
@@ -41,7 +40,7 @@ from herd.worker.kv_transfer import (
     encode_frame,
 )
 from herd.worker.server._errors import ApiError
-from herd.worker.server._metrics import WorkerMetrics
+from herd.worker.server._metrics import RequestTiming, WorkerMetrics
 from herd.worker.server._params import chat_prompt, completion_prompts, first_token_params, plan_choices
 
 __all__ = ["DisaggMetrics", "KVBlockStore", "PrefillService", "block_store", "request_prompt"]
@@ -163,12 +162,10 @@ class PrefillService:
         )[0]
         request_id = f"prefill-{uuid.uuid4().hex}"
         params = first_token_params(choice.params)
-        started = time.monotonic()
+        timing = RequestTiming()
         first = [output async for output in self.engine.generate(request_id, prompt, params, salt)][-1]
-        seconds_to_token = time.monotonic() - started
-        self.requests.observe_finished(
-            reason=first.finish_reason or "length", ttft=seconds_to_token, itls=[], e2e=seconds_to_token
-        )
+        timing.on_tokens()
+        self.requests.observe_finished(timing, first.finish_reason or "length")
         seconds = min(asked.lease_seconds or DEFAULT_LEASE_SECONDS, MAX_LEASE_SECONDS)
         lease = self._lease(request_id, prompt, salt, first.held_block_ids or [], seconds)
         return KVTransferParams(

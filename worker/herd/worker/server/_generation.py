@@ -7,35 +7,17 @@ task, which aborts its sequence in the engine. Latencies are recorded per choice
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from dataclasses import dataclass, field
 
 from herd.api.openai import PromptTokensDetails, Usage
 from herd.worker.async_engine import AsyncEngine
 from herd.worker.outputs import RequestOutput
-from herd.worker.server._metrics import WorkerMetrics
+from herd.worker.server._metrics import RequestTiming, WorkerMetrics
 from herd.worker.server._params import Choice
 
 __all__ = ["Generation"]
-
-
-@dataclass
-class _Timing:
-    started: float = field(default_factory=time.monotonic)
-    first_token: float | None = None
-    last_token: float | None = None
-    gaps: list[float] = field(default_factory=list)
-
-    def on_tokens(self) -> None:
-        at = time.monotonic()
-        if self.last_token is None:
-            self.first_token = at
-        else:
-            self.gaps.append(at - self.last_token)
-        self.last_token = at
 
 
 class Generation:
@@ -79,7 +61,7 @@ class Generation:
     ) -> None:
         # A unique engine id per attempt: clients may reuse X-Request-Id values.
         engine_id = f"{self.request_id}-{choice.index}-{uuid.uuid4().hex[:8]}"
-        timing = _Timing()
+        timing = RequestTiming()
         stream = self.engine.generate(
             engine_id, choice.prompt_token_ids, choice.params, self.cache_salt, choice.first_token_id
         )
@@ -89,17 +71,10 @@ class Generation:
                     if output.new_token_ids:
                         timing.on_tokens()
                     if output.finished:
-                        self._observe(output, timing)
+                        self.metrics.observe_finished(timing, output.finish_reason or "stop")
                     merged.put_nowait((choice, output))
         except Exception as error:
             merged.put_nowait(error)
-
-    def _observe(self, output: RequestOutput, timing: _Timing) -> None:
-        ttft = None if timing.first_token is None else timing.first_token - timing.started
-        e2e = time.monotonic() - timing.started
-        self.metrics.observe_finished(
-            reason=output.finish_reason or "stop", ttft=ttft, itls=timing.gaps, e2e=e2e
-        )
 
     def usage(self) -> Usage:
         """Prompt tokens count once per prompt (not once per choice), output tokens per choice."""

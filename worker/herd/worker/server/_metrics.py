@@ -6,7 +6,9 @@ from the engine's last load report and counters; per-request latencies are obser
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -15,7 +17,7 @@ from prometheus_client.registry import Collector
 from herd.api import metrics as names
 from herd.worker.async_engine import AsyncEngine
 
-__all__ = ["WorkerMetrics"]
+__all__ = ["RequestTiming", "WorkerMetrics"]
 
 _LABELS = ("model_name",)
 _TTFT_BUCKETS = (
@@ -39,6 +41,24 @@ _TTFT_BUCKETS = (
 )
 _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
+
+
+@dataclass
+class RequestTiming:
+    """One request's (or choice's) clock: started now, ``on_tokens`` at every output with tokens."""
+
+    started: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+    last_token: float | None = None
+    gaps: list[float] = field(default_factory=list)
+
+    def on_tokens(self) -> None:
+        at = time.monotonic()
+        if self.last_token is None:
+            self.first_token = at
+        else:
+            self.gaps.append(at - self.last_token)
+        self.last_token = at
 
 
 class WorkerMetrics:
@@ -73,14 +93,15 @@ class WorkerMetrics:
     def _histogram(self, name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
         return Histogram(name, documentation, _LABELS, buckets=buckets, registry=self.registry)
 
-    def observe_finished(self, *, reason: str, ttft: float | None, itls: list[float], e2e: float) -> None:
+    def observe_finished(self, timing: RequestTiming, reason: str) -> None:
+        """A finished request's latencies (TTFT, each inter-token gap, E2E until now) and reason."""
         label = self.model_name
         self.success.labels(label, reason).inc()
-        self.e2e.labels(label).observe(e2e)
-        if ttft is not None:
-            self.ttft.labels(label).observe(ttft)
+        self.e2e.labels(label).observe(time.monotonic() - timing.started)
+        if timing.first_token is not None:
+            self.ttft.labels(label).observe(timing.first_token - timing.started)
         histogram = self.itl.labels(label)
-        for gap in itls:
+        for gap in timing.gaps:
             histogram.observe(gap)
 
     def observe_rejected(self, status: int) -> None:
