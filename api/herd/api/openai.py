@@ -311,8 +311,12 @@ _ERROR_TYPES: dict[int, ErrorType] = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     422: "invalid_request_error",
+    431: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable",
 }
