@@ -39,7 +39,7 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
-	PYTHONPATH=api:worker:orchestrator:operator:cli $(BIN)/lint-imports
+	PYTHONPATH=api:kube:worker:orchestrator:operator:cli $(BIN)/lint-imports
 
 format: install
 	$(BIN)/ruff format .

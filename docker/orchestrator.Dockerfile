@@ -16,6 +16,7 @@ RUN python docker/requirements.py --without torch > /tmp/requirements.txt \
     && /opt/herd/bin/pip install --requirement /tmp/requirements.txt
 # setuptools maps every herd.<component> package, so every source root must be present.
 COPY api api
+COPY kube kube
 COPY worker worker
 COPY orchestrator orchestrator
 COPY operator operator

@@ -20,6 +20,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 # setuptools maps every herd.<component> package, so every source root must be present.
 COPY api api
+COPY kube kube
 COPY worker worker
 COPY orchestrator orchestrator
 COPY operator operator

@@ -9,6 +9,7 @@ error naming the field, never a silently ignored setting.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -461,6 +462,15 @@ class ModelDeployment(BaseModel):
     spec: ModelDeploymentSpec
     status: ModelDeploymentStatus | None = None
 
+    @classmethod
+    def from_object(cls, body: Mapping[str, Any]) -> ModelDeployment:
+        """Validate an object the API server returned: its status and server-set fields are ignored
+        (the status is the operator's output, not its input). Raises pydantic's ``ValidationError``."""
+        return cls.model_validate({key: body.get(key) for key in _SPEC_KEYS})
+
     @property
     def served_name(self) -> str:
         return self.spec.model.served_name or self.metadata.name
+
+
+_SPEC_KEYS = ("apiVersion", "kind", "metadata", "spec")

@@ -14,7 +14,7 @@ __all__ = ["operator_config", "register", "run"]
 
 def run(args: argparse.Namespace) -> int:
     # kopf is imported only when the operator runs.
-    from herd.operator.kube import CredentialsError, load_connection
+    from herd.kube import CredentialsError, load_connection
     from herd.operator.runner import CrdMissingError, run_operator
 
     try:

@@ -30,6 +30,7 @@ import httpx
 from pydantic import ValidationError
 
 from herd.api.crd import API_VERSION, KIND, PLURAL, ModelDeployment, PoolName
+from herd.kube import resource_path
 from herd.operator.autoscale import (
     Decision,
     Observation,
@@ -39,7 +40,7 @@ from herd.operator.autoscale import (
     decide,
     pool_bounds,
 )
-from herd.operator.kube import KubeApi, KubeError, resource_path
+from herd.operator.kube import KubeApi, KubeError
 from herd.operator.metrics_source import Scrape, metrics_url, observe, scrape_all
 from herd.operator.plan import pool_labels, selector_string
 from herd.operator.settings import AutoscalerSettings
@@ -122,19 +123,17 @@ class Autoscaler:
             _log.exception(f"autoscaler: {key[0]}/{key[1]}: unexpected error; retrying next round")
 
     async def _list(self) -> list[Object]:
-        paths = [resource_path(API_VERSION, PLURAL, ns) for ns in self.namespaces]
         items: list[Object] = []
-        for path in paths or [f"/apis/{API_VERSION}/{PLURAL}"]:
-            response = await self.api.http.get(path)
+        namespaces: list[str | None] = [*self.namespaces] or [None]  # None: every namespace
+        for namespace in namespaces:
+            response = await self.api.http.get(resource_path(API_VERSION, PLURAL, namespace))
             response.raise_for_status()
             items += response.json()["items"]
         return items
 
     async def _scale(self, body: Object, key: tuple[str, str]) -> None:
         try:
-            md = ModelDeployment.model_validate(
-                {k: body.get(k) for k in ("apiVersion", "kind", "metadata", "spec")}
-            )
+            md = ModelDeployment.from_object(body)
         except ValidationError:
             return  # the reconcile reports an invalid spec in the status; nothing to scale
         previous = (body.get("status") or {}).get("autoscaling") or {}

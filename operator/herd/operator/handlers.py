@@ -23,8 +23,9 @@ import kopf
 
 from herd.api.crd import GROUP, PLURAL, VERSION
 from herd.api.protocol import LABEL_DEPLOYMENT, LABEL_MANAGED_BY, MANAGED_BY
+from herd.kube import load_connection
 from herd.operator.autoscaler import Autoscaler
-from herd.operator.kube import KubeApi, KubeError, load_connection
+from herd.operator.kube import KubeApi, KubeError, kopf_login
 from herd.operator.reconcile import ChildConflictError, Reconciler
 from herd.operator.settings import OperatorConfig
 
@@ -53,7 +54,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
 @kopf.on.login(registry=registry)
 def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
     config: OperatorConfig = memo.config
-    return load_connection(config.kubeconfig).kopf_info()
+    return kopf_login(load_connection(config.kubeconfig))
 
 
 @kopf.on.cleanup(registry=registry)

@@ -1,24 +1,21 @@
 """A small async Kubernetes API client for the objects the operator owns.
 
 kopf watches ModelDeployments with its own client; the children (Deployments, Services, Pods) and
-the status are read and written here, through plain REST calls on one ``httpx.AsyncClient``.
-Credentials come from the ``kubernetes`` package's loaders (in-cluster service account, else a
-kubeconfig), so kopf and this client always talk to the same server as the same user.
+the status are read and written here, through plain REST calls on the ``httpx.AsyncClient`` of a
+``herd.kube.Connection``; kopf logs in with the same connection (``kopf_login``), so both always
+talk to the same server as the same user.
 """
 
 from __future__ import annotations
 
-import ssl
-from collections.abc import Generator
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import kopf
-from kubernetes import client as k8s_client
-from kubernetes import config as k8s_config
 
-__all__ = ["Connection", "CredentialsError", "KubeApi", "KubeError", "load_connection", "resource_path"]
+from herd.kube import Connection, resource_path
+
+__all__ = ["KubeApi", "KubeError", "kopf_login"]
 
 Object = dict[str, Any]
 _MERGE_PATCH = {"Content-Type": "application/merge-patch+json"}
@@ -32,78 +29,19 @@ class KubeError(RuntimeError):
         self.status = status
 
 
-class CredentialsError(RuntimeError):
-    """Neither in-cluster credentials nor a usable kubeconfig were found."""
-
-
-@dataclass(frozen=True)
-class Connection:
-    """Where the API server is and who we are, as the ``kubernetes`` loaders found it."""
-
-    config: k8s_client.Configuration
-
-    @property
-    def token(self) -> str | None:
-        """The bearer token, re-read when the loader says it expired (projected tokens rotate)."""
-        value = self.config.get_api_key_with_prefix("BearerToken", alias="authorization") or ""
-        scheme, _, token = value.partition(" ")
-        return (token if scheme.lower() == "bearer" else value) or None
-
-    def kopf_info(self) -> kopf.ConnectionInfo:
-        token = self.token
-        return kopf.ConnectionInfo(
-            server=self.config.host,
-            ca_path=self.config.ssl_ca_cert,
-            insecure=not self.config.verify_ssl,
-            scheme="Bearer" if token else None,
-            token=token,
-            certificate_path=self.config.cert_file,
-            private_key_path=self.config.key_file,
-        )
-
-    def http_client(self) -> httpx.AsyncClient:
-        config = self.config
-        verify: ssl.SSLContext | bool = bool(config.verify_ssl)
-        if verify and (config.ssl_ca_cert or config.cert_file):
-            verify = ssl.create_default_context(cafile=config.ssl_ca_cert)
-            if config.cert_file and config.key_file:
-                verify.load_cert_chain(config.cert_file, config.key_file)
-        return httpx.AsyncClient(base_url=config.host, auth=_BearerAuth(self), verify=verify, timeout=30.0)
-
-
-class _BearerAuth(httpx.Auth):
-    def __init__(self, connection: Connection) -> None:
-        self.connection = connection
-
-    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
-        token = self.connection.token
-        if token:
-            request.headers["Authorization"] = f"Bearer {token}"
-        yield request
-
-
-def load_connection(kubeconfig: str | None = None) -> Connection:
-    """In-cluster credentials when running in a pod (and no kubeconfig is named), else the kubeconfig."""
-    config = k8s_client.Configuration()
-    try:
-        if kubeconfig is not None:
-            raise k8s_config.ConfigException("a kubeconfig was named")
-        k8s_config.load_incluster_config(client_configuration=config)  # type: ignore[no-untyped-call]
-    except k8s_config.ConfigException:
-        try:
-            k8s_config.load_kube_config(config_file=kubeconfig, client_configuration=config)  # type: ignore[no-untyped-call]
-        except (k8s_config.ConfigException, OSError) as error:
-            raise CredentialsError(
-                f"no Kubernetes credentials ({error}): run in a pod with a service account, "
-                "or pass --kubeconfig (or set KUBECONFIG) to a valid kubeconfig file"
-            ) from None
-    return Connection(config)
-
-
-def resource_path(api_version: str, plural: str, namespace: str, name: str | None = None) -> str:
-    prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
-    path = f"{prefix}/namespaces/{namespace}/{plural}"
-    return f"{path}/{name}" if name else path
+def kopf_login(connection: Connection) -> kopf.ConnectionInfo:
+    """The same server and user for kopf's own watches as for this client."""
+    config = connection.config
+    token = connection.token
+    return kopf.ConnectionInfo(
+        server=config.host,
+        ca_path=config.ssl_ca_cert,
+        insecure=not config.verify_ssl,
+        scheme="Bearer" if token else None,
+        token=token,
+        certificate_path=config.cert_file,
+        private_key_path=config.key_file,
+    )
 
 
 class KubeApi:
@@ -118,8 +56,7 @@ class KubeApi:
 
     async def serves(self, api_version: str, plural: str, namespace: str | None) -> bool:
         """Whether the API server knows this resource type (in ``namespace``, or cluster-wide for ``None``)."""
-        path = resource_path(api_version, plural, namespace) if namespace else f"/apis/{api_version}/{plural}"
-        response = await self.http.get(path, params={"limit": "1"})
+        response = await self.http.get(resource_path(api_version, plural, namespace), params={"limit": "1"})
         if response.status_code == 404:
             return False
         _json(response)

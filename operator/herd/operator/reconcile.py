@@ -130,9 +130,7 @@ class Reconciler:
 
     async def _parse(self, body: Object) -> ModelDeployment:
         try:
-            return ModelDeployment.model_validate(
-                {key: body.get(key) for key in ("apiVersion", "kind", "metadata", "spec")}
-            )
+            return ModelDeployment.from_object(body)
         except ValidationError as error:
             message = format_validation_error(error)
             await self._block(body, Reason.INVALID_SPEC, message)

@@ -9,8 +9,9 @@ from collections.abc import Sequence
 import kopf
 
 from herd.api.crd import API_VERSION, PLURAL
+from herd.kube import load_connection
 from herd.operator.handlers import registry
-from herd.operator.kube import KubeApi, load_connection
+from herd.operator.kube import KubeApi
 from herd.operator.settings import OperatorConfig
 
 __all__ = ["CrdMissingError", "run_operator"]

@@ -6,30 +6,27 @@ After every event the full membership is recomputed and yielded when it differs 
 a pod is routable while it is Ready, has an IP and no ``deletionTimestamp``, so it leaves at once
 when it is deleted, turns unready or starts terminating. Each model's settings (routing, block
 size, mode) come from its ModelDeployment; pods of an unknown or invalid one are not routed to.
-Plain REST over ``httpx``; credentials from the ``kubernetes`` package's loaders.
+Plain REST over ``httpx``, connected through ``herd.kube`` as the operator is.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
-import ssl
-from collections.abc import AsyncIterator, Callable, Generator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
-from kubernetes import client as k8s_client
-from kubernetes import config as k8s_config
 from pydantic import ValidationError
 
 from herd.api.crd import API_VERSION, PLURAL, ModelDeployment
 from herd.api.protocol import LABEL_DEPLOYMENT, LABEL_MANAGED_BY, LABEL_ROLE, MANAGED_BY, Role
+from herd.kube import load_connection, resource_path
 from herd.orchestrator.discovery import Membership, ModelConfig, WorkerEndpoint
 
-__all__ = ["KubeSource", "KubernetesSource", "is_routable", "membership_of", "pod_endpoint"]
+__all__ = ["KubeSource", "is_routable", "membership_of", "pod_endpoint"]
 
 Object = dict[str, Any]
 log = logging.getLogger(__name__)
@@ -100,11 +97,11 @@ class KubeSource:
         self.http = http
 
     async def watch(self) -> AsyncIterator[Membership]:
-        http = self.http or _client(self.kubeconfig)
+        http = self.http or load_connection(self.kubeconfig).http_client()
         changed = asyncio.Event()
         selector = f"{LABEL_MANAGED_BY}={MANAGED_BY}"
-        deployments = _Informer(http, self._path(f"/apis/{API_VERSION}", PLURAL), None, changed.set)
-        pods = _Informer(http, self._path("/api/v1", "pods"), selector, changed.set)
+        deployments = _Informer(http, resource_path(API_VERSION, PLURAL, self.namespace), None, changed.set)
+        pods = _Informer(http, resource_path("v1", "pods", self.namespace), selector, changed.set)
         tasks = [asyncio.create_task(informer.run()) for informer in (deployments, pods)]
         try:
             last: Membership | None = None
@@ -123,13 +120,6 @@ class KubeSource:
             await asyncio.gather(*tasks, return_exceptions=True)
             if self.http is None:
                 await http.aclose()
-
-    def _path(self, prefix: str, plural: str) -> str:
-        return f"{prefix}/namespaces/{self.namespace}/{plural}" if self.namespace else f"{prefix}/{plural}"
-
-
-KubernetesSource = KubeSource
-"""The name ``herd orchestrator --kubernetes`` looks up."""
 
 
 class _Informer:
@@ -199,9 +189,7 @@ def _key(obj: Object) -> str:
 
 def _parse(body: Object) -> ModelDeployment | None:
     try:
-        return ModelDeployment.model_validate(
-            {key: body.get(key) for key in ("apiVersion", "kind", "metadata", "spec")}
-        )
+        return ModelDeployment.from_object(body)
     except ValidationError:
         return None  # The operator reports it (Ready=False, InvalidSpec); nothing to route to.
 
@@ -212,37 +200,3 @@ def _local_path(md: ModelDeployment) -> Path | None:
         return None
     path = Path(md.spec.model.location).resolve()
     return path if path.is_dir() else None
-
-
-def _client(kubeconfig: str | None) -> httpx.AsyncClient:
-    config = k8s_client.Configuration()
-    with contextlib.suppress(k8s_config.ConfigException):
-        if kubeconfig is None:
-            k8s_config.load_incluster_config(client_configuration=config)  # type: ignore[no-untyped-call]
-            return _http_client(config)
-    k8s_config.load_kube_config(config_file=kubeconfig, client_configuration=config)  # type: ignore[no-untyped-call]
-    return _http_client(config)
-
-
-def _http_client(config: k8s_client.Configuration) -> httpx.AsyncClient:
-    verify: ssl.SSLContext | bool = bool(config.verify_ssl)
-    if verify and (config.ssl_ca_cert or config.cert_file):
-        verify = ssl.create_default_context(cafile=config.ssl_ca_cert)
-        if config.cert_file and config.key_file:
-            verify.load_cert_chain(config.cert_file, config.key_file)
-    return httpx.AsyncClient(base_url=config.host, auth=_BearerAuth(config), verify=verify, timeout=30.0)
-
-
-class _BearerAuth(httpx.Auth):
-    """The loader's bearer token on every request, re-read when it expires (projected tokens rotate)."""
-
-    def __init__(self, config: k8s_client.Configuration) -> None:
-        self.config = config
-
-    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
-        value = self.config.get_api_key_with_prefix("BearerToken", alias="authorization") or ""
-        scheme, _, token = value.partition(" ")
-        token = token if scheme.lower() == "bearer" else value
-        if token:
-            request.headers["Authorization"] = f"Bearer {token}"
-        yield request

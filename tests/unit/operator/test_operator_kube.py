@@ -7,7 +7,8 @@ from pathlib import Path
 import httpx
 import yaml
 
-from herd.operator.kube import load_connection
+from herd.kube import load_connection
+from herd.operator.kube import kopf_login
 
 
 def write_kubeconfig(folder: Path, token: str) -> Path:
@@ -26,7 +27,7 @@ def write_kubeconfig(folder: Path, token: str) -> Path:
 
 async def test_the_kubeconfig_token_reaches_kopf_and_every_request(tmp_path: Path) -> None:
     connection = load_connection(str(write_kubeconfig(tmp_path, "t0k3n")))
-    info = connection.kopf_info()
+    info = kopf_login(connection)
     assert (info.server, info.scheme, info.token) == ("http://127.0.0.1:6443", "Bearer", "t0k3n")
     async with connection.http_client() as client:
         request = client.build_request("GET", "/api/v1/pods")
