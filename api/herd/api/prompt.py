@@ -176,7 +176,10 @@ class PromptRenderer:
             raise PromptError(f"the chat template failed on these messages: {error}") from None
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+        # encode_batch releases the GIL while it tokenizes (encode holds it), so a server that runs
+        # this in a thread keeps its event loop answering during a multi-MB prompt; same ids, same cost.
+        encoding = self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        return list(encoding.ids)
 
     def encode_chat(
         self,
