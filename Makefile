@@ -8,7 +8,7 @@ DEMO_MODEL := .cache/models/smollm2-135m-instruct
 APT_PACKAGES := redis-server chromium chromium-driver
 PYTEST_ARGS ?=
 
-.PHONY: install system-deps run test lint format crds crds-check bench clean
+.PHONY: install system-deps run test fuzz lint format crds crds-check bench clean
 
 install: $(VENV)/.installed
 
@@ -56,6 +56,11 @@ crds-check: install
 
 test: install system-deps lint crds-check
 	$(BIN)/pytest $(PYTEST_ARGS)
+
+# A longer schemathesis run than `make test`'s (600 requests per server): 10,000 generated requests
+# against the worker and 10,000 against the gateway; HERD_FUZZ_SEED=N makes another run.
+fuzz: install
+	HERD_FUZZ_REQUESTS=10000 $(BIN)/pytest tests/e2e/test_fuzz.py -q -s $(PYTEST_ARGS)
 
 bench: install $(DEMO_MODEL)/config.json
 	$(BIN)/python bench/engine_throughput.py --model $(DEMO_MODEL)

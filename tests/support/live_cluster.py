@@ -23,6 +23,7 @@ from support.procs import free_port, running, wait_until
 from support.worker_server import worker_argv
 
 __all__ = [
+    "ENVELOPE_KEYS",
     "MODEL",
     "TOKEN",
     "LiveGateway",
