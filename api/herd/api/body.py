@@ -1,6 +1,7 @@
 """Request bodies as the gateway and the worker read them, so both refuse the same bodies with the
 same words: a size limit checked against ``Content-Length`` before reading and against the bytes
-while reading (a chunked body has no length), and the rule that an API body is one JSON object.
+while reading (a chunked body has no length), one rule for the ``Content-Type``, and the rule that
+an API body is one JSON object nested at most ``MAX_JSON_DEPTH`` levels deep.
 
 Each server turns ``BodyError`` into its own error envelope with ``status``.
 """
@@ -11,15 +12,36 @@ import json
 from collections.abc import AsyncIterable
 from typing import Any
 
-__all__ = ["BodyError", "json_object", "read_limited"]
+__all__ = ["MAX_JSON_DEPTH", "BodyError", "check_content_type", "json_object", "read_limited"]
+
+MAX_JSON_DEPTH = 64
+"""Levels of arrays and objects a body may nest. An OpenAI request nests a few (a JSON schema in
+``tools`` or ``response_format`` perhaps a dozen); a deeper one only makes every later step that
+walks it (validation, re-serialising it to a worker) recurse without bound."""
+
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+_FORM = "application/x-www-form-urlencoded"
+"""What ``curl -d`` declares unless told otherwise; the body is still the client's JSON."""
 
 
 class BodyError(ValueError):
-    """A refused body: ``status`` 413 when it is too large, 400 when it is not a JSON object."""
+    """A refused body: ``status`` 413 when too large, 415 for a media type that is not JSON, 400
+    when it is not a JSON object (or nests too deep)."""
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
+
+
+def check_content_type(content_type: str | None) -> None:
+    """Raise ``BodyError(415)`` unless ``content_type`` is absent, JSON (``application/json`` or any
+    ``*/*+json``) or ``application/x-www-form-urlencoded`` (``curl -d``'s default)."""
+    if not content_type:
+        return
+    media_type = content_type.partition(";")[0].strip().lower()
+    if media_type in ("application/json", _FORM) or media_type.endswith("+json"):
+        return
+    raise BodyError(415, f"the request body's Content-Type {media_type!r} is not JSON; send application/json")
 
 
 async def read_limited(chunks: AsyncIterable[bytes], max_bytes: int, *, declared_length: str | None) -> bytes:
@@ -37,14 +59,43 @@ async def read_limited(chunks: AsyncIterable[bytes], max_bytes: int, *, declared
 
 
 def json_object(raw: bytes) -> dict[str, Any]:
-    """``raw`` parsed, or ``BodyError(400)`` when it is not valid JSON or not an object."""
+    """``raw`` parsed, or ``BodyError(400)`` when it is not valid JSON, not an object, or too deep."""
     try:
         payload = json.loads(raw)
+    except RecursionError:  # past Python's own limit (~1,000 levels): the parser gives up
+        raise _too_deep() from None
     except ValueError as error:
         raise BodyError(400, f"the request body is not valid JSON: {error}") from None
     if not isinstance(payload, dict):
         raise BodyError(400, "the request body must be a JSON object")
+    if _nests_deeper(payload, MAX_JSON_DEPTH):
+        raise _too_deep()
     return payload
+
+
+def _nests_deeper(payload: dict[str, Any], limit: int) -> bool:
+    """Whether ``payload`` has more than ``limit`` levels, walked level by level over containers only.
+
+    A container of scalars alone (a long prompt string, a list of token ids) is passed over in one C
+    loop (``issuperset`` over the item types), so the walk costs little beside ``json.loads``.
+    """
+    level: list[dict[str, Any] | list[Any]] = [payload]
+    for _ in range(limit):
+        below: list[dict[str, Any] | list[Any]] = []
+        for container in level:
+            items = container.values() if isinstance(container, dict) else container
+            if not _SCALARS.issuperset(map(type, items)):
+                below.extend(item for item in items if isinstance(item, dict | list))
+        if not below:
+            return False
+        level = below
+    return True
+
+
+def _too_deep() -> BodyError:
+    return BodyError(
+        400, f"the request body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep; flatten it"
+    )
 
 
 def _too_large(max_bytes: int) -> BodyError:
