@@ -11,6 +11,7 @@ from herd.worker.server._errors import ApiError
 from herd.worker.server._params import plan_choices
 
 HELLO = [{"role": "user", "content": "hi"}]
+VOCAB = 100
 
 
 def _plan(
@@ -21,6 +22,7 @@ def _plan(
         request,
         prompts or [[1, 2, 3, 4]],
         max_model_len=max_model_len,
+        vocab_size=VOCAB,
         num_logprobs=request.num_logprobs,
         prompt_param="messages",
     )
@@ -100,6 +102,83 @@ def test_impossible_limits_are_400(
 def test_completion_logprobs_are_an_integer() -> None:
     request = CompletionRequest.model_validate({"model": "m", "prompt": "x", "logprobs": 2})
     (choice,) = plan_choices(
-        request, [[1]], max_model_len=8, num_logprobs=request.num_logprobs, prompt_param="prompt"
+        request,
+        [[1]],
+        max_model_len=8,
+        vocab_size=VOCAB,
+        num_logprobs=request.num_logprobs,
+        prompt_param="prompt",
     )
     assert choice.params.logprobs == 2
+
+
+@pytest.mark.parametrize(
+    ("fields", "prompts", "param", "words"),
+    [
+        (
+            {"logit_bias": {"-1": 1}},
+            None,
+            "logit_bias",
+            "token id -1 in logit_bias is outside this model's vocabulary (0..99)",
+        ),
+        ({"logit_bias": {"100": 1}}, None, "logit_bias", "token id 100 in logit_bias"),
+        ({"logit_bias": {str(i): 1 for i in range(1025)}}, None, "logit_bias", "at most 1024"),
+        (
+            {"stop_token_ids": [100], "min_tokens": 1},
+            None,
+            "stop_token_ids",
+            "token id 100 in stop_token_ids",
+        ),
+        ({"stop_token_ids": list(range(1025))}, None, "stop_token_ids", "at most 1024"),
+        ({"stop": "x" * 1025}, None, "stop", "at most 1024 characters"),
+        ({}, [[1, 2, 100]], "messages", "token id 100 in messages"),
+        ({}, [[1, -5]], "messages", "token id -5 in messages"),
+        ({"top_k": 101}, None, "top_k", "exceeds this model's vocabulary of 100"),
+        ({"seed": 2**63}, None, "seed", "seed must lie in"),
+        ({"seed": 2**63 - 1, "n": 2}, None, "seed", "seed must lie in"),
+        ({"seed": -(2**63) - 1}, None, "seed", "seed must lie in"),
+        ({"n": 16}, [[1]] * 9, "n", "144 sequences"),
+        ({}, [[1]] * 129, "messages", "at most 128"),
+        ({"max_tokens": 4, "min_tokens": 5}, None, "min_tokens", "min_tokens (5)"),
+        ({"min_tokens": 61}, None, "min_tokens", "max_tokens (60)"),
+        (
+            {"kv_transfer_params": {"do_remote_prefill": True, "first_token_ids": [100]}},
+            None,
+            "kv_transfer_params",
+            "token id 100 in kv_transfer_params",
+        ),
+        (
+            {"kv_transfer_params": {"do_remote_prefill": "maybe"}},
+            None,
+            "kv_transfer_params.do_remote_prefill",
+            "invalid kv_transfer_params.do_remote_prefill",
+        ),
+    ],
+    ids=[
+        "negative-bias-id",
+        "bias-id-past-vocab",
+        "too-many-biases",
+        "stop-id-past-vocab",
+        "too-many-stop-ids",
+        "long-stop-string",
+        "prompt-id-past-vocab",
+        "negative-prompt-id",
+        "top-k-past-vocab",
+        "seed-past-int64",
+        "seed-plus-choice-past-int64",
+        "seed-below-int64",
+        "n-times-prompts",
+        "too-many-prompts",
+        "min-over-max",
+        "min-over-room",
+        "handed-token-past-vocab",
+        "bad-handoff",
+    ],
+)
+def test_values_the_model_cannot_take_are_400_naming_the_field(
+    fields: dict[str, Any], prompts: list[list[int]] | None, param: str, words: str
+) -> None:
+    with pytest.raises(ApiError) as caught:
+        _plan(fields, prompts=prompts)
+    assert (caught.value.status, caught.value.param) == (400, param)
+    assert words in caught.value.message

@@ -87,6 +87,8 @@ class WorkerInfo(BaseModel):
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    vocab_size: int | None = None
+    """Token ids this model takes, ``[0, vocab_size)``; ``None`` from a worker too old to say."""
 
 
 class TokenizerFiles(BaseModel):

@@ -7,6 +7,11 @@ engine needs no locks and the event loop never blocks on compute. Outputs travel
 consumes ``generate`` (a client disconnect) queues an abort, which the thread runs before its next
 step, so the sequence's blocks are freed at once. KV events are kept in a bounded log for the
 internal events endpoint and fanned out to live subscribers.
+
+A request the engine failed (its output carries an ``error``) raises ``RequestFailedError`` in its
+``generate`` only. An exception escaping ``step`` or a command means the engine could not recover:
+every request in flight fails with ``EngineDeadError``, and ``wait_failed`` returns so that the
+process can exit and be restarted by its supervisor instead of lingering unable to serve.
 """
 
 from __future__ import annotations
@@ -25,7 +30,14 @@ from herd.api.protocol import KVEvent, KVSnapshot, LoadReport, WorkerInfo
 from herd.worker.outputs import RequestOutput
 from herd.worker.sampling_params import SamplingParams
 
-__all__ = ["AsyncEngine", "EngineCore", "EngineDeadError", "EngineDrainingError", "EngineStats"]
+__all__ = [
+    "AsyncEngine",
+    "EngineCore",
+    "EngineDeadError",
+    "EngineDrainingError",
+    "EngineStats",
+    "RequestFailedError",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +97,10 @@ class EngineDeadError(RuntimeError):
     """The engine failed to load or failed during a step; the worker must be restarted."""
 
 
+class RequestFailedError(RuntimeError):
+    """The engine failed this one request (and logged why); it keeps serving the others."""
+
+
 _Command = Callable[[EngineCore], None]
 
 
@@ -107,6 +123,7 @@ class AsyncEngine:
         self._load = LoadReport()
         self._stopping = threading.Event()
         self._loaded = asyncio.Event()
+        self._failed = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
         self.is_draining = False
@@ -126,6 +143,10 @@ class AsyncEngine:
         await self._loaded.wait()
         if self.error is not None:
             raise EngineDeadError(f"the engine failed to load: {self.error}") from self.error
+
+    async def wait_failed(self) -> None:
+        """Return once the engine has failed beyond recovery (never, while it serves)."""
+        await self._failed.wait()
 
     @property
     def is_loaded(self) -> bool:
@@ -198,13 +219,13 @@ class AsyncEngine:
                 raise
             if first is not None:
                 needs_abort = not first.finished
-                yield first
+                yield _checked(first)
             while needs_abort:
                 item = await outputs.get()
                 if isinstance(item, BaseException):
                     raise item
                 needs_abort = not item.finished
-                yield item
+                yield _checked(item)
         finally:
             self._forget(request_id, abort=needs_abort)
 
@@ -312,6 +333,7 @@ class AsyncEngine:
         self.error = error
         for target in self._outputs.values():
             target.put_nowait(EngineDeadError(f"the engine failed: {error}"))
+        self._failed.set()
 
     def _on_loaded(self, engine: EngineCore | None, error: Exception | None) -> None:
         self._engine, self.error = engine, error
@@ -403,6 +425,12 @@ class _KVEventLog:
                 yield await events.get()
         finally:
             self._subscribers.discard(events)
+
+
+def _checked(output: RequestOutput) -> RequestOutput:
+    if output.error is not None:
+        raise RequestFailedError(output.error)
+    return output
 
 
 def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:

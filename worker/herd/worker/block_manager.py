@@ -12,7 +12,8 @@ so they are reused before any cached block is evicted. Registering and evicting 
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from herd.api.kv_hash import BlockHash, hash_block
@@ -111,6 +112,18 @@ class BlockManager:
                 self._free[block_id] = None
                 if block.block_hash is None:
                     self._free.move_to_end(block_id, last=False)
+
+    def check_references(self, holders: Iterable[list[int]]) -> None:
+        """Raise ``RuntimeError`` unless each block's reference count is the number of ``holders``
+        (block tables, leases) naming it and exactly the unreferenced blocks are free."""
+        counts = Counter(block_id for table in holders for block_id in table)
+        for block in self.blocks:
+            is_free = block.block_id in self._free
+            if block.ref_count != counts[block.block_id] or is_free != (block.ref_count == 0):
+                raise RuntimeError(
+                    f"KV block {block.block_id} has {block.ref_count} references, "
+                    f"{counts[block.block_id]} holders and is{'' if is_free else ' not'} free"
+                )
 
     def hold_prefix(self, block_hashes: list[BlockHash]) -> list[int]:
         """Take a reference on the leading run of ``block_hashes`` still cached (a KV lease); their ids."""

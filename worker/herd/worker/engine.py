@@ -7,6 +7,13 @@ reached their last token; the sampler picks one token each; the scheduler advanc
 counts and publishes newly full blocks to the prefix cache; then each sampled sequence is checked
 for stop tokens, stop strings, ``max_tokens`` and ``max_model_len``, and finished ones free their
 blocks at once. ``step`` returns a ``RequestOutput`` for every sequence that got a token.
+
+Faults are data, not exceptions unwinding through the loop. One request's fault (its logit edits,
+its draw, its logprobs, its stop checks or detokenizer) ends that request with an error output and
+frees its blocks; the others go on. A fault of the batched forward pass cannot be pinned to a
+request, so every request of the batch ends with an error, and the engine checks that it can go on
+(the device answers, every KV block is held by a live sequence or a lease, or is free); only when
+that check fails does ``step`` raise (``EngineResetError``), and the worker must restart.
 """
 
 from __future__ import annotations
@@ -27,12 +34,12 @@ from herd.worker.detokenizer import IncrementalDetokenizer
 from herd.worker.model_runner import ModelRunner
 from herd.worker.outputs import FinishReason, RequestOutput
 from herd.worker.sampler import SampledToken, Sampler
-from herd.worker.sampling_params import SamplingParams
+from herd.worker.sampling_params import SamplingParams, check_token_ids
 from herd.worker.scheduler import Scheduler, SchedulerOutput
 from herd.worker.sequence import Sequence
 from herd.worker.stats import EngineStats
 
-__all__ = ["LLMEngine", "PromptTooLongError", "QueueFullError"]
+__all__ = ["EngineResetError", "LLMEngine", "PromptTooLongError", "QueueFullError"]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +50,10 @@ class QueueFullError(Exception):
 
 class PromptTooLongError(ValueError):
     """Prompt plus ``max_tokens`` exceed ``engine.maxModelLen`` (HTTP 400)."""
+
+
+class EngineResetError(RuntimeError):
+    """After a failed batch the engine could not prove its state sound; the process must restart."""
 
 
 @dataclass
@@ -73,6 +84,7 @@ class LLMEngine:
         generator = torch.Generator(device=self.runner.device).manual_seed(config.seed)
         self.sampler = Sampler(generator, self.renderer.eos_token_ids)
         self.stats = EngineStats()
+        self.vocab_size = self.runner.args.vocab_size
         self.info = WorkerInfo(
             model=config.served_name,
             role=config.role,
@@ -83,6 +95,7 @@ class LLMEngine:
             num_layers=geometry.num_layers,
             num_kv_heads=geometry.num_kv_heads,
             head_dim=geometry.head_dim,
+            vocab_size=self.vocab_size,
         )
         self._requests: dict[str, _Request] = {}
         self._held: dict[str, list[int]] = {}
@@ -105,11 +118,8 @@ class LLMEngine:
         prompt's uncached tail with it and sample the second token. Without it, returns None.
         """
         self._check_request(request_id, prompt_token_ids, params)
-        if first_token_id is not None and not 0 <= first_token_id < self.runner.args.vocab_size:
-            raise ValueError(
-                f"first token id {first_token_id} is outside this model's vocabulary "
-                f"(0..{self.runner.args.vocab_size - 1}): the prefill and decode pools serve different models"
-            )
+        if first_token_id is not None:
+            check_token_ids([first_token_id], self.vocab_size, param="kv_transfer_params")
         seq = Sequence(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -131,6 +141,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in the engine: use a unique id")
         if not prompt_token_ids:
             raise ValueError("the prompt is empty: send at least one token")
+        check_token_ids(prompt_token_ids, self.vocab_size, param="prompt")
+        params.check_vocab(self.vocab_size)
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.config.max_model_len:
             raise PromptTooLongError(
@@ -168,8 +180,11 @@ class LLMEngine:
         if decision.is_empty:
             return []
         sampled = [chunk.seq for chunk in decision.chunks if chunk.is_sampled]
-        logits = self.runner.execute(decision.chunks)
-        tokens = self.sampler.sample(logits, sampled)
+        try:
+            logits = self.runner.execute(decision.chunks)
+            tokens = self.sampler.sample(logits, sampled)  # a row's own failure comes back as data
+        except Exception as error:
+            return self._fail_batch(decision, error)
         self.scheduler.update(decision)
         return [self._advance(seq, token) for seq, token in zip(sampled, tokens, strict=True)]
 
@@ -179,7 +194,16 @@ class LLMEngine:
         self.stats.prefix_cache_queries += decision.num_cache_queries
         self.stats.prefix_cache_hits += decision.num_cache_hits
 
-    def _advance(self, seq: Sequence, sampled: SampledToken) -> RequestOutput:
+    def _advance(self, seq: Sequence, sampled: SampledToken | Exception) -> RequestOutput:
+        """Take ``seq``'s new token; a failure here (or in its sampling) ends ``seq`` alone."""
+        if isinstance(sampled, Exception):
+            return self._fail_request(seq, sampled, stage="sampling")
+        try:
+            return self._append(seq, sampled)
+        except Exception as error:
+            return self._fail_request(seq, error, stage="stop checks and detokenization")
+
+    def _append(self, seq: Sequence, sampled: SampledToken) -> RequestOutput:
         seq.append_token(sampled.token_id, sampled.logprob)
         self.stats.generation_tokens += 1
         request = self._requests[seq.request_id]
@@ -205,6 +229,60 @@ class LLMEngine:
             logprobs=None if sampled.logprob is None else [sampled.logprob],
             held_block_ids=held,
         )
+
+    def _fail_request(self, seq: Sequence, error: Exception, *, stage: str) -> RequestOutput:
+        log.error(
+            "request failed; the engine goes on",
+            extra={"request_id": seq.request_id, "stage": stage},
+            exc_info=error,
+        )
+        return self._end_with_error(
+            seq, f"the engine failed this request during {stage}: {type(error).__name__}: {error}"
+        )
+
+    def _fail_batch(self, decision: SchedulerOutput, error: Exception) -> list[RequestOutput]:
+        """The batched forward failed: no one request is to blame, so the whole batch fails."""
+        seqs = [chunk.seq for chunk in decision.chunks]
+        log.error(
+            "batch failed; its requests fail and the engine resets",
+            extra={"request_ids": [seq.request_id for seq in seqs]},
+            exc_info=error,
+        )
+        message = (
+            f"the engine's forward pass failed for the batch this request was in: "
+            f"{type(error).__name__}: {error}; the request may succeed if sent again"
+        )
+        outputs = [self._end_with_error(seq, message) for seq in seqs]
+        self._reset()
+        return outputs
+
+    def _end_with_error(self, seq: Sequence, message: str) -> RequestOutput:
+        """Retire ``seq`` now (its blocks and any lease freed) with ``message`` for its client."""
+        self._requests.pop(seq.request_id, None)
+        self.scheduler.finish(seq)
+        self.release_held(seq.request_id)
+        seq.finish_reason = "abort"
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=[],
+            new_text="",
+            finished=True,
+            finish_reason="abort",
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            error=message,
+        )
+
+    def _reset(self) -> None:
+        """After a failed batch: the device must answer and every KV block be held by a live
+        sequence or a lease, or be free; else ``EngineResetError`` (the process must restart)."""
+        try:
+            self.runner.check_device()
+            live = [*self.scheduler.running, *self.scheduler.waiting]
+            self.block_manager.check_references([*(seq.block_table for seq in live), *self._held.values()])
+        except Exception as error:
+            raise EngineResetError(f"the engine cannot go on after a failed batch: {error}") from error
 
     def _hold_prompt(self, seq: Sequence) -> list[int]:
         """Hold the prompt's cached full blocks in the same step that finishes ``seq``: waiting for
@@ -315,5 +393,6 @@ def _merge(result: RequestOutput, output: RequestOutput) -> None:
     result.finished, result.finish_reason = output.finished, output.finish_reason
     result.num_prompt_tokens, result.num_cached_tokens = output.num_prompt_tokens, output.num_cached_tokens
     result.num_output_tokens = output.num_output_tokens
+    result.error = output.error
     if result.logprobs is not None and output.logprobs:
         result.logprobs.extend(output.logprobs)

@@ -70,6 +70,11 @@ class ModelRunner:
             bytes_per_block=per_block,
         )
 
+    def check_device(self) -> None:
+        """Raise if the device can run no more work: a CUDA error stays with the process for good."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """One forward over every chunk; float32 logits ``[num_sampled, vocab]`` in chunk order."""

@@ -39,3 +39,6 @@ class RequestOutput:
     metrics: dict[str, float] = field(default_factory=dict)
     held_block_ids: list[int] | None = None
     """On the last output of a ``hold_prompt_blocks`` request: the prompt blocks still held."""
+    error: str | None = None
+    """Set on the last output of a request the engine failed (``finished``, reason ``abort``): what
+    went wrong, for its client. Other requests are unaffected."""

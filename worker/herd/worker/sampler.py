@@ -5,6 +5,10 @@ the others are divided by their temperature, filtered by top-k, top-p and min-p,
 the exponential-race trick (``argmax(p / q)``, ``q ~ Exp(1)``) drawn from the sequence's own
 ``torch.Generator`` when it has a seed, so its draws do not depend on the rest of the batch.
 Logprobs are those of the model's raw distribution, as in vLLM.
+
+A row is one request: an exception in its logit edits, its draw or its logprobs fails that row only,
+returned in its place instead of a token. Edits and logprobs run row by row anyway; the batched
+draw, if it raises, is repeated one row at a time to find the row at fault (only on that path).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from herd.worker.logits_processors import apply_logit_bias, apply_min_tokens, apply_penalties
+from herd.worker.logits_processors import edit_logits
 from herd.worker.outputs import TokenLogprob
 from herd.worker.sequence import Sequence
 
@@ -50,18 +54,52 @@ class Sampler:
         self.eos_token_ids = frozenset(eos_token_ids)
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken | Exception]:
+        """One token per row of ``logits``, or the exception that failed that row's request."""
         raw_logprobs = (
             logits.log_softmax(dim=-1) if any(s.params.logprobs is not None for s in seqs) else None
         )
-        apply_penalties(logits, seqs)
-        apply_logit_bias(logits, seqs)
-        apply_min_tokens(logits, seqs, self.eos_token_ids)
-        token_ids = self._choose(logits, seqs).tolist()
+        failures = self._edit(logits, seqs)
+        token_ids = self._choose_each(logits, seqs, failures)
         return [
-            SampledToken(token_id, _logprob(raw_logprobs, row, token_id, seq.params.logprobs))
+            failures.get(row) or self._token(raw_logprobs, row, token_id, seq)
             for row, (token_id, seq) in enumerate(zip(token_ids, seqs, strict=True))
         ]
+
+    def _edit(self, logits: torch.Tensor, seqs: list[Sequence]) -> dict[int, Exception]:
+        failures: dict[int, Exception] = {}
+        for row, seq in enumerate(seqs):
+            if seq.params.edits_logits:
+                try:
+                    edit_logits(logits[row], seq, self.eos_token_ids)
+                except Exception as error:
+                    failures[row] = error
+        return failures
+
+    def _choose_each(
+        self, logits: torch.Tensor, seqs: list[Sequence], failures: dict[int, Exception]
+    ) -> list[int]:
+        try:
+            token_ids: list[int] = self._choose(logits, seqs).tolist()
+            return token_ids
+        except Exception:  # no row to blame yet: draw each alone (re-drawing is fine on this rare path)
+            return [self._choose_row(logits, row, seq, failures) for row, seq in enumerate(seqs)]
+
+    def _choose_row(
+        self, logits: torch.Tensor, row: int, seq: Sequence, failures: dict[int, Exception]
+    ) -> int:
+        try:
+            return int(self._choose(logits[row : row + 1], [seq])[0])
+        except Exception as error:
+            failures[row] = error
+            return -1
+
+    @staticmethod
+    def _token(raw: torch.Tensor | None, row: int, token_id: int, seq: Sequence) -> SampledToken | Exception:
+        try:
+            return SampledToken(token_id, _logprob(raw, row, token_id, seq.params.logprobs))
+        except Exception as error:
+            return error
 
     def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         chosen = logits.argmax(dim=-1)

@@ -1,4 +1,5 @@
-"""Reading a JSON request body: a size limit (413) and validation errors that name the field (400)."""
+"""Reading a JSON request body: its media type (415), a size limit (413), and validation errors that
+name the field (400)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ from typing import TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from herd.api.body import BodyError, json_object, read_limited
-from herd.worker.server._errors import ApiError
+from herd.api.body import BodyError, check_content_type, json_object, read_limited
+from herd.worker.server._errors import ApiError, invalid_request
 
 __all__ = ["read_body"]
 
@@ -16,21 +17,14 @@ M = TypeVar("M", bound=BaseModel)
 
 
 async def read_body(request: Request, model: type[M], *, max_bytes: int) -> M:
-    """Parse and validate the body as ``model``, or raise ``ApiError`` (400 / 413)."""
+    """Parse and validate the body as ``model``, or raise ``ApiError`` (400 / 413 / 415)."""
     declared = request.headers.get("content-length")
     try:
+        check_content_type(request.headers.get("content-type"))
         data = json_object(await read_limited(request.stream(), max_bytes, declared_length=declared))
     except BodyError as error:
         raise ApiError(error.status, str(error)) from None
     try:
         return model.model_validate(data)
     except ValidationError as error:
-        raise _invalid(error) from None
-
-
-def _invalid(error: ValidationError) -> ApiError:
-    first = error.errors(include_url=False)[0]
-    location = [str(part) for part in first["loc"]]
-    param = ".".join(location) or None
-    where = f"{param}: " if param else ""
-    return ApiError(400, f"invalid request: {where}{first['msg']}", param=param)
+        raise invalid_request(error.errors(include_url=False)) from None

@@ -39,7 +39,7 @@ from herd.worker.kv_transfer import (
     check_layout,
     encode_frame,
 )
-from herd.worker.server._errors import ApiError
+from herd.worker.server._errors import ApiError, invalid_request
 from herd.worker.server._metrics import RequestTiming, WorkerMetrics
 from herd.worker.server._params import chat_prompt, completion_prompts, first_token_params, plan_choices
 
@@ -109,12 +109,13 @@ def request_prompt(engine: AsyncEngine, payload: dict[str, Any]) -> list[int]:
 
 
 def _parse_request(payload: dict[str, Any]) -> ChatCompletionRequest | CompletionRequest:
+    """A body with ``prompt`` is a text completion; any other is judged as a chat request."""
     try:
-        if "messages" in payload:
-            return ChatCompletionRequest.model_validate(payload)
-        return CompletionRequest.model_validate(payload)
+        if "prompt" in payload:
+            return CompletionRequest.model_validate(payload)
+        return ChatCompletionRequest.model_validate(payload)
     except ValidationError as error:
-        raise ApiError(400, f"invalid request: {error.errors(include_url=False)[0]['msg']}") from None
+        raise invalid_request(error.errors(include_url=False)) from None
 
 
 def _prompt(engine: AsyncEngine, request: ChatCompletionRequest | CompletionRequest) -> list[int]:
@@ -149,7 +150,7 @@ class PrefillService:
         try:
             asked = KVTransferParams.model_validate(payload.get("kv_transfer_params") or {})
         except ValidationError as error:
-            raise ApiError(400, f"invalid kv_transfer_params: {error}", param="kv_transfer_params") from None
+            raise invalid_request(error.errors(include_url=False), within="kv_transfer_params") from None
         body = _parse_request(payload)
         prompt, salt = _prompt(self.engine, body), payload.get("cache_salt")
         param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
@@ -157,6 +158,7 @@ class PrefillService:
             body,
             [prompt],
             max_model_len=self.engine.info.max_model_len,
+            vocab_size=self.engine.info.vocab_size,
             num_logprobs=None,
             prompt_param=param,
         )[0]
@@ -268,4 +270,4 @@ def _parse(model: type[M], raw: bytes) -> M:
     try:
         return model.model_validate_json(raw)
     except ValidationError as error:
-        raise ApiError(400, f"invalid request: {error.errors(include_url=False)[0]['msg']}") from None
+        raise invalid_request(error.errors(include_url=False)) from None

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -12,10 +13,11 @@ from starlette.exceptions import HTTPException
 
 from herd.api.openai import ErrorResponse
 from herd.api.prompt import PromptError
-from herd.worker.async_engine import EngineDeadError, EngineDrainingError
+from herd.worker.async_engine import EngineDeadError, EngineDrainingError, RequestFailedError
 from herd.worker.engine import QueueFullError
+from herd.worker.sampling_params import InvalidParamError
 
-__all__ = ["ApiError", "as_api_error", "error_response", "install_error_handlers"]
+__all__ = ["ApiError", "as_api_error", "error_response", "install_error_handlers", "invalid_request"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +59,10 @@ def as_api_error(error: Exception) -> ApiError:
             return ApiError(429, str(error), headers={"Retry-After": RETRY_AFTER_S})
         case PromptError():
             return ApiError(400, str(error), param="messages")
+        case InvalidParamError():
+            return ApiError(400, str(error), param=error.param)
+        case RequestFailedError():  # the engine logged it, with the request id
+            return ApiError(500, str(error))
         case ValueError():  # the engine's PromptTooLongError and its other refusals (pool too small, ...)
             return ApiError(400, str(error))
         case EngineDrainingError() | EngineDeadError():
@@ -72,8 +78,34 @@ _EXPECTED: tuple[type[Exception], ...] = (
     PromptError,
     EngineDrainingError,
     EngineDeadError,
+    RequestFailedError,
     ValueError,
 )
+
+_UNION_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list"})
+"""Pydantic names the member of a union in an error's location; a client's field path has no such part."""
+
+
+def invalid_request(errors: Sequence[Mapping[str, Any]], *, within: str | None = None) -> ApiError:
+    """The first of pydantic's ``errors`` as one sentence (a 400); its field path is ``param``.
+
+    ``within`` names the request field whose value was validated (``kv_transfer_params``).
+    """
+    first = errors[0]
+    path = [part for part in (within,) if part] + [str(part) for part in first["loc"] if _is_field(part)]
+    param = ".".join(path) or None
+    detail = str(first["msg"]).removeprefix("Value error, ")
+    if param is None:
+        return ApiError(400, f"invalid request: {detail}")
+    if first["type"] == "missing":
+        return ApiError(400, f"the request lacks {param}, which is required", param=param)
+    given = first.get("input")
+    shown = "" if isinstance(given, dict | list) else f" (got {given!r:.60})"
+    return ApiError(400, f"invalid {param}: {detail[:1].lower()}{detail[1:]}{shown}", param=param)
+
+
+def _is_field(part: int | str) -> bool:
+    return isinstance(part, int) or not (part in _UNION_TAGS or "[" in part or "(" in part)
 
 
 def install_error_handlers(app: FastAPI, on_rejected: Callable[[int], None] | None = None) -> None:
@@ -94,9 +126,7 @@ def install_error_handlers(app: FastAPI, on_rejected: Callable[[int], None] | No
 
     async def on_invalid(_: Request, error: Exception) -> Response:
         assert isinstance(error, RequestValidationError)
-        first = error.errors()[0]
-        param = ".".join(str(part) for part in first["loc"])
-        return error_response(400, f"invalid request: {param}: {first['msg']}", param=param)
+        return invalid_request(error.errors()).response()
 
     app.add_exception_handler(RequestValidationError, on_invalid)
     # Expected failures get their own handlers; the catch-all one (500) also logs and re-raises.

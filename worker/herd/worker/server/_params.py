@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
 from herd.api.openai import ChatCompletionRequest, CompletionRequest, SamplingFields
 from herd.api.prompt import PromptError, PromptRenderer
 from herd.api.protocol import KVTransferParams
-from herd.worker.sampling_params import SamplingParams
-from herd.worker.server._errors import ApiError
+from herd.worker.sampling_params import InvalidParamError, SamplingParams, check_token_ids
+from herd.worker.server._errors import ApiError, invalid_request
 
 __all__ = [
+    "MAX_SEQUENCES",
     "Choice",
     "chat_prompt",
     "completion_prompts",
@@ -20,6 +23,12 @@ __all__ = [
     "handed_first_token",
     "plan_choices",
 ]
+
+
+T = TypeVar("T")
+
+MAX_SEQUENCES = 128
+"""Sequences one request may start (``n`` times the number of prompts): each is a queued request."""
 
 
 @dataclass(frozen=True)
@@ -54,22 +63,48 @@ def plan_choices(
     prompts: list[list[int]],
     *,
     max_model_len: int,
+    vocab_size: int | None,
     num_logprobs: int | None,
     prompt_param: str,
 ) -> list[Choice]:
     """``n`` choices per prompt; seeded requests get ``seed + i`` for choice ``i`` of a prompt.
 
-    A lone choice continues from the first token a prefill worker handed over, if it may.
+    Every token id and setting is checked against the model (``vocab_size``, None when the engine
+    does not say: the engine's own check then answers). A lone choice continues from the first
+    token a prefill worker handed over, if it may.
     """
+    _check_count(request, prompts, prompt_param)
     choices: list[Choice] = []
     for prompt_index, prompt in enumerate(prompts):
         max_tokens = _max_tokens(request, len(prompt), max_model_len, prompt_param)
         for i in range(request.n):
             params = sampling_params(request, max_tokens=max_tokens, num_logprobs=num_logprobs, offset=i)
             choices.append(Choice(len(choices), prompt_index, prompt, params))
+    if vocab_size is not None:
+        _check_vocab(choices, vocab_size, prompt_param)
     if len(choices) == 1 and (first := handed_first_token(request, choices[0].params)) is not None:
+        if vocab_size is not None:
+            _checked(check_token_ids, [first], vocab_size, param="kv_transfer_params")
         choices[0] = replace(choices[0], first_token_id=first)
     return choices
+
+
+def _check_count(request: SamplingFields, prompts: list[list[int]], prompt_param: str) -> None:
+    if len(prompts) * request.n > MAX_SEQUENCES:
+        raise ApiError(
+            400,
+            f"the request asks for {len(prompts) * request.n} sequences ({len(prompts)} prompts times "
+            f"n={request.n}); send at most {MAX_SEQUENCES} per request",
+            param="n" if request.n > 1 else prompt_param,
+        )
+
+
+def _check_vocab(choices: list[Choice], vocab_size: int, prompt_param: str) -> None:
+    """Token ids in prompts (checked once per prompt) and settings against the model's vocabulary."""
+    for choice in choices:
+        if choice.index == 0 or choices[choice.index - 1].prompt_index != choice.prompt_index:
+            _checked(check_token_ids, choice.prompt_token_ids, vocab_size, param=prompt_param)
+        _checked(choice.params.check_vocab, vocab_size)
 
 
 def handed_first_token(request: SamplingFields, params: SamplingParams) -> int | None:
@@ -85,7 +120,7 @@ def handed_first_token(request: SamplingFields, params: SamplingParams) -> int |
     try:
         handoff = KVTransferParams.model_validate(raw)
     except ValidationError as error:
-        raise ApiError(400, f"invalid kv_transfer_params: {error}", param="kv_transfer_params") from None
+        raise invalid_request(error.errors(include_url=False), within="kv_transfer_params") from None
     if not handoff.do_remote_prefill or not handoff.first_token_ids or len(handoff.first_token_ids) != 1:
         return None
     return handoff.first_token_ids[0]
@@ -127,23 +162,29 @@ def _max_tokens(
 def sampling_params(
     request: SamplingFields, *, max_tokens: int, num_logprobs: int | None, offset: int
 ) -> SamplingParams:
+    return _checked(
+        SamplingParams,
+        max_tokens=max_tokens,
+        min_tokens=request.min_tokens,
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        top_k=-1 if request.top_k is None else request.top_k,
+        min_p=0.0 if request.min_p is None else request.min_p,
+        seed=None if request.seed is None else request.seed + offset,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        repetition_penalty=request.repetition_penalty,
+        logit_bias={int(token): bias for token, bias in (request.logit_bias or {}).items()},
+        stop=tuple(request.stop_strings),
+        stop_token_ids=tuple(request.stop_token_ids or ()),
+        ignore_eos=request.ignore_eos,
+        logprobs=num_logprobs,
+    )
+
+
+def _checked(function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``function(...)``, its ``InvalidParamError`` turned into a 400 naming the field."""
     try:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            min_tokens=request.min_tokens,
-            temperature=1.0 if request.temperature is None else request.temperature,
-            top_p=1.0 if request.top_p is None else request.top_p,
-            top_k=-1 if request.top_k is None else request.top_k,
-            min_p=0.0 if request.min_p is None else request.min_p,
-            seed=None if request.seed is None else request.seed + offset,
-            presence_penalty=request.presence_penalty,
-            frequency_penalty=request.frequency_penalty,
-            repetition_penalty=request.repetition_penalty,
-            logit_bias={int(token): bias for token, bias in (request.logit_bias or {}).items()},
-            stop=tuple(request.stop_strings),
-            stop_token_ids=tuple(request.stop_token_ids or ()),
-            ignore_eos=request.ignore_eos,
-            logprobs=num_logprobs,
-        )
-    except ValueError as error:
-        raise ApiError(400, str(error), param="min_tokens") from None
+        return function(*args, **kwargs)
+    except InvalidParamError as error:
+        raise ApiError(400, str(error), param=error.param) from None

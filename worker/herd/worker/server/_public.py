@@ -117,6 +117,7 @@ class _PublicRoutes:
             body,
             prompts,
             max_model_len=self.engine.info.max_model_len,
+            vocab_size=self.engine.info.vocab_size,
             num_logprobs=body.num_logprobs,
             prompt_param=endpoint.prompt_param,
         )

@@ -16,7 +16,6 @@ layout mismatch is refused with 409.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from typing import Any
@@ -24,12 +23,13 @@ from typing import Any
 from pydantic import ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from herd.api.body import BodyError, json_object
 from herd.api.kv_hash import BlockHash, block_hashes
 from herd.api.protocol import KVTransferParams
 from herd.worker.async_engine import AsyncEngine
 from herd.worker.kv_transfer import KVLayout, KVLayoutError, KVSource, KVTransfer, KVTransferError
 from herd.worker.server._disagg import DisaggMetrics, block_store, request_prompt
-from herd.worker.server._errors import ApiError
+from herd.worker.server._errors import ApiError, invalid_request
 
 __all__ = ["RemotePrefill"]
 
@@ -71,7 +71,7 @@ class RemotePrefill:
         try:
             params = KVTransferParams.model_validate(payload["kv_transfer_params"])
         except ValidationError as error:
-            raise ApiError(400, f"invalid kv_transfer_params: {error}", param="kv_transfer_params") from None
+            raise invalid_request(error.errors(include_url=False), within="kv_transfer_params") from None
         source = _source(params)
         if source is None:
             log.warning("do_remote_prefill without remote_host/port/request_id; prefilling locally")
@@ -152,10 +152,8 @@ def _flagged_payload(body: bytes) -> dict[str, Any] | None:
     if b"do_remote_prefill" not in body:  # most requests: no JSON parse here
         return None
     try:
-        payload = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(payload, dict):
+        payload = json_object(body)
+    except BodyError:  # the handler refuses the body in the same words
         return None
     params = payload.get("kv_transfer_params")
     if not isinstance(params, dict) or params.get("do_remote_prefill") is not True:

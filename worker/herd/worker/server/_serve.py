@@ -3,6 +3,10 @@
 The ports open before the model loads so that ``/health`` answers and ``/ready`` says 503 while it
 does. SIGTERM (or SIGINT) drains: ``/ready`` turns 503, new requests get 503, in-flight requests
 finish (up to ``drain_timeout_s``), then both servers stop and the process exits.
+
+An engine that fails beyond recovery (it could not reset after a failed batch) stops both servers
+at once and the process exits 1, so that ``herd up`` or the kubelet restarts it: a worker that
+answers 503 forever would only look alive.
 """
 
 from __future__ import annotations
@@ -64,7 +68,7 @@ async def _serve(factory: Callable[[], EngineCore], served_name: str, options: S
     ]
     engine.start()
     stopping = _install_drain(engine, servers, options.drain_timeout_s)
-    watcher = asyncio.create_task(_watch_loading(engine, servers, served_name, options))
+    watcher = asyncio.create_task(_watch_engine(engine, servers, served_name, options))
     await asyncio.gather(*(server.serve() for server in servers))
     watcher.cancel()
     await engine.stop()
@@ -78,7 +82,7 @@ def _server(app: FastAPI, host: str, port: int) -> _Server:
     return _Server(config)
 
 
-async def _watch_loading(
+async def _watch_engine(
     engine: AsyncEngine, servers: list[_Server], served_name: str, options: ServeOptions
 ) -> None:
     try:
@@ -91,6 +95,9 @@ async def _watch_loading(
         "worker ready",
         extra={"model": served_name, "port": options.port, "internal_port": options.internal_port},
     )
+    await engine.wait_failed()
+    logger.error("the engine cannot serve any more; exiting so that the supervisor restarts this worker")
+    _stop(servers, force=True)
 
 
 def _install_drain(engine: AsyncEngine, servers: list[_Server], timeout: float) -> asyncio.Event:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import TypeVar
@@ -12,8 +11,6 @@ from pydantic import BaseModel
 from herd.worker.server._errors import as_api_error
 
 __all__ = ["DONE", "event", "primed", "with_error_event"]
-
-logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -48,6 +45,5 @@ async def with_error_event(events: AsyncGenerator[str, None]) -> AsyncGenerator[
         try:
             async for item in events:
                 yield item
-        except Exception as error:
-            logger.warning("stream failed", extra={"error": str(error)})
+        except Exception as error:  # as_api_error logs what no one logged yet
             yield event(as_api_error(error).envelope())
