@@ -16,6 +16,7 @@ from support.herd_up import Up, herd_up_of
 from support.procs import wait_until
 
 from herd.api.protocol import REQUEST_ID_HEADER, WORKER_HEADER
+from herd.cli.supervise import BackoffPolicy
 
 pytestmark = pytest.mark.e2e
 
@@ -42,7 +43,7 @@ spec:
 
 @pytest.fixture(scope="module")
 def herd_up(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Iterator[Up]:
-    """One ``herd up`` for the module (workers take a while to load); the kill test runs last."""
+    """One ``herd up`` for the module (workers take a while to load); the kill tests run last."""
     tmp_path = tmp_path_factory.mktemp("herd-up")
     with herd_up_of(write_manifest(tmp_path, tiny_llama), tmp_path) as up:
         yield up
@@ -176,3 +177,41 @@ def test_killing_a_worker_loses_no_unstarted_request(herd_up: Up) -> None:
     assert after_kill == ["length"] * 6
     assert set(outcomes) <= {"finished", "error-event"}
     assert "error-event" in outcomes
+
+
+def restarts_of(up: Up, name: str) -> list[dict[str, object]]:
+    return [entry for entry in up.entries("process exited; restarting it") if entry["process_name"] == name]
+
+
+def kill_and_wait_for_restart(up: Up, kind: str, name: str) -> dict[str, object]:
+    """kill -9 the process, then wait until herd up has logged its restart and started a new one."""
+    before, old_pid = len(restarts_of(up, name)), int(str(up.started(kind)[name]["pid"]))
+    os.kill(old_pid, signal.SIGKILL)
+    wait_until(lambda: len(restarts_of(up, name)) > before, timeout=30, what=f"the restart of {name} logged")
+    wait_until(
+        lambda: int(str(up.started(kind)[name]["pid"])) != old_pid, timeout=60, what=f"{name} started again"
+    )
+    return restarts_of(up, name)[-1]
+
+
+def test_supervision_restarts_a_killed_worker_and_orchestrator(herd_up: Up) -> None:
+    victim, started = next(iter(herd_up.workers().items()))
+    restart = kill_and_wait_for_restart(herd_up, "worker", victim)
+    assert restart["signal"] == "SIGKILL" and int(str(restart["attempt"])) >= 1
+    assert float(str(restart["delay_s"])) == BackoffPolicy().delay_s(int(str(restart["attempt"])))
+    assert herd_up.workers()[victim]["url"] == started["url"]  # same port: the orchestrator finds it again
+
+    def is_admitted_again() -> bool:
+        rows = httpx.get(f"{herd_up.base_url}/dashboard/data", timeout=5).json()["workers"]
+        return any(row["id"] == victim and row["healthy"] for row in rows)
+
+    wait_until(is_admitted_again, timeout=120, what=f"{victim} serving again behind the gateway")
+    assert httpx.get(f"{started['url']}/ready", timeout=5).status_code == 200
+
+    restart = kill_and_wait_for_restart(herd_up, "orchestrator", "orchestrator")
+    assert restart["signal"] == "SIGKILL"
+    wait_until(
+        lambda: stream_finish(herd_up.client(), "back again", 4) == "length",
+        timeout=120,
+        what="the restarted orchestrator serving",
+    )

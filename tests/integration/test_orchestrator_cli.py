@@ -33,8 +33,13 @@ TWO = [*ONE, ModelConfig("n", RoundRobinRouting(strategy="round_robin"))]
             TWO,
             WorkerEndpoint("worker-0", "n", "http://a:1", "http://a:2", "decode"),
         ),
+        (
+            "n=http://a:1,http://a:2,prefill,tiny-prefill-0",
+            TWO,
+            WorkerEndpoint("tiny-prefill-0", "n", "http://a:1", "http://a:2", "prefill"),
+        ),
     ],
-    ids=["single-model", "named-model-and-role"],
+    ids=["single-model", "named-model-and-role", "named-worker"],
 )
 def test_parse_worker(value: str, models: list[ModelConfig], expected: WorkerEndpoint) -> None:
     assert parse_worker(value, models, 0) == expected
@@ -46,8 +51,9 @@ def test_parse_worker(value: str, models: list[ModelConfig], expected: WorkerEnd
         ("http://a:1", ONE, "expected [MODEL=]URL,INTERNAL_URL"),
         ("http://a:1,http://a:2,boss", ONE, "expected [MODEL=]URL,INTERNAL_URL"),
         ("http://a:1,http://a:2", TWO, "name its model"),
+        ("http://a:1,http://a:2,unified,", ONE, "expected [MODEL=]URL,INTERNAL_URL"),
     ],
-    ids=["no-internal-url", "bad-role", "ambiguous-model"],
+    ids=["no-internal-url", "bad-role", "ambiguous-model", "empty-id"],
 )
 def test_parse_worker_errors(value: str, models: list[ModelConfig], message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("[", r"\[")):

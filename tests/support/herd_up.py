@@ -25,9 +25,22 @@ class Up:
     base_url: str
     log: Path
 
+    def entries(self, msg: str) -> list[dict[str, object]]:
+        """herd up's own JSON log lines with this message, oldest first."""
+        lines = self.log.read_text().splitlines()
+        entries = [json.loads(line) for line in lines if line.startswith('{"ts"')]
+        return [entry for entry in entries if entry.get("msg") == msg and entry.get("component") == "herd-up"]
+
+    def started(self, kind: str) -> dict[str, dict[str, object]]:
+        """The latest start of each process of this kind (``worker``, ``orchestrator``), by name."""
+        return {
+            str(entry["process_name"]): entry
+            for entry in self.entries("started process")
+            if entry["kind"] == kind
+        }
+
     def workers(self) -> dict[str, dict[str, object]]:
-        entries = [json.loads(line) for line in self.log.read_text().splitlines() if line.startswith("{")]
-        return {entry["worker"]: entry for entry in entries if entry.get("msg") == "started worker"}
+        return self.started("worker")
 
     def worker_pids(self) -> dict[str, int]:
         return {name: int(str(entry["pid"])) for name, entry in self.workers().items()}

@@ -41,17 +41,21 @@ def model_configs(manifests: Sequence[Path]) -> list[ModelConfig]:
 
 
 def parse_worker(value: str, models: Sequence[ModelConfig], number: int) -> WorkerEndpoint:
-    """``[MODEL=]URL,INTERNAL_URL[,ROLE]``; MODEL may be left out when one model is served."""
+    """``[MODEL=]URL,INTERNAL_URL[,ROLE[,ID]]``; MODEL may be left out when one model is served.
+
+    ID names the worker in routing headers, metrics and the dashboard (default ``worker-NUMBER``).
+    """
     model, _, rest = value.rpartition("=") if "=" in value.split(",")[0] else ("", "", value)
     parts = rest.split(",")
-    if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in _ROLES):
-        raise ValueError(f"--worker {value!r}: expected [MODEL=]URL,INTERNAL_URL[,{'|'.join(_ROLES)}]")
+    if len(parts) not in (2, 3, 4) or (len(parts) >= 3 and parts[2] not in _ROLES) or "" in parts:
+        raise ValueError(f"--worker {value!r}: expected [MODEL=]URL,INTERNAL_URL[,{'|'.join(_ROLES)}[,ID]]")
     if not model:
         if len(models) != 1:
             raise ValueError(f"--worker {value!r}: name its model (MODEL=URL,...) when several are served")
         model = models[0].served_name
-    role: Role = parts[2] if len(parts) == 3 else "unified"  # type: ignore[assignment]
-    return WorkerEndpoint(f"worker-{number}", model, parts[0].rstrip("/"), parts[1].rstrip("/"), role)
+    role: Role = parts[2] if len(parts) >= 3 else "unified"  # type: ignore[assignment]
+    name = parts[3] if len(parts) == 4 else f"worker-{number}"
+    return WorkerEndpoint(name, model, parts[0].rstrip("/"), parts[1].rstrip("/"), role)
 
 
 def _source(args: argparse.Namespace, models: list[ModelConfig]) -> WorkerSource:
@@ -100,7 +104,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--worker",
         action="append",
         default=[],
-        help="a static worker: [MODEL=]URL,INTERNAL_URL[,ROLE] (repeatable)",
+        help="a static worker: [MODEL=]URL,INTERNAL_URL[,ROLE[,ID]] (repeatable)",
     )
     parser.add_argument("--kubernetes", action="store_true", help="discover workers from Kubernetes pods")
     parser.add_argument(

@@ -1,19 +1,18 @@
 """``herd up FILE.yaml``: run a ModelDeployment on this machine, no Kubernetes needed.
 
 Each pool's workers start as ``herd worker`` processes on free loopback ports with a fresh random
-internal token; once every worker answers ``/ready`` the orchestrator serves them in this process.
-Ctrl-C or SIGTERM stops everything, each worker by its own pid.
+internal token; once every worker answers ``/ready``, a ``herd orchestrator`` process serves them.
+herd up then supervises both (``herd.cli.supervise``): a process that dies is restarted with backoff,
+on the same ports. Ctrl-C or SIGTERM stops everything, each process by its own pid, and restarts nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 import secrets
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,13 +28,10 @@ from herd.api.logs import configure_logging
 from herd.api.manifest import ManifestError, load_manifest
 from herd.api.protocol import TOKEN_ENV
 from herd.cli.orchestrator import local_model_path
-from herd.orchestrator.app import AppSettings, build_app
-from herd.orchestrator.discovery import ModelConfig, StaticSource, WorkerEndpoint
-from herd.orchestrator.server import run_server
+from herd.cli.supervise import BackoffPolicy, Child, ChildSpec, Supervisor
+from herd.orchestrator.discovery import WorkerEndpoint
 
 __all__ = ["LocalWorker", "UpError", "plan_workers", "register"]
-
-log = logging.getLogger("herd.up")
 
 HOST = "127.0.0.1"
 
@@ -118,63 +114,54 @@ def _worker_argv(
     )
 
 
-class _Processes:
-    """The worker processes started so far, each with its log file; stopped by pid."""
+def _worker_spec(worker: LocalWorker, log_dir: Path) -> ChildSpec:
+    endpoint = worker.endpoint
+    log_path = log_dir / f"{endpoint.id}.log"
+    return ChildSpec(endpoint.id, "worker", endpoint.url, worker.argv, worker.env, log_path)
 
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
-        self.running: list[tuple[LocalWorker, subprocess.Popen[bytes], Path]] = []
 
-    def start(self, worker: LocalWorker) -> None:
-        log_path = self.log_dir / f"{worker.endpoint.id}.log"
-        with log_path.open("wb") as sink:
-            process = subprocess.Popen(
-                worker.argv, stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, **worker.env}
-            )
-        self.running.append((worker, process, log_path))
-        log.info(
-            "started worker",
-            extra={
-                "worker": worker.endpoint.id,
-                "pid": process.pid,
-                "url": worker.endpoint.url,
-                "log": str(log_path),
-            },
-        )
+def _orchestrator_spec(manifest: Path, workers: list[LocalWorker], token: str, port: int) -> ChildSpec:
+    """``herd orchestrator`` over the planned workers, named as herd up names them; logs to herd up's."""
+    argv = [sys.executable, "-m", "herd.cli.main", "orchestrator", "--manifest", str(manifest)]
+    argv += ["--host", HOST, "--port", str(port)]
+    for worker in workers:
+        end = worker.endpoint
+        argv += ["--worker", f"{end.model}={end.url},{end.internal_url},{end.role},{end.id}"]
+    return ChildSpec("orchestrator", "orchestrator", f"http://{HOST}:{port}", tuple(argv), {TOKEN_ENV: token})
 
-    def wait_ready(self, timeout: float) -> None:
-        """Until every worker answers ``/ready``; raises ``UpError`` naming the log of one that fails."""
-        deadline = time.monotonic() + timeout
-        pending = list(self.running)
-        while pending:
-            pending = [entry for entry in pending if not self._is_ready(*entry)]
-            if pending and time.monotonic() > deadline:
-                worker, _, log_path = pending[0]
-                raise UpError(
-                    f"worker {worker.endpoint.id} was not ready after {timeout:.0f}s; see {log_path}"
-                )
-            time.sleep(0.2)
 
-    @staticmethod
-    def _is_ready(worker: LocalWorker, process: subprocess.Popen[bytes], log_path: Path) -> bool:
-        if (code := process.poll()) is not None:
-            raise UpError(f"worker {worker.endpoint.id} exited with code {code}; see its log: {log_path}")
-        try:
-            return httpx.get(f"{worker.endpoint.url}/ready", timeout=1.0).status_code == httpx.codes.OK
-        except httpx.HTTPError:
-            return False
+def _wait_ready(children: Sequence[Child], timeout: float) -> None:
+    """Until every child answers ``/ready``; raises ``UpError`` naming one that exits or stays unready.
 
-    def stop_all(self, grace: float = 10.0) -> None:
-        for _, process, _ in self.running:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for worker, process, _ in self.running:
-            try:
-                process.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                log.warning("worker did not stop in time; killing it", extra={"worker": worker.endpoint.id})
-                process.kill()
-                process.wait(timeout=grace)
+    A child that exits before it was ever ready is not restarted: it cannot load (a bad model folder,
+    a port taken), so restarting would only loop.
+    """
+    deadline = time.monotonic() + timeout
+    pending = list(children)
+    while pending:
+        pending = [child for child in pending if not _is_ready(child)]
+        if pending and time.monotonic() > deadline:
+            raise UpError(f"{_label(pending[0])} was not ready after {timeout:.0f}s{_see_log(pending[0])}")
+        time.sleep(0.2)
+
+
+def _is_ready(child: Child) -> bool:
+    if (code := child.exit_code()) is not None:
+        raise UpError(f"{_label(child)} exited with code {code}{_see_log(child)}")
+    try:
+        return httpx.get(f"{child.spec.url}/ready", timeout=1.0).status_code == httpx.codes.OK
+    except httpx.HTTPError:
+        return False
+
+
+def _label(child: Child) -> str:
+    """``worker tiny-workers-0``, ``orchestrator``."""
+    spec = child.spec
+    return spec.name if spec.name == spec.kind else f"{spec.kind} {spec.name}"
+
+
+def _see_log(child: Child) -> str:
+    return "" if child.spec.log_path is None else f"; see its log: {child.spec.log_path}"
 
 
 def _print_endpoint(port: int, names: Sequence[str]) -> None:
@@ -190,38 +177,34 @@ def _raise_on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
-def _serve(deployments: list[ModelDeployment], workers: list[LocalWorker], token: str, port: int) -> None:
-    models = [
-        ModelConfig.from_deployment(d, model_path=local_model_path(d.spec.model.source)) for d in deployments
-    ]
-    source = StaticSource(models, [worker.endpoint for worker in workers])
-    app = build_app(source, settings=AppSettings(internal_token=token))
-    names = [model.served_name for model in models]
-    run_server(app, host=HOST, port=port, on_started=lambda: _print_endpoint(port, names))
+def _start(args: argparse.Namespace, supervisor: Supervisor, log_dir: Path) -> list[str]:
+    """Start the workers, then the orchestrator once they are ready; the served model names."""
+    token = secrets.token_urlsafe(24)
+    deployments = load_manifest(args.file)
+    workers = [worker for deployment in deployments for worker in plan_workers(deployment, token)]
+    _wait_ready([supervisor.start(_worker_spec(worker, log_dir)) for worker in workers], args.ready_timeout)
+    orchestrator = supervisor.start(_orchestrator_spec(args.file.resolve(), workers, token, args.port))
+    _wait_ready([orchestrator], args.ready_timeout)
+    return [deployment.served_name for deployment in deployments]
 
 
 def run(args: argparse.Namespace) -> int:
     configure_logging("herd-up", args.log_level)
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health poll otherwise
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per readiness poll otherwise
     signal.signal(signal.SIGTERM, _raise_on_sigterm)
-    token = secrets.token_urlsafe(24)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="herd-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    processes = _Processes(log_dir)
+    supervisor = Supervisor(BackoffPolicy())
     try:
-        deployments = load_manifest(args.file)
-        workers = [worker for deployment in deployments for worker in plan_workers(deployment, token)]
-        for worker in workers:
-            processes.start(worker)
-        processes.wait_ready(args.ready_timeout)
-        _serve(deployments, workers, token, args.port)
+        _print_endpoint(args.port, _start(args, supervisor, log_dir))
+        supervisor.run_forever()
     except (ManifestError, UpError) as error:
         print(f"herd up: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         pass
     finally:
-        processes.stop_all()
+        supervisor.stop_all()
     return 0
 
 
