@@ -94,7 +94,15 @@ class EngineDrainingError(RuntimeError):
 
 
 class EngineDeadError(RuntimeError):
-    """The engine failed to load or failed during a step; the worker must be restarted."""
+    """The engine failed to load or failed during a step; the worker must be restarted.
+
+    ``reached_engine`` tells a request that was in the engine when it died (its failure may be its
+    own doing: not to be retried elsewhere) from one refused afterwards (it never reached it).
+    """
+
+    def __init__(self, message: str, *, reached_engine: bool = False) -> None:
+        super().__init__(message)
+        self.reached_engine = reached_engine
 
 
 class RequestFailedError(RuntimeError):
@@ -332,7 +340,7 @@ class AsyncEngine:
     def _fail_all(self, error: Exception) -> None:
         self.error = error
         for target in self._outputs.values():
-            target.put_nowait(EngineDeadError(f"the engine failed: {error}"))
+            target.put_nowait(EngineDeadError(f"the engine failed: {error}", reached_engine=True))
         self._failed.set()
 
     def _on_loaded(self, engine: EngineCore | None, error: Exception | None) -> None:

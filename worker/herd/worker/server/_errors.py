@@ -61,7 +61,7 @@ def as_api_error(error: Exception) -> ApiError:
             return ApiError(400, str(error), param="messages")
         case InvalidParamError():
             return ApiError(400, str(error), param=error.param)
-        case RequestFailedError():  # the engine logged it, with the request id
+        case RequestFailedError() | EngineDeadError(reached_engine=True):  # logged by the engine
             return ApiError(500, str(error))
         case ValueError():  # the engine's PromptTooLongError and its other refusals (pool too small, ...)
             return ApiError(400, str(error))

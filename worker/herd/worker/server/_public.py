@@ -19,7 +19,7 @@ from herd.worker.outputs import RequestOutput
 from herd.worker.server._body import read_body
 from herd.worker.server._chat import chat_chunks, chat_response
 from herd.worker.server._completions import completion_chunks, completion_response
-from herd.worker.server._errors import ApiError, as_api_error, install_error_handlers
+from herd.worker.server._errors import ApiError, as_api_error, error_response, install_error_handlers
 from herd.worker.server._generation import Generation
 from herd.worker.server._metrics import WorkerMetrics
 from herd.worker.server._params import Choice, chat_prompt, completion_prompts, plan_choices
@@ -177,8 +177,11 @@ class _PublicRoutes:
         return DetokenizeResponse(prompt=self.engine.renderer.decode(body.tokens))
 
     async def health(self) -> Response:
+        """Unhealthy only when the process cannot serve: its engine failed to load or to recover."""
         if self.engine.error is not None:
-            return as_api_error(self.engine.error).response()
+            return error_response(
+                500, f"this worker cannot serve: its engine failed ({self.engine.error}); restart it"
+            )
         return JSONResponse({"status": "ok"})
 
     async def ready(self) -> Response:

@@ -33,6 +33,9 @@ __all__ = ["ServeOptions", "serve"]
 
 logger = logging.getLogger(__name__)
 
+_EXIT_GRACE_S = 5.0
+"""How long a worker whose engine died waits for the answers of its failed requests to go out."""
+
 
 @dataclass(frozen=True)
 class ServeOptions:
@@ -97,6 +100,8 @@ async def _watch_engine(
     )
     await engine.wait_failed()
     logger.error("the engine cannot serve any more; exiting so that the supervisor restarts this worker")
+    _stop(servers)  # the requests in flight have failed: their answers go out first
+    await asyncio.sleep(_EXIT_GRACE_S)
     _stop(servers, force=True)
 
 
