@@ -19,6 +19,7 @@ from support.worker_server import engine_config
 from herd.api import PromptRenderer, block_hashes
 from herd.api.protocol import INTERNAL_PATHS, TOKEN_HEADER
 from herd.orchestrator.tokens import prompt_token_ids
+from herd.orchestrator.validation import WIRE_MODELS
 from herd.worker.async_engine import AsyncEngine
 from herd.worker.engine import LLMEngine
 from herd.worker.server import PublicOptions, build_internal_app, build_public_app
@@ -72,7 +73,9 @@ async def test_orchestrator_hashes_equal_the_workers(
     assert response.status_code == 200, response.text
 
     snapshot = (await internal.get(INTERNAL_PATHS.kv_snapshot)).json()
-    token_ids = prompt_token_ids(PromptRenderer.from_pretrained(tiny_llama), request)
+    token_ids = prompt_token_ids(
+        PromptRenderer.from_pretrained(tiny_llama), WIRE_MODELS[path].model_validate(request)
+    )
     expected = block_hashes(
         token_ids, snapshot["block_size"], model_id="tiny", cache_salt=request.get("cache_salt")
     )

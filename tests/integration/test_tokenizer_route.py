@@ -20,6 +20,7 @@ from support.worker_server import engine_config
 
 from herd.api.crd import KVCacheAwareRouting
 from herd.api.kv_hash import block_hashes
+from herd.api.openai import ChatCompletionRequest
 from herd.api.prompt import PromptRenderer, read_tokenizer_files
 from herd.api.protocol import INTERNAL_PATHS, TOKEN_HEADER, WORKER_HEADER, TokenizerFiles
 from herd.orchestrator.app import AppSettings, build_app
@@ -116,8 +117,14 @@ async def _serve_and_fetch(app: FastAPI, tiny_llama: Path) -> list[int]:
             assert first.status_code == 200 and first.headers[WORKER_HEADER] == "w0"
             served = registry.models["tiny"]
             await wait_for(lambda: not served.wants_worker_tokenizer, within=10.0)
-            hashes: list[int] = block_hashes(prompt_token_ids(served.renderer, CHAT), 16, model_id="tiny")
-            local = prompt_token_ids(PromptRenderer.from_pretrained(tiny_llama), CHAT)
+            hashes: list[int] = block_hashes(
+                prompt_token_ids(served.renderer, ChatCompletionRequest.model_validate(CHAT)),
+                16,
+                model_id="tiny",
+            )
+            local = prompt_token_ids(
+                PromptRenderer.from_pretrained(tiny_llama), ChatCompletionRequest.model_validate(CHAT)
+            )
             assert hashes == block_hashes(local, 16, model_id="tiny") and len(hashes) >= 4
             await wait_for(lambda: served.kv_index.match(hashes).get("w0") == len(hashes), within=10.0)
             second = await client.post("/v1/chat/completions", json=CHAT)

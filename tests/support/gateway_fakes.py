@@ -1,7 +1,9 @@
 """Fake workers behind ``httpx.MockTransport`` for orchestrator unit tests (no sockets).
 
 Each ``FakeWorker`` answers the public and internal worker contract for one host; its fields
-switch behaviours (down, not ready, busy, failing mid-stream) and record what it saw.
+switch behaviours (down, not ready, an error status, dropping the connection before answering,
+failing mid-stream) and record what it saw. Like a real worker, it sends ``Retry-After`` with 429
+and 503 (``retry_after``; ``None`` leaves it out).
 """
 
 from __future__ import annotations
@@ -9,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import httpx
 from fastapi import FastAPI
 
 from herd.api.crd import RoundRobinRouting, RoutingSpec
+from herd.api.openai import ErrorResponse
 from herd.api.protocol import KVEvent, KVEventBatch, KVSnapshot, LoadReport
 from herd.orchestrator.app import AppSettings, build_app
 from herd.orchestrator.discovery import ModelConfig, StaticSource, WorkerEndpoint
@@ -51,6 +54,9 @@ class FakeWorker:
     is_up: bool = True
     is_ready: bool = True
     status: int = 200
+    retry_after: str | None = "1"
+    is_dropping: bool = False
+    """Close the connection without answering (a process killed with the request queued)."""
     fail_after_chunks: int | None = None
     chunk_delay: float = 0.0
     num_chunks: int = 3
@@ -80,6 +86,10 @@ class FakeWorker:
         if path.startswith("/internal/"):
             return self._internal(request)
         self.num_requests += 1
+        if self.is_dropping:
+            raise httpx.RemoteProtocolError(
+                "Server disconnected without sending a response.", request=request
+            )
         return self._completion(json.loads(request.content))
 
     def _internal(self, request: httpx.Request) -> httpx.Response:
@@ -99,18 +109,25 @@ class FakeWorker:
 
     def _completion(self, payload: dict[str, object]) -> httpx.Response:
         if self.status != 200:
-            error = {"error": {"message": "busy", "type": "x", "code": self.status}}
-            return self._streamed(self.status, [json.dumps(error).encode()], "application/json")
+            error = ErrorResponse.of(self.status, f"fake worker {self.id} answers {self.status}").model_dump()
+            headers = (
+                {"retry-after": self.retry_after} if self.retry_after and self.status in (429, 503) else {}
+            )
+            return self._streamed(self.status, [json.dumps(error).encode()], "application/json", headers)
         if not payload.get("stream"):
             body = json.dumps({"id": "x", "worker": self.id, "choices": []}).encode()
             return self._streamed(200, [body], "application/json")
         chunks = [f'data: {{"n": {n}, "worker": "{self.id}"}}\n\n'.encode() for n in range(self.num_chunks)]
         return self._streamed(200, [*chunks, b"data: [DONE]\n\n"], "text/event-stream")
 
-    def _streamed(self, status: int, chunks: list[bytes], content_type: str) -> httpx.Response:
+    def _streamed(
+        self, status: int, chunks: list[bytes], content_type: str, headers: dict[str, str] | None = None
+    ) -> httpx.Response:
         # A stream, not `content=`: MockTransport would hand back an already-read body otherwise.
         stream = FakeStream(chunks, delay=self.chunk_delay, fail_after=self.fail_after_chunks, worker=self)
-        return httpx.Response(status, headers={"content-type": content_type}, stream=stream)
+        return httpx.Response(
+            status, headers={"content-type": content_type, **(headers or {})}, stream=stream
+        )
 
 
 @dataclass(eq=False)
@@ -142,13 +159,19 @@ async def running_gateway(
     *,
     routing: RoutingSpec | None = None,
     settings: AppSettings | None = None,
+    model_config: Mapping[str, object] | None = None,
     **kwargs: object,
 ) -> AsyncIterator[tuple[FastAPI, httpx.AsyncClient]]:
-    """The orchestrator app over ``cluster``, started, with every up worker admitted."""
+    """The orchestrator app over ``cluster``, started, with every up worker admitted;
+    ``model_config`` sets ``ModelConfig`` fields (a model folder, maxModelLen, ...)."""
     upstream = httpx.AsyncClient(transport=cluster.transport())
     settings = settings or AppSettings(registry=FAST_REGISTRY)
     app = build_app(
-        cluster.source(routing), settings=settings, http=upstream, upstream=HttpxUpstream(upstream), **kwargs
+        cluster.source(routing, **(model_config or {})),
+        settings=settings,
+        http=upstream,
+        upstream=HttpxUpstream(upstream),
+        **kwargs,
     )  # type: ignore[arg-type]
     registry = app.state.registry
     try:

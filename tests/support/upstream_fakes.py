@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import httpx
 
-from herd.orchestrator.upstream import Upstream, UpstreamError
+from herd.orchestrator.upstream import NotAnsweredError, Upstream, UpstreamError, UpstreamTimeoutError
 
 
 class HttpxUpstream:
@@ -18,7 +18,7 @@ class HttpxUpstream:
         try:
             response = await self.http.send(request, stream=True)
         except httpx.HTTPError as error:
-            raise UpstreamError(f"{type(error).__name__}: {error}") from None
+            raise _as_upstream_error(error) from None
         stream = _HttpxBody(response)
         try:
             first_chunk = await stream.next_chunk()
@@ -40,7 +40,20 @@ class _HttpxBody:
         try:
             return await anext(self._chunks, b"")
         except httpx.HTTPError as error:
-            raise UpstreamError(f"{type(error).__name__}: {error}") from None
+            raise _as_upstream_error(error, has_answered=True) from None
 
     async def close(self) -> None:
         await self.response.aclose()
+
+
+def _as_upstream_error(error: httpx.HTTPError, *, has_answered: bool = False) -> UpstreamError:
+    """The pool's error for ``error``: before any answer, a failed connection (refused, or dropped
+    without an answer) is ``NotAnsweredError``, as ``UpstreamPool`` raises it."""
+    message = f"{type(error).__name__}: {error}"
+    if isinstance(error, httpx.TimeoutException) and not isinstance(error, httpx.ConnectTimeout):
+        return UpstreamTimeoutError(message)
+    if not has_answered and isinstance(
+        error, httpx.ConnectError | httpx.ConnectTimeout | httpx.RemoteProtocolError
+    ):
+        return NotAnsweredError(message)
+    return UpstreamError(message)

@@ -42,6 +42,8 @@ HERD_ROUTER_IN_FLIGHT = "herd_router_requests_in_flight"
 HERD_ROUTER_WORKERS = "herd_router_workers"
 HERD_ROUTER_CACHE_HIT_BLOCKS = "herd_router_predicted_cache_hit_blocks"
 HERD_ROUTER_PHASE_SECONDS = "herd_router_phase_seconds"
+HERD_ROUTER_CIRCUIT_STATE = "herd_router_circuit_state"
+HERD_WORKER_RESTARTS_TOTAL = "herd_worker_restarts_total"
 
 WORKER_METRICS = (
     NUM_REQUESTS_RUNNING,
@@ -76,4 +78,6 @@ ORCHESTRATOR_METRICS = (
     HERD_ROUTER_WORKERS,
     HERD_ROUTER_CACHE_HIT_BLOCKS,
     HERD_ROUTER_PHASE_SECONDS,
+    HERD_ROUTER_CIRCUIT_STATE,
+    HERD_WORKER_RESTARTS_TOTAL,
 )

@@ -1,32 +1,36 @@
-"""The orchestrator's HTTP app: the OpenAI API, health, metrics and the dashboard.
+"""The orchestrator's HTTP app: the OpenAI API, health, metrics, the dashboard and its OpenAPI document.
 
 ``build_app`` wires a ``WorkerSource`` into a ``Registry`` (started with the app), a ``State`` and a
-``Gateway``. Request handlers stay thin: authenticate, bound and parse the body, hand it to the
-gateway; every error leaves in the OpenAI envelope.
+``Gateway``. Request handlers stay thin: read the body within its size and time limits and hand it
+to the gateway, which validates it. API keys are checked in front of every route but the probes'
+(``RequireApiKey``), and every error leaves in the OpenAI envelope (``herd.orchestrator.errors``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.requests import ClientDisconnect
 
-from herd.api.body import BodyError, json_object, read_limited
-from herd.api.openai import ErrorResponse, ModelCard, ModelList
-from herd.orchestrator.auth import ApiKeys
+from herd.api.body import BodyError, read_limited
+from herd.api.openai import ModelCard, ModelList
+from herd.orchestrator.auth import ApiKeys, RequireApiKey
 from herd.orchestrator.dashboard import DASHBOARD_HTML, dashboard_data
 from herd.orchestrator.discovery import WorkerSource
-from herd.orchestrator.gateway import Gateway, GatewayError, GatewaySettings
+from herd.orchestrator.errors import GatewayError, install_error_handlers
+from herd.orchestrator.gateway import Gateway, GatewaySettings
+from herd.orchestrator.openapi import build_openapi, route_docs
 from herd.orchestrator.proxy import build_http_client
-from herd.orchestrator.registry import Registry, RegistrySettings
+from herd.orchestrator.registry import Registry, RegistrySettings, WorkerState
 from herd.orchestrator.state import MemoryState, State
 from herd.orchestrator.telemetry import Telemetry
 from herd.orchestrator.upstream import UpstreamClient, UpstreamPool
@@ -40,6 +44,8 @@ class AppSettings:
     internal_token: str | None = None
     """The workers' shared internal token (``X-Herd-Token``)."""
     max_body_bytes: int = 4 * 1024 * 1024
+    body_timeout: float = 30.0
+    """Longest time a client may take to send a request body (a slow client gets 408)."""
     gateway: GatewaySettings = field(default_factory=GatewaySettings)
     registry: RegistrySettings = field(default_factory=RegistrySettings)
 
@@ -56,13 +62,15 @@ def build_app(
     """The orchestrator app. ``upstream`` replaces the proxy's client and ``http`` the one for every
     other call to workers (tests pass fakes); the app closes the clients it creates."""
     settings = settings or AppSettings()
+    api_keys = api_keys or ApiKeys([])
     client = http or build_http_client(connect_timeout=settings.gateway.connect_timeout)
     pool = upstream or UpstreamPool(
         connect_timeout=settings.gateway.connect_timeout, read_timeout=settings.gateway.request_timeout
     )
     state = state or MemoryState()
     telemetry = Telemetry()
-    registry = Registry(WorkerClient(client, token=settings.internal_token), state, settings.registry)
+    worker_client = WorkerClient(client, token=settings.internal_token)
+    registry = Registry(worker_client, state, settings.registry, on_restart=_count_restart(telemetry))
     gateway = Gateway(registry, state, client, pool, telemetry, settings.gateway)
 
     owned: list[httpx.AsyncClient | UpstreamClient] = []
@@ -70,17 +78,31 @@ def build_app(
         owned.append(client)
     if upstream is None:
         owned.append(pool)
-    lifespan = _lifespan(registry, source, owned)
-    app = FastAPI(title="herd orchestrator", lifespan=lifespan, docs_url=None, redoc_url=None)
+    lifespan = _lifespan(registry, gateway, source, owned)
+    app = FastAPI(
+        title="herd orchestrator", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
     app.state.registry, app.state.gateway, app.state.telemetry = registry, gateway, telemetry
-    app.exception_handler(GatewayError)(_gateway_error)
-    _add_openai_routes(app, gateway, api_keys or ApiKeys([]), settings.max_body_bytes)
-    _add_ops_routes(app, registry, telemetry)
+    _add_openai_routes(app, gateway, settings)
+    _add_ops_routes(app, registry, telemetry, is_key_required=api_keys.is_enabled)
+    if api_keys.is_enabled:
+        app.add_middleware(RequireApiKey, keys=api_keys)
+    install_error_handlers(app)  # last: its catch-all wraps everything else
     return app
 
 
+def _count_restart(telemetry: Telemetry) -> Callable[[WorkerState], None]:
+    def count(worker: WorkerState) -> None:
+        telemetry.restarts.labels(worker.endpoint.model, worker.endpoint.id).inc()
+
+    return count
+
+
 def _lifespan(
-    registry: Registry, source: WorkerSource, owned_clients: list[httpx.AsyncClient | UpstreamClient]
+    registry: Registry,
+    gateway: Gateway,
+    source: WorkerSource,
+    owned_clients: list[httpx.AsyncClient | UpstreamClient],
 ) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
     """Follow the source while the app runs; close the clients the app created."""
 
@@ -93,33 +115,32 @@ def _lifespan(
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+            gateway.close()
             for owned in owned_clients:
                 await owned.aclose()
 
     return lifespan
 
 
-def _add_openai_routes(app: FastAPI, gateway: Gateway, api_keys: ApiKeys, max_body_bytes: int) -> None:
+def _add_openai_routes(app: FastAPI, gateway: Gateway, settings: AppSettings) -> None:
     async def proxy(request: Request) -> Response:
-        _authenticate(request, api_keys)
-        body, payload = await _read_json(request, max_body_bytes)
+        body = await _read_body(request, settings)
         # The scope's path, not request.url.path: building the full URL per request costs more.
-        return await gateway.forward(request.scope["path"], body, payload, request.headers)
+        return await gateway.forward(request.scope["path"], body, request.headers)
 
-    async def models(request: Request) -> Response:
-        _authenticate(request, api_keys)
+    async def models() -> Response:
         cards = [
             ModelCard(id=name, max_model_len=served.config.max_model_len)
             for name, served in sorted(gateway.registry.models.items())
         ]
         return JSONResponse(ModelList(data=cards).model_dump())
 
-    app.add_api_route("/v1/chat/completions", proxy, methods=["POST"])
-    app.add_api_route("/v1/completions", proxy, methods=["POST"])
-    app.add_api_route("/v1/models", models, methods=["GET"])
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        app.add_api_route(path, proxy, methods=["POST"], **route_docs(path))
+    app.add_api_route("/v1/models", models, methods=["GET"], **route_docs("/v1/models"))
 
 
-def _add_ops_routes(app: FastAPI, registry: Registry, telemetry: Telemetry) -> None:
+def _add_ops_routes(app: FastAPI, registry: Registry, telemetry: Telemetry, *, is_key_required: bool) -> None:
     async def health() -> Response:
         return JSONResponse({"status": "ok"})
 
@@ -141,43 +162,47 @@ def _add_ops_routes(app: FastAPI, registry: Registry, telemetry: Telemetry) -> N
     async def data() -> Response:
         return JSONResponse(dashboard_data(registry, telemetry))
 
+    async def openapi() -> Response:
+        if app.openapi_schema is None:
+            app.openapi_schema = build_openapi(app, requires_key=is_key_required)
+        return JSONResponse(app.openapi_schema)
+
     for path, endpoint in [
         ("/health", health),
         ("/ready", ready),
         ("/metrics", metrics),
         ("/dashboard", dashboard),
         ("/dashboard/data", data),
+        ("/openapi.json", openapi),
     ]:
-        app.add_api_route(path, endpoint, methods=["GET"])
+        app.add_api_route(path, endpoint, methods=["GET"], include_in_schema=False)
 
 
 def _update_worker_gauges(registry: Registry, telemetry: Telemetry) -> None:
+    telemetry.circuit.clear()  # workers that left take their series with them
+    now = time.monotonic()
     for name in registry.models:
         views = registry.views(name)
         num_healthy = sum(view.is_healthy for view in views)
         telemetry.workers.labels(name, "healthy").set(num_healthy)
         telemetry.workers.labels(name, "unhealthy").set(len(views) - num_healthy)
+    for worker in registry.workers.values():
+        current = worker.breaker.state(now)
+        for state in ("closed", "open", "half_open"):
+            telemetry.circuit.labels(worker.endpoint.model, worker.endpoint.id, state).set(state == current)
 
 
-def _authenticate(request: Request, api_keys: ApiKeys) -> None:
-    if not api_keys.allows(request.headers.get("authorization")):
-        message = (
-            "missing or invalid API key: send `Authorization: Bearer <key>` with a key this server accepts"
-        )
-        raise GatewayError(401, message, headers={"WWW-Authenticate": "Bearer"})
-
-
-async def _read_json(request: Request, max_body_bytes: int) -> tuple[bytes, dict[str, Any]]:
-    """The raw body (forwarded as is) and its JSON object; 413 / 400 in the OpenAI envelope."""
+async def _read_body(request: Request, settings: AppSettings) -> bytes:
+    """The raw body within ``max_body_bytes`` (413) and ``body_timeout`` (408, and the connection
+    closes: the rest of a slow body is not worth waiting for)."""
     declared = request.headers.get("content-length")
     try:
-        body = await read_limited(request.stream(), max_body_bytes, declared_length=declared)
-        return body, json_object(body)
+        async with asyncio.timeout(settings.body_timeout):
+            return await read_limited(request.stream(), settings.max_body_bytes, declared_length=declared)
     except BodyError as error:
         raise GatewayError(error.status, str(error)) from None
-
-
-async def _gateway_error(_: Request, error: Exception) -> Response:
-    assert isinstance(error, GatewayError)
-    envelope = ErrorResponse.of(error.status, error.message).model_dump()
-    return JSONResponse(envelope, status_code=error.status, headers=error.headers)
+    except TimeoutError:
+        message = f"the request body did not arrive within {settings.body_timeout}s; send it faster"
+        raise GatewayError(408, message, headers={"Connection": "close"}) from None
+    except ClientDisconnect:
+        raise GatewayError(400, "the client closed the connection before its body was complete") from None

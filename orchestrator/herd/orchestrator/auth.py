@@ -1,4 +1,9 @@
-"""Optional API keys: ``Authorization: Bearer <key>``, from a file (one per line) or ``HERD_API_KEYS``."""
+"""Optional API keys: ``Authorization: Bearer <key>``, from a file (one per line) or ``HERD_API_KEYS``.
+
+``RequireApiKey`` checks them in front of every route but the probes' (``OPEN_PATHS``), so a route
+added later is guarded without anyone remembering to; an unknown path answers 401 too, which tells a
+client without a key nothing about the routes.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +12,17 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["API_KEYS_ENV", "ApiKeys", "load_api_keys"]
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from herd.orchestrator.errors import error_response
+
+__all__ = ["API_KEYS_ENV", "OPEN_PATHS", "ApiKeys", "RequireApiKey", "load_api_keys"]
 
 API_KEYS_ENV = "HERD_API_KEYS"
 """Comma-separated keys, used when no keys file is given."""
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+"""What probes and Prometheus read without a key."""
+UNAUTHORIZED = "missing or invalid API key: send `Authorization: Bearer <key>` with a key this server accepts"
 
 
 class ApiKeys:
@@ -39,3 +51,20 @@ def load_api_keys(path: Path | None = None) -> ApiKeys:
         lines = (line.strip() for line in path.read_text().splitlines())
         return ApiKeys([line for line in lines if line and not line.startswith("#")])
     return ApiKeys([key.strip() for key in os.environ.get(API_KEYS_ENV, "").split(",")])
+
+
+class RequireApiKey:
+    """ASGI middleware: a request outside ``OPEN_PATHS`` without an accepted key gets 401."""
+
+    def __init__(self, app: ASGIApp, keys: ApiKeys) -> None:
+        self.app = app
+        self.keys = keys
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            authorization = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+            if not self.keys.allows(authorization.decode("latin-1")):
+                response = error_response(401, UNAUTHORIZED, headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

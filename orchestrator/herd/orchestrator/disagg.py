@@ -34,12 +34,11 @@ import httpx
 from prometheus_client import CollectorRegistry, Histogram
 
 from herd.api import metrics as names
-from herd.api.kv_hash import block_hashes
 from herd.api.protocol import INTERNAL_PATHS
+from herd.orchestrator.breaker import Outcome, answer_outcome
 from herd.orchestrator.registry import Registry
 from herd.orchestrator.routing import RequestContext, WorkerView, healthy
 from herd.orchestrator.served import ServedModel
-from herd.orchestrator.tokens import prompt_token_ids
 
 __all__ = [
     "MIN_REMOTE_BLOCKS",
@@ -168,11 +167,11 @@ class TwoPhase:
         decode = self._choose_decode(served, ctx)
         if decode is None:
             return Handoff(body, "local_prefill")
-        tokens = self._tokens(served, ctx, payload)
+        tokens = ctx.token_ids or None  # none while the model's tokenizer is not known yet
         matches: Mapping[str, int] = {}
         if tokens is not None:
             config = served.config
-            matches = served.kv_index.match(self._hashes(served, ctx, tokens, payload))
+            matches = served.kv_index.match(ctx.block_hashes)
             uncached = num_uncached_tokens(len(tokens), matches.get(decode.id, 0), config.block_size)
             prefill = choose_prefill(
                 self._prefill_views(served), matches, config.block_size, self._prefill_tokens
@@ -228,25 +227,6 @@ class TwoPhase:
             return None
         return served.strategy.select(open_views, dataclasses.replace(ctx, phase="decode"))
 
-    @staticmethod
-    def _tokens(served: ServedModel, ctx: RequestContext, payload: dict[str, Any]) -> Sequence[int] | None:
-        """The prompt's token ids, tokenizing here if routing did not; ``None`` if it cannot."""
-        if ctx.token_ids:
-            return ctx.token_ids
-        try:
-            return prompt_token_ids(served.renderer, payload)
-        except ValueError:
-            return None
-
-    @staticmethod
-    def _hashes(
-        served: ServedModel, ctx: RequestContext, tokens: Sequence[int], payload: dict[str, Any]
-    ) -> Sequence[int]:
-        if ctx.block_hashes:
-            return ctx.block_hashes
-        salt = payload.get("cache_salt")
-        return block_hashes(tokens, served.config.block_size, model_id=served.name, cache_salt=salt)
-
     async def _prefill(
         self, served: ServedModel, payload: dict[str, Any], matches: Mapping[str, int], num_tokens: int
     ) -> dict[str, Any] | None:
@@ -269,8 +249,8 @@ class TwoPhase:
         return None
 
     def _prefill_views(self, served: ServedModel) -> list[WorkerView]:
-        workers = self.registry.model_workers(served.name)
-        return healthy([worker.view() for worker in workers if worker.endpoint.role == "prefill"])
+        workers, now = self.registry.model_workers(served.name), time.monotonic()
+        return healthy([worker.view(now) for worker in workers if worker.endpoint.role == "prefill"])
 
     async def _prefill_on(
         self, worker: WorkerView, payload: dict[str, Any], work: int
@@ -279,6 +259,7 @@ class TwoPhase:
         body = {**payload, "kv_transfer_params": {"do_remote_decode": True}}
         self.registry.begin(worker.id)
         self._prefill_tokens[worker.id] += work
+        outcome: Outcome = "none"
         try:
             response = await self.http.post(
                 endpoint.internal_url + INTERNAL_PATHS.prefill,
@@ -286,11 +267,13 @@ class TwoPhase:
                 headers=self.registry.client.headers,
                 timeout=self.timeout,
             )
+            outcome = answer_outcome(response.status_code, has_retry_after="retry-after" in response.headers)
         except httpx.HTTPError as error:
+            outcome = "failure"
             self.registry.report_failure(worker.id, f"prefill failed: {type(error).__name__}: {error}")
             return None
         finally:
-            self.registry.end(worker.id)
+            self.registry.end(worker.id, outcome)
             self._prefill_tokens[worker.id] -= work
             if self._prefill_tokens[worker.id] <= 0:
                 del self._prefill_tokens[worker.id]

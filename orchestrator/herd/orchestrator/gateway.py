@@ -1,51 +1,74 @@
-"""The request path: find the model, build the routing context, choose a worker, proxy, retry.
+"""The request path: validate, tokenize, choose a worker, proxy, and retry only what no worker took.
 
-A request is retried on another worker (up to ``max_attempts`` distinct workers) when the chosen one
-fails before its first byte: a transport error, or a 429/502/503/504 answer. A transport error also
-ejects the worker at once. When every healthy worker is at its in-flight limit, or every attempt got
-429, the client gets 429 with ``Retry-After``.
+1. The body is parsed with its route's OpenAI wire model (``herd.orchestrator.validation``). A model
+   that routes by tokens, or serves disaggregated, has its prompt rendered, tokenized, length-checked
+   against maxModelLen and hashed. A body of ``inline_prepare_bytes`` or more is parsed and tokenized
+   on a small thread pool, so a multi-MB prompt never stalls the event loop (tokenization releases
+   the GIL); a smaller one costs less inline than the hop to a thread.
+2. A request is retried on another worker (up to ``max_attempts`` distinct workers) only when it
+   never reached an engine: its connection failed before any byte of an answer (``NotAnsweredError``:
+   refused, reset, closed; the worker is also ejected at once), or the worker answered 429 or 503
+   with ``Retry-After`` (full or draining). Anything else (a 500, a 4xx, a 502 or 504, a 503 without
+   ``Retry-After``, a timeout, a failure after the first byte) goes back to the client in the OpenAI
+   envelope: a request that broke one worker is never handed to the next.
+3. Every attempt's outcome feeds the worker's circuit breaker (``Registry.end``), which stops routing
+   to a worker whose requests keep failing.
+
+When every healthy worker is at its in-flight limit, or every attempt got 429, the client gets 429
+with ``Retry-After``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, TypeVarTuple
 
 import httpx
 from starlette.responses import Response
 
 from herd.api.kv_hash import block_hashes
+from herd.api.openai import ErrorResponse
+from herd.api.prompt import PromptError
 from herd.api.protocol import REQUEST_ID_HEADER, WORKER_HEADER, is_valid_request_id
+from herd.orchestrator.breaker import Outcome, answer_outcome
 from herd.orchestrator.disagg import Handoff, TwoPhase
+from herd.orchestrator.errors import GatewayError
 from herd.orchestrator.model_metrics import ModelMetrics
-from herd.orchestrator.proxy import RelayResponse
+from herd.orchestrator.proxy import RelayResponse, StreamEnd
 from herd.orchestrator.registry import Registry
 from herd.orchestrator.routing import RequestContext, WorkerView, healthy
 from herd.orchestrator.served import RendererUnavailableError, ServedModel
 from herd.orchestrator.state import State
 from herd.orchestrator.telemetry import Telemetry
 from herd.orchestrator.tokens import prompt_token_ids
-from herd.orchestrator.upstream import Upstream, UpstreamClient, UpstreamError
+from herd.orchestrator.upstream import (
+    NotAnsweredError,
+    Upstream,
+    UpstreamClient,
+    UpstreamError,
+    UpstreamTimeoutError,
+)
+from herd.orchestrator.validation import ParsedRequest, check_length, parse_request
 
 __all__ = ["Gateway", "GatewayError", "GatewaySettings"]
 
 log = logging.getLogger(__name__)
 
-_RETRY_STATUSES = frozenset({429, 502, 503, 504})
+T = TypeVar("T")
+Ts = TypeVarTuple("Ts")
 
-
-class GatewayError(Exception):
-    """An error answered to the client in the OpenAI envelope."""
-
-    def __init__(self, status: int, message: str, *, headers: Mapping[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.headers = dict(headers or {})
+_STREAM_ENDS: dict[StreamEnd, tuple[int, Outcome]] = {
+    "complete": (200, "success"),
+    "worker_failed": (502, "failure"),
+    "client_left": (499, "none"),  # nginx's status for a client that closed the request
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +78,11 @@ class GatewaySettings:
     connect_timeout: float = 2.0
     max_attempts: int = 3
     retry_after_seconds: int = 1
+    inline_prepare_bytes: int = 4096
+    """Bodies from this size on are parsed and tokenized on ``prepare_threads``: at 4 KiB tokenizing
+    takes about 1 ms, and a thread hop no longer costs more than the work it moves (measured with
+    bench/gateway_prepare_threshold.py; docs/gateway.md has the figures)."""
+    prepare_threads: int = 2
 
 
 @dataclass(eq=False)
@@ -78,6 +106,15 @@ class _Request:
         return value if value is not None and is_valid_request_id(value) else None
 
 
+class _NotServedError(Exception):
+    """The worker did not take the request (it never reached an engine): another worker may."""
+
+    def __init__(self, error: GatewayError, outcome: Outcome) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.outcome = outcome
+
+
 class Gateway:
     def __init__(
         self,
@@ -98,24 +135,35 @@ class Gateway:
         self.disagg = TwoPhase(registry, http, telemetry.registry, max_attempts=self.settings.max_attempts)
         self._untokenized: weakref.WeakSet[ServedModel] = weakref.WeakSet()
         """Models already logged as routed without tokens (once each)."""
+        # Its own threads: a queue of large prompts must not hold up the loop's default executor,
+        # which resolves host names for the registry's polls.
+        self._executor = ThreadPoolExecutor(self.settings.prepare_threads, thread_name_prefix="herd-prepare")
 
-    async def forward(
-        self, path: str, body: bytes, payload: dict[str, Any], headers: Mapping[str, str]
-    ) -> Response:
-        """Route and proxy one OpenAI request whose JSON ``payload`` was parsed from ``body``."""
-        served = self._served(payload)
-        ctx = await self._context(served, payload, headers)
-        request = _Request(served, self._metrics_of(served), path, body, payload.get("stream") is True, ctx)
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def forward(self, path: str, body: bytes, headers: Mapping[str, str]) -> Response:
+        """Validate, route and proxy one OpenAI request; ``path`` is its route (``WIRE_MODELS``)."""
+        parsed = await self._prepare(len(body), parse_request, path, body)
+        served = self._served(parsed.request.model)
+        ctx = await self._context(served, parsed, headers, len(body))
+        request = _Request(served, self._metrics_of(served), path, body, parsed.request.stream, ctx)
         request.metrics.in_flight.inc()
         try:
             if served.config.mode == "disaggregated":
-                await self._hand_off(request, payload)
+                await self._hand_off(request, parsed.payload)
             return await self._attempt(request)
-        except GatewayError as error:
-            self._finish(request, None, error.status, None)
+        except BaseException as error:
+            self._count(request, "", error.status if isinstance(error, GatewayError) else 500, None)
             if request.handoff is not None:
                 await self.disagg.release(request.handoff)
             raise
+
+    async def _prepare(self, size: int, work: Callable[[*Ts], T], *args: *Ts) -> T:
+        """``work(*args)`` inline for a body under ``inline_prepare_bytes``, else on the prepare threads."""
+        if size < self.settings.inline_prepare_bytes:
+            return work(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, work, *args)
 
     def _metrics_of(self, served: ServedModel) -> ModelMetrics:
         metrics = self._metrics.get(served.name)
@@ -131,23 +179,21 @@ class Gateway:
         if handoff.path == "remote_prefill":
             request.prefill_seconds = handoff.prefill_seconds
 
-    def _served(self, payload: dict[str, Any]) -> ServedModel:
-        model = payload.get("model")
-        if not isinstance(model, str):
-            raise GatewayError(400, "the request needs a string `model` field naming a served model")
+    def _served(self, model: str) -> ServedModel:
         served = self.registry.models.get(model)
         if served is None:
             known = ", ".join(sorted(self.registry.models)) or "none"
             raise GatewayError(
-                404, f"model {model!r} is not served here (served: {known}); see GET /v1/models"
+                404,
+                f"model {model!r} is not served here (served: {known}); see GET /v1/models",
+                param="model",
             )
         return served
 
     async def _context(
-        self, served: ServedModel, payload: dict[str, Any], headers: Mapping[str, str]
+        self, served: ServedModel, parsed: ParsedRequest, headers: Mapping[str, str], size: int
     ) -> RequestContext:
-        token_ids = self._prompt_tokens(served, payload) if served.strategy.needs_tokens else ()
-        hashes = _hashes(served, token_ids, payload.get("cache_salt")) if token_ids else ()
+        token_ids, hashes = await self._tokens(served, parsed, size) if served.needs_tokens else ((), ())
         session_key = headers.get(served.session_header)
         pinned = None
         if served.strategy.pins_sessions and session_key:
@@ -161,10 +207,13 @@ class Gateway:
             headers=headers,  # the server's read-only mapping: no copy per request
         )
 
-    def _prompt_tokens(self, served: ServedModel, payload: dict[str, Any]) -> tuple[int, ...]:
-        """The prompt's token ids; none (the strategy's load-only fallback) while no tokenizer is known."""
+    async def _tokens(
+        self, served: ServedModel, parsed: ParsedRequest, size: int
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The prompt's token ids and block hashes; none (the strategy's load-only fallback) while no
+        tokenizer is known."""
         try:
-            return tuple(prompt_token_ids(served.renderer, payload))
+            return await self._prepare(size, _tokenize, served, parsed)
         except RendererUnavailableError as error:
             if served not in self._untokenized:
                 self._untokenized.add(served)
@@ -172,26 +221,32 @@ class Gateway:
                     "routing without tokens (least in-flight) until the tokenizer is fetched",
                     extra={"model": served.name, "reason": str(error)},
                 )
-            return ()
-        except ValueError as error:
-            raise GatewayError(400, f"invalid request: {error}") from None
+            return (), ()
+        except PromptError as error:
+            raise GatewayError(400, str(error), param=parsed.prompt_param) from None
 
     async def _attempt(self, request: _Request) -> Response:
         tried: set[str] = set()
-        last_error = GatewayError(503, "no worker could serve the request; retry shortly")
+        error = GatewayError(503, "no worker could serve the request; retry shortly")
         for _ in range(self.settings.max_attempts):
             worker = await self._choose(request, tried)
             tried.add(worker.id)
             self.registry.begin(worker.id)
             try:
                 return await self._respond(request, worker)
-            except GatewayError as error:
-                self.registry.end(worker.id)
+            except _NotServedError as not_served:
+                self.registry.end(worker.id, not_served.outcome)
                 request.metrics.retries.inc()
-                last_error = error
+                error = not_served.error
+            except GatewayError:
+                self.registry.end(worker.id, "failure")
+                raise
+            except BaseException:
+                self.registry.end(worker.id, "none")
+                raise
             if not self._candidates(request, tried):
                 break
-        raise last_error
+        raise error
 
     def _candidates(self, request: _Request, tried: set[str]) -> list[WorkerView]:
         views = healthy(self.registry.views(request.served.name))
@@ -201,7 +256,11 @@ class Gateway:
         served = request.served
         candidates = self._candidates(request, tried)
         if not candidates:
-            raise GatewayError(503, f"model {served.name!r} has no healthy worker right now; retry shortly")
+            raise GatewayError(
+                503,
+                f"model {served.name!r} has no healthy worker right now; retry shortly",
+                headers={"Retry-After": str(self.settings.retry_after_seconds)},
+            )
         limit = served.config.max_in_flight_per_worker
         open_workers = [view for view in candidates if not limit or view.num_in_flight < limit]
         if not open_workers:
@@ -240,6 +299,7 @@ class Gateway:
         return GatewayError(429, message, headers={"Retry-After": retry_after})
 
     async def _respond(self, request: _Request, worker: WorkerView) -> Response:
+        """The worker's answer; it ends the worker's count (``_finish``) exactly when it returns."""
         upstream = await self._open(request, worker)
         headers = {WORKER_HEADER: worker.id}
         if request.is_stream and upstream.status_code == httpx.codes.OK:
@@ -250,47 +310,94 @@ class Gateway:
             return RelayResponse(
                 upstream,
                 headers=headers,
-                on_done=lambda is_clean: self._finish(request, worker.id, 200 if is_clean else 502, ttft),
+                on_done=lambda ending: self._stream_done(request, worker.id, ending, ttft),
             )
         try:
             content = await upstream.read_rest()
         except UpstreamError as error:
-            raise self._worker_failed(worker, error) from None
-        self._finish(request, worker.id, upstream.status_code, None)
-        return Response(content, upstream.status_code, headers={**upstream.headers_for_client(), **headers})
+            raise GatewayError(
+                502, f"worker {worker.id} failed mid-answer ({error}); retry the request"
+            ) from None
+        status = upstream.status_code
+        headers = {**upstream.headers_for_client(), **headers}
+        if status >= 400:
+            content, headers["content-type"] = _enveloped(content, status, worker.id), "application/json"
+        outcome = answer_outcome(status, has_retry_after="retry-after" in upstream.headers)
+        self._finish(request, worker.id, status, None, outcome)
+        return Response(content, status, headers=headers)
 
     async def _open(self, request: _Request, worker: WorkerView) -> Upstream:
+        """The worker's answer up to its first chunk; ``_NotServedError`` when another worker may take it."""
         try:
             upstream = await self.upstream.post(
                 worker.url + request.path, request.body, request_id=request.request_id
             )
+        except NotAnsweredError as error:
+            self.registry.report_failure(worker.id, str(error))  # a killed worker: eject it now
+            failed = GatewayError(502, f"worker {worker.id} took no request ({error}); retry the request")
+            raise _NotServedError(failed, "failure") from None
+        except UpstreamTimeoutError as error:
+            raise GatewayError(504, f"worker {worker.id} timed out ({error}); retry the request") from None
         except UpstreamError as error:
-            raise self._worker_failed(worker, error) from None
-        if upstream.status_code in _RETRY_STATUSES:
+            raise GatewayError(
+                502, f"worker {worker.id} broke its answer ({error}); retry the request"
+            ) from None
+        retry_after = upstream.headers.get("retry-after")
+        if upstream.status_code in (429, 503) and retry_after is not None:
             await upstream.aclose()
-            if upstream.status_code == httpx.codes.TOO_MANY_REQUESTS:
-                raise self._busy(request.served)
-            raise GatewayError(503, f"worker {worker.id} answered {upstream.status_code}; retry shortly")
+            raise _NotServedError(
+                self._unavailable(request.served, worker, upstream.status_code, retry_after), "none"
+            )
         return upstream
 
-    def _worker_failed(self, worker: WorkerView, error: UpstreamError) -> GatewayError:
-        reason = str(error)
-        self.registry.report_failure(worker.id, reason)
-        return GatewayError(502, f"worker {worker.id} failed before answering ({reason}); retry the request")
+    def _unavailable(
+        self, served: ServedModel, worker: WorkerView, status: int, retry_after: str
+    ) -> GatewayError:
+        """The error when the last worker tried was full (429) or draining (503)."""
+        if status == httpx.codes.TOO_MANY_REQUESTS:
+            return self._busy(served)
+        message = f"worker {worker.id} is draining or not ready; retry after {retry_after}s"
+        return GatewayError(503, message, headers={"Retry-After": retry_after})
 
-    def _finish(self, request: _Request, worker_id: str | None, status: int, ttft: float | None) -> None:
+    def _stream_done(self, request: _Request, worker_id: str, ending: StreamEnd, ttft: float) -> None:
+        status, outcome = _STREAM_ENDS[ending]
+        self._finish(request, worker_id, status, ttft, outcome)
+
+    def _finish(
+        self, request: _Request, worker_id: str, status: int, ttft: float | None, outcome: Outcome
+    ) -> None:
+        self.registry.end(worker_id, outcome)
+        self._count(request, worker_id, status, ttft)
+
+    def _count(self, request: _Request, worker_id: str, status: int, ttft: float | None) -> None:
         metrics = request.metrics
-        if worker_id is not None:
-            self.registry.end(worker_id)
-        metrics.count_finished(worker_id or "", status)
+        metrics.count_finished(worker_id, status)
         metrics.e2e.observe(time.perf_counter() - request.started)
         metrics.in_flight.dec()
         self.telemetry.recent.record(ttft)
 
 
-def _hashes(served: ServedModel, token_ids: tuple[int, ...], cache_salt: Any) -> tuple[int, ...]:
+def _tokenize(served: ServedModel, parsed: ParsedRequest) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The prompt's token ids, checked against maxModelLen, and its block hashes (may run on a thread)."""
+    token_ids = tuple(prompt_token_ids(served.renderer, parsed.request))
+    check_length(parsed, len(token_ids), served.config.max_model_len)
     config = served.config
-    return tuple(block_hashes(token_ids, config.block_size, model_id=served.name, cache_salt=cache_salt))
+    hashes = block_hashes(
+        token_ids, config.block_size, model_id=served.name, cache_salt=parsed.request.cache_salt
+    )
+    return token_ids, tuple(hashes)
+
+
+def _enveloped(content: bytes, status: int, worker_id: str) -> bytes:
+    """A worker's error answer as is when it is an OpenAI error envelope, else wrapped in one."""
+    try:
+        body = json.loads(content)
+    except ValueError:
+        body = None
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        return content
+    message = f"worker {worker_id} answered {status} without an OpenAI error body; retry the request"
+    return json.dumps(ErrorResponse.of(status, message).model_dump()).encode()
 
 
 def _pin_key(served: ServedModel, session_key: str) -> str:

@@ -3,7 +3,8 @@
 ``RelayResponse`` writes each chunk the moment it arrives (no buffering), watches the client for a
 disconnect and, on one, closes the upstream answer so the worker aborts the request. A worker
 failing mid-stream ends the client's stream with an SSE error event rather than leaving it hanging.
-The upstream answer is always closed, shielded from cancellation, and ``on_done`` always runs.
+The upstream answer is always closed, shielded from cancellation, and ``on_done`` always runs, told
+how the stream ended (``StreamEnd``).
 Opening the answer (and retrying before its first byte) is ``herd.orchestrator.upstream``'s job.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Mapping
+from typing import Literal
 
 import anyio
 import httpx
@@ -21,9 +23,11 @@ from starlette.types import Receive, Scope, Send
 from herd.api.openai import ErrorResponse
 from herd.orchestrator.upstream import Upstream, UpstreamError
 
-__all__ = ["RelayResponse", "build_http_client", "sse_error"]
+__all__ = ["RelayResponse", "StreamEnd", "build_http_client", "sse_error"]
 
 log = logging.getLogger(__name__)
+
+StreamEnd = Literal["complete", "worker_failed", "client_left"]
 
 
 def build_http_client(*, max_connections: int = 1024, connect_timeout: float = 2.0) -> httpx.AsyncClient:
@@ -41,7 +45,7 @@ class RelayResponse(Response):
     """Relays an ``Upstream`` to the client chunk by chunk; see the module docstring for guarantees."""
 
     def __init__(
-        self, upstream: Upstream, *, headers: Mapping[str, str], on_done: Callable[[bool], None]
+        self, upstream: Upstream, *, headers: Mapping[str, str], on_done: Callable[[StreamEnd], None]
     ) -> None:
         # Like StreamingResponse, no super().__init__: it would announce a zero content-length.
         self.status_code = upstream.status_code
@@ -51,22 +55,23 @@ class RelayResponse(Response):
         self.on_done = on_done
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        is_complete = False
+        ending: StreamEnd = "client_left"  # unless the relay returns: the client went away
         try:
             async with anyio.create_task_group() as group:
                 group.start_soon(self._cancel_on_disconnect, receive, group.cancel_scope)
                 await send(
                     {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
                 )
-                is_complete = await self._relay(send)
+                ending = await self._relay(send)
                 group.cancel_scope.cancel()
         finally:
             await self.upstream.aclose()
-            self.on_done(is_complete)
+            self.on_done(ending)
 
-    async def _relay(self, send: Send) -> bool:
-        """Send every chunk; ``False`` when the worker failed mid-stream (the client got an error event)."""
-        is_clean = True
+    async def _relay(self, send: Send) -> StreamEnd:
+        """Send every chunk; ``worker_failed`` when the worker failed mid-stream (the client got an
+        error event)."""
+        ending: StreamEnd = "complete"
         await send({"type": "http.response.body", "body": self.upstream.first_chunk, "more_body": True})
         try:
             async for chunk in self.upstream:
@@ -75,9 +80,9 @@ class RelayResponse(Response):
             log.warning("upstream failed mid-stream", extra={"error": f"{type(error).__name__}: {error}"})
             message = "the worker failed mid-response; retry the request"
             await send({"type": "http.response.body", "body": sse_error(message), "more_body": True})
-            is_clean = False
+            ending = "worker_failed"
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-        return is_clean
+        return ending
 
     @staticmethod
     async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:

@@ -6,9 +6,12 @@ then KV events after the index's last ``seq`` (every model keeps an index: cache
 with it, and the dashboard and the predicted-hit metric show it for any strategy). A new epoch, a gap or a
 re-admission makes the next poll fetch a snapshot. KV payloads go through ``State.publish_kv`` so
 that with Redis every replica's index receives them; ``receive_kv`` applies them here. A proxy
-error ejects a worker at once (``report_failure``) instead of waiting for the next poll. A model that
-needs token ids but has no local folder gets its tokenizer from its first healthy worker
-(``TokenizerFetcher``).
+error ejects a worker at once (``report_failure``) instead of waiting for the next poll. Beside the
+polling, each worker's ``CircuitBreaker`` hears the outcome of every request sent to it (``begin`` /
+``end``) and stops routing to a worker whose requests keep failing even while its ``/ready`` says yes.
+A new KV epoch is a restarted worker process: it is counted (``on_restart``) and its breaker closed.
+A model that needs token ids but has no local folder gets its tokenizer from its first healthy
+worker (``TokenizerFetcher``).
 """
 
 from __future__ import annotations
@@ -16,12 +19,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import httpx
 
 from herd.api.protocol import KVSnapshot, LoadReport
+from herd.orchestrator.breaker import BreakerSettings, CircuitBreaker, Outcome
 from herd.orchestrator.discovery import Membership, ModelConfig, WorkerEndpoint, WorkerSource
 from herd.orchestrator.routing import WorkerView
 from herd.orchestrator.served import ServedModel
@@ -36,10 +41,11 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class RegistrySettings:
-    """Polling cadence; the defaults eject an unreachable worker within 2 s."""
+    """Polling cadence (the defaults eject an unreachable worker within 2 s) and the circuit breakers."""
 
     poll_interval: float = 0.25
     failures_to_eject: int = 2
+    breaker: BreakerSettings = field(default_factory=BreakerSettings)
 
 
 @dataclass(eq=False)
@@ -51,8 +57,12 @@ class WorkerState:
     report: LoadReport = field(default_factory=LoadReport)
     needs_snapshot: bool = True
     task: asyncio.Task[None] | None = None
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    epoch: str | None = None
+    """The worker process's KV epoch as last seen; a new one means it restarted."""
+    num_restarts: int = 0
 
-    def view(self) -> WorkerView:
+    def view(self, now: float) -> WorkerView:
         report = self.report
         return WorkerView(
             id=self.endpoint.id,
@@ -63,17 +73,25 @@ class WorkerState:
             num_waiting=report.num_waiting,
             num_waiting_prefill_tokens=report.num_waiting_prefill_tokens,
             kv_usage=report.kv_usage,
-            is_healthy=self.is_healthy and not report.is_draining,
+            is_healthy=self.is_healthy and not report.is_draining and self.breaker.can_send(now),
         )
 
 
 class Registry:
     """Models and workers currently known, with live health and load."""
 
-    def __init__(self, client: WorkerClient, state: State, settings: RegistrySettings | None = None) -> None:
+    def __init__(
+        self,
+        client: WorkerClient,
+        state: State,
+        settings: RegistrySettings | None = None,
+        *,
+        on_restart: Callable[[WorkerState], None] | None = None,
+    ) -> None:
         self.client = client
         self.state = state
         self.settings = settings or RegistrySettings()
+        self.on_restart = on_restart
         self.models: dict[str, ServedModel] = {}
         self.workers: dict[str, WorkerState] = {}
         self.tokenizers = TokenizerFetcher(client)
@@ -107,15 +125,28 @@ class Registry:
         workers = self.model_workers(model)
         if served.config.mode == "disaggregated":
             workers = [worker for worker in workers if worker.endpoint.role == "decode"]
-        return [worker.view() for worker in workers]
+        now = time.monotonic()
+        return [worker.view(now) for worker in workers]
 
     def begin(self, worker_id: str) -> None:
+        """A request goes to the worker (in the breaker's half-open state, it is the probe)."""
         if (worker := self.workers.get(worker_id)) is not None:
             worker.num_in_flight += 1
+            worker.breaker.on_send(time.monotonic())
 
-    def end(self, worker_id: str) -> None:
-        if (worker := self.workers.get(worker_id)) is not None:
-            worker.num_in_flight = max(0, worker.num_in_flight - 1)
+    def end(self, worker_id: str, outcome: Outcome) -> None:
+        """The request ``begin`` counted is over; its ``outcome`` feeds the worker's breaker."""
+        if (worker := self.workers.get(worker_id)) is None:
+            return
+        worker.num_in_flight = max(0, worker.num_in_flight - 1)
+        breaker = worker.breaker
+        was_closed = breaker.state(now := time.monotonic()) == "closed"
+        breaker.record(outcome, now)
+        if was_closed != (breaker.state(now) == "closed"):
+            log.warning(
+                "worker circuit opened" if was_closed else "worker circuit closed",
+                extra={"worker": worker_id, "num_failures": breaker.num_failures},
+            )
 
     def report_failure(self, worker_id: str, reason: str) -> None:
         """Eject a worker the proxy could not reach; the poller re-admits it once it answers."""
@@ -149,7 +180,7 @@ class Registry:
                     worker.needs_snapshot = True
 
     def _add_worker(self, endpoint: WorkerEndpoint) -> None:
-        worker = WorkerState(endpoint)
+        worker = WorkerState(endpoint, breaker=CircuitBreaker(self.settings.breaker))
         worker.task = asyncio.create_task(self._poll_forever(worker), name=f"herd-poll-{endpoint.id}")
         self.workers[endpoint.id] = worker
         log.info("worker joined", extra={"worker": endpoint.id, "model": endpoint.model, "url": endpoint.url})
@@ -229,6 +260,7 @@ class Registry:
         position = served.kv_index.position(worker.endpoint.id)
         if position is not None and not worker.needs_snapshot:
             batch = await self.client.kv_events(worker.endpoint, after=position[1])
+            self._note_epoch(worker, batch.epoch)
             if batch.epoch == position[0]:
                 if batch.events:
                     await self.state.publish_kv(worker.endpoint.id, batch)
@@ -236,4 +268,15 @@ class Registry:
                     return
         worker.needs_snapshot = False
         snapshot = await self.client.kv_snapshot(worker.endpoint)
+        self._note_epoch(worker, snapshot.epoch)
         await self.state.publish_kv(worker.endpoint.id, snapshot)
+
+    def _note_epoch(self, worker: WorkerState, epoch: str) -> None:
+        """A new epoch is a new worker process (its supervisor or the kubelet restarted it)."""
+        if worker.epoch is not None and epoch != worker.epoch:
+            worker.num_restarts += 1
+            worker.breaker.reset()  # the failures were the old process's
+            log.warning("worker restarted", extra={"worker": worker.endpoint.id, "epoch": epoch})
+            if self.on_restart is not None:
+                self.on_restart(worker)
+        worker.epoch = epoch

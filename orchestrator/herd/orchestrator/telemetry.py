@@ -90,6 +90,18 @@ class Telemetry:
         )
         self.in_flight = Gauge(names.HERD_ROUTER_IN_FLIGHT, "Requests in flight.", ["model"], registry=reg)
         self.workers = Gauge(names.HERD_ROUTER_WORKERS, "Workers known.", ["model", "state"], registry=reg)
+        self.circuit = Gauge(
+            names.HERD_ROUTER_CIRCUIT_STATE,
+            "Each worker's circuit breaker: 1 for its current state (closed, open, half_open).",
+            ["model", "worker", "state"],
+            registry=reg,
+        )
+        self.restarts = Counter(
+            names.HERD_WORKER_RESTARTS_TOTAL,
+            "Worker processes seen restarting (a new KV epoch on the same worker).",
+            ["model", "worker"],
+            registry=reg,
+        )
         self.cache_hit_blocks = Histogram(
             names.HERD_ROUTER_CACHE_HIT_BLOCKS,
             "Leading blocks the chosen worker holds (predicted).",

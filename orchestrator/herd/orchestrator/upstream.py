@@ -8,7 +8,10 @@ with flow control. httpx still does the orchestrator's other calls (polling, pre
 
 A keep-alive connection that the worker closed while idle can fail before any byte comes back; the
 request is then sent once more on a new connection, so a normal idle timeout never looks like a
-failing worker. Any other failure raises ``UpstreamError``.
+failing worker. Any other failure raises ``UpstreamError``: ``NotAnsweredError`` when not one byte
+of an answer came back because the connection failed (refused, reset, closed, or not made in time),
+which is the one failure the gateway may retry elsewhere; ``UpstreamTimeoutError`` when the worker
+went silent for the read timeout.
 """
 
 from __future__ import annotations
@@ -24,7 +27,14 @@ from urllib.parse import urlsplit
 import anyio
 import httptools
 
-__all__ = ["Upstream", "UpstreamClient", "UpstreamError", "UpstreamPool"]
+__all__ = [
+    "NotAnsweredError",
+    "Upstream",
+    "UpstreamClient",
+    "UpstreamError",
+    "UpstreamPool",
+    "UpstreamTimeoutError",
+]
 
 _FORWARDED_RESPONSE_HEADERS = ("content-type", "retry-after", "x-request-id")
 _PAUSE_ABOVE = 1 << 20
@@ -35,6 +45,15 @@ _MAX_CACHED_TARGETS = 4096
 
 class UpstreamError(Exception):
     """The worker could not be reached, timed out, broke HTTP, or closed the connection mid-answer."""
+
+
+class NotAnsweredError(UpstreamError):
+    """The connection failed before the first byte of an answer: refused, not made within the connect
+    timeout, reset or closed. The worker answered nothing (a killed worker's queued requests end so)."""
+
+
+class UpstreamTimeoutError(UpstreamError):
+    """The worker sent nothing for the read timeout (it may still be working on the request)."""
 
 
 class BodyStream(Protocol):
@@ -123,12 +142,12 @@ class UpstreamPool:
             try:
                 status, headers = await connection.read_head()
                 first_chunk = await connection.next_chunk()
-            except UpstreamError:
+            except NotAnsweredError:
                 connection.close()
-                if is_reused and not connection.has_answered:
+                if is_reused:
                     continue  # the worker closed this idle connection as we sent: send on a new one
                 raise
-            except BaseException:  # cancelled (the client left): the worker must see the hang-up
+            except BaseException:  # failed, or cancelled (the client left): the worker must see the hang-up
                 connection.close()
                 raise
             return Upstream(status, headers, first_chunk, _Body(connection, self))
@@ -165,11 +184,11 @@ class UpstreamPool:
                     lambda: _Connection(key, self.read_timeout), target.host, target.port
                 )
         except TimeoutError:
-            raise UpstreamError(
+            raise NotAnsweredError(
                 f"connecting to {target.host}:{target.port} took over {self.connect_timeout}s"
             ) from None
         except OSError as error:
-            raise UpstreamError(f"cannot connect to {target.host}:{target.port}: {error}") from None
+            raise NotAnsweredError(f"cannot connect to {target.host}:{target.port}: {error}") from None
         return connection
 
     def _target(self, url: str) -> _Target:
@@ -286,7 +305,7 @@ class _Connection(asyncio.Protocol):
                 await self._waiter
         except TimeoutError:
             self.close()
-            raise UpstreamError(f"the worker sent nothing for {self.read_timeout}s") from None
+            raise UpstreamTimeoutError(f"the worker sent nothing for {self.read_timeout}s") from None
         finally:
             self._waiter = None
 
@@ -296,7 +315,7 @@ class _Connection(asyncio.Protocol):
 
     def _fail(self, reason: str) -> None:
         if self._error is None and not self.is_complete:
-            self._error = UpstreamError(reason)
+            self._error = (UpstreamError if self.has_answered else NotAnsweredError)(reason)
         self._wake()
 
     # asyncio.Protocol

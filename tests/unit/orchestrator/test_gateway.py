@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import pytest
 from support.gateway_fakes import (
@@ -111,16 +112,30 @@ async def test_retry_on_another_worker_when_the_first_is_down() -> None:
     assert "herd_router_retries_total" in metrics
 
 
-async def test_failure_before_first_chunk_is_retried() -> None:
+async def test_failure_after_the_answer_began_is_not_retried() -> None:
+    """The head came back before the body failed: the worker had the request (issue 12 changed this
+    from a retry to a 502 for the client)."""
     cluster = cluster_of(2)
     cluster.workers[0].fail_after_chunks = 0
-    cluster.workers[1].fail_after_chunks = 0
     async with running_gateway(cluster) as (_, client):
-        cluster.workers[1].fail_after_chunks = None
         response = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    assert response.status_code == 502 and response.json()["error"]["code"] == 502
+    assert [worker.num_requests for worker in cluster.workers] == [1, 0]
+
+
+async def test_a_connection_dropped_before_any_answer_is_retried_elsewhere(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    cluster = cluster_of(2)
+    cluster.workers[0].is_dropping = True
+    async with running_gateway(cluster) as (_, client):
+        with caplog.at_level(logging.WARNING, logger="herd.orchestrator.registry"):
+            response = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
     assert response.status_code == 200 and response.headers[WORKER_HEADER] == "w1"
     assert "content-length" not in response.headers
     assert list(sse_events(response.content))[-1] == "[DONE]"
+    # Ejected at once (its poller, which still finds /ready fine, re-admits it right after).
+    assert [record.worker for record in caplog.records if record.message == "worker ejected"] == ["w0"]  # type: ignore[attr-defined]
 
 
 async def test_mid_stream_failure_ends_with_an_error_event() -> None:

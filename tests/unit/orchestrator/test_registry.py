@@ -107,7 +107,7 @@ async def test_in_flight_counts_feed_the_views() -> None:
     async with registry_for(cluster) as registry:
         registry.begin("w0")
         registry.begin("w0")
-        registry.end("w0")
+        registry.end("w0", "none")
         assert registry.views(MODEL)[0].num_in_flight == 1
 
 

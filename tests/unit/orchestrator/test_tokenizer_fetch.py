@@ -18,6 +18,7 @@ from support.gateway_fakes import MODEL, FakeCluster, FakeWorker, running_gatewa
 
 from herd.api.crd import KVCacheAwareRouting, RoutingSpec
 from herd.api.kv_hash import block_hashes
+from herd.api.openai import ChatCompletionRequest
 from herd.api.prompt import PromptRenderer, read_tokenizer_files
 from herd.api.protocol import INTERNAL_PATHS, TOKEN_HEADER, WORKER_HEADER, TokenizerFiles
 from herd.orchestrator.app import AppSettings
@@ -72,7 +73,9 @@ def cluster_for(tiny_llama: Path, **fields: Any) -> TokenizerCluster:
 
 
 def expected_hashes(tiny_llama: Path) -> list[int]:
-    token_ids = prompt_token_ids(PromptRenderer.from_pretrained(tiny_llama), CHAT)
+    token_ids = prompt_token_ids(
+        PromptRenderer.from_pretrained(tiny_llama), ChatCompletionRequest.model_validate(CHAT)
+    )
     return block_hashes(token_ids, 16, model_id=MODEL)
 
 
@@ -119,7 +122,7 @@ async def test_the_fetched_tokenizer_hashes_as_the_local_one(tiny_llama: Path) -
     async with running_gateway(cluster, routing=ROUTING, settings=SETTINGS) as (app, _):
         served = app.state.registry.models[MODEL]
         await wait_for(lambda: not served.wants_worker_tokenizer, within=WITHIN_S)
-        token_ids = prompt_token_ids(served.renderer, CHAT)
+        token_ids = prompt_token_ids(served.renderer, ChatCompletionRequest.model_validate(CHAT))
     assert block_hashes(token_ids, 16, model_id=MODEL) == expected_hashes(tiny_llama)
 
 
