@@ -1,14 +1,17 @@
-"""Two orchestrator replicas sharing a real redis-server: same session -> same worker, same KV index."""
+"""Orchestrator replicas sharing a real redis-server: same session -> same worker, same KV index,
+through Redis being stopped and started again and through a replica's restart."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import httpx
 from fastapi import FastAPI
 from support.gateway_fakes import MODEL, FakeCluster, FakeWorker, running_gateway, wait_for
+from support.procs import free_port, redis_argv, running
 
 from herd.api.crd import KVCacheAwareRouting, StickySessionRouting
 from herd.api.protocol import WORKER_HEADER, KVEvent
@@ -27,9 +30,8 @@ async def replica(
     cluster: FakeCluster, redis_url: str, routing: object, poll_interval: float
 ) -> AsyncIterator[tuple[FastAPI, httpx.AsyncClient]]:
     settings = AppSettings(registry=RegistrySettings(poll_interval=poll_interval))
-    async with running_gateway(
-        cluster, routing=routing, settings=settings, state=RedisState(redis_url)
-    ) as pair:  # type: ignore[arg-type]
+    state = RedisState(redis_url, retry_seconds=0.2)
+    async with running_gateway(cluster, routing=routing, settings=settings, state=state) as pair:  # type: ignore[arg-type]
         yield pair
 
 
@@ -92,3 +94,84 @@ async def until_listening(worker: FakeWorker, index: KVIndex) -> None:
             await wait_for(lambda: index.position("w0") == (worker.epoch, 0), within=0.5)
             return
     raise TimeoutError(f"the listening replica saw no worker restart through Redis within {WITHIN_S:g}s")
+
+
+STICKY = StickySessionRouting(strategy="sticky_session")
+
+
+async def workers_of(client: httpx.AsyncClient, sessions: list[str]) -> dict[str, str]:
+    """The worker each session's request went to; every request must be answered."""
+    chosen = {}
+    for session in sessions:
+        response = await client.post("/v1/chat/completions", json=CHAT, headers={"X-Session-ID": session})
+        assert response.status_code == 200, response.text
+        chosen[session] = response.headers[WORKER_HEADER]
+    return chosen
+
+
+def is_degraded(app: FastAPI) -> bool:
+    return bool(app.state.registry.state.is_degraded)
+
+
+async def test_routing_goes_on_while_redis_is_stopped_and_pins_are_shared_after(tmp_path: Path) -> None:
+    port = free_port()
+    redis_url = f"redis://127.0.0.1:{port}/0"
+    cluster = FakeCluster([FakeWorker(f"w{n}") for n in range(3)])
+    sessions = [f"s{n}" for n in range(6)]
+    with contextlib.ExitStack() as redis:
+        redis.enter_context(running(redis_argv(port, tmp_path), log=tmp_path / "redis1.log"))
+        async with (
+            replica(cluster, redis_url, STICKY, 0.05) as (first_app, first),
+            replica(cluster, redis_url, STICKY, 0.05) as (second_app, second),
+        ):
+            pinned = await workers_of(first, sessions)
+            load = asyncio.create_task(steady_load([first, second], [first_app, second_app], sessions))
+            await asyncio.sleep(0.2)
+            await asyncio.to_thread(redis.close)  # stopped by its pid while requests flow
+            await wait_for(lambda: is_degraded(first_app) and is_degraded(second_app), within=WITHIN_S)
+            await asyncio.sleep(0.3)  # requests keep flowing on local state
+            answered_during_outage = await load
+            assert answered_during_outage and set(answered_during_outage) == {200}
+            # Each replica kept the pins it had mirrored: the first one's sessions did not move.
+            assert await workers_of(first, sessions) == pinned
+            with running(redis_argv(port, tmp_path), log=tmp_path / "redis2.log"):
+                await wait_for(
+                    lambda: not (is_degraded(first_app) or is_degraded(second_app)), within=WITHIN_S
+                )
+                # The restarted Redis began empty: the replicas wrote their pins back, first writer won.
+                shared = await workers_of(second, sessions)
+                assert await workers_of(first, sessions) == shared
+                fresh = await workers_of(first, ["after-recovery"])
+                assert await workers_of(second, ["after-recovery"]) == fresh
+
+
+async def steady_load(
+    clients: list[httpx.AsyncClient], apps: list[FastAPI], sessions: list[str]
+) -> list[int]:
+    """Sessioned requests through both replicas until Redis is seen gone and then some; the statuses."""
+    statuses = []
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + WITHIN_S
+    outage_seen_at: float | None = None
+    while loop.time() < deadline and (outage_seen_at is None or loop.time() < outage_seen_at + 0.5):
+        for client in clients:
+            for session in sessions:
+                headers = {"X-Session-ID": session}
+                response = await client.post("/v1/chat/completions", json=CHAT, headers=headers)
+                statuses.append(response.status_code)
+        if outage_seen_at is None and all(is_degraded(app) for app in apps):
+            outage_seen_at = loop.time()
+    return statuses
+
+
+async def test_a_restarted_replica_sends_a_pinned_session_to_the_same_worker(redis_url: str) -> None:
+    cluster = FakeCluster([FakeWorker(f"w{n}") for n in range(3)])
+    sessions = [f"restart-{n}" for n in range(6)]
+    async with replica(cluster, redis_url, STICKY, 0.05) as (_, first):
+        await first.post("/v1/chat/completions", json=CHAT)  # a fresh replica's round robin starts elsewhere
+        pinned = await workers_of(first, sessions)
+        assert len(set(pinned.values())) > 1  # spread over the workers: a match below is not luck
+        async with replica(cluster, redis_url, STICKY, 0.05) as (_, second):
+            assert await workers_of(second, sessions) == pinned
+        async with replica(cluster, redis_url, STICKY, 0.05) as (_, restarted):
+            assert await workers_of(restarted, sessions) == pinned

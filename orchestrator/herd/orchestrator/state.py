@@ -4,9 +4,18 @@
 Redis keys set with ``EX`` (first writer wins with ``NX``, so two replicas racing on a new session
 agree), and every KV batch or snapshot a replica polls from a worker is applied locally at once and
 appended to one Redis stream that every replica tails into its own index. The index skips events it
-already holds (``seq``), so receiving a batch twice is harmless. When Redis cannot be reached, each
-call falls back to the local ``MemoryState`` with one warning, and Redis is tried again after
-``retry_seconds``; on success a recovery is logged.
+already holds (``seq``), so receiving a batch twice is harmless.
+
+Redis going away never stops routing. Every call has a short socket timeout and no client-side
+retries, so a request waits at most one timeout on a dead Redis; the first failure switches the
+replica to its local ``MemoryState`` (logged once), and requests stop touching Redis until the KV
+consumer, which keeps probing every ``retry_seconds``, reaches it again (logged once). Every pin this
+replica writes is mirrored locally, so sessions keep their workers through the outage. On recovery
+the replica writes its live pins through to Redis with ``NX`` and their remaining TTL rather than
+re-pinning them: a session's KV cache is on the worker it was pinned to, and a Redis restarted
+without persistence would otherwise have forgotten every session. ``NX`` lets a pin that another
+replica wrote back first win, as on any race for a new session. KV events published while Redis was
+away are not replayed: each replica polls every worker itself, and a gap resyncs from a snapshot.
 """
 
 from __future__ import annotations
@@ -19,6 +28,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from herd.api.protocol import KVEventBatch, KVSnapshot
@@ -86,6 +97,12 @@ class MemoryState:
     async def set_pin(self, key: str, worker_id: str, ttl_seconds: int) -> None:
         self._pins[key] = (worker_id, time.monotonic() + ttl_seconds)
 
+    def live_pins(self) -> list[tuple[str, str, float]]:
+        """``(key, worker_id, seconds left)`` of every pin not yet expired; expired ones are dropped."""
+        now = time.monotonic()
+        self._pins = {key: entry for key, entry in self._pins.items() if entry[1] > now}
+        return [(key, worker_id, expiry - now) for key, (worker_id, expiry) in self._pins.items()]
+
     async def publish_kv(self, worker_id: str, payload: KVPayload) -> None:
         if self._sink is not None:
             self._sink(worker_id, payload)
@@ -97,11 +114,17 @@ class RedisState:
     def __init__(self, url: str, *, retry_seconds: float = 1.0, timeout_seconds: float = 0.5) -> None:
         self.url = url
         self.retry_seconds = retry_seconds
+        # One try per command within the timeout, then the local state: a request must not wait out
+        # a retry schedule on a dead Redis. (redis-py retries only the errors in retry_on_error, none
+        # by default; the explicit Retry keeps that so if a later default changes.)
         self._redis = aioredis.Redis.from_url(
-            url, socket_timeout=timeout_seconds, socket_connect_timeout=timeout_seconds
+            url,
+            socket_timeout=timeout_seconds,
+            socket_connect_timeout=timeout_seconds,
+            retry=Retry(NoBackoff(), 0),
         )
         self._local = MemoryState()
-        self._retry_at = 0.0
+        """The fallback while Redis is away, and a mirror of every pin written through this replica."""
         self._is_degraded = False
         self._consumer: asyncio.Task[None] | None = None
         self._is_closing = False
@@ -137,18 +160,22 @@ class RedisState:
     async def claim_pin(self, key: str, worker_id: str, ttl_seconds: int) -> str:
         async def remote() -> str:
             name = _PIN_PREFIX + key
-            if await self._redis.set(name, worker_id, ex=ttl_seconds, nx=True):
-                return worker_id
-            winner = await self._redis.get(name)
-            return worker_id if winner is None else _text(winner)
+            winner = worker_id
+            if not await self._redis.set(name, worker_id, ex=ttl_seconds, nx=True):
+                existing = await self._redis.get(name)
+                winner = worker_id if existing is None else _text(existing)
+            await self._local.set_pin(key, winner, ttl_seconds)
+            return winner
 
         return await self._either(remote, lambda: self._local.claim_pin(key, worker_id, ttl_seconds))
 
     async def set_pin(self, key: str, worker_id: str, ttl_seconds: int) -> None:
+        await self._local.set_pin(key, worker_id, ttl_seconds)
+
         async def remote() -> None:
             await self._redis.set(_PIN_PREFIX + key, worker_id, ex=ttl_seconds)
 
-        await self._either(remote, lambda: self._local.set_pin(key, worker_id, ttl_seconds))
+        await self._either(remote, _nothing)
 
     async def publish_kv(self, worker_id: str, payload: KVPayload) -> None:
         await self._local.publish_kv(worker_id, payload)
@@ -161,25 +188,19 @@ class RedisState:
             }
             await self._redis.xadd(_STREAM, fields, maxlen=_STREAM_MAXLEN, approximate=True)
 
-        async def skip() -> None:
-            return None
-
-        await self._either(remote, skip)
+        await self._either(remote, _nothing)
 
     async def _either(self, remote: Callable[[], Awaitable[_T]], local: Callable[[], Awaitable[_T]]) -> _T:
         """Run ``remote`` unless Redis is known to be away; fall back to ``local`` on failure."""
-        if self._is_degraded and time.monotonic() < self._retry_at:
+        if self._is_degraded:
             return await local()
         try:
-            result = await remote()
+            return await remote()
         except (RedisError, OSError) as error:
             self._mark_degraded(error)
             return await local()
-        self._mark_recovered()
-        return result
 
     def _mark_degraded(self, error: Exception) -> None:
-        self._retry_at = time.monotonic() + self.retry_seconds
         if not self._is_degraded:
             self._is_degraded = True
             log.warning(
@@ -187,15 +208,38 @@ class RedisState:
                 extra={"redis_url": self.url, "error": str(error)},
             )
 
-    def _mark_recovered(self) -> None:
-        if self._is_degraded:
-            self._is_degraded = False
-            log.info("redis is reachable again; shared state resumed", extra={"redis_url": self.url})
+    async def _recover(self) -> bool:
+        """Reach Redis again and write this replica's live pins through; whether it is back."""
+        try:
+            # Pooled sockets from before the outage are dead: without this each would fail one request.
+            await self._redis.connection_pool.disconnect()
+            num_pins = await self._write_through()
+        except (RedisError, OSError):
+            return False
+        self._is_degraded = False
+        log.info(
+            "redis is reachable again; shared state resumed",
+            extra={"redis_url": self.url, "pins_written_through": num_pins},
+        )
+        return True
+
+    async def _write_through(self) -> int:
+        """``SET NX`` every live local pin with its remaining TTL (one round trip); how many were sent."""
+        pins = self._local.live_pins()
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.ping()  # an empty pipeline would not prove that Redis answers
+            for key, worker_id, seconds_left in pins:
+                pipe.set(_PIN_PREFIX + key, worker_id, px=max(1, int(seconds_left * 1000)), nx=True)
+            await pipe.execute()
+        return len(pins)
 
     async def _consume(self, sink: KVSink) -> None:
-        """Tail the KV stream from now on, forever; survives Redis going away and coming back."""
+        """Tail the KV stream from now on, forever; while Redis is away, probe it to recover."""
         last_id = "$"
         while not self._is_closing:
+            if self._is_degraded and not await self._recover():
+                await asyncio.sleep(self.retry_seconds)
+                continue
             try:
                 replies: Any = await self._redis.xread({_STREAM: last_id}, count=500, block=250)
             except (RedisError, OSError) as error:
@@ -206,6 +250,10 @@ class RedisState:
                 for entry_id, fields in entries:
                     last_id = _text(entry_id)
                     _deliver(sink, fields)
+
+
+async def _nothing() -> None:
+    return None
 
 
 def _text(value: object) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import shutil
 import socket
 from pathlib import Path
@@ -91,33 +92,74 @@ def stoppable_redis(tmp_path: Path) -> tuple[int, Path]:
     return free_port(), tmp_path
 
 
-async def test_redis_loss_degrades_to_local_and_recovers(stoppable_redis: tuple[int, Path]) -> None:
+async def test_redis_loss_degrades_to_local_and_recovers(
+    stoppable_redis: tuple[int, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="herd.orchestrator.state")
     port, workdir = stoppable_redis
     state: State = RedisState(f"redis://127.0.0.1:{port}/0", retry_seconds=0.2)
     sink = Collected()
     with running(redis_argv(port, workdir), log=workdir / "redis1.log"):
         wait_until(lambda: _answers(port), timeout=WITHIN_S, what="redis-server")
         await state.start(sink)
-        await state.set_pin("s", "w0", 60)
+        await state.set_pin("before", "w0", 60)
         assert not state.is_degraded
-    assert await state.get_pin("s") is None  # Redis is gone: answered from local state
+    # Redis is gone: answered from local state, which mirrored the pin written while it was there.
+    assert await state.get_pin("before") == "w0"
     assert state.is_degraded
-    await state.set_pin("s", "w1", 60)
-    assert await state.get_pin("s") == "w1"
+    assert await state.claim_pin("during", "w1", 60) == "w1"
+    assert await state.claim_pin("during", "w2", 60) == "w1"
     await state.publish_kv("w0", BATCH)
     assert sink == [("w0", BATCH)]
     with running(redis_argv(port, workdir), log=workdir / "redis2.log"):
         wait_until(lambda: _answers(port), timeout=WITHIN_S, what="redis-server")
-        # Redis is tried again retry_seconds after the last failure (the KV consumer's included):
-        # wait for that rather than sleeping a guess.
-        for _ in range(int(WITHIN_S / 0.05)):
-            await state.set_pin("s", "w2", 60)
-            if not state.is_degraded:
-                break
-            await asyncio.sleep(0.05)
-        assert not state.is_degraded
-        assert _get(port, "herd:pin:s") == b"w2"  # written to the new Redis, not only to local state
-        assert await state.get_pin("s") == "w2"
+        # The KV consumer probes every retry_seconds: wait for it rather than sleeping a guess.
+        await wait_for(lambda: not state.is_degraded, within=WITHIN_S)
+        # The new Redis started empty: both pins were written through on recovery, no request needed.
+        assert [_get(port, "herd:pin:before"), _get(port, "herd:pin:during")] == [b"w0", b"w1"]
+        await state.set_pin("during", "w2", 60)
+        assert _get(port, "herd:pin:during") == b"w2"
+        await state.close()
+    messages = [record.getMessage() for record in caplog.records if record.name == "herd.orchestrator.state"]
+    assert [message.split(";")[0] for message in messages] == [
+        "redis is unreachable",
+        "redis is reachable again",
+    ]
+
+
+async def test_write_through_keeps_a_pin_another_replica_wrote_back_first(
+    stoppable_redis: tuple[int, Path],
+) -> None:
+    port, workdir = stoppable_redis
+    url = f"redis://127.0.0.1:{port}/0"
+    state: State = RedisState(url, retry_seconds=0.2)
+    await state.start(Collected())
+    assert await state.get_pin("s") is None  # no Redis yet: degraded from the start
+    await state.set_pin("s", "w-local", 60)
+    with running(redis_argv(port, workdir), log=workdir / "redis.log"):
+        wait_until(lambda: _answers(port), timeout=WITHIN_S, what="redis-server")
+        _set(port, "herd:pin:s", "w-other")
+        await wait_for(lambda: not state.is_degraded, within=WITHIN_S)
+        assert await state.get_pin("s") == "w-other"
+        await state.close()
+
+
+async def test_a_silent_redis_costs_a_request_one_short_timeout() -> None:
+    """A Redis that accepts connections and never answers (a hung or partitioned server)."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        url = f"redis://127.0.0.1:{silent.getsockname()[1]}/0"
+        state = RedisState(url, timeout_seconds=0.25)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        # Bounded here too, so that a missing socket timeout fails the test instead of hanging it.
+        await asyncio.wait_for(state.set_pin("s", "w0", 60), timeout=5)
+        assert loop.time() - started < 0.9  # one try of 0.25 s, not a retry schedule
+        assert state.is_degraded
+        started = loop.time()
+        assert await state.get_pin("s") == "w0"
+        assert loop.time() - started < 0.1  # degraded: requests no longer touch Redis at all
         await state.close()
 
 
@@ -137,3 +179,11 @@ def _get(port: int, key: str) -> bytes | None:
         return None
     header, _, rest = reply.partition(b"\r\n")
     return rest[: int(header[1:])]
+
+
+def _set(port: int, key: str, value: str) -> None:
+    """``SET key value`` on a raw connection, as another replica would."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        command = f"*3\r\n$3\r\nSET\r\n${len(key)}\r\n{key}\r\n${len(value)}\r\n{value}\r\n"
+        sock.sendall(command.encode())
+        assert sock.recv(16).startswith(b"+OK")
