@@ -190,6 +190,8 @@ def expected_row(row: dict[str, Any]) -> dict[str, str]:
     return {
         "id": f"{row['id']}{row['url']}",
         "health": row["state"],
+        "circuit": f"{row['circuit'].replace('_', '-')}{row['consecutive_failures']} failed in a row",
+        "restarts": str(row["restarts"]),
         "requests_total": str(row["requests_total"]),
         "in_flight": str(row["in_flight"]),
         "running": str(row["running"]),

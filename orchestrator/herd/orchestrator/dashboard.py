@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from collections import Counter as Tally
 from typing import Any
 
 from prometheus_client import Counter
 
+from herd.orchestrator.breaker import BreakerState
 from herd.orchestrator.registry import Registry, WorkerState
 from herd.orchestrator.telemetry import Telemetry
 
@@ -14,9 +16,11 @@ __all__ = ["DASHBOARD_HTML", "dashboard_data"]
 
 
 def dashboard_data(registry: Registry, telemetry: Telemetry) -> dict[str, Any]:
-    """Workers with health, load, requests and KV blocks; totals, request rate and TTFT over a window."""
+    """Workers with health, circuit breaker, restarts, load, requests and KV blocks; totals, request
+    rate and TTFT over a window."""
     ttft = telemetry.recent.ttft_p50_ms()
     requests_by_worker = _totals_by(telemetry.requests, "worker")
+    now = time.monotonic()
     return {
         "models": sorted(registry.models),
         "requests_total": sum(requests_by_worker.values()),
@@ -25,7 +29,7 @@ def dashboard_data(registry: Registry, telemetry: Telemetry) -> dict[str, Any]:
         "request_rate_per_s": round(telemetry.recent.rate_per_second(), 3),
         "ttft_p50_ms": None if ttft is None else round(ttft, 1),
         "workers": [
-            _worker_row(registry, worker, requests_by_worker[worker.endpoint.id])
+            _worker_row(registry, worker, requests_by_worker[worker.endpoint.id], now)
             for worker in sorted(registry.workers.values(), key=lambda worker: worker.endpoint.id)
         ],
     }
@@ -41,8 +45,8 @@ def _totals_by(counter: Counter, label: str) -> Tally[str]:
     return totals
 
 
-def _worker_row(registry: Registry, worker: WorkerState, num_requests: int) -> dict[str, Any]:
-    endpoint, report = worker.endpoint, worker.report
+def _worker_row(registry: Registry, worker: WorkerState, num_requests: int, now: float) -> dict[str, Any]:
+    endpoint, report, circuit = worker.endpoint, worker.report, worker.breaker.state(now)
     served = registry.models.get(endpoint.model)
     return {
         "id": endpoint.id,
@@ -50,7 +54,10 @@ def _worker_row(registry: Registry, worker: WorkerState, num_requests: int) -> d
         "role": endpoint.role,
         "url": endpoint.url,
         "healthy": worker.is_healthy,
-        "state": _state(worker),
+        "state": _state(worker, circuit),
+        "circuit": circuit,
+        "consecutive_failures": worker.breaker.num_failures,
+        "restarts": worker.num_restarts,
         "requests_total": num_requests,
         "in_flight": worker.num_in_flight,
         "running": report.num_running,
@@ -63,10 +70,12 @@ def _worker_row(registry: Registry, worker: WorkerState, num_requests: int) -> d
     }
 
 
-def _state(worker: WorkerState) -> str:
+def _state(worker: WorkerState, circuit: BreakerState) -> str:
     if not worker.is_healthy:
         return "down"
-    return "draining" if worker.report.is_draining else "up"
+    if worker.report.is_draining:
+        return "draining"
+    return "up" if circuit == "closed" else "ejected"
 
 
 DASHBOARD_HTML = """<!doctype html>
@@ -106,6 +115,7 @@ td .sub{display:block;font-size:12px;color:var(--muted)}
 .pill.up{color:var(--up);background:var(--up-bg)}
 .pill.down{color:var(--down);background:var(--down-bg)}
 .pill.draining{color:var(--warn);background:var(--warn-bg)}
+.pill.ejected{color:var(--down);background:var(--down-bg)}
 .meter{display:inline-block;vertical-align:middle;width:90px;height:8px;border-radius:4px;
   background:var(--bar-bg);margin-right:8px;overflow:hidden}
 .meter span{display:block;height:100%;background:var(--bar)}
@@ -126,14 +136,16 @@ td.empty{text-align:center;color:var(--muted);padding:24px}
 <div class="card"><div class="label">Models</div><div class="value" data-summary="models">-</div></div>
 </section>
 <div class="scroll"><table><thead><tr><th class="text">Worker</th><th class="text">Model</th><th class="text">Role</th>
-<th class="text" title="up: routed to; draining: finishing its requests, gets no new ones; down: not ready">Health</th>
+<th class="text" title="up: routed to; draining: finishing its requests, gets no new ones; ejected: its requests kept failing, it gets only a probe after a cooldown; down: not ready">Health</th>
+<th class="text" title="Circuit breaker: closed (routed), open (ejected after failures in a row), half-open (one probe may go); with the failures in a row">Circuit</th>
+<th title="Times the worker process restarted (seen as a new KV epoch)">Restarts</th>
 <th title="Requests this orchestrator has answered through the worker since it started">Requests</th>
 <th title="Requests this orchestrator has open on the worker now">In flight</th>
 <th title="Sequences the worker's engine is decoding (its last load report)">Running</th>
 <th title="Requests queued in the worker's engine (its last load report)">Waiting</th>
 <th class="text" title="Share of the worker's KV cache blocks in use">KV cache</th>
 <th title="Prefix blocks the router's index believes the worker holds">Indexed blocks</th></tr></thead>
-<tbody id="workers"><tr><td class="empty" colspan="10">loading&hellip;</td></tr></tbody></table></div>
+<tbody id="workers"><tr><td class="empty" colspan="12">loading&hellip;</td></tr></tbody></table></div>
 <script>
 const NUMBER=new Intl.NumberFormat("en-US");
 function set(name,text,flag){const el=document.querySelector('[data-summary="'+name+'"]');el.textContent=text;
@@ -162,6 +174,8 @@ function ttft(ms){return ms===null?"no streams":ms<1000?ms.toFixed(1)+" ms":(ms/
 function row(w){
   const tr=document.createElement("tr");tr.dataset.worker=w.id;tr.className=w.state;
   tr.append(withSub("id",w.id,w.url),cell("model",w.model,"text"),cell("role",w.role,"text"),health(w.state),
+    withSub("circuit",w.circuit.replace("_","-"),w.consecutive_failures+" failed in a row"),
+    cell("restarts",NUMBER.format(w.restarts)),
     cell("requests_total",NUMBER.format(w.requests_total)),cell("in_flight",NUMBER.format(w.in_flight)),
     cell("running",NUMBER.format(w.running)),cell("waiting",NUMBER.format(w.waiting)),kvCache(w),
     cell("kv_blocks_indexed",NUMBER.format(w.kv_blocks_indexed)));
@@ -169,7 +183,7 @@ function row(w){
 function emptyRow(){
   const tr=document.createElement("tr");const td=cell("empty",
     "No workers yet: they appear here once discovery finds them and they answer /ready.","empty");
-  td.colSpan=10;tr.append(td);return tr;}
+  td.colSpan=12;tr.append(td);return tr;}
 function render(data){
   const up=data.workers.filter(w=>w.state==="up").length,period=" ("+data.window_seconds+" s)";
   set("workers",up+" / "+data.workers.length,["bad",up===0]);

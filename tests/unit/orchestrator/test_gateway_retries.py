@@ -125,3 +125,40 @@ async def test_a_request_that_breaks_its_worker_counts_against_that_worker_only(
         }
     assert failures == {"w0": 1, "w1": 0}
     assert cluster.workers[1].num_requests == 0
+
+
+async def test_dashboard_and_metrics_show_the_open_circuit() -> None:
+    cluster = first_worker_answers(500, None)
+    async with running_gateway(cluster, settings=SETTINGS) as (_, client):
+        for _ in range(3):  # w0, w1, w0: two failures in a row on w0
+            await client.post("/v1/chat/completions", json=CHAT)
+        rows = {row["id"]: row for row in (await client.get("/dashboard/data")).json()["workers"]}
+        metrics = (await client.get("/metrics")).text
+    assert (rows["w0"]["circuit"], rows["w0"]["state"], rows["w0"]["consecutive_failures"]) == (
+        "open",
+        "ejected",
+        2,
+    )
+    assert (rows["w1"]["circuit"], rows["w1"]["state"]) == ("closed", "up")
+    assert 'herd_router_circuit_state{model="tiny",state="open",worker="w0"} 1.0' in metrics
+    assert 'herd_router_circuit_state{model="tiny",state="closed",worker="w0"} 0.0' in metrics
+    assert 'herd_router_circuit_state{model="tiny",state="closed",worker="w1"} 1.0' in metrics
+
+
+async def test_a_worker_back_with_a_new_epoch_counts_a_restart_and_closes_its_circuit() -> None:
+    cluster = first_worker_answers(500, None)
+    async with running_gateway(cluster, settings=SETTINGS) as (app, client):
+        for _ in range(3):
+            await client.post("/v1/chat/completions", json=CHAT)
+        worker = app.state.registry.workers["w0"]
+        await wait_for(lambda: worker.epoch == "e1")
+        cluster.workers[0].status, cluster.workers[0].epoch = 200, "e2"  # restarted by its supervisor
+        await wait_for(lambda: worker.num_restarts == 1)
+        rows = {row["id"]: row for row in (await client.get("/dashboard/data")).json()["workers"]}
+        metrics = (await client.get("/metrics")).text
+        served_by = {
+            (await client.post("/v1/chat/completions", json=CHAT)).headers[WORKER_HEADER] for _ in range(2)
+        }
+    assert (rows["w0"]["restarts"], rows["w0"]["circuit"], rows["w1"]["restarts"]) == (1, "closed", 0)
+    assert 'herd_worker_restarts_total{model="tiny",worker="w0"} 1.0' in metrics
+    assert served_by == {"w0", "w1"}
