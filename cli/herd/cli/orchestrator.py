@@ -16,7 +16,7 @@ from herd.orchestrator.app import AppSettings, build_app
 from herd.orchestrator.auth import load_api_keys
 from herd.orchestrator.discovery import ModelConfig, StaticSource, WorkerEndpoint, WorkerSource
 from herd.orchestrator.gateway import GatewaySettings
-from herd.orchestrator.server import run_server
+from herd.orchestrator.server import ServerLimits, run_server
 from herd.orchestrator.state import build_state
 
 __all__ = ["local_model_path", "model_configs", "parse_worker", "register"]
@@ -86,10 +86,12 @@ def run(args: argparse.Namespace) -> int:
     settings = AppSettings(
         internal_token=args.internal_token or os.environ.get(TOKEN_ENV),
         max_body_bytes=args.max_body_bytes,
+        body_timeout=args.body_timeout,
         gateway=GatewaySettings(request_timeout=args.request_timeout),
     )
     app = build_app(source, settings=settings, state=build_state(args.redis), api_keys=api_keys)
-    run_server(app, host=args.host, port=args.port)
+    limits = ServerLimits(max_header_bytes=args.max_header_bytes, keep_alive_timeout=args.keep_alive_timeout)
+    run_server(app, host=args.host, port=args.port, limits=limits)
     return 0
 
 
@@ -122,5 +124,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--request-timeout", type=float, default=600.0, help="seconds to wait for a worker's next byte"
     )
     parser.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    parser.add_argument(
+        "--body-timeout", type=float, default=30.0, help="seconds a client may take to send a body (then 408)"
+    )
+    parser.add_argument(
+        "--max-header-bytes", type=int, default=16 * 1024, help="request line plus headers (more: 431)"
+    )
+    parser.add_argument(
+        "--keep-alive-timeout", type=int, default=5, help="seconds an idle client connection stays open"
+    )
     parser.add_argument("--log-level", default="INFO")
     parser.set_defaults(func=run)
