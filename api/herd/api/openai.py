@@ -7,6 +7,7 @@ validated strictly, so a bad one is a 400 that names the field.
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Any, Literal
@@ -49,6 +50,11 @@ def now() -> int:
     return int(time.time())
 
 
+_TOKEN_ID = re.compile(r"-?[0-9]+")
+_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
+"""What the chat template is rendered with already; a second value for one would be a TypeError."""
+
+
 class _Tolerant(BaseModel):
     model_config = ConfigDict(extra="allow", populate_by_name=True)
 
@@ -87,8 +93,8 @@ class SamplingFields(_Tolerant):
     @classmethod
     def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (value or {}).items():
-            if not key.lstrip("-").isdigit():
-                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            if not _TOKEN_ID.fullmatch(key):
+                raise ValueError(f"logit_bias keys must be token ids (decimal integers), got {key!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias values must lie in [-100, 100], got {bias}")
         return value
@@ -144,6 +150,13 @@ class ChatCompletionRequest(SamplingFields):
     def _check_messages(cls, value: list[ChatMessage]) -> list[ChatMessage]:
         if not value:
             raise ValueError("messages must hold at least one message")
+        return value
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _check_template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if reserved := sorted(_TEMPLATE_VARIABLES.intersection(value or {})):
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: herd sets them")
         return value
 
     @model_validator(mode="after")

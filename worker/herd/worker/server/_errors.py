@@ -89,19 +89,53 @@ _UNION_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list"})
 def invalid_request(errors: Sequence[Mapping[str, Any]], *, within: str | None = None) -> ApiError:
     """The first of pydantic's ``errors`` as one sentence (a 400); its field path is ``param``.
 
-    ``within`` names the request field whose value was validated (``kv_transfer_params``).
+    ``within`` names the request field whose value was validated (``kv_transfer_params``). A value
+    that fits none of a union's forms is described by the forms, not by the first form's complaint.
     """
     first = errors[0]
-    path = [part for part in (within,) if part] + [str(part) for part in first["loc"] if _is_field(part)]
-    param = ".".join(path) or None
-    detail = str(first["msg"]).removeprefix("Value error, ")
+    location = list(first["loc"])
+    num_parts = next((i for i, part in enumerate(location) if not _is_field(part)), len(location))
+    names = [str(part) for part in location[:num_parts]]
+    param = ".".join([within, *names] if within else names) or None
     if param is None:
-        return ApiError(400, f"invalid request: {detail}")
+        return ApiError(400, f"invalid request: {_detail(first)}")
     if first["type"] == "missing":
         return ApiError(400, f"the request lacks {param}, which is required", param=param)
-    given = first.get("input")
-    shown = "" if isinstance(given, dict | list) else f" (got {given!r:.60})"
-    return ApiError(400, f"invalid {param}: {detail[:1].lower()}{detail[1:]}{shown}", param=param)
+    is_union = num_parts < len(location)
+    expected = _union_forms(errors, location[:num_parts]) if is_union else _detail(first)
+    return ApiError(400, f"invalid {param}: {expected}{_given(first)}", param=param)
+
+
+def _union_forms(errors: Sequence[Mapping[str, Any]], field: list[Any]) -> str:
+    """The forms a union field takes, from the tags pydantic put after ``field`` in its errors."""
+    depth = len(field)
+    forms = dict.fromkeys(
+        str(error["loc"][depth])
+        for error in errors
+        if list(error["loc"][:depth]) == field and len(error["loc"]) > depth
+    )
+    return f"expected one of {', '.join(forms)}"
+
+
+def _detail(error: Mapping[str, Any]) -> str:
+    detail = str(error["msg"]).removeprefix("Value error, ")
+    return detail[:1].lower() + detail[1:]
+
+
+def _given(error: Mapping[str, Any]) -> str:
+    value = error.get("input")
+    return "" if isinstance(value, dict | list) else f" (got {value!r:.60})"
+
+
+def _routing_message(request: Request, error: HTTPException) -> str:
+    """Starlette's routing errors ("Not Found", "Method Not Allowed") as sentences that say what to do."""
+    path = request.url.path
+    if error.status_code == 404:
+        return f"there is no route {path} on this port; GET /openapi.json lists the routes"
+    if error.status_code == 405:
+        allowed = (error.headers or {}).get("Allow", "another method")
+        return f"{request.method} is not allowed on {path}; use {allowed}"
+    return str(error.detail)
 
 
 def _is_field(part: int | str) -> bool:
@@ -120,9 +154,10 @@ def install_error_handlers(app: FastAPI, on_rejected: Callable[[int], None] | No
             on_rejected(api_error.status)
         return api_error.response()
 
-    async def on_http_error(_: Request, error: Exception) -> Response:
+    async def on_http_error(request: Request, error: Exception) -> Response:
         assert isinstance(error, HTTPException)
-        return error_response(error.status_code, str(error.detail), headers=error.headers)
+        message = _routing_message(request, error)
+        return error_response(error.status_code, message, headers=error.headers)
 
     async def on_invalid(_: Request, error: Exception) -> Response:
         assert isinstance(error, RequestValidationError)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
@@ -22,6 +23,7 @@ __all__ = [
     "first_token_params",
     "handed_first_token",
     "plan_choices",
+    "prompt_errors",
 ]
 
 
@@ -44,18 +46,33 @@ class Choice:
 
 
 def chat_prompt(renderer: PromptRenderer, request: ChatCompletionRequest) -> list[int]:
-    try:
+    with prompt_errors("messages"):
         return renderer.chat_request_ids(request)
-    except PromptError as error:
-        raise ApiError(400, str(error), param="messages") from None
 
 
 def completion_prompts(renderer: PromptRenderer, request: CompletionRequest) -> list[list[int]]:
     """One token list per prompt: text is tokenized (with special tokens), ids are checked."""
-    try:
+    with prompt_errors("prompt"):
         return renderer.completion_request_ids(request)
+
+
+@contextlib.contextmanager
+def prompt_errors(param: str) -> Iterator[None]:
+    """Rendering or tokenizing the prompt in ``param`` failed: a 400 naming it.
+
+    The tokenizer raises ``TypeError`` for text that is not valid Unicode (a lone UTF-16 surrogate
+    that a JSON ``\\ud800`` escape can carry).
+    """
+    try:
+        yield
     except PromptError as error:
-        raise ApiError(400, str(error), param="prompt") from None
+        raise ApiError(400, str(error), param=param) from None
+    except (TypeError, UnicodeError):
+        raise ApiError(
+            400,
+            f"{param} holds text that is not valid Unicode (a lone surrogate); send UTF-8 text",
+            param=param,
+        ) from None
 
 
 def plan_choices(

@@ -13,16 +13,24 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
 from herd.api.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SamplingFields
-from herd.api.prompt import PromptError
+from herd.api.prompt import PromptRenderer
 from herd.worker.async_engine import AsyncEngine
 from herd.worker.outputs import RequestOutput
+from herd.worker.sampling_params import InvalidParamError, check_token_ids
 from herd.worker.server._body import read_body
 from herd.worker.server._chat import chat_chunks, chat_response
 from herd.worker.server._completions import completion_chunks, completion_response
 from herd.worker.server._errors import ApiError, as_api_error, error_response, install_error_handlers
 from herd.worker.server._generation import Generation
 from herd.worker.server._metrics import WorkerMetrics
-from herd.worker.server._params import Choice, chat_prompt, completion_prompts, plan_choices
+from herd.worker.server._openapi import build_openapi, route_docs
+from herd.worker.server._params import (
+    Choice,
+    chat_prompt,
+    completion_prompts,
+    plan_choices,
+    prompt_errors,
+)
 from herd.worker.server._request_id import RequestIdMiddleware, request_id
 from herd.worker.server._responses import ResponseContext
 from herd.worker.server._sse import primed, with_error_event
@@ -69,20 +77,24 @@ class PublicOptions:
 
 
 def build_public_app(engine: AsyncEngine, options: PublicOptions) -> FastAPI:
-    app = FastAPI(title="herd worker", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="herd worker", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.add_middleware(RequestIdMiddleware)
     metrics = WorkerMetrics(engine, options.served_name)
     app.state.metrics = metrics  # disaggregation registers its transfer metrics here
     install_error_handlers(app, metrics.observe_rejected)
     routes = _PublicRoutes(engine, options, metrics)
-    app.add_api_route("/v1/chat/completions", routes.chat, methods=["POST"])
-    app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
-    app.add_api_route("/v1/models", routes.models, methods=["GET"])
-    app.add_api_route("/tokenize", routes.tokenize, methods=["POST"])
-    app.add_api_route("/detokenize", routes.detokenize, methods=["POST"])
-    app.add_api_route("/health", routes.health, methods=["GET"])
-    app.add_api_route("/ready", routes.ready, methods=["GET"])
-    app.add_api_route("/metrics", routes.metrics, methods=["GET"])
+    for path, method, endpoint in (
+        ("/v1/chat/completions", "POST", routes.chat),
+        ("/v1/completions", "POST", routes.completions),
+        ("/v1/models", "GET", routes.models),
+        ("/tokenize", "POST", routes.tokenize),
+        ("/detokenize", "POST", routes.detokenize),
+        ("/health", "GET", routes.health),
+        ("/ready", "GET", routes.ready),
+        ("/metrics", "GET", routes.metrics),
+    ):
+        app.add_api_route(path, endpoint, methods=[method], openapi_extra=route_docs(path))
+    app.openapi = lambda: build_openapi(app, options.served_name)  # type: ignore[method-assign]
     return app
 
 
@@ -158,15 +170,8 @@ class _PublicRoutes:
     async def tokenize(self, request: Request) -> TokenizeResponse:
         body = await read_body(request, TokenizeRequest, max_bytes=self.options.max_body_bytes)
         self.engine.check_accepting()
-        renderer = self.engine.renderer
-        try:
-            if body.messages is not None:
-                messages = [{"role": message.role, "content": message.text} for message in body.messages]
-                tokens = renderer.encode_chat(messages, add_generation_prompt=body.add_generation_prompt)
-            else:
-                tokens = renderer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
-        except PromptError as error:
-            raise ApiError(400, str(error), param="messages") from None
+        # Rendering and tokenizing a long prompt takes milliseconds: keep it off the event loop.
+        tokens = await asyncio.to_thread(_tokenize, self.engine.renderer, body)
         return TokenizeResponse(
             count=len(tokens), max_model_len=self.engine.info.max_model_len, tokens=tokens
         )
@@ -174,7 +179,13 @@ class _PublicRoutes:
     async def detokenize(self, request: Request) -> DetokenizeResponse:
         body = await read_body(request, DetokenizeRequest, max_bytes=self.options.max_body_bytes)
         self.engine.check_accepting()
-        return DetokenizeResponse(prompt=self.engine.renderer.decode(body.tokens))
+        renderer = self.engine.renderer
+        vocab_size = self.engine.info.vocab_size or renderer.vocab_size
+        try:
+            check_token_ids(body.tokens, vocab_size, param="tokens")
+        except InvalidParamError as error:
+            raise ApiError(400, str(error), param=error.param) from None
+        return DetokenizeResponse(prompt=await asyncio.to_thread(renderer.decode, body.tokens))
 
     async def health(self) -> Response:
         """Unhealthy only when the process cannot serve: its engine failed to load or to recover."""
@@ -193,6 +204,15 @@ class _PublicRoutes:
 
     async def metrics(self) -> Response:
         return Response(self._metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _tokenize(renderer: PromptRenderer, body: TokenizeRequest) -> list[int]:
+    if body.messages is not None:
+        messages = [{"role": message.role, "content": message.text} for message in body.messages]
+        with prompt_errors("messages"):
+            return renderer.encode_chat(messages, add_generation_prompt=body.add_generation_prompt)
+    with prompt_errors("prompt"):
+        return renderer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
 
 
 async def _stream(context: ResponseContext, chunks: _Chunks) -> StreamingResponse:
