@@ -16,7 +16,12 @@ HTTP_PORT = 8000
 INTERNAL_PORT = 9000
 _GPU_RESOURCE = {"nvidia": "nvidia.com/gpu", "amd": "amd.com/gpu"}
 # Neither the worker nor the fetchers need privileges; GPUs come through the device plugin.
-_CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+_CONTAINER_SECURITY = {
+    "runAsNonRoot": True,
+    "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
 
 Object = dict[str, Any]
 
@@ -41,7 +46,7 @@ def plan_pod_spec(md: ModelDeployment, pool_name: PoolName, pool: PoolSpec, sett
     source = plan_source(md.spec.model, settings, worker_image=image)
     worker = _worker_container(md, pool_name, pool, settings, image, source)
     spec: Object = {
-        "securityContext": {"fsGroup": settings.fs_group, "seccompProfile": {"type": "RuntimeDefault"}},
+        "securityContext": _pod_security(settings),
         "containers": [worker],
         "initContainers": [
             {**init, "securityContext": _CONTAINER_SECURITY} for init in source.init_containers
@@ -93,6 +98,17 @@ def plan_resources(resources: Resources) -> Object:
     return {key: value for key, value in (("requests", requests), ("limits", limits)) if value}
 
 
+def _pod_security(settings: PlanSettings) -> Object:
+    # An explicit user: runAsNonRoot alone rejects a pool image whose USER is root or a name.
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": settings.run_as_user,
+        "runAsGroup": settings.run_as_user,
+        "fsGroup": settings.fs_group,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
 def _without_empty(fields: Object, *, keep: set[str]) -> Object:
     # The API server drops empty lists and maps; leaving them out keeps desired and observed alike.
     return {key: value for key, value in fields.items() if value or key in keep}
@@ -107,16 +123,20 @@ def _env(pool: PoolSpec, settings: PlanSettings) -> list[Object]:
 
 
 def _probes() -> Object:
-    def probe(path: str, period: int, failures: int) -> Object:
+    def probe(path: str, period: int, timeout: int, failures: int) -> Object:
         return {
             "httpGet": {"path": path, "port": "http"},
             "periodSeconds": period,
+            "timeoutSeconds": timeout,
             "failureThreshold": failures,
         }
 
-    # Loading a large model takes minutes: the startup probe holds liveness off until /health answers.
+    # /health: the process can serve (liveness: restart it when it cannot); /ready: it admits requests
+    # (503 while loading, draining or full: out of the Service, never restarted for it). Loading a
+    # large model takes minutes: the startup probe holds liveness off until /health first answers.
+    # The timeouts leave room for a busy CPU worker, whose answers are slower than the 1 s default.
     return {
-        "startupProbe": probe("/health", 5, 120),
-        "livenessProbe": probe("/health", 10, 3),
-        "readinessProbe": probe("/ready", 2, 1),
+        "startupProbe": probe("/health", 5, 5, 120),
+        "livenessProbe": probe("/health", 10, 5, 3),
+        "readinessProbe": probe("/ready", 2, 3, 1),
     }

@@ -29,6 +29,11 @@ class PlanSettings(BaseModel):
     fs_group: int = Field(
         default=10001, ge=0, description="Pod fsGroup, so the worker image's user can write the cache PVC."
     )
+    run_as_user: int = Field(
+        default=10001,
+        ge=1,
+        description="User and group of every container of a worker pod (never root): the worker image's.",
+    )
 
 
 class AutoscalerSettings(BaseModel):

@@ -163,14 +163,40 @@ def test_resources(resources: dict[str, Any], expected: dict[str, Any] | None) -
     assert container(make_md(workers={"resources": resources})).get("resources") == expected
 
 
-def test_security_context_without_privileges() -> None:
-    pod = deployments(make_md(model={"source": "hf://Org/Name"}))["chat-workers"]["spec"]["template"]["spec"]
-    assert pod["securityContext"]["fsGroup"] == SETTINGS.fs_group
-    for container in pod["containers"] + pod["initContainers"]:
+@pytest.mark.parametrize(
+    "source", ["hf://Org/Name", "s3://bucket/model", "file://models/x"], ids=["hf", "s3", "file"]
+)
+def test_security_context_without_privileges(source: str) -> None:
+    pod = deployments(make_md(model={"source": source}))["chat-workers"]["spec"]["template"]["spec"]
+    assert pod["securityContext"] == {
+        "runAsNonRoot": True,
+        "runAsUser": SETTINGS.run_as_user,
+        "runAsGroup": SETTINGS.run_as_user,
+        "fsGroup": SETTINGS.fs_group,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    for container in pod["containers"] + pod.get("initContainers", []):
         assert container["securityContext"] == {
+            "runAsNonRoot": True,
             "allowPrivilegeEscalation": False,
             "capabilities": {"drop": ["ALL"]},
-        }
+            "seccompProfile": {"type": "RuntimeDefault"},
+        }, container["name"]
+
+
+@pytest.mark.parametrize(
+    ("probe", "path"),
+    [("startupProbe", "/health"), ("livenessProbe", "/health"), ("readinessProbe", "/ready")],
+    ids=["startup", "liveness", "readiness"],
+)
+def test_probes_match_what_health_and_ready_mean(probe: str, path: str) -> None:
+    """Only /health (the process cannot serve) may restart a worker; /ready (loading, draining, full)
+    only takes it out of the Service. The startup probe covers the longest model load."""
+    worker = container(make_md())
+    assert worker[probe]["httpGet"] == {"path": path, "port": "http"}
+    assert worker[probe]["timeoutSeconds"] > 1  # a busy CPU worker answers slower than the default
+    if probe == "startupProbe":
+        assert worker[probe]["periodSeconds"] * worker[probe]["failureThreshold"] >= 600
 
 
 def test_node_selector_tolerations_image_env() -> None:
