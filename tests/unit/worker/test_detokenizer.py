@@ -63,3 +63,14 @@ def test_text_that_may_start_a_stop_string_is_held_back(renderer: PromptRenderer
         detokenizer.add(renderer.encode(".", add_special_tokens=False), is_last=True)
         == ("capital of France."[len(emitted) :])
     )
+
+
+def test_stop_strings_wait_for_min_tokens(renderer: PromptRenderer) -> None:
+    """Before ``min_tokens`` are out (``may_stop`` False) a stop string passes; afterwards it stops."""
+    ids = renderer.encode("capital of France. capital of Spain", add_special_tokens=False)
+    detokenizer = IncrementalDetokenizer(renderer, [], ("capital",))
+    first_half = len(renderer.encode("capital of France.", add_special_tokens=False))
+    emitted = "".join(detokenizer.add([token_id], may_stop=False) for token_id in ids[:first_half])
+    emitted += "".join(detokenizer.add([token_id]) for token_id in ids[first_half:])
+    assert detokenizer.is_stopped
+    assert emitted == "capital of France. "

@@ -36,13 +36,17 @@ class IncrementalDetokenizer:
         self._num_emitted = 0
         self.is_stopped = False
 
-    def add(self, token_ids: Sequence[int], *, is_last: bool = False) -> str:
-        """Append ``token_ids``; returns the new text safe to emit (all of it when ``is_last``)."""
+    def add(self, token_ids: Sequence[int], *, is_last: bool = False, may_stop: bool = True) -> str:
+        """Append ``token_ids``; returns the new text safe to emit (all of it when ``is_last``).
+
+        ``may_stop`` False (``min_tokens`` not yet out) leaves stop strings unmatched, as vLLM does.
+        """
         if self.is_stopped:
             return ""
         self._ids.extend(token_ids)
         self._decode_new(force=is_last)
-        self._check_stop()
+        if may_stop:
+            self._check_stop()
         end = (
             len(self.text)
             if is_last or self.is_stopped

@@ -208,7 +208,8 @@ class LLMEngine:
         self.stats.generation_tokens += 1
         request = self._requests[seq.request_id]
         reason = self._finish_reason(seq, sampled.token_id)
-        text = request.detokenizer.add([sampled.token_id], is_last=reason is not None)
+        may_stop = seq.num_output_tokens >= seq.params.min_tokens
+        text = request.detokenizer.add([sampled.token_id], is_last=reason is not None, may_stop=may_stop)
         if request.detokenizer.is_stopped:
             reason = "stop"
         held = None
