@@ -79,6 +79,7 @@ class ScriptedEngine:
             num_layers=1,
             num_kv_heads=1,
             head_dim=8,
+            vocab_size=self.renderer.vocab_size,
         )
         self._events: list[KVEvent] = []
         self._seq = 0
