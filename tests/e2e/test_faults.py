@@ -137,6 +137,7 @@ async def test_a_worker_killed_mid_stream_fails_its_streams_only_and_comes_back(
             answers = await asyncio.gather(*queued)
         assert [answer.status_code for answer in answers] == [200] * 4, [a.text for a in answers]
         assert {answer.headers[WORKER_HEADER] for answer in answers} == {SURVIVOR}
+        print(f"fault kill -9 mid-stream: {KILLED} ejected {ejected_after:.2f}s after the kill")
         assert ejected_after <= 2.0
 
         stack.enter_context(live_worker(tiny_llama, ports[0], log=tmp_path / "worker0-again.log", **flags))
