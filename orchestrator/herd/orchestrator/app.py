@@ -21,7 +21,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import ClientDisconnect
 
-from herd.api.body import BodyError, read_limited
+from herd.api.body import BodyError, check_content_type, read_limited
 from herd.api.openai import ModelCard, ModelList
 from herd.orchestrator.auth import ApiKeys, RequireApiKey
 from herd.orchestrator.dashboard import DASHBOARD_HTML, dashboard_data
@@ -193,10 +193,11 @@ def _update_worker_gauges(registry: Registry, telemetry: Telemetry) -> None:
 
 
 async def _read_body(request: Request, settings: AppSettings) -> bytes:
-    """The raw body within ``max_body_bytes`` (413) and ``body_timeout`` (408, and the connection
-    closes: the rest of a slow body is not worth waiting for)."""
+    """The raw body of a JSON media type (415), within ``max_body_bytes`` (413) and ``body_timeout``
+    (408, and the connection closes: the rest of a slow body is not worth waiting for)."""
     declared = request.headers.get("content-length")
     try:
+        check_content_type(request.headers.get("content-type"))
         async with asyncio.timeout(settings.body_timeout):
             return await read_limited(request.stream(), settings.max_body_bytes, declared_length=declared)
     except BodyError as error:

@@ -106,6 +106,25 @@ async def test_a_body_that_is_not_a_json_object_is_a_400(content: bytes, words: 
     assert words in envelope(response, 400)["message"]
 
 
+async def test_a_body_that_is_not_json_by_its_content_type_is_a_415() -> None:
+    cluster = one_worker()
+    async with running_gateway(cluster) as (_, client):
+        response = await client.post(CHAT_PATH, content=b"model=tiny", headers={"content-type": "text/plain"})
+    assert "application/json" in envelope(response, 415)["message"]
+    assert cluster.workers[0].num_requests == 0
+
+
+async def test_deeply_nested_json_is_a_400() -> None:
+    depth = 100_000
+    body = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "user": '
+    body += b"[" * depth + b"]" * depth + b"}"
+    cluster = one_worker()
+    async with running_gateway(cluster) as (_, client):
+        response = await client.post(CHAT_PATH, content=body, headers={"content-type": "application/json"})
+    envelope(response, 400)
+    assert cluster.workers[0].num_requests == 0
+
+
 async def test_the_raw_body_is_forwarded_as_it_came() -> None:
     cluster = one_worker()
     seen: list[bytes] = []
