@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import socket
+import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 import pytest_asyncio
 import uvloop
 
-from herd.orchestrator.upstream import UpstreamError, UpstreamPool
+from herd.orchestrator.upstream import NotAnsweredError, UpstreamError, UpstreamPool, UpstreamTimeoutError
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -281,3 +283,52 @@ def test_the_pool_works_on_uvloop_the_loop_the_orchestrator_serves_on() -> None:
         server.server.close()
 
     uvloop.run(scenario())
+
+
+async def _reset(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Close with a TCP reset before answering (SO_LINGER 0), as a killed process's socket does."""
+    sock = writer.get_extra_info("socket")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
+
+
+def _answer(answer: bytes) -> Answer:
+    async def send(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(answer)
+        await writer.drain()
+        writer.close()
+
+    return send
+
+
+@pytest.mark.parametrize(
+    ("how", "error"),
+    [
+        ("closed-before-answering", NotAnsweredError),
+        ("reset-before-answering", NotAnsweredError),
+        ("nothing-listening", NotAnsweredError),
+        ("cut-after-the-head", UpstreamError),
+        ("garbage", UpstreamError),
+        ("silent", UpstreamTimeoutError),
+    ],
+    ids=str,
+)
+async def test_only_a_connection_that_failed_before_any_answer_is_not_answered(
+    serve: Callable[[Answer], Awaitable[Server]], how: str, error: type[UpstreamError]
+) -> None:
+    """The gateway retries ``NotAnsweredError`` on another worker, and nothing else."""
+    answers: dict[str, Answer] = {
+        "closed-before-answering": _answer(b""),
+        "reset-before-answering": _reset,
+        "cut-after-the-head": _answer(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n"),
+        "garbage": _answer(b"not http at all\r\n\r\n"),
+        "silent": lambda reader, _: reader.read(),
+    }
+    url = (
+        "http://127.0.0.1:1/v1/completions" if how == "nothing-listening" else (await serve(answers[how])).url
+    )
+    client = pool(read_timeout=0.5)
+    with pytest.raises(UpstreamError) as raised:
+        await client.post(url, b"{}")
+    assert type(raised.value) is error
+    await client.aclose()
