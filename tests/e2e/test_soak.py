@@ -88,13 +88,18 @@ def judge_refusal(response: httpx.Response) -> str | None:
 
 
 async def one_request(client: httpx.AsyncClient, number: int, tally: Tally) -> None:
-    """Short prompts (50 distinct ones), 4 output tokens, every other one streamed."""
+    """Short prompts (50 distinct ones), 4 output tokens, every other one streamed; a connection that
+    fails counts as status 0."""
     is_stream = number % 2 == 0
     body = chat_body(f"question {number % 50}: what is the capital of France?", max_tokens=4,
                      ignore_eos=True, stream=is_stream)  # fmt: skip
     started = time.perf_counter()
-    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-        text = (await response.aread()).decode()
+    try:
+        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            text = (await response.aread()).decode()
+    except httpx.TransportError as error:  # counted, not raised: one must not hide the rest
+        tally.add(0, f"{type(error).__name__} ({'stream' if is_stream else 'whole'}): {error}", 0.0)
+        return
     problem = None
     if response.status_code == 200 and is_stream:
         problem = judge_stream(text)
