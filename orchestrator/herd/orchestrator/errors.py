@@ -19,7 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from herd.api.openai import ErrorResponse
 
-__all__ = ["GatewayError", "error_response", "install_error_handlers"]
+__all__ = ["INTERNAL_ERROR", "GatewayError", "error_response", "install_error_handlers"]
 
 log = logging.getLogger(__name__)
 

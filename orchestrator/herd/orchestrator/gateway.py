@@ -57,7 +57,7 @@ from herd.orchestrator.upstream import (
 )
 from herd.orchestrator.validation import ParsedRequest, check_length, parse_request
 
-__all__ = ["Gateway", "GatewayError", "GatewaySettings"]
+__all__ = ["Gateway", "GatewaySettings"]
 
 log = logging.getLogger(__name__)
 
