@@ -47,9 +47,15 @@ def herd_up(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Itera
     tmp_path = tmp_path_factory.mktemp("herd-up")
     with herd_up_of(write_manifest(tmp_path, tiny_llama), tmp_path) as up:
         yield up
-    # `running` stopped herd up with SIGTERM: it must have stopped every worker by pid first.
+    # `running` stopped herd up with SIGTERM: it must have stopped every process by pid first,
+    # restarting none of them.
     assert "herd is up" in up.log.read_text()
-    assert not [pid for pid in up.worker_pids().values() if is_alive(pid)]
+    pids = [
+        int(str(entry["pid"])) for kind in ("worker", "orchestrator") for entry in up.started(kind).values()
+    ]
+    assert len(pids) == 3 and not [pid for pid in pids if is_alive(pid)]
+    # The tests' kills are SIGKILLs; an exit at shutdown (SIGTERM, code 0) must not be taken for a crash.
+    assert {entry.get("signal") for entry in up.entries("process exited; restarting it")} <= {"SIGKILL"}
 
 
 def is_alive(pid: int) -> bool:
