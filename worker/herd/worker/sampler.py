@@ -61,10 +61,17 @@ class Sampler:
         )
         failures = self._edit(logits, seqs)
         token_ids = self._choose_each(logits, seqs, failures)
-        return [
-            failures.get(row) or self._token(raw_logprobs, row, token_id, seq)
-            for row, (token_id, seq) in enumerate(zip(token_ids, seqs, strict=True))
-        ]
+        tokens: list[SampledToken | Exception] = (
+            [SampledToken(token_id, None) for token_id in token_ids]
+            if raw_logprobs is None
+            else [
+                self._token(raw_logprobs, row, token_id, seq)
+                for row, (token_id, seq) in enumerate(zip(token_ids, seqs, strict=True))
+            ]
+        )
+        for row, error in failures.items():
+            tokens[row] = error
+        return tokens
 
     def _edit(self, logits: torch.Tensor, seqs: list[Sequence]) -> dict[int, Exception]:
         failures: dict[int, Exception] = {}
@@ -95,7 +102,7 @@ class Sampler:
             return -1
 
     @staticmethod
-    def _token(raw: torch.Tensor | None, row: int, token_id: int, seq: Sequence) -> SampledToken | Exception:
+    def _token(raw: torch.Tensor, row: int, token_id: int, seq: Sequence) -> SampledToken | Exception:
         try:
             return SampledToken(token_id, _logprob(raw, row, token_id, seq.params.logprobs))
         except Exception as error:
