@@ -27,6 +27,7 @@ __all__ = [
     "DeltaMessage",
     "ErrorBody",
     "ErrorResponse",
+    "LengthError",
     "Logprobs",
     "ModelCard",
     "ModelList",
@@ -39,6 +40,7 @@ __all__ = [
     "Usage",
     "new_request_id",
     "now",
+    "prompt_too_long",
 ]
 
 
@@ -116,6 +118,42 @@ class SamplingFields(_Tolerant):
     def output_limit(self) -> int | None:
         """``max_completion_tokens`` wins over the older ``max_tokens``."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def output_budget(self, num_prompt_tokens: int, max_model_len: int, *, prompt_param: str) -> int:
+        """The tokens this request may generate: what it asks for, else all the room the context leaves.
+
+        The gateway and the worker both apply this one rule; ``LengthError`` names the field to change.
+        """
+        room = max_model_len - num_prompt_tokens
+        if room < 1:
+            raise prompt_too_long(num_prompt_tokens, max_model_len, prompt_param=prompt_param)
+        wanted = self.output_limit
+        if wanted is None:
+            return room
+        if wanted > room:
+            field = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+            raise LengthError(
+                f"{num_prompt_tokens} prompt tokens plus {field}={wanted} exceed this model's maxModelLen "
+                f"of {max_model_len}; ask for at most {room} tokens",
+                param=field,
+            )
+        return wanted
+
+
+class LengthError(ValueError):
+    """A request that does not fit the model's context; ``param`` names the field to change (HTTP 400)."""
+
+    def __init__(self, message: str, *, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def prompt_too_long(num_prompt_tokens: int, max_model_len: int, *, prompt_param: str) -> LengthError:
+    return LengthError(
+        f"the prompt has {num_prompt_tokens} tokens but this model's maxModelLen is {max_model_len} "
+        "(prompt plus output); shorten the prompt",
+        param=prompt_param,
+    )
 
 
 class TextPart(_Tolerant):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -19,9 +20,9 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from herd.api.openai import ChatCompletionRequest, CompletionRequest
+from herd.api.openai import ChatCompletionRequest, CompletionRequest, prompt_too_long
 
-__all__ = ["TOKENIZER_FILES", "PromptError", "PromptRenderer", "read_tokenizer_files"]
+__all__ = ["TOKENIZER_FILES", "PromptError", "PromptLimit", "PromptRenderer", "read_tokenizer_files"]
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -36,6 +37,14 @@ _EOS_CONFIG_FILES = ("generation_config.json", "config.json")
 
 class PromptError(ValueError):
     """A prompt that cannot be rendered (bad messages for this template, no template, ...)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLimit:
+    """The context a prompt must leave room in, and the request field that holds the prompt."""
+
+    max_model_len: int
+    param: str
 
 
 def _raise_exception(message: str) -> None:
@@ -175,10 +184,23 @@ class PromptRenderer:
         except jinja2.TemplateError as error:
             raise PromptError(f"the chat template failed on these messages: {error}") from None
 
-    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    def encode(
+        self, text: str, *, add_special_tokens: bool = True, limit: PromptLimit | None = None
+    ) -> list[int]:
+        """The text's token ids; past ``limit`` a ``LengthError`` before the ids become a list."""
         # encode_batch releases the GIL while it tokenizes (encode holds it), so a server that runs
         # this in a thread keeps its event loop answering during a multi-MB prompt; same ids, same cost.
-        encoding = self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        try:
+            encoding = self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        except (TypeError, UnicodeError):  # what the tokenizer raises for a lone UTF-16 surrogate
+            raise PromptError(
+                "the prompt holds text that is not valid Unicode (a lone surrogate, which a JSON "
+                "\\ud800 escape can carry); send UTF-8 text"
+            ) from None
+        # Building the list holds the GIL for the whole of it (about 100 ms for 800k ids), so a prompt
+        # that cannot fit is refused on its count alone.
+        if limit is not None and len(encoding) >= limit.max_model_len:
+            raise prompt_too_long(len(encoding), limit.max_model_len, prompt_param=limit.param)
         return list(encoding.ids)
 
     def encode_chat(
@@ -187,34 +209,46 @@ class PromptRenderer:
         *,
         add_generation_prompt: bool = True,
         template_kwargs: Mapping[str, Any] | None = None,
+        limit: PromptLimit | None = None,
     ) -> list[int]:
         text = self.render_chat(
             messages, add_generation_prompt=add_generation_prompt, template_kwargs=template_kwargs
         )
-        return self.encode(text, add_special_tokens=False)
+        return self.encode(text, add_special_tokens=False, limit=limit)
 
-    def chat_request_ids(self, request: ChatCompletionRequest) -> list[int]:
-        """The prompt token ids of a chat request: the one rendering worker and router share."""
+    def chat_request_ids(
+        self, request: ChatCompletionRequest, *, max_model_len: int | None = None
+    ) -> list[int]:
+        """The prompt token ids of a chat request: the one rendering worker and router share.
+
+        With ``max_model_len``, a prompt that leaves no room for output raises ``LengthError``.
+        """
         messages = [{"role": message.role, "content": message.text} for message in request.messages]
         return self.encode_chat(
             messages,
             add_generation_prompt=request.add_generation_prompt,
             template_kwargs=request.chat_template_kwargs,
+            limit=None if max_model_len is None else PromptLimit(max_model_len, "messages"),
         )
 
-    def completion_request_ids(self, request: CompletionRequest) -> list[list[int]]:
+    def completion_request_ids(
+        self, request: CompletionRequest, *, max_model_len: int | None = None
+    ) -> list[list[int]]:
         """One token id list per prompt of a completion request (text gets special tokens added).
 
-        Raises ``PromptError`` for an empty token list or ids outside the vocabulary.
+        Raises ``PromptError`` for an empty token list or ids outside the vocabulary, and with
+        ``max_model_len`` ``LengthError`` for a text prompt that leaves no room for output.
         """
         prompt = request.prompt
+        limit = None if max_model_len is None else PromptLimit(max_model_len, "prompt")
         if isinstance(prompt, str):
-            return [self.encode(prompt)]
+            return [self.encode(prompt, limit=limit)]
         items: list[Any] = list(prompt)
         if all(isinstance(item, int) for item in items):
             return [self._checked_ids(items)]
         return [
-            self.encode(item) if isinstance(item, str) else self._checked_ids(list(item)) for item in items
+            self.encode(item, limit=limit) if isinstance(item, str) else self._checked_ids(list(item))
+            for item in items
         ]
 
     def _checked_ids(self, token_ids: list[int]) -> list[int]:

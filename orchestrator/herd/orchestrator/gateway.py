@@ -34,7 +34,7 @@ import httpx
 from starlette.responses import Response
 
 from herd.api.kv_hash import block_hashes
-from herd.api.openai import ErrorResponse
+from herd.api.openai import ErrorResponse, LengthError
 from herd.api.prompt import PromptError
 from herd.api.protocol import REQUEST_ID_HEADER, WORKER_HEADER, is_valid_request_id
 from herd.orchestrator.breaker import Outcome, answer_outcome
@@ -223,6 +223,8 @@ class Gateway:
                     extra={"model": served.name, "reason": str(error)},
                 )
             return (), ()
+        except LengthError as error:
+            raise GatewayError(400, str(error), param=error.param) from None
         except PromptError as error:
             raise GatewayError(400, str(error), param=parsed.prompt_param) from None
 
@@ -380,9 +382,9 @@ class Gateway:
 
 def _tokenize(served: ServedModel, parsed: ParsedRequest) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The prompt's token ids, checked against maxModelLen, and its block hashes (may run on a thread)."""
-    token_ids = tuple(prompt_token_ids(served.renderer, parsed.request))
-    check_length(parsed, len(token_ids), served.config.max_model_len)
     config = served.config
+    token_ids = tuple(prompt_token_ids(served.renderer, parsed.request, max_model_len=config.max_model_len))
+    check_length(parsed, len(token_ids), config.max_model_len)
     hashes = block_hashes(
         token_ids, config.block_size, model_id=served.name, cache_salt=parsed.request.cache_salt
     )

@@ -4,7 +4,7 @@ A request is parsed with the model of its route (``ChatCompletionRequest`` for
 ``/v1/chat/completions``, ``CompletionRequest`` for ``/v1/completions``) and refused with a 400 whose
 ``param`` is the first error's location and whose message is one sentence, never a pydantic dump.
 Once its prompt's tokens are known, prompt plus requested output must fit the model's
-``maxModelLen``, by the worker's rule (``herd.worker.server._params``), so a too-long request never
+``maxModelLen``, by the rule the worker applies too (``SamplingFields.output_budget``), so a too-long request never
 occupies a worker. The raw body still goes to the worker as it came.
 """
 
@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 
 from herd.api.body import BodyError, json_object
-from herd.api.openai import ChatCompletionRequest, CompletionRequest, SamplingFields
+from herd.api.openai import ChatCompletionRequest, CompletionRequest, LengthError, SamplingFields
 from herd.orchestrator.errors import GatewayError
 
 __all__ = ["WIRE_MODELS", "ParsedRequest", "check_length", "parse_request"]
@@ -70,22 +70,10 @@ def _is_union_tag(part: int | str) -> bool:
 
 
 def check_length(parsed: ParsedRequest, num_prompt_tokens: int, max_model_len: int) -> None:
-    """400 when the prompt, or the prompt plus the output the request asks for, passes ``max_model_len``."""
+    """400 when the prompt, or the prompt plus the output the request asks for, passes ``max_model_len``
+    (``SamplingFields.output_budget``, the worker's rule)."""
     request: SamplingFields = parsed.request
-    room = max_model_len - num_prompt_tokens
-    if room < 1:
-        raise GatewayError(
-            400,
-            f"the prompt has {num_prompt_tokens} tokens but this model's maxModelLen is {max_model_len} "
-            "(prompt plus output); shorten the prompt",
-            param=parsed.prompt_param,
-        )
-    wanted = request.output_limit
-    if wanted is not None and wanted > room:
-        field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
-        raise GatewayError(
-            400,
-            f"{num_prompt_tokens} prompt tokens plus {field}={wanted} exceed this model's maxModelLen of "
-            f"{max_model_len}; ask for at most {room} tokens",
-            param=field,
-        )
+    try:
+        request.output_budget(num_prompt_tokens, max_model_len, prompt_param=parsed.prompt_param)
+    except LengthError as error:
+        raise GatewayError(400, str(error), param=error.param) from None

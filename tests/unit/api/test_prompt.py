@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from herd.api import PromptError, PromptRenderer
+from herd.api.openai import ChatCompletionRequest, CompletionRequest, LengthError
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -29,3 +30,64 @@ def test_round_trip_and_eos(tiny_llama: Path) -> None:
 def test_missing_tokenizer_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(PromptError, match=r"no tokenizer\.json"):
         PromptRenderer.from_pretrained(tmp_path)
+
+
+def _chat(content: str, **fields: object) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": content}], **fields}
+    )
+
+
+def test_a_prompt_that_leaves_no_room_is_refused_on_its_count(tiny_llama: Path) -> None:
+    renderer = PromptRenderer.from_pretrained(tiny_llama)
+    request = _chat("word " * 50)
+    num_tokens = len(renderer.chat_request_ids(request))
+    assert renderer.chat_request_ids(request, max_model_len=num_tokens + 1) == renderer.chat_request_ids(
+        request
+    )
+    with pytest.raises(LengthError, match=f"the prompt has {num_tokens} tokens") as refused:
+        renderer.chat_request_ids(request, max_model_len=num_tokens)
+    assert refused.value.param == "messages"
+    completion = CompletionRequest.model_validate({"model": "m", "prompt": ["short", "word " * 50]})
+    with pytest.raises(LengthError) as refused:
+        renderer.completion_request_ids(completion, max_model_len=20)
+    assert refused.value.param == "prompt"
+
+
+def test_text_that_is_not_unicode_is_a_prompt_error(tiny_llama: Path) -> None:
+    renderer = PromptRenderer.from_pretrained(tiny_llama)
+    with pytest.raises(PromptError, match="not valid Unicode"):
+        renderer.encode("a\ud800b")
+
+
+@pytest.mark.parametrize(
+    ("fields", "num_prompt_tokens", "expected"),
+    [
+        ({}, 10, 90),
+        ({"max_tokens": 5}, 10, 5),
+        ({"max_tokens": 90}, 10, 90),
+        ({"max_tokens": 91}, 10, ("max_tokens", "ask for at most 90 tokens")),
+        ({"max_tokens": 5, "max_completion_tokens": 95}, 10, ("max_completion_tokens", "at most 90")),
+        ({}, 99, 1),
+        ({}, 100, ("messages", "the prompt has 100 tokens but this model's maxModelLen is 100")),
+    ],
+    ids=[
+        "all-the-room",
+        "asked",
+        "exactly-the-room",
+        "one-too-many",
+        "newer-field-wins",
+        "one-left",
+        "none-left",
+    ],
+)
+def test_the_output_budget_is_one_rule(
+    fields: dict[str, int], num_prompt_tokens: int, expected: int | tuple[str, str]
+) -> None:
+    request = _chat("x", **fields)
+    if isinstance(expected, int):
+        assert request.output_budget(num_prompt_tokens, 100, prompt_param="messages") == expected
+        return
+    with pytest.raises(LengthError, match=expected[1]) as refused:
+        request.output_budget(num_prompt_tokens, 100, prompt_param="messages")
+    assert refused.value.param == expected[0]

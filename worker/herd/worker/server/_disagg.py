@@ -120,8 +120,8 @@ def _parse_request(payload: dict[str, Any]) -> ChatCompletionRequest | Completio
 
 def _prompt(engine: AsyncEngine, request: ChatCompletionRequest | CompletionRequest) -> list[int]:
     if isinstance(request, ChatCompletionRequest):
-        return chat_prompt(engine.renderer, request)
-    prompts = completion_prompts(engine.renderer, request)
+        return chat_prompt(engine.renderer, request, engine.info.max_model_len)
+    prompts = completion_prompts(engine.renderer, request, engine.info.max_model_len)
     if len(prompts) != 1:
         raise ApiError(400, "a disaggregated request carries exactly one prompt", param="prompt")
     return prompts[0]

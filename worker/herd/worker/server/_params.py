@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
-from herd.api.openai import ChatCompletionRequest, CompletionRequest, SamplingFields
+from herd.api.openai import ChatCompletionRequest, CompletionRequest, LengthError, SamplingFields
 from herd.api.prompt import PromptError, PromptRenderer
 from herd.api.protocol import KVTransferParams
 from herd.worker.sampling_params import InvalidParamError, SamplingParams, check_token_ids
@@ -45,34 +45,29 @@ class Choice:
     """The first output token, when a prefill worker sampled it (``handed_first_token``)."""
 
 
-def chat_prompt(renderer: PromptRenderer, request: ChatCompletionRequest) -> list[int]:
+def chat_prompt(renderer: PromptRenderer, request: ChatCompletionRequest, max_model_len: int) -> list[int]:
     with prompt_errors("messages"):
-        return renderer.chat_request_ids(request)
+        return renderer.chat_request_ids(request, max_model_len=max_model_len)
 
 
-def completion_prompts(renderer: PromptRenderer, request: CompletionRequest) -> list[list[int]]:
+def completion_prompts(
+    renderer: PromptRenderer, request: CompletionRequest, max_model_len: int
+) -> list[list[int]]:
     """One token list per prompt: text is tokenized (with special tokens), ids are checked."""
     with prompt_errors("prompt"):
-        return renderer.completion_request_ids(request)
+        return renderer.completion_request_ids(request, max_model_len=max_model_len)
 
 
 @contextlib.contextmanager
 def prompt_errors(param: str) -> Iterator[None]:
-    """Rendering or tokenizing the prompt in ``param`` failed: a 400 naming it.
-
-    The tokenizer raises ``TypeError`` for text that is not valid Unicode (a lone UTF-16 surrogate
-    that a JSON ``\\ud800`` escape can carry).
-    """
+    """Rendering or tokenizing the prompt in ``param`` failed: a 400 naming it (the field to change,
+    for a prompt too long for the context)."""
     try:
         yield
+    except LengthError as error:
+        raise ApiError(400, str(error), param=error.param) from None
     except PromptError as error:
         raise ApiError(400, str(error), param=param) from None
-    except (TypeError, UnicodeError):
-        raise ApiError(
-            400,
-            f"{param} holds text that is not valid Unicode (a lone surrogate); send UTF-8 text",
-            param=param,
-        ) from None
 
 
 def plan_choices(
@@ -154,26 +149,10 @@ def first_token_params(params: SamplingParams) -> SamplingParams:
 def _max_tokens(
     request: SamplingFields, num_prompt_tokens: int, max_model_len: int, prompt_param: str
 ) -> int:
-    room = max_model_len - num_prompt_tokens
-    if room < 1:
-        raise ApiError(
-            400,
-            f"the prompt has {num_prompt_tokens} tokens but this model's maxModelLen is {max_model_len} "
-            "(prompt plus output); shorten the prompt",
-            param=prompt_param,
-        )
-    wanted = request.output_limit
-    if wanted is None:
-        return room
-    if wanted > room:
-        field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
-        raise ApiError(
-            400,
-            f"{num_prompt_tokens} prompt tokens plus {field}={wanted} exceed this model's maxModelLen of "
-            f"{max_model_len}; ask for at most {room} tokens",
-            param=field,
-        )
-    return wanted
+    try:
+        return request.output_budget(num_prompt_tokens, max_model_len, prompt_param=prompt_param)
+    except LengthError as error:
+        raise ApiError(400, str(error), param=error.param) from None
 
 
 def sampling_params(

@@ -107,7 +107,9 @@ class _PublicRoutes:
     async def chat(self, request: Request) -> Response:
         body = await self._read(request, ChatCompletionRequest)
         # Rendering and tokenizing a long prompt takes milliseconds: keep it off the event loop.
-        prompt = await asyncio.to_thread(chat_prompt, self.engine.renderer, body)
+        prompt = await asyncio.to_thread(
+            chat_prompt, self.engine.renderer, body, self.engine.info.max_model_len
+        )
         return await self._generate(request, body, [prompt], _CHAT)
 
     async def completions(self, request: Request) -> Response:
@@ -115,7 +117,9 @@ class _PublicRoutes:
         if body.echo or body.suffix is not None:
             param = "echo" if body.echo else "suffix"
             raise ApiError(400, f"{param} is not supported by herd; leave it out", param=param)
-        prompts = await asyncio.to_thread(completion_prompts, self.engine.renderer, body)
+        prompts = await asyncio.to_thread(
+            completion_prompts, self.engine.renderer, body, self.engine.info.max_model_len
+        )
         return await self._generate(request, body, prompts, _COMPLETIONS)
 
     async def _generate(
