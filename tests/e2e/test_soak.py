@@ -23,6 +23,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from support.gateway_fakes import sse_events
 from support.live_cluster import (
     LiveGateway,
     WorkerPorts,
@@ -67,8 +68,7 @@ class Tally:
 
 def judge_stream(text: str) -> str | None:
     """A streamed answer must end with ``[DONE]`` and carry no error event."""
-    # split, not splitlines: a token's text may hold U+2028 or U+0085, which splitlines breaks on.
-    payloads = [line.removeprefix("data: ") for line in text.split("\n") if line.startswith("data: ")]
+    payloads = list(sse_events(text.encode()))
     if not payloads or payloads[-1] != "[DONE]":
         return f"stream did not end with [DONE]: {text[-300:]!r}"
     if any("error" in json.loads(payload) for payload in payloads[:-1]):

@@ -206,6 +206,8 @@ async def wait_for(check: Callable[[], bool], *, within: float = 30.0) -> float:
 
 
 def sse_events(body: bytes) -> Iterator[str]:
-    for line in body.decode().splitlines():
+    """The ``data:`` payloads of an SSE body, undecoded."""
+    # split("\n"), not splitlines(): a token's text may hold U+2028 or U+0085, which splitlines breaks on.
+    for line in body.decode().split("\n"):
         if line.startswith("data: "):
-            yield line.removeprefix("data: ")
+            yield line.removeprefix("data: ").rstrip("\r")

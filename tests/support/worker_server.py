@@ -26,6 +26,7 @@ from herd.api.protocol import KVEvent, KVSnapshot, LoadReport, WorkerInfo
 from herd.worker.config import EngineConfig
 from herd.worker.outputs import RequestOutput
 from herd.worker.sampling_params import SamplingParams
+from support.gateway_fakes import sse_events
 from support.procs import free_port, running, wait_until
 
 __all__ = [
@@ -153,8 +154,7 @@ def engine_config(model_path: Path, **engine: Any) -> EngineConfig:
 
 def sse_data(text: str) -> list[Any]:
     """The ``data:`` payloads of an SSE body, JSON-decoded except the final ``[DONE]``."""
-    payloads = [line.removeprefix("data: ") for line in text.splitlines() if line.startswith("data: ")]
-    return [payload if payload == "[DONE]" else json.loads(payload) for payload in payloads]
+    return [payload if payload == "[DONE]" else json.loads(payload) for payload in sse_events(text.encode())]
 
 
 @dataclass(frozen=True)
