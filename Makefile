@@ -8,7 +8,7 @@ DEMO_MODEL := .cache/models/smollm2-135m-instruct
 APT_PACKAGES := redis-server chromium chromium-driver
 PYTEST_ARGS ?=
 
-.PHONY: install system-deps run test fuzz lint format crds crds-check bench clean
+.PHONY: install system-deps run test fuzz lint format crds crds-check bench cluster-bin clean
 
 install: $(VENV)/.installed
 
@@ -61,6 +61,11 @@ test: install system-deps lint crds-check
 # against the worker and 10,000 against the gateway; HERD_FUZZ_SEED=N makes another run.
 fuzz: install
 	HERD_FUZZ_REQUESTS=10000 $(BIN)/pytest tests/e2e/test_fuzz.py -q -s $(PYTEST_ARGS)
+
+# A real control plane from source (kube-apiserver, controller-manager, scheduler, kubectl, etcd, helm)
+# into ~/.cache/herd/cluster; built once per version, then reused.
+cluster-bin:
+	scripts/cluster-bin.sh
 
 bench: install $(DEMO_MODEL)/config.json
 	$(BIN)/python bench/engine_throughput.py --model $(DEMO_MODEL)
