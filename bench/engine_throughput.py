@@ -26,6 +26,7 @@ from _common import DEMO_MODEL, REPO, machine_info, write_json
 
 from herd.worker.config import EngineConfig
 from herd.worker.engine import LLMEngine
+from herd.worker.model_runner import torch_engine
 from herd.worker.sampling_params import SamplingParams
 
 Workload = list[tuple[list[int], int]]  # (prompt token ids, output tokens)
@@ -177,8 +178,8 @@ def main() -> None:
     config = EngineConfig(
         model_path=args.model, served_name="bench", engine={"device": "cpu", "maxBatchSize": args.concurrency}
     )  # type: ignore[arg-type]
-    engine = LLMEngine(config)
-    vocab_size = engine.runner.args.vocab_size
+    engine = torch_engine(config)
+    vocab_size = engine.vocab_size
     workload = make_workload(args.requests, vocab_size, args.seed)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     report: dict[str, Any] = {
@@ -198,7 +199,7 @@ def main() -> None:
         report["herd"]["output_tok_s"] / report["transformers"]["output_tok_s"], 2
     )
     report["target_ratio"] = 1.5
-    report["prefix_cache"] = prefix_ttft(LLMEngine(config), vocab_size, args.seed + 1, args.prefix_repeats)
+    report["prefix_cache"] = prefix_ttft(torch_engine(config), vocab_size, args.seed + 1, args.prefix_repeats)
     print("prefix", report["prefix_cache"], flush=True)
     report["machine_after"] = machine_info()["load_average"]
     write_json(args.out, report)

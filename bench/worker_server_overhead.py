@@ -44,6 +44,7 @@ from herd.api.crd import EngineSpec
 from herd.api.prompt import PromptRenderer
 from herd.worker.config import EngineConfig
 from herd.worker.engine import LLMEngine
+from herd.worker.model_runner import torch_engine
 from herd.worker.sampling_params import SamplingParams
 
 ENGINE = {"device": "cpu", "maxModelLen": 1024, "kvCache": {"memoryGiB": 0.5}}
@@ -65,7 +66,7 @@ def percentiles(values: list[float]) -> dict[str, float]:
 
 def load_engine(model: Path) -> LLMEngine:
     config = EngineConfig(model_path=model, served_name="bench", engine=EngineSpec.model_validate(ENGINE))
-    engine = LLMEngine(config)
+    engine = torch_engine(config)
     engine.generate([WARM_UP], SamplingParams(max_tokens=2, ignore_eos=True))
     return engine
 

@@ -163,7 +163,7 @@ def test_a_reset_that_fails_raises_for_the_worker_to_exit(
         raise InjectedError("device lost")
 
     monkeypatch.setattr(engine.runner, "execute", gone)
-    monkeypatch.setattr(engine.runner, "check_device", gone)
+    monkeypatch.setattr(engine.runner, "check_health", gone)
     engine.add_request("r", PROMPTS[0], GOOD)
     with pytest.raises(EngineResetError, match="cannot go on after a failed batch: device lost"):
         engine.step()

@@ -21,7 +21,7 @@ from herd.api.protocol import INTERNAL_PATHS, TOKEN_HEADER
 from herd.orchestrator.tokens import prompt_token_ids
 from herd.orchestrator.validation import WIRE_MODELS
 from herd.worker.async_engine import AsyncEngine
-from herd.worker.engine import LLMEngine
+from herd.worker.model_runner import torch_engine
 from herd.worker.server import PublicOptions, build_internal_app, build_public_app
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
@@ -31,7 +31,7 @@ LONG_SYSTEM = "You are a careful assistant. " * 6
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def worker(tiny_llama: Path) -> AsyncIterator[tuple[httpx.AsyncClient, httpx.AsyncClient]]:
-    engine = AsyncEngine(lambda: LLMEngine(engine_config(tiny_llama)))
+    engine = AsyncEngine(lambda: torch_engine(engine_config(tiny_llama)))
     engine.start()
     await engine.wait_loaded()
     public = httpx.ASGITransport(app=build_public_app(engine, PublicOptions("tiny", max_body_bytes=1 << 20)))

@@ -28,7 +28,7 @@ from herd.orchestrator.discovery import ModelConfig, StaticSource, WorkerEndpoin
 from herd.orchestrator.registry import RegistrySettings
 from herd.orchestrator.tokens import prompt_token_ids
 from herd.worker.async_engine import AsyncEngine
-from herd.worker.engine import LLMEngine
+from herd.worker.model_runner import torch_engine
 from herd.worker.server import PublicOptions, build_internal_app, build_public_app
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
@@ -54,7 +54,7 @@ class _ByHost(httpx.AsyncBaseTransport):
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(tiny_llama: Path) -> AsyncIterator[AsyncEngine]:
-    front = AsyncEngine(lambda: LLMEngine(engine_config(tiny_llama)))
+    front = AsyncEngine(lambda: torch_engine(engine_config(tiny_llama)))
     front.start()
     await front.wait_loaded()
     yield front

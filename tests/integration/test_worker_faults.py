@@ -19,6 +19,7 @@ from support.worker_server import engine_config, sse_data
 from herd.worker import sampler as sampler_module
 from herd.worker.async_engine import AsyncEngine
 from herd.worker.engine import LLMEngine
+from herd.worker.model_runner import torch_engine
 from herd.worker.sequence import Sequence
 from herd.worker.server import PublicOptions, build_public_app
 
@@ -30,7 +31,7 @@ HELLO = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def core(tiny_llama: Path) -> LLMEngine:
-    return LLMEngine(engine_config(tiny_llama))
+    return torch_engine(engine_config(tiny_llama))
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

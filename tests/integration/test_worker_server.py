@@ -13,10 +13,12 @@ import pytest
 import pytest_asyncio
 from support.worker_server import engine_config, sse_data
 
+from herd.api.prompt import PromptRenderer
 from herd.api.protocol import INTERNAL_PATHS, TOKEN_HEADER
 from herd.worker.async_engine import AsyncEngine
 from herd.worker.config import EngineConfig
 from herd.worker.engine import LLMEngine
+from herd.worker.model_runner import TorchRunner, torch_engine
 from herd.worker.outputs import RequestOutput
 from herd.worker.sampling_params import SamplingParams
 from herd.worker.server import PublicOptions, build_internal_app, build_public_app
@@ -31,7 +33,7 @@ HELLO = [{"role": "user", "content": "What is the capital of France?"}]
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(tiny_llama: Path) -> AsyncIterator[AsyncEngine]:
     config = engine_config(tiny_llama)
-    front = AsyncEngine(lambda: LLMEngine(config))
+    front = AsyncEngine(lambda: torch_engine(config))
     front.start()
     await front.wait_loaded()
     yield front
@@ -324,7 +326,8 @@ class HeldEngine(LLMEngine):
     """
 
     def __init__(self, config: EngineConfig) -> None:
-        super().__init__(config)
+        renderer = PromptRenderer.from_pretrained(config.model_path)
+        super().__init__(config, TorchRunner(config, renderer.eos_token_ids), renderer)
         self.grants = threading.Semaphore(0)
 
     def step(self) -> list[RequestOutput]:

@@ -15,7 +15,7 @@ import pytest_asyncio
 from support.worker_server import engine_config
 
 from herd.worker.async_engine import AsyncEngine
-from herd.worker.engine import LLMEngine
+from herd.worker.model_runner import torch_engine
 from herd.worker.server import PublicOptions, build_public_app
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
@@ -28,7 +28,7 @@ JSON = {"content-type": "application/json"}
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def client(tiny_llama: Path) -> AsyncIterator[httpx.AsyncClient]:
     config = engine_config(tiny_llama)
-    engine = AsyncEngine(lambda: LLMEngine(config))
+    engine = AsyncEngine(lambda: torch_engine(config))
     engine.start()
     await engine.wait_loaded()
     app = build_public_app(engine, PublicOptions("tiny", max_body_bytes=20_000))

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from herd.api.protocol import INTERNAL_PATHS, TOKEN_HEADER, Role
 from herd.orchestrator.discovery import WorkerEndpoint
 from herd.worker.async_engine import AsyncEngine
-from herd.worker.engine import LLMEngine
+from herd.worker.model_runner import torch_engine
 from herd.worker.server import PublicOptions, build_internal_app, build_public_app
 from herd.worker.server._disagg_setup import attach_disaggregation
 from support.worker_server import engine_config
@@ -109,7 +109,7 @@ async def start_worker(
 ) -> InProcessWorker:
     """A loaded engine with both apps registered in ``dispatch`` under the worker's two hosts."""
     config = engine_config(model, maxModelLen=512, kvCache={"blockSize": 16, "memoryGiB": 0.02})
-    engine = AsyncEngine(lambda: LLMEngine(config))
+    engine = AsyncEngine(lambda: torch_engine(config))
     engine.start()
     await engine.wait_loaded()
     public = build_public_app(engine, PublicOptions(MODEL))

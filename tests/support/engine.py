@@ -11,6 +11,7 @@ import torch
 
 from herd.worker.config import EngineConfig
 from herd.worker.engine import LLMEngine
+from herd.worker.model_runner import torch_engine
 from herd.worker.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
@@ -25,7 +26,7 @@ def make_engine(path: Path, *, num_blocks: int | None = None, **engine: Any) -> 
         kv_cache["memoryGiB"] = num_blocks * _bytes_per_block(path, kv_cache.get("blockSize", 16)) / 2**30
     kv_cache.setdefault("memoryGiB", 1 / 16)
     spec = {"device": "cpu", "kvCache": kv_cache, **engine}
-    return LLMEngine(EngineConfig(model_path=path, served_name="test-model", engine=spec))  # type: ignore[arg-type]
+    return torch_engine(EngineConfig(model_path=path, served_name="test-model", engine=spec))  # type: ignore[arg-type]
 
 
 def _bytes_per_block(path: Path, block_size: int) -> int:

@@ -12,15 +12,15 @@ import sys
 from typing import Any
 
 from herd.cli.main import main
-from herd.worker.model_runner import ModelRunner
+from herd.worker.model_runner import TorchRunner
 
 
 def _device_lost(*_: Any, **__: Any) -> Any:
     raise RuntimeError("injected fault: the device is lost")
 
 
-ModelRunner.execute = _device_lost  # type: ignore[method-assign]
-ModelRunner.check_device = _device_lost  # type: ignore[method-assign]
+TorchRunner.execute = _device_lost  # type: ignore[method-assign]
+TorchRunner.check_health = _device_lost  # type: ignore[method-assign]
 
 if __name__ == "__main__":
     sys.exit(main(["worker", *sys.argv[1:]]))

@@ -19,15 +19,17 @@ BASE = torch.tensor([math.log(p) for p in (0.4, 0.3, 0.2, 0.1)] + [-1e9] * (VOCA
 
 
 def seq_with(seed: int | None = None, output: list[int] | None = None, **params: object) -> Sequence:
-    seq = make_seq([5, 6, 7], params=SamplingParams(max_tokens=64, **params))  # type: ignore[arg-type]
-    if seed is not None:
-        seq.generator = torch.Generator().manual_seed(seed)
+    seq = make_seq([5, 6, 7], params=SamplingParams(max_tokens=64, seed=seed, **params))  # type: ignore[arg-type]
     seq.output_token_ids = list(output or [])
     return seq
 
 
-def sample(seqs: list[Sequence], logits: torch.Tensor | None = None, seed: int = 0) -> list[int]:
-    sampler = Sampler(torch.Generator().manual_seed(seed), {EOS})
+def sample(
+    seqs: list[Sequence], logits: torch.Tensor | None = None, seed: int = 0, sampler: Sampler | None = None
+) -> list[int]:
+    """One draw per sequence; ``sampler`` (else a new one seeded with ``seed``) keeps the seeded
+    sequences' generators between calls, as the runner's sampler does between steps."""
+    sampler = sampler or Sampler(torch.Generator().manual_seed(seed), {EOS})
     rows = (BASE if logits is None else logits).expand(len(seqs), -1).clone()
     return [token.token_id for token in sampler.sample(rows, seqs)]
 
@@ -67,7 +69,11 @@ def test_seed_reproducible_whatever_the_batch() -> None:
     ]
     assert alone == with_others
     seeded = [seq_with(seed=7, temperature=1.0) for _ in range(2)]
-    runs = [[sample([seq])[0] for _ in range(20)] for seq in seeded]
+    samplers = [Sampler(torch.Generator().manual_seed(run), {EOS}) for run in range(2)]
+    runs = [
+        [sample([seq], sampler=sampler)[0] for _ in range(20)]
+        for seq, sampler in zip(seeded, samplers, strict=True)
+    ]
     assert runs[0] == runs[1]
     assert len(set(runs[0])) > 1
 

@@ -29,13 +29,13 @@ from herd.api.prompt import PromptRenderer
 from herd.api.protocol import KVEvent, KVSnapshot, LoadReport, WorkerInfo
 from herd.worker.outputs import RequestOutput
 from herd.worker.sampling_params import SamplingParams
+from herd.worker.stats import EngineStats
 
 __all__ = [
     "AsyncEngine",
     "EngineCore",
     "EngineDeadError",
     "EngineDrainingError",
-    "EngineStats",
     "RequestFailedError",
 ]
 
@@ -47,14 +47,6 @@ _IDLE_WAIT_S = 0.5
 """How long the idle engine thread sleeps on its command queue before checking for shutdown."""
 _KV_EVENT_LOG_LEN = 65536
 """KV events kept for pollers; one that falls further behind sees a gap and asks for a snapshot."""
-
-
-class EngineStats(Protocol):
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    prompt_tokens: int
-    generation_tokens: int
 
 
 class EngineCore(Protocol):
@@ -124,7 +116,7 @@ class AsyncEngine:
         self._factory = factory
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._outputs: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
-        self._kv_events = _KVEventLog()
+        self._kv_events = _KVEventFeed()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._engine: EngineCore | None = None
@@ -395,8 +387,9 @@ class AsyncEngine:
         return outputs
 
 
-class _KVEventLog:
-    """The last KV events for pollers, and a queue per live subscriber; event-loop side only."""
+class _KVEventFeed:
+    """The published KV events: the last ones replayed to pollers, each new one pushed to every live
+    subscriber's queue; event-loop side only."""
 
     def __init__(self) -> None:
         self._log: collections.deque[KVEvent] = collections.deque(maxlen=_KV_EVENT_LOG_LEN)

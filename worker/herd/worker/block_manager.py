@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from herd.api.kv_hash import BlockHash, hash_block
-from herd.worker.kv_events import KVEventLog
+from herd.worker.kv_events import KVEventBuffer
 from herd.worker.sequence import Sequence
 
 __all__ = ["Block", "BlockManager"]
@@ -41,7 +41,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(block_id) for block_id in range(num_blocks)]
         self.cached: dict[BlockHash, int] = {}
-        self.events = KVEventLog()
+        self.events = KVEventBuffer()
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
 
     @property

@@ -8,7 +8,7 @@ import torch
 
 from herd.worker.models import ModelArgs
 
-__all__ = ["CacheGeometry", "bytes_per_block", "num_blocks_for_budget"]
+__all__ = ["CacheGeometry", "bytes_per_block"]
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,3 @@ class CacheGeometry:
 
 def bytes_per_block(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
     return 2 * args.num_layers * block_size * args.num_kv_heads * args.head_dim * dtype.itemsize
-
-
-def num_blocks_for_budget(budget_bytes: int, args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
-    return budget_bytes // bytes_per_block(args, block_size, dtype)

@@ -1,29 +1,29 @@
 """LLMEngine: the synchronous core of a herd worker.
 
-A step: the scheduler plans which tokens of which sequences run (decodes first, then new or
-partly prefilled prompts, under the token budget, preempting on a full KV pool); the model runner
-executes the whole plan as one batched forward and returns logits for the sequences whose chunk
-reached their last token; the sampler picks one token each; the scheduler advances the computed
-counts and publishes newly full blocks to the prefix cache; then each sampled sequence is checked
-for stop tokens, stop strings, ``max_tokens`` and ``max_model_len``, and finished ones free their
-blocks at once. ``step`` returns a ``RequestOutput`` for every sequence that got a token.
+A step is three calls and touches no tensor: the scheduler plans which tokens of which sequences
+run (decodes first, then new or partly prefilled prompts, under the token budget, preempting on a
+full KV pool); the runner (``herd.worker.runner``, given to the engine, never built by it) executes
+the whole plan and returns one sampled token for each sequence whose chunk reached its last token;
+the scheduler advances the computed counts and publishes newly full blocks to the prefix cache.
+Then each sampled sequence is checked for stop tokens, stop strings, ``max_tokens`` and
+``max_model_len``, and finished ones free their blocks at once. ``step`` returns a
+``RequestOutput`` for every sequence that got a token.
 
 Faults are data, not exceptions unwinding through the loop. One request's fault (its logit edits,
-its draw, its logprobs, its stop checks or detokenizer) ends that request with an error output and
-frees its blocks; the others go on. A fault of the batched forward pass cannot be pinned to a
-request, so every request of the batch ends with an error, and the engine checks that it can go on
-(the device answers, every KV block is held by a live sequence or a lease, or is free); only when
-that check fails does ``step`` raise (``EngineResetError``), and the worker must restart.
+its draw, its logprobs: returned by the runner in its token's place; its stop checks or
+detokenizer) ends that request with an error output and frees its blocks; the others go on. A
+fault of ``execute`` itself cannot be pinned to a request, so every request of the batch ends with
+an error, and the engine checks that it can go on (the runner is healthy, every KV block is held by
+a live sequence or a lease, or is free); only when that check fails does ``step`` raise
+(``EngineResetError``), and the worker must restart.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 import uuid
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from herd.api.kv_hash import BlockHash, root_hash
 from herd.api.prompt import PromptRenderer
@@ -31,13 +31,15 @@ from herd.api.protocol import KVEvent, KVSnapshot, LoadReport, WorkerInfo
 from herd.worker.block_manager import BlockManager
 from herd.worker.config import EngineConfig
 from herd.worker.detokenizer import IncrementalDetokenizer
-from herd.worker.model_runner import ModelRunner
 from herd.worker.outputs import FinishReason, RequestOutput
-from herd.worker.sampler import SampledToken, Sampler
+from herd.worker.runner import Runner, SampledToken, StepResult
 from herd.worker.sampling_params import SamplingParams, check_token_ids
 from herd.worker.scheduler import Scheduler, SchedulerOutput
 from herd.worker.sequence import Sequence
 from herd.worker.stats import EngineStats
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["EngineResetError", "LLMEngine", "PromptTooLongError", "QueueFullError"]
 
@@ -63,14 +65,17 @@ class _Request:
 
 
 class LLMEngine:
-    """Continuous-batching inference over a paged, prefix-cached KV pool; not thread-safe."""
+    """Continuous-batching inference over a paged, prefix-cached KV pool; not thread-safe.
 
-    def __init__(self, config: EngineConfig) -> None:
+    ``runner`` computes the steps (``herd.worker.model_runner.torch_engine`` builds an engine on the
+    torch runner); ``renderer`` gives the stop tokens and the detokenizer.
+    """
+
+    def __init__(self, config: EngineConfig, runner: Runner, renderer: PromptRenderer) -> None:
         self.config = config
-        self.renderer = PromptRenderer.from_pretrained(config.model_path)
-        torch.manual_seed(config.seed)
-        self.runner = ModelRunner(config)
-        geometry = self.runner.geometry
+        self.renderer = renderer
+        self.runner = runner
+        geometry = runner.geometry
         self.block_manager = BlockManager(
             geometry.num_blocks,
             geometry.block_size,
@@ -81,10 +86,8 @@ class LLMEngine:
             max_batch_tokens=config.engine.max_batch_tokens,
             max_batch_size=config.engine.max_batch_size,
         )
-        generator = torch.Generator(device=self.runner.device).manual_seed(config.seed)
-        self.sampler = Sampler(generator, self.renderer.eos_token_ids)
         self.stats = EngineStats()
-        self.vocab_size = self.runner.args.vocab_size
+        self.vocab_size = runner.vocab_size
         self.info = WorkerInfo(
             model=config.served_name,
             role=config.role,
@@ -125,8 +128,6 @@ class LLMEngine:
             prompt_token_ids=list(prompt_token_ids),
             params=params,
             root_hash=root_hash(self.config.served_name, cache_salt),
-            arrival_time=time.monotonic(),
-            generator=None if params.seed is None else self._seeded_generator(params.seed),
         )
         detokenizer = IncrementalDetokenizer(self.renderer, prompt_token_ids, params.stop)
         self._requests[request_id] = _Request(seq, detokenizer)
@@ -161,9 +162,6 @@ class LLMEngine:
                 f"{len(self.scheduler.waiting)} requests are waiting (engine.maxQueueLen): retry later"
             )
 
-    def _seeded_generator(self, seed: int) -> torch.Generator:
-        return torch.Generator(device=self.runner.device).manual_seed(seed)
-
     def abort_request(self, request_id: str) -> None:
         """Drop a request wherever it is and free its blocks now; unknown ids are ignored."""
         request = self._requests.pop(request_id, None)
@@ -179,14 +177,13 @@ class LLMEngine:
         self._count(decision)
         if decision.is_empty:
             return []
-        sampled = [chunk.seq for chunk in decision.chunks if chunk.is_sampled]
         try:
-            logits = self.runner.execute(decision.chunks)
-            tokens = self.sampler.sample(logits, sampled)  # a row's own failure comes back as data
+            results = self.runner.execute(decision)  # a sequence's own failure comes back as data
         except Exception as error:
             return self._fail_batch(decision, error)
+        sampled = [chunk.seq for chunk in decision.chunks if chunk.is_sampled]  # before update moves them
         self.scheduler.update(decision)
-        return [self._advance(seq, token) for seq, token in zip(sampled, tokens, strict=True)]
+        return [self._advance(seq, result) for seq, result in zip(sampled, results, strict=True)]
 
     def _count(self, decision: SchedulerOutput) -> None:
         self.stats.num_steps += 1
@@ -194,7 +191,7 @@ class LLMEngine:
         self.stats.prefix_cache_queries += decision.num_cache_queries
         self.stats.prefix_cache_hits += decision.num_cache_hits
 
-    def _advance(self, seq: Sequence, sampled: SampledToken | Exception) -> RequestOutput:
+    def _advance(self, seq: Sequence, sampled: StepResult) -> RequestOutput:
         """Take ``seq``'s new token; a failure here (or in its sampling) ends ``seq`` alone."""
         if isinstance(sampled, Exception):
             return self._fail_request(seq, sampled, stage="sampling")
@@ -276,10 +273,10 @@ class LLMEngine:
         )
 
     def _reset(self) -> None:
-        """After a failed batch: the device must answer and every KV block be held by a live
+        """After a failed batch: the runner must be healthy and every KV block be held by a live
         sequence or a lease, or be free; else ``EngineResetError`` (the process must restart)."""
         try:
-            self.runner.check_device()
+            self.runner.check_health()
             live = [*self.scheduler.running, *self.scheduler.waiting]
             self.block_manager.check_references([*(seq.block_table for seq in live), *self._held.values()])
         except Exception as error:
@@ -346,7 +343,7 @@ class LLMEngine:
 
         Safe beside a step for blocks held by ``hold_prompt_blocks``: no step writes or reallocates them.
         """
-        return self.runner.kv_cache[:, :, block_ids].cpu()
+        return self.runner.read_blocks(block_ids)
 
     def write_blocks(
         self, block_hashes: list[BlockHash], token_blocks: list[list[int]], kv: torch.Tensor
@@ -355,16 +352,13 @@ class LLMEngine:
 
         Blocks already cached here are skipped; returns how many were imported.
         """
-        indexes: list[int] = []
-        imported: list[int] = []
-        for index, (block_hash, token_ids) in enumerate(zip(block_hashes, token_blocks, strict=True)):
-            block_id = self.block_manager.import_block(block_hash, token_ids)
-            if block_id is not None:
-                indexes.append(index)
-                imported.append(block_id)
-        if imported:  # one indexed copy: a copy per block is ~20x slower
-            source = kv if len(indexes) == len(block_hashes) else kv[:, :, indexes]
-            self.runner.kv_cache[:, :, imported] = source.to(self.runner.kv_cache.device)
+        targets = [
+            self.block_manager.import_block(block_hash, token_ids)
+            for block_hash, token_ids in zip(block_hashes, token_blocks, strict=True)
+        ]
+        imported = [block_id for block_id in targets if block_id is not None]
+        if imported:
+            self.runner.write_blocks(targets, kv)
         self.block_manager.release(imported)
         return len(imported)
 

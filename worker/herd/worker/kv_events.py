@@ -9,11 +9,12 @@ from typing import Literal
 from herd.api.kv_hash import BlockHash
 from herd.api.protocol import KVEvent
 
-__all__ = ["KVEventLog"]
+__all__ = ["KVEventBuffer"]
 
 
-class KVEventLog:
-    """Events since the last drain, with ``seq`` strictly increasing over the engine's life.
+class KVEventBuffer:
+    """The block manager's events waiting for the engine's next drain; ``seq`` strictly increases
+    over the engine's life.
 
     At most ``max_pending`` events wait for a drain; older ones are dropped, and the gap in ``seq``
     tells the receiver to resync from a snapshot (an engine nobody drains stays bounded).

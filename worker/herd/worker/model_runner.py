@@ -1,31 +1,48 @@
-"""Loads the model, allocates the KV pool from a memory budget, and runs scheduler decisions.
+"""The torch runner: loads the model, allocates the KV pool from a memory budget, runs and samples plans.
 
 The pool's size is measured here and returned as a ``CacheGeometry`` (the block manager is built
 from it): an explicit ``kvCache.memoryGiB``, else on CUDA the free memory above the share
-``1 - memoryUtilization`` of the device left for activations, else 1 GiB on CPU.
+``1 - memoryUtilization`` of the device left for activations, else 1 GiB on CPU. A step copies
+the plan's blocks, runs one batched forward over every chunk, and samples the rows whose chunk
+reached its sequence's end (``herd.worker.sampler``). ``torch_engine`` builds herd's engine on it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 
+from herd.api.prompt import PromptRenderer
 from herd.worker.cache_geometry import CacheGeometry, bytes_per_block
 from herd.worker.config import EngineConfig
+from herd.worker.engine import LLMEngine
 from herd.worker.input_batch import prepare_inputs
 from herd.worker.layers.attention import AttentionBackend
 from herd.worker.layers.torch_attention import TorchAttentionBackend
 from herd.worker.loader import load_model, read_model_args
-from herd.worker.scheduler import ScheduledChunk
+from herd.worker.runner import StepResult
+from herd.worker.sampler import Sampler
+from herd.worker.scheduler import SchedulerOutput
 
-__all__ = ["DEFAULT_CPU_KV_GIB", "ModelRunner"]
+__all__ = ["DEFAULT_CPU_KV_GIB", "TorchRunner", "torch_engine"]
 
 DEFAULT_CPU_KV_GIB = 1.0
 
 
-class ModelRunner:
-    """Owns the weights and the KV pool; ``execute`` runs one step and returns the sampled rows' logits."""
+def torch_engine(config: EngineConfig, backend: AttentionBackend | None = None) -> LLMEngine:
+    """herd's engine on the model at ``config.model_path``: its renderer, weights and KV pool."""
+    renderer = PromptRenderer.from_pretrained(config.model_path)
+    return LLMEngine(config, TorchRunner(config, renderer.eos_token_ids, backend), renderer)
 
-    def __init__(self, config: EngineConfig, backend: AttentionBackend | None = None) -> None:
+
+class TorchRunner:
+    """The ``Runner`` of a real model: it owns the weights, the KV pool and the sampler."""
+
+    def __init__(
+        self, config: EngineConfig, eos_token_ids: Collection[int], backend: AttentionBackend | None = None
+    ) -> None:
+        torch.manual_seed(config.seed)
         self.config = config
         self.device = config.device
         self.args = read_model_args(config.model_path)
@@ -41,6 +58,11 @@ class ModelRunner:
         self.geometry = self._measure_geometry()
         self.kv_cache = torch.zeros(self.geometry.shape, dtype=self.dtype, device=self.device)
         self.model.bind_kv_cache(self.kv_cache)
+        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed), eos_token_ids)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.args.vocab_size
 
     def _kv_budget_bytes(self) -> int:
         spec = self.config.engine.kv_cache
@@ -70,14 +92,30 @@ class ModelRunner:
             bytes_per_block=per_block,
         )
 
-    def check_device(self) -> None:
+    def check_health(self) -> None:
         """Raise if the device can run no more work: a CUDA error stays with the process for good."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """One forward over every chunk; float32 logits ``[num_sampled, vocab]`` in chunk order."""
-        inputs = prepare_inputs(chunks, self.config.block_size, self.device)
+    def execute(self, plan: SchedulerOutput) -> list[StepResult]:
+        """The plan's block copies, one forward over every chunk, then a token per sampled chunk."""
+        if plan.block_copies:
+            sources, targets = zip(*plan.block_copies, strict=True)
+            self.kv_cache[:, :, list(targets)] = self.kv_cache[:, :, list(sources)]
+        inputs = prepare_inputs(plan.chunks, self.config.block_size, self.device)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
-        return self.model.compute_logits(hidden[inputs.sample_index])
+        logits = self.model.compute_logits(hidden[inputs.sample_index])
+        return self.sampler.sample(logits, [chunk.seq for chunk in plan.chunks if chunk.is_sampled])
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        return self.kv_cache[:, :, block_ids].cpu()
+
+    def write_blocks(self, block_ids: list[int | None], kv: torch.Tensor) -> None:
+        kept = [(row, block_id) for row, block_id in enumerate(block_ids) if block_id is not None]
+        if not kept:
+            return
+        rows, targets = [row for row, _ in kept], [block_id for _, block_id in kept]
+        # One indexed copy: a copy per block is ~20x slower.
+        source = kv if len(rows) == len(block_ids) else kv[:, :, rows]
+        self.kv_cache[:, :, targets] = source.to(self.kv_cache.device)

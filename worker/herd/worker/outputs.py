@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 __all__ = ["FinishReason", "RequestOutput", "TokenLogprob"]
@@ -36,7 +36,6 @@ class RequestOutput:
     num_cached_tokens: int
     num_output_tokens: int
     logprobs: list[TokenLogprob] | None = None
-    metrics: dict[str, float] = field(default_factory=dict)
     held_block_ids: list[int] | None = None
     """On the last output of a ``hold_prompt_blocks`` request: the prompt blocks still held."""
     error: str | None = None

@@ -3,7 +3,8 @@
 Order: penalties, logit bias and min_tokens masking edit the logits; greedy rows take the argmax;
 the others are divided by their temperature, filtered by top-k, top-p and min-p, and sampled with
 the exponential-race trick (``argmax(p / q)``, ``q ~ Exp(1)``) drawn from the sequence's own
-``torch.Generator`` when it has a seed, so its draws do not depend on the rest of the batch.
+``torch.Generator`` when it has a seed, so its draws do not depend on the rest of the batch. The
+sampler keeps those generators, made at a sequence's first draw and dropped with the sequence.
 Logprobs are those of the model's raw distribution, as in vLLM.
 
 A row is one request: an exception in its logit edits, its draw or its logprobs fails that row only,
@@ -13,22 +14,17 @@ draw, if it raises, is repeated one row at a time to find the row at fault (only
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Collection
-from dataclasses import dataclass
 
 import torch
 
 from herd.worker.logits_processors import edit_logits
 from herd.worker.outputs import TokenLogprob
+from herd.worker.runner import SampledToken, StepResult
 from herd.worker.sequence import Sequence
 
-__all__ = ["SampledToken", "Sampler", "filter_logits"]
-
-
-@dataclass(frozen=True)
-class SampledToken:
-    token_id: int
-    logprob: TokenLogprob | None
+__all__ = ["Sampler", "filter_logits"]
 
 
 def filter_logits(
@@ -52,16 +48,18 @@ class Sampler:
     def __init__(self, generator: torch.Generator, eos_token_ids: Collection[int]) -> None:
         self.generator = generator
         self.eos_token_ids = frozenset(eos_token_ids)
+        # Keyed by the sequence itself, so a finished sequence's generator goes with it.
+        self._seeded: weakref.WeakKeyDictionary[Sequence, torch.Generator] = weakref.WeakKeyDictionary()
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken | Exception]:
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[StepResult]:
         """One token per row of ``logits``, or the exception that failed that row's request."""
         raw_logprobs = (
             logits.log_softmax(dim=-1) if any(s.params.logprobs is not None for s in seqs) else None
         )
         failures = self._edit(logits, seqs)
         token_ids = self._choose_each(logits, seqs, failures)
-        tokens: list[SampledToken | Exception] = (
+        tokens: list[StepResult] = (
             [SampledToken(token_id, None) for token_id in token_ids]
             if raw_logprobs is None
             else [
@@ -102,7 +100,7 @@ class Sampler:
             return -1
 
     @staticmethod
-    def _token(raw: torch.Tensor, row: int, token_id: int, seq: Sequence) -> SampledToken | Exception:
+    def _token(raw: torch.Tensor, row: int, token_id: int, seq: Sequence) -> StepResult:
         try:
             return SampledToken(token_id, _logprob(raw, row, token_id, seq.params.logprobs))
         except Exception as error:
@@ -116,9 +114,20 @@ class Sampler:
         sampled = [seqs[row] for row in rows]
         probs = self._probs(logits[rows], sampled)
         for index, (row, seq) in enumerate(zip(rows, sampled, strict=True)):
-            race = torch.empty_like(probs[index]).exponential_(generator=seq.generator or self.generator)
+            race = torch.empty_like(probs[index]).exponential_(generator=self._generator(seq))
             chosen[row] = (probs[index] / race).argmax()
         return chosen
+
+    def _generator(self, seq: Sequence) -> torch.Generator:
+        """The sequence's own generator when it has a seed, else the shared one."""
+        seed = seq.params.seed
+        if seed is None:
+            return self.generator
+        generator = self._seeded.get(seq)
+        if generator is None:
+            generator = torch.Generator(device=self.generator.device).manual_seed(seed)
+            self._seeded[seq] = generator
+        return generator
 
     @staticmethod
     def _probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -7,7 +7,7 @@ freed and it returns to the head of the queue to be recomputed later), until the
 Then waiting sequences are admitted in order while budget, blocks and ``max_batch_size`` allow,
 each starting after its prefix-cache hit; a long prompt takes what budget is left and continues in
 later steps. No admission happens in a step that preempted, so a preempted sequence cannot bounce
-straight back. The plan is a ``SchedulerOutput``; the model runner executes it and ``update`` then
+straight back. The plan is a ``SchedulerOutput``; the engine's runner executes it and ``update`` then
 advances every scheduled sequence. Cost: linear in the number of running and admitted sequences.
 """
 
@@ -40,7 +40,14 @@ class ScheduledChunk:
 
 @dataclass
 class SchedulerOutput:
+    """One step's plan: the chunks to run and the KV block copies a runner makes before them.
+
+    ``block_copies`` lists ``(src, dst)`` block ids; nothing plans one yet: it is where KV tiers
+    will plan their swaps, so that a runner copies and computes in the same step.
+    """
+
     chunks: list[ScheduledChunk] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     num_cache_queries: int = 0
     num_cache_hits: int = 0

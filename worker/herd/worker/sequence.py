@@ -5,8 +5,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 from herd.api.kv_hash import BlockHash
 from herd.worker.outputs import FinishReason, TokenLogprob
 from herd.worker.sampling_params import SamplingParams
@@ -34,8 +32,6 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     root_hash: BlockHash
-    arrival_time: float = 0.0
-    generator: torch.Generator | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)

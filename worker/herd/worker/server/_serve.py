@@ -24,7 +24,7 @@ from fastapi import FastAPI
 
 from herd.worker.async_engine import AsyncEngine, EngineCore
 from herd.worker.config import EngineConfig
-from herd.worker.engine import LLMEngine
+from herd.worker.model_runner import torch_engine
 from herd.worker.server._disagg_setup import attach_disaggregation
 from herd.worker.server._internal import build_internal_app
 from herd.worker.server._public import PublicOptions, build_public_app
@@ -57,7 +57,7 @@ class _Server(uvicorn.Server):
 
 def serve(config: EngineConfig, options: ServeOptions) -> int:
     """Run the worker until it is drained; returns the process exit code."""
-    return uvloop.run(_serve(lambda: LLMEngine(config), config.served_name, options))
+    return uvloop.run(_serve(lambda: torch_engine(config), config.served_name, options))
 
 
 async def _serve(factory: Callable[[], EngineCore], served_name: str, options: ServeOptions) -> int:
