@@ -21,12 +21,17 @@ REFERENCE_GREEDY = SamplingParams(max_tokens=32, min_tokens=32, temperature=0.0,
 
 def make_engine(path: Path, *, num_blocks: int | None = None, **engine: Any) -> LLMEngine:
     """An engine on ``path``; ``num_blocks`` sizes the KV pool exactly (default: 64 MiB)."""
+    return torch_engine(make_config(path, num_blocks=num_blocks, **engine))
+
+
+def make_config(path: Path, *, num_blocks: int | None = None, **engine: Any) -> EngineConfig:
+    """The CPU engine configuration ``make_engine`` runs."""
     kv_cache = dict(engine.pop("kvCache", {}))
     if num_blocks is not None:
         kv_cache["memoryGiB"] = num_blocks * _bytes_per_block(path, kv_cache.get("blockSize", 16)) / 2**30
     kv_cache.setdefault("memoryGiB", 1 / 16)
     spec = {"device": "cpu", "kvCache": kv_cache, **engine}
-    return torch_engine(EngineConfig(model_path=path, served_name="test-model", engine=spec))  # type: ignore[arg-type]
+    return EngineConfig(model_path=path, served_name="test-model", engine=spec)  # type: ignore[arg-type]
 
 
 def _bytes_per_block(path: Path, block_size: int) -> int:

@@ -1,0 +1,177 @@
+"""The cost-model runner: herd's real engine (scheduler, block manager, prefix cache, KV events)
+stepping without a model.
+
+A step costs ``step_ms + token_ms x scheduled tokens`` of time, spent on a clock: a
+``VirtualClock`` only adds it up (a simulation runs as fast as the engine plans, deterministically),
+a ``SleepingClock`` sleeps it (a simulated worker process that answers in real time). The sampled
+token of a sequence is a hash of the runner's seed, its prompt (with the cache salt and model that
+its root hash carries) and its position, so equal prompts continue alike, as under greedy decoding;
+never one of
+``avoid_token_ids`` (the stop tokens), unless ``eos_after`` asks for a stop token after that many
+output tokens. The KV pool is block ids only: the block manager hands them out as for a real pool;
+``read_blocks`` answers zeros of the geometry's shape (a placeholder of the right layout, so a KV
+frame encodes) and ``write_blocks`` checks that shape and keeps nothing; block copies are no-ops.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import weakref
+from array import array
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from herd.api.prompt import PromptRenderer
+from herd.worker.cache_geometry import CacheGeometry, bytes_per_block
+from herd.worker.config import EngineConfig
+from herd.worker.engine import LLMEngine
+from herd.worker.loader import read_model_args
+from herd.worker.outputs import TokenLogprob
+from herd.worker.runner import SampledToken, StepResult
+from herd.worker.scheduler import SchedulerOutput
+from herd.worker.sequence import Sequence
+
+__all__ = ["Clock", "CostModel", "SimulatedRunner", "SleepingClock", "VirtualClock", "simulated_engine"]
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """What one step costs: a fixed part and a part per scheduled token. The defaults are near
+    SmolLM2-135M in fp32 on one CPU thread (a 300-token prefill about 0.5 s, a decode step 60 ms)."""
+
+    step_ms: float = 60.0
+    token_ms: float = 1.5
+
+    def step_seconds(self, num_tokens: int) -> float:
+        return (self.step_ms + self.token_ms * num_tokens) / 1000.0
+
+
+class Clock(Protocol):
+    def advance(self, seconds: float) -> None: ...
+
+
+@dataclass
+class VirtualClock:
+    """Simulated seconds; a discrete-event simulation sets ``now`` to an event's time before a step."""
+
+    now: float = 0.0
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class SleepingClock:
+    """Real time: a step takes as long as the cost model says."""
+
+    def advance(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
+class SimulatedRunner:
+    """A ``Runner`` that spends a modelled time per step and samples deterministic tokens."""
+
+    def __init__(
+        self,
+        geometry: CacheGeometry,
+        vocab_size: int,
+        *,
+        cost: CostModel | None = None,
+        clock: Clock | None = None,
+        avoid_token_ids: Collection[int] = (),
+        eos_after: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.geometry = geometry
+        self.vocab_size = vocab_size
+        self.cost = cost or CostModel()
+        self.clock = clock or VirtualClock()
+        self.eos_after = eos_after
+        self._seed = seed.to_bytes(8, "little", signed=True)
+        self._prompt_keys: weakref.WeakKeyDictionary[Sequence, bytes] = weakref.WeakKeyDictionary()
+        self._avoid = sorted(set(avoid_token_ids))
+        avoided = set(self._avoid)
+        self._allowed = [token_id for token_id in range(vocab_size) if token_id not in avoided]
+
+    def execute(self, plan: SchedulerOutput) -> list[StepResult]:
+        """Spend the plan's cost on the clock; one token per sampled chunk. ``block_copies`` move
+        no data: the pool holds none."""
+        self.clock.advance(self.cost.step_seconds(plan.num_tokens))
+        return [self._sample(chunk.seq) for chunk in plan.chunks if chunk.is_sampled]
+
+    def _sample(self, seq: Sequence) -> SampledToken:
+        position = seq.num_output_tokens
+        if self.eos_after is not None and position >= self.eos_after and self._avoid:
+            token_id = self._avoid[0]
+        else:
+            digest = hashlib.blake2b(
+                self._prompt_key(seq), digest_size=8, salt=position.to_bytes(16, "little")
+            ).digest()
+            token_id = self._allowed[int.from_bytes(digest, "little") % len(self._allowed)]
+        num_top = seq.params.logprobs
+        logprob = None if num_top is None else TokenLogprob(token_id, 0.0, ((token_id, 0.0),)[:num_top])
+        return SampledToken(token_id, logprob)
+
+    def _prompt_key(self, seq: Sequence) -> bytes:
+        """The seed and the prompt hashed once per sequence (a key dropped with the sequence)."""
+        key = self._prompt_keys.get(seq)
+        if key is None:
+            prompt = array("q", seq.prompt_token_ids).tobytes()
+            key = hashlib.blake2b(seq.root_hash.to_bytes(8, "little") + prompt, key=self._seed).digest()
+            self._prompt_keys[seq] = key
+        return key
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        return torch.zeros(self._shape(len(block_ids)), dtype=self.geometry.dtype)
+
+    def write_blocks(self, block_ids: list[int | None], kv: torch.Tensor) -> None:
+        expected = self._shape(len(block_ids))
+        if tuple(kv.shape) != expected:
+            raise ValueError(f"KV blocks of shape {tuple(kv.shape)} do not fit this pool's {expected}")
+
+    def _shape(self, num_blocks: int) -> tuple[int, ...]:
+        layers, kv, _, block_size, heads, head_dim = self.geometry.shape
+        return (layers, kv, num_blocks, block_size, heads, head_dim)
+
+    def check_health(self) -> None:
+        """Nothing can break: there is no device."""
+
+
+def simulated_engine(
+    config: EngineConfig,
+    *,
+    num_blocks: int,
+    cost: CostModel | None = None,
+    clock: Clock | None = None,
+    renderer: PromptRenderer | None = None,
+) -> LLMEngine:
+    """herd's engine on a cost-model runner with a pool of ``num_blocks`` blocks.
+
+    Only the model folder's ``config.json`` is read (the KV layout and vocabulary the worker
+    announces are the real model's) and its tokenizer, unless ``renderer`` is given (a simulation
+    of many workers may share one); no weights are loaded.
+    """
+    args = read_model_args(config.model_path)
+    dtype = config.resolve_dtype(args.checkpoint_dtype)
+    geometry = CacheGeometry(
+        num_blocks=num_blocks,
+        block_size=config.block_size,
+        num_layers=args.num_layers,
+        num_kv_heads=args.num_kv_heads,
+        head_dim=args.head_dim,
+        dtype=dtype,
+        bytes_per_block=bytes_per_block(args, config.block_size, dtype),
+    )
+    renderer = renderer or PromptRenderer.from_pretrained(config.model_path)
+    runner = SimulatedRunner(
+        geometry,
+        args.vocab_size,
+        cost=cost,
+        clock=clock,
+        avoid_token_ids=renderer.eos_token_ids,
+        seed=config.seed,
+    )
+    return LLMEngine(config, runner, renderer)
