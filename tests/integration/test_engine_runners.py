@@ -121,3 +121,19 @@ def test_a_simulated_engine_announces_the_real_models_layout(tiny_llama: Path) -
     assert simulated.runner.geometry == CacheGeometry(**{**vars(real.geometry), "num_blocks": 99})
     assert simulated.vocab_size == real.vocab_size
     assert simulated.info.model == "test-model" and simulated.info.num_layers == real.geometry.num_layers
+
+
+def test_the_torch_runner_copies_the_plans_blocks_before_its_forward(tiny_llama: Path) -> None:
+    config = make_config(tiny_llama, num_blocks=8)
+    runner = TorchRunner(config, ())
+    engine = LLMEngine(config, runner, PromptRenderer.from_pretrained(tiny_llama))
+    kv = torch.randn(runner.read_blocks([1]).shape)
+    runner.write_blocks([None, 1], torch.cat([torch.zeros_like(kv), kv], dim=2))
+    engine.add_request("r", PROMPTS[0], PARAMS)
+    plan = engine.scheduler.schedule()
+    assert 1 in plan.chunks[0].seq.block_table and 7 not in plan.chunks[0].seq.block_table
+    plan.block_copies.append((1, 7))
+    [token] = runner.execute(plan)
+    assert not isinstance(token, Exception)
+    assert torch.equal(runner.read_blocks([7]), kv)  # copied before the forward wrote block 1
+    assert not torch.equal(runner.read_blocks([1]), kv)
