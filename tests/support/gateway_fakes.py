@@ -19,7 +19,7 @@ from fastapi import FastAPI
 
 from herd.api.crd import RoundRobinRouting, RoutingSpec
 from herd.api.openai import ErrorResponse
-from herd.api.protocol import KVEvent, KVEventBatch, KVSnapshot, LoadReport
+from herd.api.protocol import INTERNAL_PATHS, KVEvent, KVEventBatch, KVSnapshot, LoadReport, Role
 from herd.orchestrator.app import AppSettings, build_app
 from herd.orchestrator.discovery import ModelConfig, StaticSource, WorkerEndpoint
 from herd.orchestrator.registry import RegistrySettings
@@ -51,6 +51,7 @@ class FakeStream(httpx.AsyncByteStream):
 @dataclass(eq=False)
 class FakeWorker:
     id: str
+    role: Role = "unified"
     is_up: bool = True
     is_ready: bool = True
     status: int = 200
@@ -65,6 +66,12 @@ class FakeWorker:
     events: list[KVEvent] = field(default_factory=list)
     snapshot_blocks: list[int] = field(default_factory=list)
     is_kv_broken: bool = False
+    prefill_delay: float = 0.0
+    """How long ``/internal/prefill`` takes to answer (a prefill in progress)."""
+    prefills: list[dict[str, object]] = field(default_factory=list)
+    """The bodies ``/internal/prefill`` received."""
+    requests: list[dict[str, object]] = field(default_factory=list)
+    """The bodies the public routes received."""
     num_requests: int = 0
     num_snapshots: int = 0
     num_streams_closed: int = 0
@@ -75,7 +82,7 @@ class FakeWorker:
 
     @property
     def endpoint(self) -> WorkerEndpoint:
-        return WorkerEndpoint(self.id, MODEL, self.url, f"http://{self.id}.internal", "unified")
+        return WorkerEndpoint(self.id, MODEL, self.url, f"http://{self.id}.internal", self.role)
 
     def handle(self, request: httpx.Request) -> httpx.Response:
         if not self.is_up:
@@ -90,12 +97,15 @@ class FakeWorker:
             raise httpx.RemoteProtocolError(
                 "Server disconnected without sending a response.", request=request
             )
-        return self._completion(json.loads(request.content))
+        self.requests.append(json.loads(request.content))
+        return self._completion(self.requests[-1])
 
     def _internal(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
         if path == "/internal/load":
             return httpx.Response(200, content=self.load.model_dump_json())
+        if path == INTERNAL_PATHS.prefill:
+            return self._prefill(json.loads(request.content))
         if self.is_kv_broken:
             return httpx.Response(500)
         if path == "/internal/kv/snapshot":
@@ -106,6 +116,14 @@ class FakeWorker:
         after = int(request.url.params.get("after", "0"))
         batch = KVEventBatch(epoch=self.epoch, events=[event for event in self.events if event.seq > after])
         return httpx.Response(200, content=batch.model_dump_json())
+
+    def _prefill(self, payload: dict[str, object]) -> httpx.Response:
+        """A prefill's ``kv_transfer_params`` after ``prefill_delay`` (the body's halves apart)."""
+        self.prefills.append(payload)
+        params = {"do_remote_prefill": True, "remote_host": f"{self.id}.internal", "remote_port": 80}
+        body = json.dumps({**params, "remote_request_id": f"prefill-{len(self.prefills)}"}).encode()
+        stream = FakeStream([body[:1], body[1:]], delay=self.prefill_delay, fail_after=None, worker=self)
+        return httpx.Response(200, headers={"content-type": "application/json"}, stream=stream)
 
     def _completion(self, payload: dict[str, object]) -> httpx.Response:
         if self.status != 200:

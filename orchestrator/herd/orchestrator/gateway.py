@@ -2,16 +2,22 @@
 
 1. The body is parsed with its route's OpenAI wire model (``herd.orchestrator.validation``). A model
    that routes by tokens, or serves disaggregated, has its prompt rendered, tokenized, length-checked
-   against maxModelLen and hashed. A body of ``inline_prepare_bytes`` or more is parsed and tokenized
-   on a small thread pool, so a multi-MB prompt never stalls the event loop (tokenization releases
-   the GIL); a smaller one costs less inline than the hop to a thread.
-2. A request is retried on another worker (up to ``max_attempts`` distinct workers) only when it
+   against maxModelLen and hashed, once: a disaggregated request carries those ids and hashes to its
+   prefill and decode workers (``herd.orchestrator.disagg``). A body of ``inline_prepare_bytes`` or
+   more is parsed and tokenized on a small thread pool, so a multi-MB prompt never stalls the event
+   loop (tokenization releases the GIL); a smaller one costs less inline than the hop to a thread.
+2. The session's pin is read, then ``decide`` (``herd.orchestrator.routing.decision``) makes the
+   whole choice and ``_route`` applies it in the same synchronous step: every chosen worker (decode
+   and prefill) is counted in flight by a ``Hold`` before anything is awaited, and its blocks are
+   expected in the KV index. The pin is written after (a replica that claimed the session first
+   wins: the request is then routed again with that pin).
+3. A request is retried on another worker (up to ``max_attempts`` distinct workers) only when it
    never reached an engine: its connection failed before any byte of an answer (``NotAnsweredError``:
    refused, reset, closed; the worker is also ejected at once), or the worker answered 429 or 503
    with ``Retry-After`` (full or draining). Anything else (a 500, a 4xx, a 502 or 504, a 503 without
    ``Retry-After``, a timeout, a failure after the first byte) goes back to the client in the OpenAI
    envelope: a request that broke one worker is never handed to the next.
-3. Every attempt's outcome feeds the worker's circuit breaker (``Registry.end``), which stops routing
+4. Every attempt's outcome feeds the worker's circuit breaker (``Hold.release``), which stops routing
    to a worker whose requests keep failing.
 
 When every healthy worker is at its in-flight limit, or every attempt got 429, the client gets 429
@@ -21,6 +27,7 @@ with ``Retry-After``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -38,12 +45,12 @@ from herd.api.openai import ErrorResponse, LengthError
 from herd.api.prompt import PromptError
 from herd.api.protocol import REQUEST_ID_HEADER, WORKER_HEADER, is_valid_request_id
 from herd.orchestrator.breaker import Outcome, answer_outcome
-from herd.orchestrator.disagg import Handoff, TwoPhase
+from herd.orchestrator.disagg import Handoff, TwoPhase, handed_body
 from herd.orchestrator.errors import GatewayError
 from herd.orchestrator.model_metrics import ModelMetrics
 from herd.orchestrator.proxy import RelayResponse, StreamEnd
-from herd.orchestrator.registry import Registry
-from herd.orchestrator.routing import RequestContext, WorkerView, healthy
+from herd.orchestrator.registry import Hold, Registry
+from herd.orchestrator.routing import Decision, RequestContext, UnroutableError, WorkerView, decide, pin_key
 from herd.orchestrator.served import RendererUnavailableError, ServedModel
 from herd.orchestrator.state import State
 from herd.orchestrator.telemetry import Telemetry
@@ -94,9 +101,8 @@ class _Request:
     body: bytes
     is_stream: bool
     ctx: RequestContext
+    payload: dict[str, Any]
     started: float = field(default_factory=time.perf_counter)
-    preferred_worker_id: str | None = None
-    """Tried first when open (the decode worker a disaggregated plan paired with its prefill)."""
     prefill_seconds: float | None = None
     handoff: Handoff | None = None
 
@@ -105,6 +111,24 @@ class _Request:
         """The client's ``X-Request-Id``, passed on when the worker would use it as given."""
         value = self.ctx.headers.get(REQUEST_ID_HEADER)
         return value if value is not None and is_valid_request_id(value) else None
+
+
+@dataclass(eq=False)
+class _Route:
+    """A decision applied: its workers counted in flight until their holds are released."""
+
+    decision: Decision
+    hold: Hold
+    prefill_hold: Hold | None
+
+    @property
+    def worker(self) -> WorkerView:
+        return self.decision.worker
+
+    def release(self, outcome: Outcome) -> None:
+        self.hold.release(outcome)
+        if self.prefill_hold is not None:
+            self.prefill_hold.release(outcome)
 
 
 class _NotServedError(Exception):
@@ -148,11 +172,10 @@ class Gateway:
         parsed = await self._prepare(len(body), parse_request, path, body)
         served = self._served(parsed.request.model)
         ctx = await self._context(served, parsed, headers, len(body))
-        request = _Request(served, self._metrics_of(served), path, body, parsed.request.stream, ctx)
+        metrics = self._metrics_of(served)
+        request = _Request(served, metrics, path, body, parsed.request.stream, ctx, parsed.payload)
         request.metrics.in_flight.inc()
         try:
-            if served.config.mode == "disaggregated":
-                await self._hand_off(request, parsed.payload)
             return await self._attempt(request)
         except BaseException as error:
             self._count(request, "", error.status if isinstance(error, GatewayError) else 500, None)
@@ -172,14 +195,6 @@ class Gateway:
             metrics = self._metrics[served.name] = ModelMetrics(self.telemetry, served.name)
         return metrics
 
-    async def _hand_off(self, request: _Request, payload: dict[str, Any]) -> None:
-        """Run the prefill phase of a disaggregated model; the decode phase is the usual attempt."""
-        handoff = await self.disagg.plan(request.served, request.ctx, payload, request.body)
-        request.body, request.preferred_worker_id = handoff.body, handoff.decode_worker_id
-        request.handoff = handoff
-        if handoff.path == "remote_prefill":
-            request.prefill_seconds = handoff.prefill_seconds
-
     def _served(self, model: str) -> ServedModel:
         served = self.registry.models.get(model)
         if served is None:
@@ -198,7 +213,7 @@ class Gateway:
         session_key = headers.get(served.session_header)
         pinned = None
         if served.strategy.pins_sessions and session_key:
-            pinned = await self.state.get_pin(_pin_key(served, session_key))
+            pinned = await self.state.get_pin(pin_key(served.name, session_key))
         return RequestContext(
             model=served.name,
             token_ids=token_ids,
@@ -230,79 +245,115 @@ class Gateway:
 
     async def _attempt(self, request: _Request) -> Response:
         tried: set[str] = set()
-        error = GatewayError(503, "no worker could serve the request; retry shortly")
+        error: GatewayError | None = None
         for _ in range(self.settings.max_attempts):
-            worker = await self._choose(request, tried)
-            tried.add(worker.id)
-            self.registry.begin(worker.id)
             try:
-                return await self._respond(request, worker)
+                route = await self._routed(request, tried)
+            except UnroutableError as refusal:
+                if error is not None and refusal.reason == "no_healthy_worker":
+                    raise error from None  # every worker was tried: the last one's answer stands
+                raise self._refused(request.served, refusal) from None
+            tried.add(route.worker.id)
+            try:
+                return await self._serve(request, route)
             except _NotServedError as not_served:
-                self.registry.end(worker.id, not_served.outcome)
+                route.release(not_served.outcome)
                 request.metrics.retries.inc()
                 error = not_served.error
             except GatewayError:
-                self.registry.end(worker.id, "failure")
+                route.release("failure")
                 raise
             except BaseException:
-                self.registry.end(worker.id, "none")
+                route.release("none")
                 raise
-            if not self._candidates(request, tried):
-                break
+        assert error is not None
         raise error
 
-    def _candidates(self, request: _Request, tried: set[str]) -> list[WorkerView]:
-        views = healthy(self.registry.views(request.served.name))
-        return [view for view in views if view.id not in tried]
+    async def _routed(self, request: _Request, tried: set[str]) -> _Route:
+        """The request's route, counted (``_route``), then its session pin written."""
+        route = self._route(request, tried)
+        try:
+            return await self._pin(request, route, tried)
+        except BaseException:
+            route.release("none")
+            raise
 
-    async def _choose(self, request: _Request, tried: set[str]) -> WorkerView:
-        served = request.served
-        candidates = self._candidates(request, tried)
-        if not candidates:
-            raise GatewayError(
-                503,
-                f"model {served.name!r} has no healthy worker right now; retry shortly",
-                headers={"Retry-After": str(self.settings.retry_after_seconds)},
-            )
-        limit = served.config.max_in_flight_per_worker
-        open_workers = [view for view in candidates if not limit or view.num_in_flight < limit]
-        if not open_workers:
-            raise self._busy(served)
-        if preferred := next((view for view in open_workers if view.id == request.preferred_worker_id), None):
-            return preferred
+    def _route(self, request: _Request, tried: set[str]) -> _Route:
+        """Decide and apply the decision in one synchronous step: nothing awaits between the choice
+        and the in-flight counts, so the next request's decision sees them."""
+        served, ctx = request.served, request.ctx
+        if tried:
+            ctx = dataclasses.replace(ctx, excluded=frozenset(tried))
         started = time.perf_counter()
-        choice = served.strategy.select(open_workers, request.ctx)
+        decision = decide(served, self.registry.all_views(served.name), ctx)
         request.metrics.decision.observe(time.perf_counter() - started)
-        if choice is None:
-            raise self._busy(served)
-        if request.ctx.block_hashes:
-            num_hits = served.kv_index.match(request.ctx.block_hashes).get(choice.id, 0)
-            request.metrics.cache_hit_blocks.observe(num_hits)
-            served.kv_index.expect(choice.id, request.ctx.block_hashes)
-        return await self._pin(request, choice, open_workers)
-
-    async def _pin(self, request: _Request, choice: WorkerView, workers: list[WorkerView]) -> WorkerView:
-        """Record the session's worker; a replica that pinned the session first wins the race."""
-        ctx, served = request.ctx, request.served
-        if not (served.strategy.pins_sessions and ctx.session_key):
-            return choice
-        key, ttl = (
-            _pin_key(served, ctx.session_key),
-            getattr(served.config.routing, "session_ttl_seconds", 3600),
+        hold = self.registry.hold(decision.worker.id)
+        prefill = decision.prefill
+        prefill_hold = (
+            None
+            if prefill is None
+            else self.registry.hold(prefill.id, num_prefill_tokens=decision.num_prefill_tokens)
         )
-        if ctx.pinned_worker_id is None:
-            winner = await self.state.claim_pin(key, choice.id, ttl)
-            return next((view for view in workers if view.id == winner), choice)
-        await self.state.set_pin(key, choice.id, ttl)
-        return choice
+        if decision.expected_blocks:
+            request.metrics.cache_hit_blocks.observe(decision.num_cached_blocks)
+            for worker in (decision.worker, prefill):
+                if worker is not None:
+                    served.kv_index.expect(worker.id, decision.expected_blocks)
+        return _Route(decision, hold, prefill_hold)
+
+    async def _pin(self, request: _Request, route: _Route, tried: set[str]) -> _Route:
+        """Write the session's pin; when another replica claimed the session first, route again to its
+        worker (the claim's winner wins the race)."""
+        pin = route.decision.pin
+        if pin is None:
+            return route
+        if not pin.is_claim:
+            await self.state.set_pin(pin.key, pin.worker_id, pin.ttl_seconds)
+            return route
+        winner = await self.state.claim_pin(pin.key, pin.worker_id, pin.ttl_seconds)
+        if winner == pin.worker_id:
+            return route
+        route.release("none")
+        request.ctx = dataclasses.replace(request.ctx, pinned_worker_id=winner)
+        return self._route(request, tried)
+
+    async def _serve(self, request: _Request, route: _Route) -> Response:
+        """The prefill phase of a disaggregated request first (once), then the worker's answer."""
+        if request.served.config.mode == "disaggregated" and not request.ctx.is_prefilled:
+            await self._hand_off(request, route.prefill_hold)
+            request.ctx = dataclasses.replace(request.ctx, is_prefilled=True)
+        return await self._respond(request, route.worker, route.hold)
+
+    async def _hand_off(self, request: _Request, prefill: Hold | None) -> None:
+        """Prefill on the decision's prefill worker, or hand the prompt ids to the decode worker."""
+        handoff = None
+        if prefill is not None:
+            handoff = await self.disagg.prefill(request.served, request.ctx, request.payload, prefill)
+        if handoff is not None:
+            request.body, request.prefill_seconds, request.handoff = (
+                handoff.body,
+                handoff.prefill_seconds,
+                handoff,
+            )
+        elif request.ctx.token_ids:
+            request.body = handed_body(request.payload, request.ctx, {})
+
+    def _refused(self, served: ServedModel, refusal: UnroutableError) -> GatewayError:
+        if refusal.reason == "at_capacity":
+            return self._busy(served)
+        return GatewayError(
+            503,
+            f"model {served.name!r} has no healthy worker right now; retry shortly",
+            headers={"Retry-After": str(self.settings.retry_after_seconds)},
+        )
 
     def _busy(self, served: ServedModel) -> GatewayError:
         retry_after = str(self.settings.retry_after_seconds)
         message = f"every worker of model {served.name!r} is at capacity; retry after {retry_after}s"
         return GatewayError(429, message, headers={"Retry-After": retry_after})
 
-    async def _respond(self, request: _Request, worker: WorkerView) -> Response:
-        """The worker's answer; it ends the worker's count (``_finish``) exactly when it returns."""
+    async def _respond(self, request: _Request, worker: WorkerView, hold: Hold) -> Response:
+        """The worker's answer; it releases the worker's ``hold`` exactly when the answer ends."""
         upstream = await self._open(request, worker)
         headers = {WORKER_HEADER: worker.id}
         if request.is_stream and upstream.status_code == httpx.codes.OK:
@@ -313,7 +364,7 @@ class Gateway:
             return RelayResponse(
                 upstream,
                 headers=headers,
-                on_done=lambda ending: self._stream_done(request, worker.id, ending, ttft),
+                on_done=lambda ending: self._stream_done(request, hold, ending, ttft),
             )
         try:
             content = await upstream.read_rest()
@@ -326,7 +377,7 @@ class Gateway:
         if status >= 400:
             content, headers["content-type"] = _enveloped(content, status, worker.id), "application/json"
         outcome = answer_outcome(status, has_retry_after="retry-after" in upstream.headers)
-        self._finish(request, worker.id, status, None, outcome)
+        self._finish(request, hold, status, None, outcome)
         return Response(content, status, headers=headers)
 
     async def _open(self, request: _Request, worker: WorkerView) -> Upstream:
@@ -362,15 +413,15 @@ class Gateway:
         message = f"worker {worker.id} is draining or not ready; retry after {retry_after}s"
         return GatewayError(503, message, headers={"Retry-After": retry_after})
 
-    def _stream_done(self, request: _Request, worker_id: str, ending: StreamEnd, ttft: float) -> None:
+    def _stream_done(self, request: _Request, hold: Hold, ending: StreamEnd, ttft: float) -> None:
         status, outcome = _STREAM_ENDS[ending]
-        self._finish(request, worker_id, status, ttft, outcome)
+        self._finish(request, hold, status, ttft, outcome)
 
     def _finish(
-        self, request: _Request, worker_id: str, status: int, ttft: float | None, outcome: Outcome
+        self, request: _Request, hold: Hold, status: int, ttft: float | None, outcome: Outcome
     ) -> None:
-        self.registry.end(worker_id, outcome)
-        self._count(request, worker_id, status, ttft)
+        hold.release(outcome)
+        self._count(request, hold.worker_id, status, ttft)
 
     def _count(self, request: _Request, worker_id: str, status: int, ttft: float | None) -> None:
         metrics = request.metrics
@@ -401,7 +452,3 @@ def _enveloped(content: bytes, status: int, worker_id: str) -> bytes:
         return content
     message = f"worker {worker_id} answered {status} without an OpenAI error body; retry the request"
     return json.dumps(ErrorResponse.of(status, message).model_dump()).encode()
-
-
-def _pin_key(served: ServedModel, session_key: str) -> str:
-    return f"{served.name}:{session_key}"

@@ -7,8 +7,9 @@ with it, and the dashboard and the predicted-hit metric show it for any strategy
 re-admission makes the next poll fetch a snapshot. KV payloads go through ``State.publish_kv`` so
 that with Redis every replica's index receives them; ``receive_kv`` applies them here. A proxy
 error ejects a worker at once (``report_failure``) instead of waiting for the next poll. Beside the
-polling, each worker's ``CircuitBreaker`` hears the outcome of every request sent to it (``begin`` /
-``end``) and stops routing to a worker whose requests keep failing even while its ``/ready`` says yes.
+polling, each worker's ``CircuitBreaker`` hears the outcome of every request sent to it (a ``Hold``,
+taken when the request is routed there and released with its outcome) and stops routing to a worker
+whose requests keep failing even while its ``/ready`` says yes.
 A new KV epoch is a restarted worker process: it is counted (``on_restart``) and its breaker closed.
 A model that needs token ids but has no local folder gets its tokenizer from its first healthy
 worker (``TokenizerFetcher``).
@@ -22,6 +23,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from types import TracebackType
 
 import httpx
 
@@ -34,7 +36,7 @@ from herd.orchestrator.state import KVPayload, State
 from herd.orchestrator.tokenizer_fetch import TokenizerFetcher
 from herd.orchestrator.worker_client import WorkerClient
 
-__all__ = ["Registry", "RegistrySettings", "WorkerState"]
+__all__ = ["Hold", "Registry", "RegistrySettings", "WorkerState"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,7 @@ class WorkerState:
     is_healthy: bool = False
     num_failures: int = 0
     num_in_flight: int = 0
+    num_prefill_tokens_in_flight: int = 0
     report: LoadReport = field(default_factory=LoadReport)
     needs_snapshot: bool = True
     task: asyncio.Task[None] | None = None
@@ -69,6 +72,7 @@ class WorkerState:
             url=self.endpoint.url,
             role=self.endpoint.role,
             num_in_flight=self.num_in_flight,
+            num_prefill_tokens_in_flight=self.num_prefill_tokens_in_flight,
             num_running=report.num_running,
             num_waiting=report.num_waiting,
             num_waiting_prefill_tokens=report.num_waiting_prefill_tokens,
@@ -120,25 +124,29 @@ class Registry:
         return [worker for worker in self.workers.values() if worker.endpoint.model == model]
 
     def views(self, model: str) -> list[WorkerView]:
-        """Views of the model's workers; a disaggregated model offers only its decode pool for now."""
-        served = self.models[model]
-        workers = self.model_workers(model)
-        if served.config.mode == "disaggregated":
-            workers = [worker for worker in workers if worker.endpoint.role == "decode"]
-        now = time.monotonic()
-        return [worker.view(now) for worker in workers]
+        """Views of the workers that answer the model's clients (a disaggregated model's decode pool)."""
+        role = "decode" if self.models[model].config.mode == "disaggregated" else "unified"
+        return [view for view in self.all_views(model) if view.role == role]
 
-    def begin(self, worker_id: str) -> None:
-        """A request goes to the worker (in the breaker's half-open state, it is the probe)."""
+    def all_views(self, model: str) -> list[WorkerView]:
+        """Views of every worker of the model, both pools of a disaggregated one (what ``decide`` takes)."""
+        now = time.monotonic()
+        return [worker.view(now) for worker in self.model_workers(model)]
+
+    def hold(self, worker_id: str, *, num_prefill_tokens: int = 0) -> Hold:
+        """Count a request routed to the worker now (in the breaker's half-open state, it is the probe);
+        the returned ``Hold`` releases it."""
         if (worker := self.workers.get(worker_id)) is not None:
             worker.num_in_flight += 1
+            worker.num_prefill_tokens_in_flight += num_prefill_tokens
             worker.breaker.on_send(time.monotonic())
+        return Hold(self, worker_id, num_prefill_tokens)
 
-    def end(self, worker_id: str, outcome: Outcome) -> None:
-        """The request ``begin`` counted is over; its ``outcome`` feeds the worker's breaker."""
+    def _release(self, worker_id: str, num_prefill_tokens: int, outcome: Outcome) -> None:
         if (worker := self.workers.get(worker_id)) is None:
             return
         worker.num_in_flight = max(0, worker.num_in_flight - 1)
+        worker.num_prefill_tokens_in_flight = max(0, worker.num_prefill_tokens_in_flight - num_prefill_tokens)
         breaker = worker.breaker
         was_closed = breaker.state(now := time.monotonic()) == "closed"
         breaker.record(outcome, now)
@@ -280,3 +288,34 @@ class Registry:
             if self.on_restart is not None:
                 self.on_restart(worker)
         worker.epoch = epoch
+
+
+class Hold:
+    """One request's count on one worker, taken by ``Registry.hold`` at the moment of choice.
+
+    ``release`` ends it exactly once (later calls do nothing) and feeds the outcome to the worker's
+    breaker. As a context manager it releases with ``"none"`` whatever was not released in the block,
+    so no path out of a request, a cancellation included, leaves a worker counted.
+    """
+
+    def __init__(self, registry: Registry, worker_id: str, num_prefill_tokens: int) -> None:
+        self.worker_id = worker_id
+        self._registry: Registry | None = registry
+        self._num_prefill_tokens = num_prefill_tokens
+
+    @property
+    def is_held(self) -> bool:
+        return self._registry is not None
+
+    def release(self, outcome: Outcome) -> None:
+        registry, self._registry = self._registry, None
+        if registry is not None:
+            registry._release(self.worker_id, self._num_prefill_tokens, outcome)
+
+    def __enter__(self) -> Hold:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        self.release("none")

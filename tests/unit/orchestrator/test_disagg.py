@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from herd.orchestrator.disagg import (
+from herd.orchestrator.routing import WorkerView
+from herd.orchestrator.routing.pairing import (
     MIN_REMOTE_BLOCKS,
     choose_path,
     choose_prefill,
     num_uncached_tokens,
     queued_prefill_tokens,
 )
-from herd.orchestrator.routing import WorkerView
 
 
 @pytest.mark.parametrize(
@@ -27,6 +29,11 @@ def view(worker_id: str, *, waiting: int = 0, in_flight: int = 0) -> WorkerView:
     return WorkerView(
         id=worker_id, url="", role="prefill", num_waiting_prefill_tokens=waiting, num_in_flight=in_flight
     )
+
+
+def with_prefills(worker: WorkerView, in_flight_tokens: dict[str, int]) -> WorkerView:
+    """``worker`` with this orchestrator's prefill tokens in flight on it (the registry's count)."""
+    return dataclasses.replace(worker, num_prefill_tokens_in_flight=in_flight_tokens.get(worker.id, 0))
 
 
 @pytest.mark.parametrize(
@@ -53,12 +60,12 @@ def view(worker_id: str, *, waiting: int = 0, in_flight: int = 0) -> WorkerView:
 def test_choose_prefill(
     workers: list[WorkerView], cached: dict[str, int], in_flight_tokens: dict[str, int], expected: str
 ) -> None:
-    choice = choose_prefill(workers, cached, 16, in_flight_tokens)
+    choice = choose_prefill([with_prefills(worker, in_flight_tokens) for worker in workers], cached, 16)
     assert choice is not None and choice.id == expected
 
 
 def test_choose_prefill_without_workers_is_none() -> None:
-    assert choose_prefill([], {}, 16, {}) is None
+    assert choose_prefill([], {}, 16) is None
 
 
 @pytest.mark.parametrize(
@@ -67,7 +74,7 @@ def test_choose_prefill_without_workers_is_none() -> None:
     ids=["nothing", "own-count-beyond-the-report", "report-beyond-the-own-count"],
 )
 def test_queued_prefill_tokens(worker: WorkerView, in_flight_tokens: dict[str, int], expected: int) -> None:
-    assert queued_prefill_tokens(worker, in_flight_tokens) == expected
+    assert queued_prefill_tokens(with_prefills(worker, in_flight_tokens)) == expected
 
 
 SMALL = MIN_REMOTE_BLOCKS * 16

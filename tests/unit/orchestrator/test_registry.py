@@ -105,9 +105,8 @@ async def test_kv_events_snapshot_gap_epoch_and_leave() -> None:
 async def test_in_flight_counts_feed_the_views() -> None:
     cluster = FakeCluster([FakeWorker("w0")])
     async with registry_for(cluster) as registry:
-        registry.begin("w0")
-        registry.begin("w0")
-        registry.end("w0", "none")
+        registry.hold("w0")
+        registry.hold("w0").release("none")
         assert registry.views(MODEL)[0].num_in_flight == 1
 
 

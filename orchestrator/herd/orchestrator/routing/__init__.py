@@ -1,4 +1,5 @@
-"""Routing: one small interface (``RoutingStrategy.select``) and six strategies, one per module."""
+"""Routing: one decision (``decide``), one small strategy interface (``RoutingStrategy.select``) and six
+strategies, one per module."""
 
 from herd.orchestrator.routing.base import (
     Phase,
@@ -8,6 +9,7 @@ from herd.orchestrator.routing.base import (
     build_strategy,
     healthy,
 )
+from herd.orchestrator.routing.decision import Decision, Pin, UnroutableError, decide, decide_prefill, pin_key
 from herd.orchestrator.routing.kv_cache_aware import KVCacheAware
 from herd.orchestrator.routing.least_request import LeastRequest
 from herd.orchestrator.routing.prefix_hash import PrefixHash
@@ -16,16 +18,22 @@ from herd.orchestrator.routing.round_robin import RoundRobin
 from herd.orchestrator.routing.sticky_session import StickySession
 
 __all__ = [
+    "Decision",
     "KVCacheAware",
     "LeastRequest",
     "Phase",
+    "Pin",
     "PrefixHash",
     "RandomChoice",
     "RequestContext",
     "RoundRobin",
     "RoutingStrategy",
     "StickySession",
+    "UnroutableError",
     "WorkerView",
     "build_strategy",
+    "decide",
+    "decide_prefill",
     "healthy",
+    "pin_key",
 ]

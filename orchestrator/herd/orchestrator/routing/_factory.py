@@ -1,4 +1,4 @@
-"""``build_strategy``'s body: one exhaustive ``match`` over the routing spec's union."""
+"""``build_strategy``: one exhaustive ``match`` over the routing spec's union."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from herd.api.crd import (
     StickySessionRouting,
 )
 from herd.orchestrator.kv_index import KVIndex
-from herd.orchestrator.routing.base import RoutingStrategy
+from herd.orchestrator.routing._types import RoutingStrategy
 from herd.orchestrator.routing.kv_cache_aware import KVCacheAware
 from herd.orchestrator.routing.least_request import LeastRequest
 from herd.orchestrator.routing.prefix_hash import PrefixHash
@@ -23,10 +23,14 @@ from herd.orchestrator.routing.random_choice import RandomChoice
 from herd.orchestrator.routing.round_robin import RoundRobin
 from herd.orchestrator.routing.sticky_session import StickySession
 
-__all__ = ["build"]
+__all__ = ["build_strategy"]
 
 
-def build(spec: RoutingSpec, *, kv_index: KVIndex, rng: random.Random) -> RoutingStrategy:
+def build_strategy(
+    spec: RoutingSpec, *, kv_index: KVIndex, rng: random.Random | None = None
+) -> RoutingStrategy:
+    """A fresh strategy for one model, from its ``spec.routing``."""
+    rng = rng or random.Random()
     match spec:
         case RoundRobinRouting():
             return RoundRobin()

@@ -13,7 +13,7 @@ import math
 import random
 from collections.abc import Sequence
 
-from herd.orchestrator.routing.base import WorkerView
+from herd.orchestrator.routing._types import WorkerView
 
 __all__ = ["bounded_load_cap", "least_in_flight"]
 

@@ -1,23 +1,14 @@
-"""The routing interface every strategy implements, and the per-decision inputs it sees.
+"""The routing package's public interface: the strategy types, and ``build_strategy``.
 
-The registry builds one ``WorkerView`` per worker for each decision and filters them with
-``healthy`` once; the gateway fills a ``RequestContext`` (tokens and block hashes only when the
-strategy ``needs_tokens``; the session's current pin looked up before routing) and calls
-``select``, which is synchronous, pure and does no I/O. Strategies are ordinary per-model
-instances built by ``build_strategy`` from the model's ``spec.routing``.
+Strategies implement ``RoutingStrategy`` (defined with the request and worker types in ``_types``,
+the package's bottom layer, so that no strategy imports this module or the factory); the model's
+``spec.routing`` picks one, built fresh per model by ``build_strategy``.
 """
 
 from __future__ import annotations
 
-import random
-from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import ClassVar, Literal
-
-from herd.api.crd import RoutingSpec
-from herd.api.protocol import Role
-from herd.orchestrator.kv_index import KVIndex
+from herd.orchestrator.routing._factory import build_strategy
+from herd.orchestrator.routing._types import Phase, RequestContext, RoutingStrategy, WorkerView, healthy
 
 __all__ = [
     "Phase",
@@ -27,72 +18,3 @@ __all__ = [
     "build_strategy",
     "healthy",
 ]
-
-Phase = Literal["unified", "prefill", "decode"]
-
-
-@dataclass(slots=True)
-class WorkerView:
-    """A read-only view of one worker, built by the registry for each decision."""
-
-    id: str
-    url: str
-    role: Role = "unified"
-    num_in_flight: int = 0
-    """Requests this orchestrator has in flight to the worker (its own count)."""
-    num_running: int = 0
-    num_waiting: int = 0
-    num_waiting_prefill_tokens: int = 0
-    kv_usage: float = 0.0
-    is_healthy: bool = True
-
-
-@dataclass(slots=True, frozen=True)
-class RequestContext:
-    """What a strategy may know about a request; a new input goes here, not into every signature."""
-
-    model: str
-    token_ids: Sequence[int] = ()
-    """Rendered prompt ids; filled only when the strategy ``needs_tokens``."""
-    block_hashes: Sequence[int] = ()
-    """``herd.api.kv_hash.block_hashes`` of ``token_ids`` (served name as model id, cache salt)."""
-    session_key: str | None = None
-    pinned_worker_id: str | None = None
-    """The session's current pin, looked up by the gateway before routing."""
-    headers: Mapping[str, str] = field(default_factory=dict)
-    phase: Phase = "unified"
-
-
-class RoutingStrategy(ABC):
-    """Chooses a worker for a request.
-
-    ``needs_tokens``: the gateway must render, tokenize and hash the prompt first.
-    ``pins_sessions``: the gateway must store ``(session_key -> chosen worker)`` after a decision.
-    """
-
-    name: ClassVar[str]
-    needs_tokens: ClassVar[bool] = False
-    pins_sessions: ClassVar[bool] = False
-
-    @abstractmethod
-    def select(self, workers: Sequence[WorkerView], ctx: RequestContext) -> WorkerView | None:
-        """Pick one of ``workers`` (healthy, never empty), or ``None`` if none is acceptable."""
-
-    def forget_worker(self, worker_id: str) -> None:
-        """Drop any per-worker state when a worker leaves; stateless strategies need nothing."""
-        return
-
-
-def healthy(workers: Sequence[WorkerView]) -> list[WorkerView]:
-    """The workers a strategy may choose from: filtered once, before any strategy runs."""
-    return [worker for worker in workers if worker.is_healthy]
-
-
-def build_strategy(
-    spec: RoutingSpec, *, kv_index: KVIndex, rng: random.Random | None = None
-) -> RoutingStrategy:
-    """A fresh strategy for one model, from its ``spec.routing``."""
-    # Imported here because every strategy module imports this one.
-    from herd.orchestrator.routing._factory import build
-
-    return build(spec, kv_index=kv_index, rng=rng or random.Random())

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from herd.orchestrator.routing._load import least_in_flight
-from herd.orchestrator.routing.base import RequestContext, RoutingStrategy, WorkerView
+from herd.orchestrator.routing._types import RequestContext, RoutingStrategy, WorkerView
 
 __all__ = ["LeastRequest"]
 

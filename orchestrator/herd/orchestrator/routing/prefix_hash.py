@@ -24,7 +24,7 @@ from typing import ClassVar
 
 from herd.orchestrator.routing._load import bounded_load_cap, least_in_flight
 from herd.orchestrator.routing._ring import HashRing
-from herd.orchestrator.routing.base import RequestContext, RoutingStrategy, WorkerView
+from herd.orchestrator.routing._types import RequestContext, RoutingStrategy, WorkerView
 
 __all__ = ["PrefixHash"]
 

@@ -6,7 +6,7 @@ import random
 from collections.abc import Sequence
 from typing import ClassVar
 
-from herd.orchestrator.routing.base import RequestContext, RoutingStrategy, WorkerView
+from herd.orchestrator.routing._types import RequestContext, RoutingStrategy, WorkerView
 
 __all__ = ["RandomChoice"]
 

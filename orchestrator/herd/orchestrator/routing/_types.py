@@ -1,0 +1,90 @@
+"""The types every strategy module imports: the interface and the per-decision inputs it sees.
+
+The registry builds one ``WorkerView`` per worker for each decision; ``decide``
+(``herd.orchestrator.routing.decision``) filters them with ``healthy`` and the capacity limit once,
+then calls the model's strategy's ``select``, which is synchronous, pure and does no I/O. This
+module is the bottom layer of the package: it imports no strategy, no factory and no decision
+(an import-linter contract keeps it so).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+from herd.api.protocol import Role
+
+__all__ = [
+    "Phase",
+    "RequestContext",
+    "RoutingStrategy",
+    "WorkerView",
+    "healthy",
+]
+
+Phase = Literal["unified", "prefill", "decode"]
+
+
+@dataclass(slots=True)
+class WorkerView:
+    """A read-only view of one worker, built by the registry for each decision."""
+
+    id: str
+    url: str
+    role: Role = "unified"
+    num_in_flight: int = 0
+    """Requests this orchestrator has in flight to the worker (its own count)."""
+    num_running: int = 0
+    num_waiting: int = 0
+    num_waiting_prefill_tokens: int = 0
+    kv_usage: float = 0.0
+    is_healthy: bool = True
+    num_prefill_tokens_in_flight: int = 0
+    """Uncached prompt tokens of the prefills this orchestrator has in flight on the worker."""
+
+
+@dataclass(slots=True, frozen=True)
+class RequestContext:
+    """What a strategy may know about a request; a new input goes here, not into every signature."""
+
+    model: str
+    token_ids: Sequence[int] = ()
+    """Rendered prompt ids; filled only when the strategy ``needs_tokens``."""
+    block_hashes: Sequence[int] = ()
+    """``herd.api.kv_hash.block_hashes`` of ``token_ids`` (served name as model id, cache salt)."""
+    session_key: str | None = None
+    pinned_worker_id: str | None = None
+    """The session's current pin, looked up by the gateway before routing."""
+    headers: Mapping[str, str] = field(default_factory=dict)
+    phase: Phase = "unified"
+    excluded: frozenset[str] = frozenset()
+    """Workers this request already tried: ``decide`` leaves them out before any strategy runs."""
+    is_prefilled: bool = False
+    """The prefill phase already ran (a retry of a disaggregated request): a decode worker only."""
+
+
+class RoutingStrategy(ABC):
+    """Chooses a worker for a request.
+
+    ``needs_tokens``: the gateway must render, tokenize and hash the prompt first.
+    ``pins_sessions``: the gateway must store ``(session_key -> chosen worker)`` after a decision.
+    """
+
+    name: ClassVar[str]
+    needs_tokens: ClassVar[bool] = False
+    pins_sessions: ClassVar[bool] = False
+
+    @abstractmethod
+    def select(self, workers: Sequence[WorkerView], ctx: RequestContext) -> WorkerView | None:
+        """Pick one of ``workers`` (healthy, never empty), or ``None`` if none is acceptable."""
+
+    def forget_worker(self, worker_id: str) -> None:
+        """Drop any per-worker state when a worker leaves; stateless strategies need nothing."""
+        return
+
+
+def healthy(workers: Sequence[WorkerView]) -> list[WorkerView]:
+    """The workers a strategy may choose from: filtered once, before any strategy runs."""
+    return [worker for worker in workers if worker.is_healthy]

@@ -1,0 +1,173 @@
+"""The routing decision: one pure, synchronous function from a request and the worker views to a choice.
+
+``decide(model, views, request)`` runs every step of the choice, in order, with no I/O and no await:
+
+1. the capacity filter: the serving pool (the decode pool of a disaggregated model) less the workers
+   the request already tried, healthy ones only, then those under ``max_in_flight_per_worker``;
+2. the model's strategy over what is left (``phase="decode"`` for a disaggregated model);
+3. for a disaggregated request not yet prefilled, the prefill worker paired with that decode worker
+   by the queue-bounded rule of ``pairing.choose_path`` (none: the decode worker prefills locally);
+4. the blocks to expect on the chosen workers, and the session pin to write.
+
+Each edge (the gateway, the routing simulator, an endpoint picker) applies the returned ``Decision``
+in one step: it counts the chosen workers' in-flight at once, before it awaits anything, so the next
+decision already sees them. ``UnroutableError`` says why no worker could be chosen.
+
+Cost: the strategy's own, plus one ``KVIndex.match`` and a pass over the views.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from herd.api.kv_hash import BlockHash
+from herd.orchestrator.discovery import ModelConfig
+from herd.orchestrator.kv_index import KVIndex
+from herd.orchestrator.routing._types import RequestContext, RoutingStrategy, WorkerView, healthy
+from herd.orchestrator.routing.pairing import (
+    choose_path,
+    choose_prefill,
+    num_uncached_tokens,
+    queued_prefill_tokens,
+)
+
+__all__ = ["Decision", "Pin", "RoutedModel", "UnroutableError", "decide", "decide_prefill", "pin_key"]
+
+DEFAULT_SESSION_TTL_S = 3600
+
+
+class RoutedModel(Protocol):
+    """What a decision reads of a served model (``ServedModel`` has it)."""
+
+    @property
+    def config(self) -> ModelConfig: ...
+    @property
+    def strategy(self) -> RoutingStrategy: ...
+    @property
+    def kv_index(self) -> KVIndex: ...
+
+
+class UnroutableError(Exception):
+    """No worker can take the request now: none is healthy and untried, or every open one is full."""
+
+    def __init__(self, reason: Literal["no_healthy_worker", "at_capacity"]) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class Pin:
+    """The session pin to write once the choice is counted."""
+
+    key: str
+    worker_id: str
+    ttl_seconds: int
+    is_claim: bool
+    """No pin was read: only the first writer's pin stands (another replica may have won)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    worker: WorkerView
+    """The worker that answers the client (a disaggregated model's decode worker)."""
+    prefill: WorkerView | None = None
+    """The prefill worker of a remote prefill; ``None`` when ``worker`` prefills the prompt itself."""
+    num_prefill_tokens: int = 0
+    """The uncached prompt tokens ``prefill`` computes (counted on it while it does)."""
+    num_cached_blocks: int = 0
+    """The prompt's leading blocks ``worker`` holds, by the KV index."""
+    expected_blocks: Sequence[BlockHash] = ()
+    """Blocks about to exist on ``worker`` and on ``prefill`` (``KVIndex.expect``)."""
+    pin: Pin | None = None
+
+
+def decide(model: RoutedModel, views: Sequence[WorkerView], request: RequestContext) -> Decision:
+    """The whole choice for ``request`` over every worker of ``model`` (both pools, any health)."""
+    config = model.config
+    is_disaggregated = config.mode == "disaggregated"
+    role = "decode" if is_disaggregated else "unified"
+    pool = healthy([view for view in views if view.role == role and view.id not in request.excluded])
+    if not pool:
+        raise UnroutableError("no_healthy_worker")
+    limit = config.max_in_flight_per_worker
+    open_pool = [view for view in pool if not limit or view.num_in_flight < limit]
+    ctx = dataclasses.replace(request, phase="decode") if is_disaggregated else request
+    choice = model.strategy.select(open_pool, ctx) if open_pool else None
+    if choice is None:
+        raise UnroutableError("at_capacity")
+    matched = model.kv_index.match(request.block_hashes) if request.block_hashes else {}
+    decision = Decision(
+        choice,
+        num_cached_blocks=matched.get(choice.id, 0),
+        expected_blocks=request.block_hashes,
+        pin=_pin(model, request, choice),
+    )
+    if is_disaggregated and not request.is_prefilled:
+        return _paired(model, views, request, decision, matched)
+    return decision
+
+
+def decide_prefill(
+    model: RoutedModel, views: Sequence[WorkerView], request: RequestContext
+) -> tuple[WorkerView | None, int]:
+    """The prefill worker for ``request`` among the healthy, untried prefill pool, and the uncached
+    tokens it would compute; ``(None, 0)`` when none is left. ``decide`` pairs with it, and the
+    gateway asks it again for a replacement when a prefill worker fails."""
+    matched = model.kv_index.match(request.block_hashes) if request.block_hashes else {}
+    return _prefill_of(model, views, request, matched)
+
+
+def _prefill_of(
+    model: RoutedModel, views: Sequence[WorkerView], request: RequestContext, matched: Mapping[str, int]
+) -> tuple[WorkerView | None, int]:
+    block_size = model.config.block_size
+    workers = healthy([view for view in views if view.role == "prefill" and view.id not in request.excluded])
+    prefill = choose_prefill(workers, matched, block_size)
+    if prefill is None:
+        return None, 0
+    return prefill, num_uncached_tokens(len(request.token_ids), matched.get(prefill.id, 0), block_size)
+
+
+def _paired(
+    model: RoutedModel,
+    views: Sequence[WorkerView],
+    request: RequestContext,
+    decision: Decision,
+    matched: Mapping[str, int],
+) -> Decision:
+    """``decision`` with the prefill worker that computes its uncached part, if any should.
+
+    A request without tokens (the model's tokenizer is not known yet) always goes to the prefill pool:
+    its uncached part cannot be measured, and the prefill worker renders it.
+    """
+    config = model.config
+    prefill, num_tokens = _prefill_of(model, views, request, matched)
+    if prefill is not None and request.token_ids:
+        num_cached = matched.get(decision.worker.id, 0)
+        uncached = num_uncached_tokens(len(request.token_ids), num_cached, config.block_size)
+        path = choose_path(
+            uncached,
+            prefill,
+            queued_tokens=queued_prefill_tokens(prefill),
+            threshold_tokens=config.prefill_threshold_tokens,
+            block_size=config.block_size,
+        )
+        if path == "local_prefill":
+            return decision
+    return dataclasses.replace(decision, prefill=prefill, num_prefill_tokens=num_tokens)
+
+
+def _pin(model: RoutedModel, request: RequestContext, choice: WorkerView) -> Pin | None:
+    if not (model.strategy.pins_sessions and request.session_key):
+        return None
+    ttl = getattr(model.config.routing, "session_ttl_seconds", DEFAULT_SESSION_TTL_S)
+    key = pin_key(model.config.served_name, request.session_key)
+    return Pin(key, choice.id, ttl, is_claim=request.pinned_worker_id is None)
+
+
+def pin_key(model: str, session_key: str) -> str:
+    """Where a session's pin is kept (``State``): sessions of different models never share one."""
+    return f"{model}:{session_key}"
