@@ -148,3 +148,10 @@ class KVTransferParams(BaseModel):
     first_token_ids: list[int] | None = None
     """The first output token, sampled by the prefill worker with the request's own settings: a
     decode worker streams it at once and computes the second, instead of sampling the first again."""
+    prompt_token_ids: list[int] | None = Field(default=None, min_length=1)
+    """herd: the prompt's token ids as the orchestrator rendered and tokenized them, handed to the
+    prefill and the decode worker so that neither renders the prompt again. A worker checks them
+    against its vocabulary and its context length like any token ids a client sends."""
+    prompt_block_hashes: list[int] | None = None
+    """herd: ``herd.api.kv_hash.block_hashes`` of ``prompt_token_ids`` (the orchestrator's), which the
+    prefill worker labels its lease with instead of hashing the prompt again."""
