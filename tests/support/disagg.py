@@ -8,6 +8,7 @@ host or a (host, path) pair can be made to refuse connections to play a worker t
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from herd.api.protocol import INTERNAL_PATHS, TOKEN_HEADER, Role
 from herd.orchestrator.discovery import WorkerEndpoint
 from herd.worker.async_engine import AsyncEngine
+from herd.worker.config import EngineConfig
+from herd.worker.engine import LLMEngine
 from herd.worker.model_runner import torch_engine
 from herd.worker.server import PublicOptions, build_internal_app, build_public_app
 from herd.worker.server._disagg_setup import attach_disaggregation
@@ -105,11 +108,17 @@ class InProcessWorker:
 
 
 async def start_worker(
-    model: Path, worker_id: str, role: Role, dispatch: HostDispatch, http: httpx.AsyncClient
+    model: Path,
+    worker_id: str,
+    role: Role,
+    dispatch: HostDispatch,
+    http: httpx.AsyncClient,
+    build: Callable[[EngineConfig], LLMEngine] = torch_engine,
 ) -> InProcessWorker:
-    """A loaded engine with both apps registered in ``dispatch`` under the worker's two hosts."""
+    """A loaded engine (``build``: on the torch runner by default) with both apps registered in
+    ``dispatch`` under the worker's two hosts."""
     config = engine_config(model, maxModelLen=512, kvCache={"blockSize": 16, "memoryGiB": 0.02})
-    engine = AsyncEngine(lambda: torch_engine(config))
+    engine = AsyncEngine(lambda: build(config))
     engine.start()
     await engine.wait_loaded()
     public = build_public_app(engine, PublicOptions(MODEL))

@@ -23,17 +23,17 @@ import queue
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from herd.api.prompt import PromptRenderer
 from herd.api.protocol import KVEvent, KVSnapshot, LoadReport, WorkerInfo
+from herd.worker.engine_protocol import EngineCore
 from herd.worker.outputs import RequestOutput
 from herd.worker.sampling_params import SamplingParams
 from herd.worker.stats import EngineStats
 
 __all__ = [
     "AsyncEngine",
-    "EngineCore",
     "EngineDeadError",
     "EngineDrainingError",
     "RequestFailedError",
@@ -47,38 +47,6 @@ _IDLE_WAIT_S = 0.5
 """How long the idle engine thread sleeps on its command queue before checking for shutdown."""
 _KV_EVENT_LOG_LEN = 65536
 """KV events kept for pollers; one that falls further behind sees a gap and asks for a snapshot."""
-
-
-class EngineCore(Protocol):
-    """The synchronous engine as the async front uses it (``herd.worker.engine.LLMEngine``)."""
-
-    renderer: PromptRenderer
-    info: WorkerInfo
-
-    @property
-    def stats(self) -> EngineStats: ...
-
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        *,
-        cache_salt: str | None = None,
-        first_token_id: int | None = None,
-    ) -> RequestOutput | None: ...
-
-    def abort_request(self, request_id: str) -> None: ...
-
-    def step(self) -> list[RequestOutput]: ...
-
-    def has_unfinished_requests(self) -> bool: ...
-
-    def load_report(self) -> LoadReport: ...
-
-    def drain_kv_events(self) -> list[KVEvent]: ...
-
-    def kv_snapshot(self) -> KVSnapshot: ...
 
 
 class EngineDrainingError(RuntimeError):
@@ -105,7 +73,7 @@ _Command = Callable[[EngineCore], None]
 
 
 class AsyncEngine:
-    """Runs an ``EngineCore`` on its own thread and exposes it to asyncio code.
+    """Runs an ``EngineCore`` on its own thread and exposes it to asyncio code (a ``ServingEngine``).
 
     ``start()`` must be called from the event loop that will consume the outputs; the engine is
     built on the engine thread by ``factory`` (loading a model takes a while), and ``is_ready``

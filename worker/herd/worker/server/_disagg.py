@@ -15,9 +15,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, TypeVar
 
-import torch
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -25,10 +24,10 @@ from pydantic import BaseModel, ValidationError
 
 from herd.api import metrics as names
 from herd.api.body import BodyError, json_object
-from herd.api.kv_hash import BlockHash, block_hashes
+from herd.api.kv_hash import block_hashes
 from herd.api.openai import ChatCompletionRequest, CompletionRequest
 from herd.api.protocol import INTERNAL_PATHS, KVTransferParams
-from herd.worker.async_engine import AsyncEngine, EngineCore
+from herd.worker.engine_protocol import EngineCore, ServingEngine
 from herd.worker.kv_lease import DEFAULT_LEASE_SECONDS, MAX_LEASE_SECONDS, Lease, LeaseTable
 from herd.worker.kv_transfer import (
     FRAME_MEDIA_TYPE,
@@ -43,7 +42,7 @@ from herd.worker.server._errors import ApiError, invalid_request
 from herd.worker.server._metrics import RequestTiming, WorkerMetrics
 from herd.worker.server._params import chat_prompt, completion_prompts, first_token_params, plan_choices
 
-__all__ = ["DisaggMetrics", "KVBlockStore", "PrefillService", "block_store", "request_prompt"]
+__all__ = ["DisaggMetrics", "PrefillService", "request_prompt"]
 
 log = logging.getLogger(__name__)
 
@@ -51,27 +50,6 @@ M = TypeVar("M", bound=BaseModel)
 
 _MAX_SWEEP_WAIT_S = 0.5
 _TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
-
-
-@runtime_checkable
-class KVBlockStore(Protocol):
-    """What disaggregation needs from the engine beyond ``EngineCore`` (``LLMEngine`` has it)."""
-
-    def release_held(self, request_id: str) -> int: ...
-
-    def missing_blocks(self, block_hashes: list[BlockHash]) -> list[int]: ...
-
-    def read_blocks(self, block_ids: list[int]) -> torch.Tensor: ...
-
-    def write_blocks(
-        self, block_hashes: list[BlockHash], token_blocks: list[list[int]], kv: torch.Tensor
-    ) -> int: ...
-
-
-def block_store(core: EngineCore) -> KVBlockStore:
-    if not isinstance(core, KVBlockStore):
-        raise ApiError(501, "this worker's engine cannot move KV blocks; run herd's LLMEngine")
-    return core
 
 
 class DisaggMetrics:
@@ -103,7 +81,7 @@ class DisaggMetrics:
         self.bytes.labels(self.model_name, direction).inc(num_bytes)
 
 
-def request_prompt(engine: AsyncEngine, payload: dict[str, Any]) -> list[int]:
+def request_prompt(engine: ServingEngine, payload: dict[str, Any]) -> list[int]:
     """The one prompt of an OpenAI chat or completion body, as the public handlers tokenize it."""
     return _prompt(engine, _parse_request(payload))
 
@@ -118,7 +96,7 @@ def _parse_request(payload: dict[str, Any]) -> ChatCompletionRequest | Completio
         raise invalid_request(error.errors(include_url=False)) from None
 
 
-def _prompt(engine: AsyncEngine, request: ChatCompletionRequest | CompletionRequest) -> list[int]:
+def _prompt(engine: ServingEngine, request: ChatCompletionRequest | CompletionRequest) -> list[int]:
     if isinstance(request, ChatCompletionRequest):
         return chat_prompt(engine.renderer, request, engine.info.max_model_len)
     prompts = completion_prompts(engine.renderer, request, engine.info.max_model_len)
@@ -130,7 +108,7 @@ def _prompt(engine: AsyncEngine, request: ChatCompletionRequest | CompletionRequ
 class PrefillService:
     """The prefill side: the lease table, its expiry sweep and the three internal routes."""
 
-    def __init__(self, engine: AsyncEngine, metrics: DisaggMetrics, requests: WorkerMetrics) -> None:
+    def __init__(self, engine: ServingEngine, metrics: DisaggMetrics, requests: WorkerMetrics) -> None:
         self.engine = engine
         self.metrics = metrics
         self.requests = requests
@@ -212,7 +190,7 @@ class PrefillService:
         block_ids = self._leased_ids(body)
 
         def read_frame(core: EngineCore) -> tuple[bytes, int]:
-            kv = block_store(core).read_blocks(block_ids)
+            kv = core.read_blocks(block_ids)
             return encode_frame(local, body.block_hashes, kv), kv.nbytes
 
         # Leased blocks are immutable, so they are read beside the engine's steps: waiting for a
@@ -240,7 +218,7 @@ class PrefillService:
         return {"num_released_blocks": 0 if lease is None else len(lease.block_ids)}
 
     async def _free(self, lease: Lease) -> None:
-        await self.engine.call(lambda core: block_store(core).release_held(lease.request_id))
+        await self.engine.call(lambda core: core.release_held(lease.request_id))
 
     def _ensure_sweeper(self) -> None:
         if self._sweeper is None or self._sweeper.done():

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import httpx
 from fastapi import APIRouter, FastAPI
 
-from herd.worker.async_engine import AsyncEngine
+from herd.worker.engine_protocol import ServingEngine
 from herd.worker.kv_transfer import HttpKVTransfer
 from herd.worker.server._disagg import DisaggMetrics, PrefillService
 from herd.worker.server._metrics import WorkerMetrics
@@ -30,7 +30,7 @@ class Disaggregation:
 
 
 def attach_disaggregation(
-    public: FastAPI, engine: AsyncEngine, token: str, *, http: httpx.AsyncClient | None = None
+    public: FastAPI, engine: ServingEngine, token: str, *, http: httpx.AsyncClient | None = None
 ) -> Disaggregation:
     """Add the remote-prefill middleware to ``public``; the prefill routes are returned to mount.
 

@@ -12,7 +12,7 @@ from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
 from herd.api.openai import PromptTokensDetails, Usage
-from herd.worker.async_engine import AsyncEngine
+from herd.worker.engine_protocol import ServingEngine
 from herd.worker.outputs import RequestOutput
 from herd.worker.server._metrics import RequestTiming, WorkerMetrics
 from herd.worker.server._params import Choice
@@ -25,7 +25,7 @@ class Generation:
 
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: ServingEngine,
         metrics: WorkerMetrics,
         request_id: str,
         choices: list[Choice],

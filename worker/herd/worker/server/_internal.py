@@ -17,7 +17,7 @@ from herd.api.protocol import (
     TokenizerFiles,
     WorkerInfo,
 )
-from herd.worker.async_engine import AsyncEngine
+from herd.worker.engine_protocol import ServingEngine
 from herd.worker.server._errors import ApiError, install_error_handlers
 
 __all__ = ["MAX_KV_EVENTS_WAIT_S", "build_internal_app"]
@@ -25,7 +25,7 @@ __all__ = ["MAX_KV_EVENTS_WAIT_S", "build_internal_app"]
 MAX_KV_EVENTS_WAIT_S = 10.0
 
 
-def build_internal_app(engine: AsyncEngine, token: str, routers: Sequence[APIRouter] = ()) -> FastAPI:
+def build_internal_app(engine: ServingEngine, token: str, routers: Sequence[APIRouter] = ()) -> FastAPI:
     """The internal API; ``routers`` add more endpoints (disaggregation) under the same token check."""
 
     async def check_token(request: Request) -> None:
@@ -47,7 +47,7 @@ def build_internal_app(engine: AsyncEngine, token: str, routers: Sequence[APIRou
     return app
 
 
-def _engine_router(engine: AsyncEngine) -> APIRouter:
+def _engine_router(engine: ServingEngine) -> APIRouter:
     router = APIRouter()
 
     @router.get(INTERNAL_PATHS.info)

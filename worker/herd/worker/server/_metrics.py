@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from herd.api import metrics as names
-from herd.worker.async_engine import AsyncEngine
+from herd.worker.engine_protocol import ServingEngine
 
 __all__ = ["RequestTiming", "WorkerMetrics"]
 
@@ -64,7 +64,7 @@ class RequestTiming:
 class WorkerMetrics:
     """The worker's metrics; ``render()`` is the ``/metrics`` body."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: ServingEngine, model_name: str) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         self.ttft = self._histogram(names.TIME_TO_FIRST_TOKEN_SECONDS, "Time to first token.", _TTFT_BUCKETS)
@@ -114,7 +114,7 @@ class WorkerMetrics:
 class _EngineCollector(Collector):
     """Reads the engine's own counters and load at scrape time."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: ServingEngine, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
 

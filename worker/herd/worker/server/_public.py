@@ -14,7 +14,7 @@ from pydantic import BaseModel
 
 from herd.api.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SamplingFields
 from herd.api.prompt import PromptRenderer
-from herd.worker.async_engine import AsyncEngine
+from herd.worker.engine_protocol import ServingEngine
 from herd.worker.outputs import RequestOutput
 from herd.worker.sampling_params import InvalidParamError, check_token_ids
 from herd.worker.server._body import read_body
@@ -76,7 +76,7 @@ class PublicOptions:
     max_body_bytes: int = 4 * 1024 * 1024
 
 
-def build_public_app(engine: AsyncEngine, options: PublicOptions) -> FastAPI:
+def build_public_app(engine: ServingEngine, options: PublicOptions) -> FastAPI:
     app = FastAPI(title="herd worker", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.add_middleware(RequestIdMiddleware)
     metrics = WorkerMetrics(engine, options.served_name)
@@ -99,7 +99,7 @@ def build_public_app(engine: AsyncEngine, options: PublicOptions) -> FastAPI:
 
 
 class _PublicRoutes:
-    def __init__(self, engine: AsyncEngine, options: PublicOptions, metrics: WorkerMetrics) -> None:
+    def __init__(self, engine: ServingEngine, options: PublicOptions, metrics: WorkerMetrics) -> None:
         self.engine = engine
         self.options = options
         self._metrics = metrics

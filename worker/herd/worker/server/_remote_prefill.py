@@ -26,9 +26,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from herd.api.body import BodyError, json_object
 from herd.api.kv_hash import BlockHash, block_hashes
 from herd.api.protocol import KVTransferParams
-from herd.worker.async_engine import AsyncEngine
+from herd.worker.engine_protocol import ServingEngine
 from herd.worker.kv_transfer import KVLayout, KVLayoutError, KVSource, KVTransfer, KVTransferError
-from herd.worker.server._disagg import DisaggMetrics, block_store, request_prompt
+from herd.worker.server._disagg import DisaggMetrics, request_prompt
 from herd.worker.server._errors import ApiError, invalid_request
 
 __all__ = ["RemotePrefill"]
@@ -43,7 +43,7 @@ class RemotePrefill:
     """Pulls leased KV blocks for flagged requests, then hands every request to ``app``."""
 
     def __init__(
-        self, app: ASGIApp, *, engine: AsyncEngine, transfer: KVTransfer, metrics: DisaggMetrics
+        self, app: ASGIApp, *, engine: ServingEngine, transfer: KVTransfer, metrics: DisaggMetrics
     ) -> None:
         self.app = app
         self.engine = engine
@@ -113,7 +113,7 @@ class RemotePrefill:
         handler queues the request, so both usually run in the same pause.
         """
         started = time.perf_counter()
-        missing = await self.engine.run_beside(lambda core: block_store(core).missing_blocks(hashes))
+        missing = await self.engine.run_beside(lambda core: core.missing_blocks(hashes))
         if not missing:
             return
         wanted = [hashes[index] for index in missing]
@@ -124,7 +124,7 @@ class RemotePrefill:
             return
         size = self.engine.info.block_size
         tokens = [prompt[index * size : (index + 1) * size] for index in missing]
-        imported = self.engine.submit(lambda core: block_store(core).write_blocks(wanted, tokens, kv))
+        imported = self.engine.submit(lambda core: core.write_blocks(wanted, tokens, kv))
         self.metrics.moved("received", len(wanted), kv.nbytes)
         imported.add_done_callback(lambda done: self._record(done, started, len(hashes), kv.nbytes))
 

@@ -22,8 +22,9 @@ import uvicorn
 import uvloop
 from fastapi import FastAPI
 
-from herd.worker.async_engine import AsyncEngine, EngineCore
+from herd.worker.async_engine import AsyncEngine
 from herd.worker.config import EngineConfig
+from herd.worker.engine_protocol import EngineCore, ServingEngine
 from herd.worker.model_runner import torch_engine
 from herd.worker.server._disagg_setup import attach_disaggregation
 from herd.worker.server._internal import build_internal_app
@@ -86,7 +87,7 @@ def _server(app: FastAPI, host: str, port: int) -> _Server:
 
 
 async def _watch_engine(
-    engine: AsyncEngine, servers: list[_Server], served_name: str, options: ServeOptions
+    engine: ServingEngine, servers: list[_Server], served_name: str, options: ServeOptions
 ) -> None:
     try:
         await engine.wait_loaded()
@@ -105,7 +106,7 @@ async def _watch_engine(
     _stop(servers, force=True)
 
 
-def _install_drain(engine: AsyncEngine, servers: list[_Server], timeout: float) -> asyncio.Event:
+def _install_drain(engine: ServingEngine, servers: list[_Server], timeout: float) -> asyncio.Event:
     """SIGTERM/SIGINT start a drain; a second one stops at once. Returns the 'drain began' flag."""
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
@@ -128,7 +129,7 @@ def _install_drain(engine: AsyncEngine, servers: list[_Server], timeout: float) 
     return stopping
 
 
-async def _drain(engine: AsyncEngine, servers: list[_Server], grace_s: float) -> None:
+async def _drain(engine: ServingEngine, servers: list[_Server], grace_s: float) -> None:
     is_clean = await engine.drain(grace_s)
     logger.info("drained" if is_clean else "drain timed out; stopping anyway")
     _stop(servers, force=not is_clean)
