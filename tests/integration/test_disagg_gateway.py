@@ -24,6 +24,7 @@ from support.upstream_fakes import HttpxUpstream
 from support.worker_server import sse_data
 
 from herd.api.crd import KVCacheAwareRouting
+from herd.api.prompt import PromptRenderer
 from herd.api.protocol import INTERNAL_PATHS, WORKER_HEADER
 from herd.orchestrator.app import AppSettings, build_app
 from herd.orchestrator.discovery import ModelConfig, StaticSource
@@ -142,6 +143,36 @@ async def test_short_prompts_skip_the_prefill_pool(cluster: Cluster) -> None:
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["message"]["content"] == await unified_text(cluster, body)
     assert await total_sent(cluster) == before
+
+
+def counted(monkeypatch: pytest.MonkeyPatch, name: str) -> list[str]:
+    """Every call of ``PromptRenderer.<name>`` from now on, in any process part (the gateway's renderer
+    and each worker's, threads included), by the thread that made it."""
+    calls: list[str] = []
+    original = getattr(PromptRenderer, name)
+
+    def counting(self: PromptRenderer, *args: Any, **kwargs: Any) -> Any:
+        calls.append(name)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(PromptRenderer, name, counting)
+    return calls
+
+
+@pytest.mark.parametrize(("num_words", "is_remote"), [(80, True), (4, False)], ids=["remote", "local"])
+async def test_a_disaggregated_request_is_rendered_and_tokenized_once(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch, num_words: int, is_remote: bool
+) -> None:
+    """The gateway renders and tokenizes; the prefill and the decode worker run the ids it handed over."""
+    body = chat(num_words, 400 + num_words, stream=True)
+    renders, encodes = counted(monkeypatch, "render_chat"), counted(monkeypatch, "encode")
+    before = await total_sent(cluster)
+    response = await cluster.gateway.post(CHAT, json=body)
+    assert response.status_code == 200, response.text
+    assert sse_data(response.text)[-1] == "[DONE]"
+    assert (await total_sent(cluster) > before) == is_remote
+    assert (len(renders), len(encodes)) == (1, 1)
+    await cluster.assert_no_block_held()
 
 
 @pytest.mark.parametrize(

@@ -272,3 +272,37 @@ async def test_a_seeded_request_samples_its_first_token_again(workers: Workers) 
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["message"]["content"] == await unified_text(workers, body)
     await assert_every_block_free(workers)
+
+
+async def test_handed_prompt_ids_are_run_instead_of_rendering_the_messages(workers: Workers) -> None:
+    body = chat(sentence(random.Random(19), 40))
+    tokens = await prompt_tokens(workers["decode"], body)
+    handed = {**chat("anything else"), "kv_transfer_params": {"prompt_token_ids": tokens}}
+    response = await workers["decode"].public(CHAT, handed)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"] == await unified_text(workers, body)
+    assert response.json()["usage"]["prompt_tokens"] == len(tokens)
+
+
+@pytest.mark.parametrize(
+    ("prompt_token_ids", "words"),
+    [([1, 10**6], "token id 1000000"), ([], "at least 1"), (list(range(600)), "maxModelLen")],
+    ids=["past-the-vocabulary", "empty", "past-the-context"],
+)
+@pytest.mark.parametrize("side", ["decode", "prefill"])
+async def test_prompt_ids_a_client_hands_a_worker_are_checked(
+    workers: Workers, side: str, prompt_token_ids: list[int], words: str
+) -> None:
+    """Handed ids bypass no check: the same vocabulary and length rules as any prompt ids."""
+    if side == "decode":
+        params: dict[str, Any] = {"prompt_token_ids": prompt_token_ids}
+        response = await workers["decode"].public(CHAT, {**chat("hi"), "kv_transfer_params": params})
+    else:
+        params = {"do_remote_decode": True, "prompt_token_ids": prompt_token_ids}
+        response = await workers["prefill"].internal(
+            INTERNAL_PATHS.prefill, {**chat("hi"), "kv_transfer_params": params}
+        )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"].startswith("kv_transfer_params") and words in error["message"], error
+    await assert_every_block_free(workers)

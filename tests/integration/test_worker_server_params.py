@@ -8,7 +8,7 @@ import pytest
 
 from herd.api.openai import ChatCompletionRequest, CompletionRequest
 from herd.worker.server._errors import ApiError
-from herd.worker.server._params import plan_choices
+from herd.worker.server._params import handoff_params, plan_choices
 
 HELLO = [{"role": "user", "content": "hi"}]
 VOCAB = 100
@@ -25,6 +25,7 @@ def _plan(
         vocab_size=VOCAB,
         num_logprobs=request.num_logprobs,
         prompt_param="messages",
+        handoff=handoff_params(request),
     )
 
 
@@ -108,6 +109,7 @@ def test_completion_logprobs_are_an_integer() -> None:
         vocab_size=VOCAB,
         num_logprobs=request.num_logprobs,
         prompt_param="prompt",
+        handoff=None,
     )
     assert choice.params.logprobs == 2
 

@@ -2,7 +2,11 @@
 
 ``POST prefill`` takes an OpenAI chat or completion body flagged ``kv_transfer_params.do_remote_decode``,
 computes the prompt's KV and its first token (with the request's own sampling settings), holds the prompt's full blocks under a lease and answers
-the ``kv_transfer_params`` a decode worker needs (vLLM's field names). ``POST kv_blocks`` sends
+the ``kv_transfer_params`` a decode worker needs (vLLM's field names). The prompt is the orchestrator's
+``kv_transfer_params.prompt_token_ids`` (checked against the vocabulary and the context like any ids)
+and the lease is labelled with its ``prompt_block_hashes``: the internal port trusts its caller, and a
+wrong label only makes the decode side, which hashes the ids itself, refuse the blocks. A body
+without ids (the orchestrator has no tokenizer yet) is rendered here, off the event loop. ``POST kv_blocks`` sends
 leased blocks in a block frame (``herd.worker.kv_transfer``), refusing a foreign layout with 409.
 ``POST kv_release`` ends a lease. Leases that nobody releases expire: a sweep task releases their
 blocks and counts them in ``herd_kv_leases_expired_total``. A prefill counts in the worker's request
@@ -24,7 +28,7 @@ from pydantic import BaseModel, ValidationError
 
 from herd.api import metrics as names
 from herd.api.body import BodyError, json_object
-from herd.api.kv_hash import block_hashes
+from herd.api.kv_hash import BlockHash, block_hashes
 from herd.api.openai import ChatCompletionRequest, CompletionRequest
 from herd.api.protocol import INTERNAL_PATHS, KVTransferParams
 from herd.worker.engine_protocol import EngineCore, ServingEngine
@@ -40,9 +44,17 @@ from herd.worker.kv_transfer import (
 )
 from herd.worker.server._errors import ApiError, invalid_request
 from herd.worker.server._metrics import RequestTiming, WorkerMetrics
-from herd.worker.server._params import chat_prompt, completion_prompts, first_token_params, plan_choices
+from herd.worker.server._params import (
+    HANDED_PROMPT_PARAM,
+    chat_prompt,
+    completion_prompts,
+    first_token_params,
+    handed_prompt,
+    handoff_params,
+    plan_choices,
+)
 
-__all__ = ["DisaggMetrics", "PrefillService", "request_prompt"]
+__all__ = ["DisaggMetrics", "PrefillService"]
 
 log = logging.getLogger(__name__)
 
@@ -81,11 +93,6 @@ class DisaggMetrics:
         self.bytes.labels(self.model_name, direction).inc(num_bytes)
 
 
-def request_prompt(engine: ServingEngine, payload: dict[str, Any]) -> list[int]:
-    """The one prompt of an OpenAI chat or completion body, as the public handlers tokenize it."""
-    return _prompt(engine, _parse_request(payload))
-
-
 def _parse_request(payload: dict[str, Any]) -> ChatCompletionRequest | CompletionRequest:
     """A body with ``prompt`` is a text completion; any other is judged as a chat request."""
     try:
@@ -94,6 +101,12 @@ def _parse_request(payload: dict[str, Any]) -> ChatCompletionRequest | Completio
         return ChatCompletionRequest.model_validate(payload)
     except ValidationError as error:
         raise invalid_request(error.errors(include_url=False)) from None
+
+
+def _prompt_param(request: ChatCompletionRequest | CompletionRequest, *, is_handed: bool) -> str:
+    if is_handed:
+        return HANDED_PROMPT_PARAM
+    return "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
 
 
 def _prompt(engine: ServingEngine, request: ChatCompletionRequest | CompletionRequest) -> list[int]:
@@ -125,20 +138,20 @@ class PrefillService:
     async def prefill(self, request: Request) -> KVTransferParams:
         payload = _json_object(await request.body())
         self._check_model(payload)
-        try:
-            asked = KVTransferParams.model_validate(payload.get("kv_transfer_params") or {})
-        except ValidationError as error:
-            raise invalid_request(error.errors(include_url=False), within="kv_transfer_params") from None
         body = _parse_request(payload)
-        prompt, salt = _prompt(self.engine, body), payload.get("cache_salt")
-        param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+        asked = handoff_params(body) or KVTransferParams()
+        prompt, salt = handed_prompt(asked), body.cache_salt
+        if prompt is None:
+            prompt = await asyncio.to_thread(_prompt, self.engine, body)
+        is_handed = asked.prompt_token_ids is not None
         choice = plan_choices(
             body,
             [prompt],
             max_model_len=self.engine.info.max_model_len,
             vocab_size=self.engine.info.vocab_size,
             num_logprobs=None,
-            prompt_param=param,
+            prompt_param=_prompt_param(body, is_handed=is_handed),
+            handoff=asked,
         )[0]
         request_id = f"prefill-{uuid.uuid4().hex}"
         params = first_token_params(choice.params)
@@ -147,7 +160,8 @@ class PrefillService:
         timing.on_tokens()
         self.requests.observe_finished(timing, first.finish_reason or "length")
         seconds = min(asked.lease_seconds or DEFAULT_LEASE_SECONDS, MAX_LEASE_SECONDS)
-        lease = self._lease(request_id, prompt, salt, first.held_block_ids or [], seconds)
+        hashes = self._lease_hashes(prompt, salt, asked.prompt_block_hashes)
+        lease = self._lease(request_id, hashes, first.held_block_ids or [], seconds)
         return KVTransferParams(
             do_remote_prefill=True,
             remote_engine_id=self.engine.info.epoch,
@@ -162,13 +176,16 @@ class PrefillService:
             num_cached_tokens=first.num_cached_tokens,
         )
 
-    def _lease(
-        self, request_id: str, prompt: list[int], salt: str | None, held: list[int], seconds: float
-    ) -> Lease:
+    def _lease_hashes(self, prompt: list[int], salt: str | None, handed: list[int] | None) -> list[BlockHash]:
+        """The orchestrator's hashes of the prompt's full blocks when it sent them, else our own."""
+        info = self.engine.info
+        if handed is not None and len(handed) == len(prompt) // info.block_size:
+            return handed
+        return block_hashes(prompt, info.block_size, model_id=info.model, cache_salt=salt)
+
+    def _lease(self, request_id: str, hashes: list[BlockHash], held: list[int], seconds: float) -> Lease:
         """Lease the prompt's full blocks the engine held when the prefill finished (its leading
         cached run) to the decode side."""
-        info = self.engine.info
-        hashes = block_hashes(prompt, info.block_size, model_id=info.model, cache_salt=salt)
         lease = self.leases.add(request_id, held, hashes[: len(held)], seconds)
         self._ensure_sweeper()
         return lease

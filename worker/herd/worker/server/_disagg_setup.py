@@ -1,4 +1,4 @@
-"""Wiring disaggregation into a worker: the decode-side middleware and the prefill-side routes.
+"""Wiring disaggregation into a worker: the decode side's KV pulls and the prefill-side routes.
 
 Every worker gets both, whatever its role: a unified worker can then serve either phase, and the
 orchestrator alone decides who prefills and who decodes.
@@ -32,13 +32,15 @@ class Disaggregation:
 def attach_disaggregation(
     public: FastAPI, engine: ServingEngine, token: str, *, http: httpx.AsyncClient | None = None
 ) -> Disaggregation:
-    """Add the remote-prefill middleware to ``public``; the prefill routes are returned to mount.
+    """Give ``public``'s handlers their KV puller (``RemotePrefill``); the prefill routes are returned to mount.
 
     ``http`` carries the KV pulls to peers (tests pass one with an in-process transport).
     """
     worker_metrics: WorkerMetrics = public.state.metrics
     metrics = DisaggMetrics(worker_metrics.registry, worker_metrics.model_name)
     http = http or httpx.AsyncClient(limits=httpx.Limits(max_connections=64))
-    public.add_middleware(RemotePrefill, engine=engine, transfer=HttpKVTransfer(http, token), metrics=metrics)
+    public.state.remote_prefill = RemotePrefill(
+        engine=engine, transfer=HttpKVTransfer(http, token), metrics=metrics
+    )
     prefill = PrefillService(engine, metrics, worker_metrics)
     return Disaggregation(prefill.router(), http, prefill)

@@ -16,18 +16,24 @@ from herd.worker.sampling_params import InvalidParamError, SamplingParams, check
 from herd.worker.server._errors import ApiError, invalid_request
 
 __all__ = [
+    "HANDED_PROMPT_PARAM",
     "MAX_SEQUENCES",
     "Choice",
     "chat_prompt",
     "completion_prompts",
     "first_token_params",
     "handed_first_token",
+    "handed_prompt",
+    "handoff_params",
     "plan_choices",
     "prompt_errors",
 ]
 
 
 T = TypeVar("T")
+
+HANDED_PROMPT_PARAM = "kv_transfer_params.prompt_token_ids"
+"""The field errors about a prompt the orchestrator handed over name."""
 
 MAX_SEQUENCES = 128
 """Sequences one request may start (``n`` times the number of prompts): each is a queued request."""
@@ -78,12 +84,13 @@ def plan_choices(
     vocab_size: int | None,
     num_logprobs: int | None,
     prompt_param: str,
+    handoff: KVTransferParams | None,
 ) -> list[Choice]:
     """``n`` choices per prompt; seeded requests get ``seed + i`` for choice ``i`` of a prompt.
 
     Every token id and setting is checked against the model (``vocab_size``, None when the engine
-    does not say: the engine's own check then answers). A lone choice continues from the first
-    token a prefill worker handed over, if it may.
+    does not say: the engine's own check then answers), handed prompt ids included. A lone choice
+    continues from the first token a prefill worker handed over (``handoff``), if it may.
     """
     _check_count(request, prompts, prompt_param)
     choices: list[Choice] = []
@@ -94,7 +101,7 @@ def plan_choices(
             choices.append(Choice(len(choices), prompt_index, prompt, params))
     if vocab_size is not None:
         _check_vocab(choices, vocab_size, prompt_param)
-    if len(choices) == 1 and (first := handed_first_token(request, choices[0].params)) is not None:
+    if len(choices) == 1 and (first := handed_first_token(handoff, choices[0].params)) is not None:
         if vocab_size is not None:
             _checked(check_token_ids, [first], vocab_size, param="kv_transfer_params")
         choices[0] = replace(choices[0], first_token_id=first)
@@ -119,20 +126,31 @@ def _check_vocab(choices: list[Choice], vocab_size: int, prompt_param: str) -> N
         _checked(choice.params.check_vocab, vocab_size)
 
 
-def handed_first_token(request: SamplingFields, params: SamplingParams) -> int | None:
+def handoff_params(request: SamplingFields) -> KVTransferParams | None:
+    """The request's ``kv_transfer_params``, validated (once per hop: callers pass the result on)."""
+    raw = (request.model_extra or {}).get("kv_transfer_params")
+    if raw is None:
+        return None
+    try:
+        return KVTransferParams.model_validate(raw)
+    except ValidationError as error:
+        raise invalid_request(error.errors(include_url=False), within="kv_transfer_params") from None
+
+
+def handed_prompt(handoff: KVTransferParams | None) -> list[int] | None:
+    """The prompt ids the orchestrator rendered, when the request carries them."""
+    return None if handoff is None else handoff.prompt_token_ids
+
+
+def handed_first_token(handoff: KVTransferParams | None, params: SamplingParams) -> int | None:
     """The first token in the request's ``kv_transfer_params``, when this choice may start from it.
 
     The prefill worker sampled it with the request's own settings (``first_token_params``), so a
     greedy or unseeded choice may. A seeded one samples it again, so that its draws stay those of a
     unified worker; one asking for logprobs too, since the prefill side returns none.
     """
-    raw = (request.model_extra or {}).get("kv_transfer_params")
-    if raw is None or params.seed is not None or params.logprobs is not None:
+    if handoff is None or params.seed is not None or params.logprobs is not None:
         return None
-    try:
-        handoff = KVTransferParams.model_validate(raw)
-    except ValidationError as error:
-        raise invalid_request(error.errors(include_url=False), within="kv_transfer_params") from None
     if not handoff.do_remote_prefill or not handoff.first_token_ids or len(handoff.first_token_ids) != 1:
         return None
     return handoff.first_token_ids[0]

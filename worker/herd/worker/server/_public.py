@@ -1,4 +1,11 @@
-"""The public port: the OpenAI API, tokenization, health, readiness and metrics."""
+"""The public port: the OpenAI API, tokenization, health, readiness and metrics.
+
+A completion request is parsed once, its ``kv_transfer_params`` validated once (``handoff_params``),
+and its prompt rendered and tokenized here only when the request does not carry the ids the
+orchestrator rendered (``kv_transfer_params.prompt_token_ids``); handed ids are checked against the
+vocabulary and the context length like any others. A request prefilled on another worker has its
+KV blocks pulled (``RemotePrefill``, set by ``attach_disaggregation``) before it is queued.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +21,7 @@ from pydantic import BaseModel
 
 from herd.api.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SamplingFields
 from herd.api.prompt import PromptRenderer
+from herd.api.protocol import KVTransferParams
 from herd.worker.engine_protocol import ServingEngine
 from herd.worker.outputs import RequestOutput
 from herd.worker.sampling_params import InvalidParamError, check_token_ids
@@ -25,12 +33,16 @@ from herd.worker.server._generation import Generation
 from herd.worker.server._metrics import WorkerMetrics
 from herd.worker.server._openapi import build_openapi, route_docs
 from herd.worker.server._params import (
+    HANDED_PROMPT_PARAM,
     Choice,
     chat_prompt,
     completion_prompts,
+    handed_prompt,
+    handoff_params,
     plan_choices,
     prompt_errors,
 )
+from herd.worker.server._remote_prefill import RemotePrefill
 from herd.worker.server._request_id import RequestIdMiddleware, request_id
 from herd.worker.server._responses import ResponseContext
 from herd.worker.server._sse import primed, with_error_event
@@ -81,6 +93,7 @@ def build_public_app(engine: ServingEngine, options: PublicOptions) -> FastAPI:
     app.add_middleware(RequestIdMiddleware)
     metrics = WorkerMetrics(engine, options.served_name)
     app.state.metrics = metrics  # disaggregation registers its transfer metrics here
+    app.state.remote_prefill = None  # and its KV puller (attach_disaggregation)
     install_error_handlers(app, metrics.observe_rejected)
     routes = _PublicRoutes(engine, options, metrics)
     for path, method, endpoint in (
@@ -106,21 +119,20 @@ class _PublicRoutes:
 
     async def chat(self, request: Request) -> Response:
         body = await self._read(request, ChatCompletionRequest)
-        # Rendering and tokenizing a long prompt takes milliseconds: keep it off the event loop.
-        prompt = await asyncio.to_thread(
-            chat_prompt, self.engine.renderer, body, self.engine.info.max_model_len
-        )
-        return await self._generate(request, body, [prompt], _CHAT)
+        handoff = handoff_params(body)
+        renderer, max_model_len = self.engine.renderer, self.engine.info.max_model_len
+        prompts = await _prompts(handoff, lambda: [chat_prompt(renderer, body, max_model_len)])
+        return await self._generate(request, body, prompts, _CHAT, handoff)
 
     async def completions(self, request: Request) -> Response:
         body = await self._read(request, CompletionRequest)
         if body.echo or body.suffix is not None:
             param = "echo" if body.echo else "suffix"
             raise ApiError(400, f"{param} is not supported by herd; leave it out", param=param)
-        prompts = await asyncio.to_thread(
-            completion_prompts, self.engine.renderer, body, self.engine.info.max_model_len
-        )
-        return await self._generate(request, body, prompts, _COMPLETIONS)
+        handoff = handoff_params(body)
+        renderer, max_model_len = self.engine.renderer, self.engine.info.max_model_len
+        prompts = await _prompts(handoff, lambda: completion_prompts(renderer, body, max_model_len))
+        return await self._generate(request, body, prompts, _COMPLETIONS, handoff)
 
     async def _generate(
         self,
@@ -128,19 +140,36 @@ class _PublicRoutes:
         body: ChatCompletionRequest | CompletionRequest,
         prompts: list[list[int]],
         endpoint: _Endpoint,
+        handoff: KVTransferParams | None,
     ) -> Response:
+        is_handed = handed_prompt(handoff) is not None
         choices = plan_choices(
             body,
             prompts,
             max_model_len=self.engine.info.max_model_len,
             vocab_size=self.engine.info.vocab_size,
             num_logprobs=body.num_logprobs,
-            prompt_param=endpoint.prompt_param,
+            prompt_param=HANDED_PROMPT_PARAM if is_handed else endpoint.prompt_param,
+            handoff=handoff,
         )
+        await self._pull(request, handoff, prompts, body.cache_salt)
         context = self._context(request, body, choices, prefix=endpoint.id_prefix)
         if body.stream:
             return await _stream(context, endpoint.chunks)
         return await _json_unless_disconnected(request, endpoint.whole(context))
+
+    async def _pull(
+        self, request: Request, handoff: KVTransferParams | None, prompts: list[list[int]], salt: str | None
+    ) -> None:
+        """The KV blocks of a prompt prefilled on another worker, once its ids passed every check."""
+        remote_prefill: RemotePrefill | None = request.app.state.remote_prefill
+        if (
+            remote_prefill is not None
+            and handoff is not None
+            and handoff.do_remote_prefill
+            and len(prompts) == 1
+        ):
+            await remote_prefill.pull(handoff, prompts[0], salt)
 
     async def _read(self, request: Request, model: type[R]) -> R:
         """Parse the body, refuse other models' requests (404) and requests while not accepting (503)."""
@@ -208,6 +237,16 @@ class _PublicRoutes:
 
     async def metrics(self) -> Response:
         return Response(self._metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _prompts(
+    handoff: KVTransferParams | None, render: Callable[[], list[list[int]]]
+) -> list[list[int]]:
+    """The prompt ids the orchestrator handed over, else the request's own, rendered and tokenized off
+    the event loop (a long prompt takes milliseconds)."""
+    if (handed := handed_prompt(handoff)) is not None:
+        return [handed]
+    return await asyncio.to_thread(render)
 
 
 def _tokenize(renderer: PromptRenderer, body: TokenizeRequest) -> list[int]:
