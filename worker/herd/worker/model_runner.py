@@ -30,10 +30,10 @@ __all__ = ["DEFAULT_CPU_KV_GIB", "TorchRunner", "torch_engine"]
 DEFAULT_CPU_KV_GIB = 1.0
 
 
-def torch_engine(config: EngineConfig, backend: AttentionBackend | None = None) -> LLMEngine:
+def torch_engine(config: EngineConfig) -> LLMEngine:
     """herd's engine on the model at ``config.model_path``: its renderer, weights and KV pool."""
     renderer = PromptRenderer.from_pretrained(config.model_path)
-    return LLMEngine(config, TorchRunner(config, renderer.eos_token_ids, backend), renderer)
+    return LLMEngine(config, TorchRunner(config, renderer.eos_token_ids), renderer)
 
 
 class TorchRunner:
