@@ -8,6 +8,9 @@
    from a streamer that timestamps each ``generate()`` step.
 2. Prefix cache: TTFT of a prompt whose 1024-token prefix is cached vs. the same-length prompt cold.
 
+``--herd-only`` runs herd's part of 1 alone: on a tiny model its ``step_ms`` (wall time over steps)
+is the engine's own overhead per step, the figure to compare before and after an engine change.
+
     .venv/bin/python bench/engine_throughput.py --model .cache/models/smollm2-135m-instruct
 """
 
@@ -76,6 +79,8 @@ def run_herd(engine: LLMEngine, workload: Workload) -> dict[str, Any]:
         "ttft_ms": percentiles(list(first.values())),
         "itl_ms": percentiles(gaps),
         "num_preemptions": engine.stats.num_preemptions,
+        "num_steps": engine.stats.num_steps,
+        "step_ms": round(wall / engine.stats.num_steps * 1000, 3),
     }
 
 
@@ -170,6 +175,9 @@ def main() -> None:
     )
     parser.add_argument("--prefix-repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--herd-only", action="store_true", help="herd's throughput run alone (step overhead)"
+    )
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "engine.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -181,7 +189,6 @@ def main() -> None:
     engine = torch_engine(config)
     vocab_size = engine.vocab_size
     workload = make_workload(args.requests, vocab_size, args.seed)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     report: dict[str, Any] = {
         "machine": machine_info(),
         "args": {k: str(v) for k, v in vars(args).items()},
@@ -193,6 +200,10 @@ def main() -> None:
     }
     report["herd"] = run_herd(engine, workload)
     print("herd", report["herd"], flush=True)
+    if args.herd_only:
+        write_json(args.out, report)
+        return
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     report["transformers"] = run_transformers(model, workload, args.concurrency, pad_id=0)
     print("transformers", report["transformers"], flush=True)
     report["throughput_ratio"] = round(
