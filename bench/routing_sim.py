@@ -1,17 +1,21 @@
 """Issue 4's routing benchmark as a fast, deterministic simulation built from the real pieces.
 
-What is real: each simulated worker is the worker's own ``Scheduler`` over its own ``BlockManager``
-(the LRU prefix cache that frees a sequence's blocks tail first), and the routers are the
-orchestrator's strategies (``build_strategy``) over a real ``KVIndex``. The gateway's part is
-mirrored: its own in-flight count per worker, ``select`` on health-filtered views, then
-``KVIndex.expect`` on the chosen worker; the worker's ``stored`` / ``removed`` events and load
-reports reach the orchestrator only at the registry's next poll (every 250 ms).
+What is real: each simulated worker is herd's own ``LLMEngine`` (its scheduler, its block manager
+with the LRU prefix cache that frees a sequence's blocks tail first, its KV events and load report)
+on the cost-model runner (``herd.worker.simulated_runner``), and every request is routed by the
+orchestrator's own ``decide`` (``herd.orchestrator.routing.decision``: capacity filter, the model's
+strategy, the blocks to expect, the session pin) over a real ``KVIndex``. The simulator applies each
+decision as the gateway does, in one step: its in-flight count per worker, ``KVIndex.expect`` and
+the pin. The worker's ``stored`` / ``removed`` events and load reports reach the orchestrator only
+at the registry's next poll (every 250 ms). The two reference routers below are strategies too.
 
 What is modelled: there is no model. A worker step costs ``step_ms + token_ms x tokens`` of
-simulated time (defaults near SmolLM2 fp32 on one CPU thread: a 300-token prefill about 0.5 s, a
-decode step 60 ms), and the two workers step independently (no contention for the CPU). A step's
-effects on the cache (committed blocks, their events) happen when it is planned, up to one step
-before its simulated end. Clients form a closed loop: ``N``
+simulated time (the runner's ``CostModel``; defaults near SmolLM2 fp32 on one CPU thread: a
+300-token prefill about 0.5 s, a decode step 60 ms) on the worker's own ``VirtualClock``, and the two
+workers step independently (no contention for the CPU). A step's effects on the cache (committed
+blocks, their events) happen when it runs, one step before its simulated end. The workers read the
+demo model's ``config.json`` and tokenizer (``make run`` or the tests prepare it in
+``.cache/models``), no weights. Clients form a closed loop: ``N``
 requests in flight, each finished request immediately replaced by the next one. Tenants are drawn
 i.i.d. uniformly by ``herd.cli.loadgen``'s own shared-prefix workload (the tenant and user-turn
 length of every request are its draws); every tenant's system prompt is ``prefix_blocks`` full
@@ -53,21 +57,32 @@ import sys
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import TypeAdapter
 
-from herd.api.crd import RoutingSpec
-from herd.api.kv_hash import block_hashes, root_hash
-from herd.api.protocol import KVEventBatch, KVSnapshot
+from herd.api.crd import RoundRobinRouting, RoutingSpec
+from herd.api.kv_hash import block_hashes
+from herd.api.prompt import PromptRenderer
+from herd.api.protocol import KVEventBatch, KVSnapshot, LoadReport
 from herd.cli.loadgen.workloads import LengthRange, SharedPrefixWorkload
+from herd.orchestrator.discovery import ModelConfig
 from herd.orchestrator.kv_index import KVIndex
-from herd.orchestrator.routing import RequestContext, RoutingStrategy, WorkerView, build_strategy
+from herd.orchestrator.routing import (
+    Decision,
+    RequestContext,
+    RoutingStrategy,
+    WorkerView,
+    build_strategy,
+    decide,
+    pin_key,
+)
 from herd.orchestrator.routing._load import bounded_load_cap, least_in_flight
-from herd.worker.block_manager import BlockManager
+from herd.worker.config import EngineConfig
+from herd.worker.engine import LLMEngine
+from herd.worker.outputs import RequestOutput
 from herd.worker.sampling_params import SamplingParams
-from herd.worker.scheduler import Scheduler
-from herd.worker.sequence import Sequence
+from herd.worker.simulated_runner import CostModel, VirtualClock, simulated_engine
 
 __all__ = ["main"]
 
@@ -79,6 +94,7 @@ PREFIX_EXTRA_TOKENS = 3
 USER_WORDS = "16:32"
 TEMPLATE_TOKENS = 9
 OUTPUT_TOKENS = 8
+DEMO_MODEL = Path(__file__).resolve().parent.parent / ".cache" / "models" / "smollm2-135m-instruct"
 
 
 @dataclass(frozen=True)
@@ -117,76 +133,73 @@ class Request:
     token_ids: list[int]
     hashes: list[int]
     sent_ms: float
-    seq: Sequence | None = None
     first_token_ms: float | None = None
+    num_cached_tokens: int = 0
 
 
 @dataclass
 class SimWorker:
     id: str
-    scheduler: Scheduler
-    epoch: str = "e"
+    engine: LLMEngine
+    clock: VirtualClock
     busy: bool = False
     requests: dict[str, Request] = field(default_factory=dict)
-    report: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def blocks(self) -> BlockManager:
-        return self.scheduler.block_manager
+    report: LoadReport = field(default_factory=LoadReport)
 
 
-class Router:
-    """A real strategy, or one of the reference routers, behind the gateway's steps."""
+@dataclass(frozen=True)
+class SimModel:
+    """The served model ``decide`` reads (``RoutedModel``): its config, strategy and KV index."""
 
-    def __init__(self, name: str, index: KVIndex, seed: int, shape: Shape) -> None:
-        self.name = name
-        self.load_factor = shape.load_factor
-        self.index = index
-        self.rng = random.Random(seed)
-        self.pins: dict[int, str] = {}
-        self.strategy: RoutingStrategy | None = None
-        if name in REAL:
-            settings: dict[str, Any] = {"strategy": name}
-            if name in ("prefix_hash", "kv_cache_aware"):
-                settings["loadFactor"] = shape.load_factor
-            if name == "kv_cache_aware":
-                settings["loadWeight"] = shape.load_weight
-            spec = TypeAdapter(RoutingSpec).validate_python(settings)
-            self.strategy = build_strategy(spec, kv_index=index, rng=random.Random(seed))
+    config: ModelConfig
+    strategy: RoutingStrategy
+    kv_index: KVIndex
 
-    def select(self, views: list[WorkerView], request: Request) -> WorkerView:
-        if self.strategy is None:
-            return self._reference(views, request.tenant)
-        ctx = RequestContext(
-            model=MODEL_ID,
-            token_ids=request.token_ids,
-            block_hashes=request.hashes,
-            session_key=f"tenant-{request.tenant}",
-            pinned_worker_id=self.pins.get(request.tenant),
-        )
-        choice = self.strategy.select(views, ctx)
-        assert choice is not None, "the cap always leaves a worker open"
-        if self.strategy.pins_sessions:
-            self.pins[request.tenant] = choice.id
-        return choice
 
-    def _reference(self, views: list[WorkerView], tenant: int) -> WorkerView:
-        home = views[tenant % len(views)]
-        if self.name == "affine" or home.num_in_flight < bounded_load_cap(views, self.load_factor):
+class Affine(RoutingStrategy):
+    """Reference router: tenant ``t`` always on worker ``t mod n``; with ``load_factor``, only while
+    that worker is under the bounded-load cap (else the least loaded worker)."""
+
+    name: ClassVar[str] = "affine"
+
+    def __init__(self, load_factor: float | None, rng: random.Random) -> None:
+        self.load_factor = load_factor
+        self.rng = rng
+
+    def select(self, workers: Seq[WorkerView], ctx: RequestContext) -> WorkerView | None:
+        home = workers[int(ctx.headers["tenant"]) % len(workers)]
+        if self.load_factor is None or home.num_in_flight < bounded_load_cap(workers, self.load_factor):
             return home
-        return least_in_flight(views, self.rng)
+        return least_in_flight(workers, self.rng)
+
+
+def routed_model(name: str, index: KVIndex, seed: int, shape: Shape) -> SimModel:
+    """A real strategy, or one of the reference routers, as the routing of one served model."""
+    if name in REFERENCE:
+        bound = shape.load_factor if name == "affine_bounded" else None
+        config = ModelConfig(MODEL_ID, RoundRobinRouting(strategy="round_robin"), block_size=BLOCK_SIZE)
+        return SimModel(config, Affine(bound, random.Random(seed)), index)
+    settings: dict[str, Any] = {"strategy": name}
+    if name in ("prefix_hash", "kv_cache_aware"):
+        settings["loadFactor"] = shape.load_factor
+    if name == "kv_cache_aware":
+        settings["loadWeight"] = shape.load_weight
+    spec = TypeAdapter(RoutingSpec).validate_python(settings)
+    strategy = build_strategy(spec, kv_index=index, rng=random.Random(seed))
+    return SimModel(ModelConfig(MODEL_ID, spec, block_size=BLOCK_SIZE), strategy, index)
 
 
 class Simulation:
     """One router over one shape and seed: a discrete-event loop in simulated milliseconds."""
 
-    def __init__(self, shape: Shape, router_name: str, seed: int) -> None:
+    def __init__(self, shape: Shape, router_name: str, seed: int, renderer: PromptRenderer) -> None:
         self.shape = shape
         self.now = 0.0
         self.index = KVIndex(clock=lambda: self.now / 1000)
-        self.router = Router(router_name, self.index, seed, shape)
-        self.workers = [self._worker(number) for number in range(shape.num_workers)]
+        self.model = routed_model(router_name, self.index, seed, shape)
+        self.workers = [self._worker(number, renderer) for number in range(shape.num_workers)]
         self.in_flight = {worker.id: 0 for worker in self.workers}
+        self.pins: dict[str, str] = {}
         self.turns = self._turns(seed)
         self.prefixes = [
             random.Random(seed * 1000 + t).choices(range(49152), k=self._prefix_len())
@@ -203,13 +216,20 @@ class Simulation:
     def _prefix_len(self) -> int:
         return self.shape.prefix_blocks * BLOCK_SIZE + PREFIX_EXTRA_TOKENS
 
-    def _worker(self, number: int) -> SimWorker:
-        manager = BlockManager(self.shape.num_kv_blocks(), BLOCK_SIZE)
-        worker = SimWorker(f"worker-{number}", Scheduler(manager, max_batch_tokens=1024, max_batch_size=64))
-        self.index.reset(
-            worker.id, KVSnapshot(epoch=worker.epoch, seq=0, block_size=BLOCK_SIZE, block_hashes=[])
+    def _worker(self, number: int, renderer: PromptRenderer) -> SimWorker:
+        shape, clock = self.shape, VirtualClock()
+        config = EngineConfig(
+            model_path=DEMO_MODEL,
+            served_name=MODEL_ID,
+            engine={"maxBatchTokens": 1024, "maxBatchSize": 64, "kvCache": {"blockSize": BLOCK_SIZE}},
         )
-        worker.report = {"num_running": 0, "num_waiting": 0, "num_waiting_prefill_tokens": 0, "kv_usage": 0.0}
+        cost = CostModel(step_ms=shape.step_ms, token_ms=shape.token_ms)
+        engine = simulated_engine(
+            config, num_blocks=shape.num_kv_blocks(), cost=cost, clock=clock, renderer=renderer
+        )
+        worker = SimWorker(f"worker-{number}", engine, clock)
+        epoch = engine.info.epoch
+        self.index.reset(worker.id, KVSnapshot(epoch=epoch, seq=0, block_size=BLOCK_SIZE, block_hashes=[]))
         return worker
 
     def run(self) -> dict[str, Any]:
@@ -263,16 +283,35 @@ class Simulation:
         self.num_sent += 1
         views = [self._view(worker) for worker in self.workers]
         matched = self.index.match(hashes)
-        choice = self.router.select(views, request)
+        decision = decide(self.model, views, self._context(request))
+        self._apply(decision)
+        choice = decision.worker
         if matched and matched.get(choice.id, 0) < max(matched.values()):
             self.num_spilled += 1
             cap = bounded_load_cap(views, self.shape.load_factor)
             best = max(matched.values())
             if all(view.num_in_flight >= cap for view in views if matched.get(view.id, 0) == best):
                 self.num_forced += 1
-        self.index.expect(choice.id, hashes)
-        self.in_flight[choice.id] += 1
         self._admit(next(w for w in self.workers if w.id == choice.id), request)
+
+    def _context(self, request: Request) -> RequestContext:
+        session = f"tenant-{request.tenant}"
+        return RequestContext(
+            model=MODEL_ID,
+            token_ids=request.token_ids,
+            block_hashes=request.hashes,
+            session_key=session,
+            pinned_worker_id=self.pins.get(pin_key(MODEL_ID, session)),
+            headers={"tenant": str(request.tenant)},
+        )
+
+    def _apply(self, decision: Decision) -> None:
+        """The gateway's one step: count the worker in flight, expect its blocks, write the pin."""
+        self.in_flight[decision.worker.id] += 1
+        if decision.expected_blocks:
+            self.index.expect(decision.worker.id, decision.expected_blocks)
+        if decision.pin is not None:
+            self.pins[decision.pin.key] = decision.pin.worker_id
 
     def _view(self, worker: SimWorker) -> WorkerView:
         report = worker.report
@@ -280,50 +319,46 @@ class Simulation:
             id=worker.id,
             url=f"http://{worker.id}",
             num_in_flight=self.in_flight[worker.id],
-            num_running=int(report["num_running"]),
-            num_waiting=int(report["num_waiting"]),
-            num_waiting_prefill_tokens=int(report["num_waiting_prefill_tokens"]),
-            kv_usage=report["kv_usage"],
+            num_running=report.num_running,
+            num_waiting=report.num_waiting,
+            num_waiting_prefill_tokens=report.num_waiting_prefill_tokens,
+            kv_usage=report.kv_usage,
         )
 
     def _admit(self, worker: SimWorker, request: Request) -> None:
-        seq = Sequence(
-            request_id=str(request.number),
-            prompt_token_ids=request.token_ids,
-            params=SamplingParams(max_tokens=OUTPUT_TOKENS, ignore_eos=True),
-            root_hash=root_hash(MODEL_ID),
+        request_id = str(request.number)
+        worker.requests[request_id] = request
+        worker.engine.add_request(
+            request_id, request.token_ids, SamplingParams(max_tokens=OUTPUT_TOKENS, ignore_eos=True)
         )
-        request.seq = seq
-        worker.requests[seq.request_id] = request
-        worker.scheduler.add(seq)
         if not worker.busy:
             worker.busy = True
             self._at(self.now, "step", worker)
 
     def _step(self, worker: SimWorker) -> None:
-        """One engine step: plan, 'run' (advance the clock by its cost), update, sample, retire."""
-        scheduler = worker.scheduler
-        output = scheduler.schedule()
-        if output.is_empty:
+        """One engine step on the worker's clock, set to now: its cost is how far the clock moved."""
+        engine = worker.engine
+        if not engine.has_unfinished_requests():
             worker.busy = False
             return
-        finish_ms = self.now + self.shape.step_ms + self.shape.token_ms * output.num_tokens
-        sampled = [chunk.seq for chunk in output.chunks if chunk.is_sampled]
-        scheduler.update(output)
-        for seq in sampled:
-            seq.append_token(0, None)
-            request = worker.requests[seq.request_id]
-            if request.first_token_ms is None:
-                request.first_token_ms = finish_ms
-            if seq.num_output_tokens >= OUTPUT_TOKENS:
-                self._at(finish_ms, "finish", (worker, request))
-        # Pushed after the finishes of the same instant, so they retire before the next plan.
+        worker.clock.now = self.now / 1000
+        outputs = engine.step()
+        finish_ms = worker.clock.now * 1000
+        for output in outputs:
+            self._record(worker, output, finish_ms)
+        # Pushed after the finishes of the same instant, so they retire before the next step.
         self._at(finish_ms, "step", worker)
 
+    def _record(self, worker: SimWorker, output: RequestOutput, finish_ms: float) -> None:
+        request = worker.requests[output.request_id]
+        if output.new_token_ids and request.first_token_ms is None:
+            request.first_token_ms = finish_ms
+        if output.finished:
+            request.num_cached_tokens = output.num_cached_tokens
+            self._at(finish_ms, "finish", (worker, request))
+
     def _finish(self, worker: SimWorker, request: Request) -> None:
-        assert request.seq is not None
-        worker.scheduler.finish(request.seq)
-        del worker.requests[request.seq.request_id]
+        del worker.requests[str(request.number)]
         self.in_flight[worker.id] -= 1
         self.done.append(request)
         is_warmup_over = self.shape.replay and len(self.done) == self.shape.warmup
@@ -333,21 +368,16 @@ class Simulation:
     def _poll(self) -> None:
         """The registry's poll: each worker's KV events since the last one, and its load report."""
         for worker in self.workers:
-            events = worker.blocks.events.drain()
-            if events and not self.index.apply(worker.id, KVEventBatch(epoch=worker.epoch, events=events)):
+            engine = worker.engine
+            batch = KVEventBatch(epoch=engine.info.epoch, events=engine.drain_kv_events())
+            if batch.events and not self.index.apply(worker.id, batch):
                 raise RuntimeError(f"{worker.id}: KV events out of order; the simulation lost some")
-            scheduler = worker.scheduler
-            worker.report = {
-                "num_running": len(scheduler.running),
-                "num_waiting": len(scheduler.waiting),
-                "num_waiting_prefill_tokens": sum(seq.num_uncomputed_tokens for seq in scheduler.waiting),
-                "kv_usage": worker.blocks.usage,
-            }
+            worker.report = engine.load_report()
         self.duplication.append(self._num_duplicated())
 
     def _num_duplicated(self) -> int:
         """Tenants whose whole prefix every worker's cache holds."""
-        caches = [worker.blocks.cached for worker in self.workers]
+        caches = [set(worker.engine.kv_snapshot().block_hashes) for worker in self.workers]
         count = 0
         for prefix in self.prefixes:
             last = block_hashes(prefix, BLOCK_SIZE, model_id=MODEL_ID)[-1]
@@ -356,7 +386,7 @@ class Simulation:
 
     def _summary(self, measured: list[Request]) -> dict[str, Any]:
         prompt = sum(len(request.token_ids) for request in measured)
-        cached = sum(request.seq.num_cached_tokens for request in measured if request.seq is not None)
+        cached = sum(request.num_cached_tokens for request in measured)
         ttft = [(request.first_token_ms or 0.0) - request.sent_ms for request in measured]
         return {
             "hit_rate": cached / prompt,
@@ -371,8 +401,9 @@ class Simulation:
 def simulate(shape: Shape, routers: Seq[str], seeds: Seq[int]) -> dict[str, dict[str, float]]:
     """Mean of each figure over ``seeds``, per router, plus the hit rate over round robin's."""
     table: dict[str, dict[str, float]] = {}
+    renderer = PromptRenderer.from_pretrained(DEMO_MODEL)  # one for every simulated worker
     for name in routers:
-        runs = [Simulation(shape, name, seed).run() for seed in seeds]
+        runs = [Simulation(shape, name, seed, renderer).run() for seed in seeds]
         table[name] = {key: round(statistics.fmean(run[key] for run in runs), 4) for key in runs[0]}
         table[name]["hit_rate_min"] = round(min(run["hit_rate"] for run in runs), 4)
         table[name]["hit_rate_max"] = round(max(run["hit_rate"] for run in runs), 4)
