@@ -26,12 +26,12 @@ from herd.api.protocol import KVEvent, KVSnapshot, LoadReport, WorkerInfo
 from herd.worker.config import EngineConfig
 from herd.worker.outputs import RequestOutput
 from herd.worker.sampling_params import SamplingParams
+from herd.worker.stats import EngineStats
 from support.gateway_fakes import sse_events
 from support.procs import free_port, running, wait_until
 
 __all__ = [
     "ScriptedEngine",
-    "ScriptedStats",
     "WorkerProcess",
     "engine_config",
     "metric_value",
@@ -39,15 +39,6 @@ __all__ = [
     "worker_argv",
     "worker_process",
 ]
-
-
-@dataclass
-class ScriptedStats:
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
 
 
 @dataclass
@@ -65,7 +56,7 @@ class ScriptedEngine:
     gate: threading.Event = field(default_factory=threading.Event)
     requests: dict[str, _Request] = field(default_factory=dict)
     aborted: list[str] = field(default_factory=list)
-    stats: ScriptedStats = field(default_factory=ScriptedStats)
+    stats: EngineStats = field(default_factory=EngineStats)
 
     def __post_init__(self) -> None:
         self.gate.set()

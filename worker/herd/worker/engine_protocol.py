@@ -88,9 +88,6 @@ class ServingEngine(Protocol):
     def is_loaded(self) -> bool: ...
 
     @property
-    def is_ready(self) -> bool: ...
-
-    @property
     def num_in_flight(self) -> int: ...
 
     @property
