@@ -8,7 +8,7 @@ DEMO_MODEL := .cache/models/smollm2-135m-instruct
 APT_PACKAGES := redis-server chromium chromium-driver
 PYTEST_ARGS ?=
 
-.PHONY: install system-deps run test fuzz lint format crds crds-check bench cluster-bin clean
+.PHONY: install system-deps run test fuzz lint format crds crds-check bench cluster-bin cluster cluster-down clean
 
 install: $(VENV)/.installed
 
@@ -54,7 +54,7 @@ crds-check: install
 	$(HERD) crds --out crds --check
 	$(HERD) crds --out charts/herd/files --check
 
-test: install system-deps lint crds-check
+test: install system-deps lint crds-check cluster-bin
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 # A longer schemathesis run than `make test`'s (600 requests per server): 10,000 generated requests
@@ -66,6 +66,14 @@ fuzz: install
 # into ~/.cache/herd/cluster; built once per version, then reused.
 cluster-bin:
 	scripts/cluster-bin.sh
+
+# That control plane on 127.0.0.1 (etcd on tmpfs, apiserver, controller-manager, scheduler), left running:
+# kubectl --kubeconfig .cache/cluster/kubeconfig ...; `make cluster-down` stops each process by its pid.
+cluster: install cluster-bin
+	PYTHONPATH=tests $(BIN)/python -m support.cluster up --dir .cache/cluster
+
+cluster-down: install
+	PYTHONPATH=tests $(BIN)/python -m support.cluster down --dir .cache/cluster
 
 bench: install $(DEMO_MODEL)/config.json
 	$(BIN)/python bench/engine_throughput.py --model $(DEMO_MODEL)
