@@ -6,6 +6,13 @@ routing discriminated union into one object whose ``strategy`` enum lists every 
 schemas allow no ``oneOf`` of differing shapes; pydantic still enforces the per-strategy keys), turns
 ``const`` into a one-value enum and 2020-12 ``exclusiveMinimum`` into the 3.0 boolean form, and marks
 free-form maps with ``x-kubernetes-preserve-unknown-fields``.
+
+The cross-field rules pydantic enforces in validators become CEL ``x-kubernetes-validations``, so the
+API server refuses what the operator would refuse, with the same sentence: pools that match the
+serving mode, the autoscaling bounds, the model source's scheme, a power-of-two block size, the
+metadata name's length, and each routing setting only with the strategy that reads it (derived from
+the union's variants). Per-field bounds (``minimum``) and unknown keys (strict field validation) need
+no rule.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from herd.api.crd import (
     KIND,
     PLURAL,
     SHORT_NAME,
+    SOURCE_SCHEMES,
     VERSION,
     ModelDeploymentSpec,
     ModelDeploymentStatus,
@@ -35,7 +43,7 @@ def _resolve(node: Schema, defs: dict[str, Schema]) -> Schema:
     return node
 
 
-def _merge_variants(variants: list[Schema]) -> Schema:
+def _merge_variants(variants: list[Schema], discriminator: str | None = None) -> Schema:
     merged: Schema = {"type": "object", "properties": {}}
     required = set(variants[0].get("required", []))
     for variant in variants:
@@ -48,7 +56,30 @@ def _merge_variants(variants: list[Schema]) -> Schema:
                 seen["enum"] = sorted(set(seen.get("enum", [])) | set(prop["enum"]))
     if required:
         merged["required"] = sorted(required)
+    if discriminator is not None:
+        rules = _variant_rules(variants, discriminator)
+        if rules:
+            merged["x-kubernetes-validations"] = rules
     return merged
+
+
+def _variant_rules(variants: list[Schema], discriminator: str) -> list[Schema]:
+    """One CEL rule per field that only some variants have: it may be set only with their tag."""
+    owners: dict[str, list[str]] = {}
+    for variant in variants:
+        tag = variant["properties"][discriminator]["enum"][0]
+        for name in variant["properties"]:
+            owners.setdefault(name, []).append(tag)
+    all_tags = len(variants)
+    rules = []
+    for name, tags in owners.items():
+        if len(tags) == all_tags:
+            continue
+        listed = ", ".join(f"'{tag}'" for tag in tags)
+        fix = f"set {discriminator}: {tags[0]}" if len(tags) == 1 else f"set {discriminator} to one of them"
+        message = f"{name} applies only to {discriminator} {' or '.join(tags)}: remove it or {fix}"
+        rules.append({"rule": f"!has(self.{name}) || self.{discriminator} in [{listed}]", "message": message})
+    return rules
 
 
 def _convert(node: Schema, defs: dict[str, Schema]) -> Schema:
@@ -56,7 +87,8 @@ def _convert(node: Schema, defs: dict[str, Schema]) -> Schema:
     if "oneOf" in node:
         variants = [_convert(v, defs) for v in node["oneOf"]]
         extra = {k: v for k, v in node.items() if k in ("description", "default")}
-        return {**_merge_variants(variants), **extra}
+        discriminator = node.get("discriminator", {}).get("propertyName")
+        return {**_merge_variants(variants, discriminator), **extra}
     if "anyOf" in node:
         branches = [b for b in node["anyOf"] if b.get("type") != "null"]
         rest = {k: v for k, v in node.items() if k != "anyOf"}
@@ -120,9 +152,76 @@ def _with_empty_default(converted: Schema, raw: Schema, is_required: bool) -> Sc
 
 
 def openapi_schema(model: type[ModelDeploymentSpec] | type[ModelDeploymentStatus]) -> Schema:
-    """A structural OpenAPI v3.0 schema for one of the resource's parts."""
+    """A structural OpenAPI v3.0 schema for one of the resource's parts (spec: with its CEL rules)."""
     raw = model.model_json_schema(by_alias=True, mode="validation")
-    return _convert(raw, raw.get("$defs", {}))
+    schema = _convert(raw, raw.get("$defs", {}))
+    if model is ModelDeploymentSpec:
+        for path, rules in _spec_rules().items():
+            node = schema
+            for name in path:
+                node = node["properties"][name]
+            node["x-kubernetes-validations"] = [*node.get("x-kubernetes-validations", []), *rules]
+    return schema
+
+
+def _rule(rule: str, message: str) -> Schema:
+    return {"rule": rule, "message": message}
+
+
+def _spec_rules() -> dict[tuple[str, ...], list[Schema]]:
+    """The validators of herd.api.crd as CEL, by the path of the object they sit on (``()``: spec).
+
+    Each rule tests ``has`` before reading a field with a default: the server fills defaults in before
+    it validates an object, but it also checks each rule against a parent's ``default: {}`` as it is.
+    """
+    is_disaggregated = "has(self.serving) && has(self.serving.mode) && self.serving.mode == 'disaggregated'"
+    schemes = ", ".join(f"'{scheme}'" for scheme in SOURCE_SCHEMES)
+    sizes = ", ".join(str(2**power) for power in range(11))
+    return {
+        (): [
+            _rule(
+                f"!({is_disaggregated}) || (has(self.prefill) && has(self.decode))",
+                "serving.mode disaggregated needs spec.prefill and spec.decode "
+                "(a pool with replicas and resources)",
+            ),
+            _rule(
+                f"({is_disaggregated}) || (!has(self.prefill) && !has(self.decode))",
+                "spec.prefill and spec.decode are only used with serving.mode: disaggregated; "
+                "remove them or set the mode",
+            ),
+        ],
+        ("model",): [
+            _rule(
+                f"[{schemes}].exists(s, self.source.startsWith(s) && self.source.size() > s.size())",
+                "model.source has no known scheme: use one of "
+                + ", ".join(f"{scheme}..." for scheme in SOURCE_SCHEMES),
+            )
+        ],
+        ("engine", "kvCache"): [
+            _rule(
+                f"!has(self.blockSize) || self.blockSize in [{sizes}]",
+                "engine.kvCache.blockSize must be a power of two (16, 32, ...)",
+            )
+        ],
+        ("autoscaling",): [
+            _rule(
+                "!has(self.minReplicas) || !has(self.maxReplicas) || self.minReplicas <= self.maxReplicas",
+                "autoscaling.minReplicas exceeds maxReplicas: raise maxReplicas or lower minReplicas",
+            )
+        ],
+    }
+
+
+def _root_rules() -> list[Schema]:
+    """metadata.name: the only metadata CEL may read. The server checks a DNS subdomain; herd needs a
+    label short enough for the pool suffixes, as ``ObjectMeta`` checks."""
+    return [
+        _rule(
+            "self.metadata.name.size() <= 52 && self.metadata.name.matches('^[a-z0-9]([-a-z0-9]*[a-z0-9])?$')",
+            "metadata.name must be a DNS label of at most 52 characters (lowercase letters, digits, '-'), "
+            "since pool objects append a suffix",
+        )
+    ]
 
 
 def _printer_columns() -> list[Schema]:
@@ -158,6 +257,7 @@ def crd_manifest() -> Schema:
             "spec": openapi_schema(ModelDeploymentSpec),
             "status": status,
         },
+        "x-kubernetes-validations": _root_rules(),
     }
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
