@@ -70,8 +70,6 @@ class FakeWorker:
     """How long ``/internal/prefill`` takes to answer (a prefill in progress)."""
     prefills: list[dict[str, object]] = field(default_factory=list)
     """The bodies ``/internal/prefill`` received."""
-    requests: list[dict[str, object]] = field(default_factory=list)
-    """The bodies the public routes received."""
     num_requests: int = 0
     num_snapshots: int = 0
     num_streams_closed: int = 0
@@ -97,8 +95,7 @@ class FakeWorker:
             raise httpx.RemoteProtocolError(
                 "Server disconnected without sending a response.", request=request
             )
-        self.requests.append(json.loads(request.content))
-        return self._completion(self.requests[-1])
+        return self._completion(json.loads(request.content))
 
     def _internal(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
