@@ -40,6 +40,7 @@ __all__ = [
     "Binaries",
     "BinariesMissingError",
     "ControlPlane",
+    "Login",
     "control_plane",
     "ensure_binaries",
     "find_binaries",
@@ -130,6 +131,14 @@ def ensure_binaries() -> Binaries:
             f"its last output: {done.stderr[-2000:] or done.stdout[-2000:]}"
         )
     return binaries
+
+
+@dataclass(frozen=True)
+class Login:
+    """Credentials of one user of the control plane: a kubeconfig and the user name it authenticates as."""
+
+    kubeconfig: Path
+    user: str
 
 
 @dataclass
@@ -299,6 +308,12 @@ class ControlPlane:
         """A token for ``service_account`` from the TokenRequest API."""
         argv = ["create", "token", service_account, "-n", namespace, f"--duration={duration}"]
         return self.kubectl(*argv).stdout.strip()
+
+    def login_as(self, service_account: str, namespace: str, *, default_namespace: str = "default") -> Login:
+        """A kubeconfig with a TokenRequest token of ``service_account``: what its RBAC allows, no more."""
+        path = self.workdir / f"kubeconfig-{namespace}-{service_account}"
+        token = self.token(service_account, namespace)
+        return Login(self.write_kubeconfig(path, token, default_namespace), f"system:serviceaccount:{namespace}:{service_account}")  # fmt: skip
 
     # Stopping.
 

@@ -8,6 +8,7 @@ import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Protocol
 
 import yaml
 
@@ -15,7 +16,7 @@ from herd.operator.runner import run_operator
 from herd.operator.settings import OperatorConfig
 from support.kube.emulator import Emulator
 
-__all__ = ["CRD", "embedded_operator", "install_crd", "kubectl"]
+__all__ = ["CRD", "HasKubeconfig", "embedded_operator", "install_crd", "kubectl"]
 
 CRD = Path(__file__).resolve().parents[2] / "crds" / "herd.dev_modeldeployments.yaml"
 TIMEOUT_S = 60.0  # generous for a loaded machine; nothing waits for it when things are quick
@@ -25,18 +26,27 @@ def install_crd(kube: Emulator) -> None:
     kube.create(yaml.safe_load(CRD.read_text()))
 
 
+class HasKubeconfig(Protocol):
+    """Where the operator logs in: the emulator, or a real control plane's credentials."""
+
+    @property
+    def kubeconfig(self) -> Path: ...
+
+
 @contextlib.contextmanager
 def embedded_operator(
-    kube: Emulator, namespace: str = "default", config: OperatorConfig | None = None
+    kube: HasKubeconfig, namespace: str | None = "default", config: OperatorConfig | None = None
 ) -> Iterator[None]:
-    """kopf in a thread with its own event loop, serving ``namespace``; stopped through its stop flag.
+    """kopf in a thread with its own event loop, serving ``namespace`` (None: every namespace, as the
+    chart's default ``watch.allNamespaces`` runs it); stopped through its stop flag.
 
-    ``config`` (its kubeconfig is replaced by the emulator's) defaults to a 1 s retry delay.
+    ``config`` (its kubeconfig is replaced by ``kube``'s) defaults to a 1 s retry delay.
     """
     stop, ready = threading.Event(), threading.Event()
     base = config or OperatorConfig(retry_delay=1.0)
     config = base.model_copy(update={"kubeconfig": str(kube.kubeconfig)})
-    main = run_operator(config, namespaces=[namespace], standalone=True, stop_flag=stop, ready_flag=ready)
+    namespaces = [] if namespace is None else [namespace]
+    main = run_operator(config, namespaces=namespaces, standalone=True, stop_flag=stop, ready_flag=ready)
     thread = threading.Thread(target=asyncio.run, args=(main,), name="operator", daemon=True)
     thread.start()
     try:
