@@ -9,7 +9,6 @@ controller-manager turns the operator's Deployments into ReplicaSets and Pods, w
 from __future__ import annotations
 
 import json
-import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Any
 
 import pytest
 from support.cluster import ControlPlane, Login, install_herd_chart
-from support.operator_harness import embedded_operator
+from support.operator_harness import RefusedRequests, embedded_operator, logged_refusals
 from support.procs import wait_until
 
 pytestmark = pytest.mark.e2e
@@ -29,31 +28,14 @@ TIMEOUT = 60.0
 GC_TIMEOUT = 150.0
 
 
-class ForbiddenLog(logging.Handler):
-    """Every warning or error the operator logs about a refused request (403, Forbidden)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.records: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        message = record.getMessage()
-        if "403" in message or "forbidden" in message.lower():
-            self.records.append(f"{record.name}: {message}")
+@pytest.fixture(scope="module")
+def forbidden() -> Iterator[RefusedRequests]:
+    with logged_refusals() as refused:
+        yield refused
 
 
 @pytest.fixture(scope="module")
-def forbidden() -> Iterator[ForbiddenLog]:
-    handler = ForbiddenLog()
-    logging.getLogger().addHandler(handler)
-    try:
-        yield handler
-    finally:
-        logging.getLogger().removeHandler(handler)
-
-
-@pytest.fixture(scope="module")
-def operator(cluster: ControlPlane, forbidden: ForbiddenLog) -> Iterator[Login]:
+def operator(cluster: ControlPlane, forbidden: RefusedRequests) -> Iterator[Login]:
     install_herd_chart(cluster)
     cluster.kubectl("create", "namespace", NAMESPACE)
     login = cluster.login_as(*OPERATOR_ACCOUNT, default_namespace=NAMESPACE)
@@ -102,7 +84,7 @@ def test_the_operator_holds_the_chart_service_accounts_token_and_no_more(
 
 
 def test_apply_smollm2_gives_children_pods_status_and_columns(
-    cluster: ControlPlane, operator: Login, forbidden: ForbiddenLog
+    cluster: ControlPlane, operator: Login, forbidden: RefusedRequests
 ) -> None:
     cluster.kubectl("apply", "-n", NAMESPACE, "-f", str(REPO / "examples" / "smollm2.yaml"))
     selector = "herd.dev/deployment=smollm2"
@@ -145,7 +127,7 @@ def test_apply_smollm2_gives_children_pods_status_and_columns(
 
 
 def test_deleting_the_modeldeployment_collects_its_children(
-    cluster: ControlPlane, operator: Login, forbidden: ForbiddenLog
+    cluster: ControlPlane, operator: Login, forbidden: RefusedRequests
 ) -> None:
     cluster.kubectl("apply", "-n", NAMESPACE, "-f", str(REPO / "examples" / "smollm2-disagg.yaml"))
     selector = "herd.dev/deployment=smollm2-disagg"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -16,7 +17,15 @@ from herd.operator.runner import run_operator
 from herd.operator.settings import OperatorConfig
 from support.kube.emulator import Emulator
 
-__all__ = ["CRD", "HasKubeconfig", "embedded_operator", "install_crd", "kubectl"]
+__all__ = [
+    "CRD",
+    "HasKubeconfig",
+    "RefusedRequests",
+    "embedded_operator",
+    "install_crd",
+    "kubectl",
+    "logged_refusals",
+]
 
 CRD = Path(__file__).resolve().parents[2] / "crds" / "herd.dev_modeldeployments.yaml"
 TIMEOUT_S = 60.0  # generous for a loaded machine; nothing waits for it when things are quick
@@ -71,3 +80,27 @@ def kubectl(kube: Emulator, *args: str, stdin: str | None = None) -> str:
     done = subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
     assert done.returncode == 0, f"kubectl {' '.join(args)}: {done.stderr}"
     return done.stdout
+
+
+class RefusedRequests(logging.Handler):
+    """Every warning or error logged about a refused request (403, Forbidden), as ``logger: message``."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "403" in message or "forbidden" in message.lower():
+            self.records.append(f"{record.name}: {message}")
+
+
+@contextlib.contextmanager
+def logged_refusals() -> Iterator[RefusedRequests]:
+    """Collect refused requests from every logger (kopf's and herd's) while in the block."""
+    handler = RefusedRequests()
+    logging.getLogger().addHandler(handler)
+    try:
+        yield handler
+    finally:
+        logging.getLogger().removeHandler(handler)

@@ -32,11 +32,20 @@ would let the operator mint a token Secret for any ServiceAccount.
   verbs: [create, patch]
 {{- end }}
 
-{{/* Cluster-scoped reads of the operator: kopf follows CRD changes (it only warns without them). */}}
+{{/*
+Cluster-scoped reads of the operator: kopf follows CRD changes (it only warns without them). Serving
+named namespaces, kopf also lists and watches namespaces to see which exist: refused, it retried the 403
+nine times, about a minute, before its first reconcile (tests/e2e/test_cluster_operator_scoped.py).
+*/}}
 {{- define "herd.operator.clusterRules" -}}
 - apiGroups: [apiextensions.k8s.io]
   resources: [customresourcedefinitions]
   verbs: [get, list, watch]
+{{- if not .Values.watch.allNamespaces }}
+- apiGroups: [""]
+  resources: [namespaces]
+  verbs: [list, watch]
+{{- end }}
 {{- end }}
 
 {{/* The orchestrator only discovers: ModelDeployments (routing settings) and worker pods. */}}

@@ -73,11 +73,11 @@ def test_namespaced_mode_grants_roles_only_in_the_watched_namespaces() -> None:
         (role["metadata"]["name"], role["metadata"]["namespace"]) for role in find(manifests, "Role")
     )
     assert placements == [("herd-operator", "team-a"), ("herd-orchestrator", "team-a")]
-    # Only kopf's read of CRDs stays cluster-wide: a CRD has no namespace.
+    # Only kopf's reads of CRDs and of namespace names stay cluster-wide: neither has a namespace.
     (cluster_role,) = find(manifests, "ClusterRole")
     assert _grants(cluster_role["rules"]) == {
         ("apiextensions.k8s.io", "customresourcedefinitions", verb) for verb in ("get", "list", "watch")
-    }
+    } | {("", "namespaces", verb) for verb in ("list", "watch")}
 
 
 def test_namespaced_mode_defaults_to_the_release_namespace() -> None:
