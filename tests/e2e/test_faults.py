@@ -175,7 +175,8 @@ def test_the_decode_worker_prefills_itself_when_the_prefill_worker_dies_during_t
         prefill_process.wait(timeout=10)
 
         received = kv_blocks_received(decode)
-        answer = httpx.post(decode.url + CHAT, json={**body, "kv_transfer_params": params}, timeout=60)
+        handed = {**body, "kv_transfer_params": params}
+        answer = httpx.post(decode.url + CHAT, json=handed, headers={TOKEN_HEADER: TOKEN}, timeout=60)
         assert answer.status_code == 200, answer.text
         reference = httpx.post(decode.url + CHAT, json=body, timeout=60).json()
         assert answer.json()["choices"][0]["message"] == reference["choices"][0]["message"]

@@ -84,7 +84,9 @@ async def cluster(tiny_llama: Path) -> AsyncIterator[Cluster]:
     )
     served = [worker.endpoint for worker in workers.values() if worker.role != "unified"]
     settings = AppSettings(internal_token=TOKEN, registry=RegistrySettings(poll_interval=0.05))
-    app = build_app(StaticSource([model], served), settings=settings, http=http, upstream=HttpxUpstream(http))
+    app = build_app(
+        StaticSource([model], served), settings=settings, http=http, upstream=HttpxUpstream(http, token=TOKEN)
+    )
     async with app.router.lifespan_context(app):
         registry = app.state.registry
         transport = httpx.ASGITransport(app=app)

@@ -18,7 +18,7 @@ from support.disagg import HostDispatch, InProcessWorker, start_worker
 from support.worker_server import sse_data
 
 from herd.api.kv_hash import block_hashes
-from herd.api.protocol import INTERNAL_PATHS
+from herd.api.protocol import INTERNAL_PATHS, TOKEN_HEADER
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)]
 
@@ -305,4 +305,26 @@ async def test_prompt_ids_a_client_hands_a_worker_are_checked(
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"].startswith("kv_transfer_params") and words in error["message"], error
+    await assert_every_block_free(workers)
+
+
+@pytest.mark.parametrize("token", [None, "a-guess"], ids=["no-token", "wrong-token"])
+async def test_only_the_orchestrator_may_name_a_worker_to_pull_from(
+    workers: Workers, token: str | None
+) -> None:
+    """A pull sends the internal token to the host in kv_transfer_params: a client that could name
+    that host would learn the token and could plant KV blocks, so the decode side refuses it first."""
+    body = chat(sentence(random.Random(11), 40))
+    params = await prefill(workers["prefill"], body)
+    decode = workers["decode"]
+    received = await received_blocks(decode)
+    headers = {} if token is None else {TOKEN_HEADER: token}
+    response = await decode.http.post(
+        decode.endpoint.url + CHAT, json={**body, "kv_transfer_params": params}, headers=headers
+    )
+    assert response.status_code == 403, response.text
+    error = response.json()["error"]
+    assert (error["param"], error["type"]) == ("kv_transfer_params", "permission_error")
+    assert await received_blocks(decode) == received
+    assert (await release(workers["prefill"], params)).status_code == 200
     await assert_every_block_free(workers)

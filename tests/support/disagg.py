@@ -63,10 +63,13 @@ class InProcessWorker:
             self.id, MODEL, f"http://{self.id}.public:8000", f"http://{self.id}.internal:9000", self.role
         )
 
-    async def public(self, path: str, body: Any = None) -> httpx.Response:
-        """POST ``body`` (GET without one) to the public port."""
-        url = self.endpoint.url + path
-        return await (self.http.get(url) if body is None else self.http.post(url, json=body))
+    async def public(self, path: str, body: Any = None, *, as_orchestrator: bool = True) -> httpx.Response:
+        """POST ``body`` (GET without one) to the public port, with the internal token as the
+        orchestrator sends it (``as_orchestrator``) or without, as any other client."""
+        url, headers = self.endpoint.url + path, {TOKEN_HEADER: TOKEN} if as_orchestrator else {}
+        if body is None:
+            return await self.http.get(url, headers=headers)
+        return await self.http.post(url, json=body, headers=headers)
 
     async def internal(self, path: str, body: Any = None) -> httpx.Response:
         """POST ``body`` (GET without one) to the internal port, with the token."""

@@ -5,15 +5,22 @@ from __future__ import annotations
 
 import httpx
 
+from herd.api.protocol import TOKEN_HEADER
 from herd.orchestrator.upstream import NotAnsweredError, Upstream, UpstreamError, UpstreamTimeoutError
 
 
 class HttpxUpstream:
-    def __init__(self, http: httpx.AsyncClient) -> None:
+    """``UpstreamClient`` over an httpx client (in-process workers), sending the internal ``token`` on
+    every request as ``UpstreamPool`` does."""
+
+    def __init__(self, http: httpx.AsyncClient, *, token: str | None = None) -> None:
         self.http = http
+        self.token = token
 
     async def post(self, url: str, body: bytes, *, request_id: str | None = None) -> Upstream:
         headers = {"content-type": "application/json", **({"x-request-id": request_id} if request_id else {})}
+        if self.token:
+            headers[TOKEN_HEADER] = self.token
         request = self.http.build_request("POST", url, content=body, headers=headers)
         try:
             response = await self.http.send(request, stream=True)

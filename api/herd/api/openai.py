@@ -330,6 +330,7 @@ class ModelList(BaseModel):
 ErrorType = Literal[
     "invalid_request_error",
     "authentication_error",
+    "permission_error",
     "not_found_error",
     "rate_limit_error",
     "server_error",
@@ -361,6 +362,7 @@ class ErrorResponse(BaseModel):
 _ERROR_TYPES: dict[int, ErrorType] = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
     408: "invalid_request_error",

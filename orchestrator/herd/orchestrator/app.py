@@ -65,7 +65,9 @@ def build_app(
     api_keys = api_keys or ApiKeys([])
     client = http or build_http_client(connect_timeout=settings.gateway.connect_timeout)
     pool = upstream or UpstreamPool(
-        connect_timeout=settings.gateway.connect_timeout, read_timeout=settings.gateway.request_timeout
+        connect_timeout=settings.gateway.connect_timeout,
+        read_timeout=settings.gateway.request_timeout,
+        token=settings.internal_token,
     )
     state = state or MemoryState()
     telemetry = Telemetry()

@@ -27,6 +27,8 @@ from urllib.parse import urlsplit
 import anyio
 import httptools
 
+from herd.api.protocol import TOKEN_HEADER
+
 __all__ = [
     "NotAnsweredError",
     "Upstream",
@@ -122,13 +124,25 @@ class _Target:
 
 
 class UpstreamPool:
-    """Keep-alive HTTP/1.1 connections to workers, at most ``max_idle_per_host`` idle per worker."""
+    """Keep-alive HTTP/1.1 connections to workers, at most ``max_idle_per_host`` idle per worker.
 
-    def __init__(self, *, connect_timeout: float, read_timeout: float, max_idle_per_host: int = 256) -> None:
+    Every request carries the workers' internal ``token`` when there is one: it is what lets a
+    decode worker pull a prefilled prompt's KV blocks from the prefill worker the gateway named.
+    """
+
+    def __init__(
+        self,
+        *,
+        connect_timeout: float,
+        read_timeout: float,
+        max_idle_per_host: int = 256,
+        token: str | None = None,
+    ) -> None:
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         """Longest wait for the worker's next byte (the first one included)."""
         self.max_idle_per_host = max_idle_per_host
+        self._token_header = f"{TOKEN_HEADER.lower()}: {token}\r\n".encode("ascii") if token else b""
         self._idle: dict[tuple[str, int], collections.deque[_Connection]] = {}
         self._targets: dict[str, _Target] = {}
 
@@ -197,20 +211,21 @@ class UpstreamPool:
         if target is None:
             if len(self._targets) >= _MAX_CACHED_TARGETS:
                 self._targets.clear()
-            target = self._targets[url] = _parse(url)
+            target = self._targets[url] = _parse(url, self._token_header)
         return target
 
 
-def _parse(url: str) -> _Target:
+def _parse(url: str, extra_headers: bytes) -> _Target:
     parts = urlsplit(url)
     if parts.scheme != "http" or not parts.hostname:
         raise UpstreamError(f"worker URL {url!r} is not http://host[:port]/path; workers serve plain HTTP")
     port = parts.port or 80
     host_header = parts.netloc
     head = (
-        f"POST {parts.path or '/'} HTTP/1.1\r\nhost: {host_header}\r\n"
-        "content-type: application/json\r\naccept: */*\r\ncontent-length: "
-    ).encode("ascii")
+        f"POST {parts.path or '/'} HTTP/1.1\r\nhost: {host_header}\r\n".encode("ascii")
+        + extra_headers
+        + b"content-type: application/json\r\naccept: */*\r\ncontent-length: "
+    )
     return _Target(parts.hostname, port, head)
 
 

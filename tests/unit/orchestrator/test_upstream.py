@@ -118,6 +118,20 @@ async def test_a_request_id_travels_as_a_header(serve: Callable[[Answer], Awaita
     await client.aclose()
 
 
+@pytest.mark.parametrize(("token", "expected"), [("s3cret", b"\r\nx-herd-token: s3cret\r\n"), (None, None)])
+async def test_the_internal_token_travels_on_every_request_when_set(
+    serve: Callable[[Answer], Awaitable[Server]], token: str | None, expected: bytes | None
+) -> None:
+    server = await serve(sized)
+    client = UpstreamPool(connect_timeout=2.0, read_timeout=5.0, token=token)
+    for _ in range(2):
+        await (await client.post(server.url, b"{}")).read_rest()
+    for head in server.heads:
+        assert (expected in head) if expected is not None else (b"x-herd-token" not in head)
+    assert server.bodies == [b"{}", b"{}"]
+    await client.aclose()
+
+
 async def test_a_chunked_stream_arrives_chunk_by_chunk(serve: Callable[[Answer], Awaitable[Server]]) -> None:
     server = await serve(chunked)
     client = pool()

@@ -40,7 +40,7 @@ def attach_disaggregation(
     metrics = DisaggMetrics(worker_metrics.registry, worker_metrics.model_name)
     http = http or httpx.AsyncClient(limits=httpx.Limits(max_connections=64))
     public.state.remote_prefill = RemotePrefill(
-        engine=engine, transfer=HttpKVTransfer(http, token), metrics=metrics
+        engine=engine, transfer=HttpKVTransfer(http, token), metrics=metrics, token=token
     )
     prefill = PrefillService(engine, metrics, worker_metrics)
     return Disaggregation(prefill.router(), http, prefill)

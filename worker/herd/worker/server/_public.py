@@ -21,7 +21,7 @@ from pydantic import BaseModel
 
 from herd.api.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SamplingFields
 from herd.api.prompt import PromptRenderer
-from herd.api.protocol import KVTransferParams
+from herd.api.protocol import TOKEN_HEADER, KVTransferParams
 from herd.worker.engine_protocol import ServingEngine
 from herd.worker.outputs import RequestOutput
 from herd.worker.sampling_params import InvalidParamError, check_token_ids
@@ -169,7 +169,9 @@ class _PublicRoutes:
             and handoff.do_remote_prefill
             and len(prompts) == 1
         ):
-            await remote_prefill.pull(handoff, prompts[0], salt)
+            await remote_prefill.pull(
+                handoff, prompts[0], salt, presented_token=request.headers.get(TOKEN_HEADER, "")
+            )
 
     async def _read(self, request: Request, model: type[R]) -> R:
         """Parse the body, refuse other models' requests (404) and requests while not accepting (503)."""

@@ -14,16 +14,22 @@ token the prefill worker handed over (``first_token_ids``) it streams that token
 computes only the prompt's partial last block with it; a seeded or logprobs request recomputes the
 last prompt token and samples again. A failed fetch (prefill worker gone, lease expired) is logged
 and the handler prefills locally; a layout mismatch is refused with 409.
+
+Only the orchestrator may name a worker to pull from: a pull sends the internal token to the
+address in ``kv_transfer_params``, so a request that names one must carry that token itself
+(``X-Herd-Token``, which the orchestrator sends on every request to a worker); any other is refused
+with 403 before anything is dialled, so a client can neither learn the token nor plant KV blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 
 from herd.api.kv_hash import BlockHash, block_hashes
-from herd.api.protocol import KVTransferParams
+from herd.api.protocol import TOKEN_HEADER, KVTransferParams
 from herd.worker.engine_protocol import ServingEngine
 from herd.worker.kv_transfer import KVLayout, KVLayoutError, KVSource, KVTransfer, KVTransferError
 from herd.worker.server._disagg import DisaggMetrics
@@ -37,18 +43,31 @@ log = logging.getLogger(__name__)
 class RemotePrefill:
     """Pulls the leased KV blocks of requests that were prefilled on another worker."""
 
-    def __init__(self, *, engine: ServingEngine, transfer: KVTransfer, metrics: DisaggMetrics) -> None:
+    def __init__(
+        self, *, engine: ServingEngine, transfer: KVTransfer, metrics: DisaggMetrics, token: str
+    ) -> None:
         self.engine = engine
         self.transfer = transfer
         self.metrics = metrics
+        self._token = token.encode()
         self._releases: set[asyncio.Task[None]] = set()
 
-    async def pull(self, params: KVTransferParams, prompt: list[int], cache_salt: str | None) -> None:
-        """Bring ``prompt``'s blocks over from the prefill worker ``params`` names, if it names one."""
+    async def pull(
+        self, params: KVTransferParams, prompt: list[int], cache_salt: str | None, *, presented_token: str
+    ) -> None:
+        """Bring ``prompt``'s blocks over from the prefill worker ``params`` names, if it names one and
+        the request presented the internal token (403 otherwise)."""
         source = _source(params)
         if source is None:
             log.warning("do_remote_prefill without remote_host/port/request_id; prefilling locally")
             return
+        if not secrets.compare_digest(presented_token.encode(), self._token):
+            raise ApiError(
+                403,
+                f"kv_transfer_params names a prefill worker to pull KV blocks from, which only herd's "
+                f"orchestrator may do (it sends the {TOKEN_HEADER} header); leave kv_transfer_params out",
+                param="kv_transfer_params",
+            )
         try:
             hashes = self._checked_hashes(prompt, cache_salt, params.remote_block_hashes or [])
             await self._pull(source, prompt, hashes)
