@@ -58,6 +58,11 @@ def condition(cluster: ControlPlane, md: str, kind: str) -> dict[str, Any]:
     return next((c for c in conditions if c["type"] == kind), {})
 
 
+def events(cluster: ControlPlane, md: str) -> set[tuple[str, str]]:
+    found = get(cluster, "events", "--field-selector", f"involvedObject.name={md}")["items"]
+    return {(event["type"], event["reason"]) for event in found}
+
+
 def columns(table: str) -> dict[str, str]:
     """The first row of ``kubectl get``'s table by column (an empty cell stays an empty string)."""
     header, row = table.splitlines()[:2]
@@ -107,6 +112,7 @@ def test_apply_smollm2_gives_children_pods_status_and_columns(
         return bool(body.get("status", {}).get("observedGeneration") == body["metadata"]["generation"])
 
     eventually(is_observed, "the status of the current generation")
+    eventually(lambda: ("Normal", "Created") in events(cluster, "smollm2"), "the operator's Created Event")
     eventually(lambda: condition(cluster, "smollm2", "Ready").get("reason") == "PoolsNotReady", "Ready=False")
     status = get(cluster, "md", "smollm2")["status"]
     assert condition(cluster, "smollm2", "Ready")["status"] == "False"
