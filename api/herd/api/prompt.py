@@ -9,12 +9,18 @@ template writes them itself; text completions add them (a Llama BOS, say).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
-from collections.abc import Iterable, Mapping, Sequence
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, TypeVarTuple
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -22,7 +28,21 @@ from tokenizers import Tokenizer
 
 from herd.api.openai import ChatCompletionRequest, CompletionRequest, prompt_too_long
 
-__all__ = ["TOKENIZER_FILES", "PromptError", "PromptLimit", "PromptRenderer", "read_tokenizer_files"]
+__all__ = [
+    "TOKENIZER_FILES",
+    "PromptError",
+    "PromptLimit",
+    "PromptRenderer",
+    "PromptThreads",
+    "read_tokenizer_files",
+]
+
+T = TypeVar("T")
+Ts = TypeVarTuple("Ts")
+
+PREPARE_NICENESS = 10
+"""How much lower than the serving threads a prompt thread runs (Linux nice; 10 weighs about a tenth)."""
+MAX_NICENESS = 19
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -265,3 +285,32 @@ class PromptRenderer:
     def token_strings(self, token_ids: Sequence[int]) -> list[str]:
         """Each id's own text, for logprobs (byte-level pieces decoded one at a time)."""
         return [self.tokenizer.decode([token_id], skip_special_tokens=False) for token_id in token_ids]
+
+
+class PromptThreads:
+    """A few threads that render and tokenize prompts off a server's event loop, below its priority.
+
+    Tokenizing a multi-MB prompt takes seconds of CPU (the tokenizer releases the GIL meanwhile). On a
+    busy host that time should come out of the new request's own wait, not out of the event loop's
+    answers or the engine's steps that running streams wait on, so on Linux each of these threads
+    lowers its own priority (``PREPARE_NICENESS``); elsewhere the call would renice the whole process,
+    so they run as they are. The executor is their own: a queue of large prompts does not hold up the
+    loop's default executor (host-name lookups, other blocking calls).
+    """
+
+    def __init__(self, name: str, num_threads: int = 2) -> None:
+        self._executor = ThreadPoolExecutor(num_threads, thread_name_prefix=name, initializer=_lower_priority)
+
+    async def run(self, work: Callable[[*Ts], T], *args: *Ts) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, work, *args)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _lower_priority() -> None:
+    if sys.platform.startswith("linux"):  # per thread on Linux only
+        thread = threading.get_native_id()
+        with contextlib.suppress(OSError):
+            niceness = os.getpriority(os.PRIO_PROCESS, thread) + PREPARE_NICENESS
+            os.setpriority(os.PRIO_PROCESS, thread, min(MAX_NICENESS, niceness))

@@ -26,14 +26,12 @@ with ``Retry-After``.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import logging
 import time
 import weakref
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, TypeVarTuple
 
@@ -42,7 +40,7 @@ from starlette.responses import Response
 
 from herd.api.kv_hash import block_hashes
 from herd.api.openai import ErrorResponse, LengthError
-from herd.api.prompt import PromptError
+from herd.api.prompt import PromptError, PromptThreads
 from herd.api.protocol import REQUEST_ID_HEADER, WORKER_HEADER, is_valid_request_id
 from herd.orchestrator.breaker import Outcome, answer_outcome
 from herd.orchestrator.disagg import Handoff, TwoPhase, handed_body
@@ -160,12 +158,10 @@ class Gateway:
         self.disagg = TwoPhase(registry, http, telemetry.registry, max_attempts=self.settings.max_attempts)
         self._untokenized: weakref.WeakSet[ServedModel] = weakref.WeakSet()
         """Models already logged as routed without tokens (once each)."""
-        # Its own threads: a queue of large prompts must not hold up the loop's default executor,
-        # which resolves host names for the registry's polls.
-        self._executor = ThreadPoolExecutor(self.settings.prepare_threads, thread_name_prefix="herd-prepare")
+        self._prepare_threads = PromptThreads("herd-prepare", self.settings.prepare_threads)
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._prepare_threads.close()
 
     async def forward(self, path: str, body: bytes, headers: Mapping[str, str]) -> Response:
         """Validate, route and proxy one OpenAI request; ``path`` is its route (``WIRE_MODELS``)."""
@@ -187,7 +183,7 @@ class Gateway:
         """``work(*args)`` inline for a body under ``inline_prepare_bytes``, else on the prepare threads."""
         if size < self.settings.inline_prepare_bytes:
             return work(*args)
-        return await asyncio.get_running_loop().run_in_executor(self._executor, work, *args)
+        return await self._prepare_threads.run(work, *args)
 
     def _metrics_of(self, served: ServedModel) -> ModelMetrics:
         metrics = self._metrics.get(served.name)

@@ -1,11 +1,15 @@
 from __future__ import annotations
 
+import os
+import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 from herd.api import PromptError, PromptRenderer
 from herd.api.openai import ChatCompletionRequest, CompletionRequest, LengthError
+from herd.api.prompt import MAX_NICENESS, PREPARE_NICENESS, PromptThreads
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -91,3 +95,20 @@ def test_the_output_budget_is_one_rule(
     with pytest.raises(LengthError, match=expected[1]) as refused:
         request.output_budget(num_prompt_tokens, 100, prompt_param="messages")
     assert refused.value.param == expected[0]
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="threads have their own priority on Linux only"
+)
+async def test_prompt_threads_run_below_the_serving_threads() -> None:
+    def niceness() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    threads = PromptThreads("test-prompt", 1)
+    serving = niceness()
+    try:
+        assert await threads.run(niceness) == min(MAX_NICENESS, serving + PREPARE_NICENESS)
+        assert await threads.run(sum, [1, 2, 3]) == 6
+    finally:
+        threads.close()
+    assert niceness() == serving

@@ -30,6 +30,7 @@ from herd.api import metrics as names
 from herd.api.body import BodyError, json_object
 from herd.api.kv_hash import BlockHash, block_hashes
 from herd.api.openai import ChatCompletionRequest, CompletionRequest
+from herd.api.prompt import PromptThreads
 from herd.api.protocol import INTERNAL_PATHS, KVTransferParams
 from herd.worker.engine_protocol import EngineCore, ServingEngine
 from herd.worker.kv_lease import DEFAULT_LEASE_SECONDS, MAX_LEASE_SECONDS, Lease, LeaseTable
@@ -121,10 +122,13 @@ def _prompt(engine: ServingEngine, request: ChatCompletionRequest | CompletionRe
 class PrefillService:
     """The prefill side: the lease table, its expiry sweep and the three internal routes."""
 
-    def __init__(self, engine: ServingEngine, metrics: DisaggMetrics, requests: WorkerMetrics) -> None:
+    def __init__(
+        self, engine: ServingEngine, metrics: DisaggMetrics, requests: WorkerMetrics, threads: PromptThreads
+    ) -> None:
         self.engine = engine
         self.metrics = metrics
         self.requests = requests
+        self._threads = threads
         self.leases = LeaseTable()
         self._sweeper: asyncio.Task[None] | None = None
 
@@ -142,7 +146,7 @@ class PrefillService:
         asked = handoff_params(body) or KVTransferParams()
         prompt, salt = handed_prompt(asked), body.cache_salt
         if prompt is None:
-            prompt = await asyncio.to_thread(_prompt, self.engine, body)
+            prompt = await self._threads.run(_prompt, self.engine, body)
         is_handed = asked.prompt_token_ids is not None
         choice = plan_choices(
             body,

@@ -42,5 +42,5 @@ def attach_disaggregation(
     public.state.remote_prefill = RemotePrefill(
         engine=engine, transfer=HttpKVTransfer(http, token), metrics=metrics, token=token
     )
-    prefill = PrefillService(engine, metrics, worker_metrics)
+    prefill = PrefillService(engine, metrics, worker_metrics, public.state.prompt_threads)
     return Disaggregation(prefill.router(), http, prefill)

@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
 from herd.api.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SamplingFields
-from herd.api.prompt import PromptRenderer
+from herd.api.prompt import PromptRenderer, PromptThreads
 from herd.api.protocol import TOKEN_HEADER, KVTransferParams
 from herd.worker.engine_protocol import ServingEngine
 from herd.worker.outputs import RequestOutput
@@ -94,8 +94,9 @@ def build_public_app(engine: ServingEngine, options: PublicOptions) -> FastAPI:
     metrics = WorkerMetrics(engine, options.served_name)
     app.state.metrics = metrics  # disaggregation registers its transfer metrics here
     app.state.remote_prefill = None  # and its KV puller (attach_disaggregation)
+    app.state.prompt_threads = PromptThreads("herd-prompt")  # the prefill route renders there too
     install_error_handlers(app, metrics.observe_rejected)
-    routes = _PublicRoutes(engine, options, metrics)
+    routes = _PublicRoutes(engine, options, metrics, app.state.prompt_threads)
     for path, method, endpoint in (
         ("/v1/chat/completions", "POST", routes.chat),
         ("/v1/completions", "POST", routes.completions),
@@ -112,16 +113,19 @@ def build_public_app(engine: ServingEngine, options: PublicOptions) -> FastAPI:
 
 
 class _PublicRoutes:
-    def __init__(self, engine: ServingEngine, options: PublicOptions, metrics: WorkerMetrics) -> None:
+    def __init__(
+        self, engine: ServingEngine, options: PublicOptions, metrics: WorkerMetrics, threads: PromptThreads
+    ) -> None:
         self.engine = engine
         self.options = options
         self._metrics = metrics
+        self._threads = threads
 
     async def chat(self, request: Request) -> Response:
         body = await self._read(request, ChatCompletionRequest)
         handoff = handoff_params(body)
         renderer, max_model_len = self.engine.renderer, self.engine.info.max_model_len
-        prompts = await _prompts(handoff, lambda: [chat_prompt(renderer, body, max_model_len)])
+        prompts = await self._prompts(handoff, lambda: [chat_prompt(renderer, body, max_model_len)])
         return await self._generate(request, body, prompts, _CHAT, handoff)
 
     async def completions(self, request: Request) -> Response:
@@ -131,7 +135,7 @@ class _PublicRoutes:
             raise ApiError(400, f"{param} is not supported by herd; leave it out", param=param)
         handoff = handoff_params(body)
         renderer, max_model_len = self.engine.renderer, self.engine.info.max_model_len
-        prompts = await _prompts(handoff, lambda: completion_prompts(renderer, body, max_model_len))
+        prompts = await self._prompts(handoff, lambda: completion_prompts(renderer, body, max_model_len))
         return await self._generate(request, body, prompts, _COMPLETIONS, handoff)
 
     async def _generate(
@@ -205,8 +209,7 @@ class _PublicRoutes:
     async def tokenize(self, request: Request) -> TokenizeResponse:
         body = await read_body(request, TokenizeRequest, max_bytes=self.options.max_body_bytes)
         self.engine.check_accepting()
-        # Rendering and tokenizing a long prompt takes milliseconds: keep it off the event loop.
-        tokens = await asyncio.to_thread(_tokenize, self.engine.renderer, body)
+        tokens = await self._threads.run(_tokenize, self.engine.renderer, body)
         return TokenizeResponse(
             count=len(tokens), max_model_len=self.engine.info.max_model_len, tokens=tokens
         )
@@ -220,7 +223,7 @@ class _PublicRoutes:
             check_token_ids(body.tokens, vocab_size, param="tokens")
         except InvalidParamError as error:
             raise ApiError(400, str(error), param=error.param) from None
-        return DetokenizeResponse(prompt=await asyncio.to_thread(renderer.decode, body.tokens))
+        return DetokenizeResponse(prompt=await self._threads.run(renderer.decode, body.tokens))
 
     async def health(self) -> Response:
         """Unhealthy only when the process cannot serve: its engine failed to load or to recover."""
@@ -240,15 +243,14 @@ class _PublicRoutes:
     async def metrics(self) -> Response:
         return Response(self._metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-
-async def _prompts(
-    handoff: KVTransferParams | None, render: Callable[[], list[list[int]]]
-) -> list[list[int]]:
-    """The prompt ids the orchestrator handed over, else the request's own, rendered and tokenized off
-    the event loop (a long prompt takes milliseconds)."""
-    if (handed := handed_prompt(handoff)) is not None:
-        return [handed]
-    return await asyncio.to_thread(render)
+    async def _prompts(
+        self, handoff: KVTransferParams | None, render: Callable[[], list[list[int]]]
+    ) -> list[list[int]]:
+        """The prompt ids the orchestrator handed over, else the request's own, rendered and tokenized
+        on the prompt threads (a long prompt takes milliseconds to seconds)."""
+        if (handed := handed_prompt(handoff)) is not None:
+            return [handed]
+        return await self._threads.run(render)
 
 
 def _tokenize(renderer: PromptRenderer, body: TokenizeRequest) -> list[int]:
