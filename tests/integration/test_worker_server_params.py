@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
+from herd.api.errors import HttpError
 from herd.api.openai import ChatCompletionRequest, CompletionRequest
-from herd.worker.server._errors import ApiError
 from herd.worker.server._params import handoff_params, plan_choices
 
 HELLO = [{"role": "user", "content": "hi"}]
@@ -94,7 +94,7 @@ def test_n_seeded_choices_get_consecutive_seeds_per_prompt() -> None:
 def test_impossible_limits_are_400(
     fields: dict[str, Any], max_model_len: int, param: str, words: str
 ) -> None:
-    with pytest.raises(ApiError) as caught:
+    with pytest.raises(HttpError) as caught:
         _plan(fields, max_model_len=max_model_len)
     assert (caught.value.status, caught.value.param) == (400, param)
     assert words in caught.value.message
@@ -153,7 +153,7 @@ def test_completion_logprobs_are_an_integer() -> None:
             {"kv_transfer_params": {"do_remote_prefill": "maybe"}},
             None,
             "kv_transfer_params.do_remote_prefill",
-            "invalid kv_transfer_params.do_remote_prefill",
+            "`kv_transfer_params.do_remote_prefill`: input should be a valid boolean",
         ),
     ],
     ids=[
@@ -180,7 +180,7 @@ def test_completion_logprobs_are_an_integer() -> None:
 def test_values_the_model_cannot_take_are_400_naming_the_field(
     fields: dict[str, Any], prompts: list[list[int]] | None, param: str, words: str
 ) -> None:
-    with pytest.raises(ApiError) as caught:
+    with pytest.raises(HttpError) as caught:
         _plan(fields, prompts=prompts)
     assert (caught.value.status, caught.value.param) == (400, param)
     assert words in caught.value.message

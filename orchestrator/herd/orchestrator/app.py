@@ -22,11 +22,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import ClientDisconnect
 
 from herd.api.body import BodyError, check_content_type, read_limited
+from herd.api.errors import HttpError
 from herd.api.openai import ModelCard, ModelList
 from herd.orchestrator.auth import ApiKeys, RequireApiKey
 from herd.orchestrator.dashboard import DASHBOARD_HTML, dashboard_data
 from herd.orchestrator.discovery import WorkerSource
-from herd.orchestrator.errors import GatewayError, install_error_handlers
+from herd.orchestrator.errors import install_error_handlers
 from herd.orchestrator.gateway import Gateway, GatewaySettings
 from herd.orchestrator.openapi import build_openapi, route_docs
 from herd.orchestrator.proxy import build_http_client
@@ -203,9 +204,9 @@ async def _read_body(request: Request, settings: AppSettings) -> bytes:
         async with asyncio.timeout(settings.body_timeout):
             return await read_limited(request.stream(), settings.max_body_bytes, declared_length=declared)
     except BodyError as error:
-        raise GatewayError(error.status, str(error)) from None
+        raise HttpError(error.status, str(error)) from None
     except TimeoutError:
         message = f"the request body did not arrive within {settings.body_timeout}s; send it faster"
-        raise GatewayError(408, message, headers={"Connection": "close"}) from None
+        raise HttpError(408, message, headers={"Connection": "close"}) from None
     except ClientDisconnect:
-        raise GatewayError(400, "the client closed the connection before its body was complete") from None
+        raise HttpError(400, "the client closed the connection before its body was complete") from None

@@ -1,6 +1,6 @@
 """Every error the gateway answers, in the OpenAI envelope ``{"error": {"message", "type", "param", "code"}}``.
 
-``GatewayError`` is what request handling raises; ``install_error_handlers`` turns it, Starlette's
+``herd.api.errors.HttpError`` is what request handling raises; ``install_error_handlers`` turns it, Starlette's
 routing errors (404 unknown route, 405 wrong method), FastAPI's parameter validation (422) and any
 unexpected exception (500, logged once with its traceback, one sentence to the client) into that
 envelope.
@@ -17,34 +17,14 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from herd.api.errors import HttpError, invalid_request, route_message
 from herd.api.openai import ErrorResponse
 
-__all__ = ["INTERNAL_ERROR", "GatewayError", "error_response", "install_error_handlers"]
+__all__ = ["INTERNAL_ERROR", "error_response", "install_error_handlers", "respond"]
 
 log = logging.getLogger(__name__)
 
 INTERNAL_ERROR = "the gateway failed on this request (an internal error, logged there); retry it"
-
-
-class GatewayError(Exception):
-    """An error answered to the client in the OpenAI envelope; ``param`` names the offending field."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        param: str | None = None,
-        headers: Mapping[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.headers = dict(headers or {})
-
-    def response(self) -> JSONResponse:
-        return error_response(self.status, self.message, param=self.param, headers=self.headers)
 
 
 def error_response(
@@ -55,36 +35,35 @@ def error_response(
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    app.add_exception_handler(GatewayError, _on_gateway_error)
+    app.add_exception_handler(HttpError, _on_http_error_raised)
     app.add_exception_handler(HTTPException, _on_http_error)
     app.add_exception_handler(RequestValidationError, _on_invalid)
     app.add_middleware(_CatchAll)
 
 
-async def _on_gateway_error(_: Request, error: Exception) -> Response:
-    assert isinstance(error, GatewayError)
-    return error.response()
+def respond(error: HttpError) -> JSONResponse:
+    return error_response(error.status, error.message, param=error.param, headers=error.headers)
+
+
+async def _on_http_error_raised(_: Request, error: Exception) -> Response:
+    assert isinstance(error, HttpError)
+    return respond(error)
 
 
 async def _on_http_error(request: Request, error: Exception) -> Response:
     assert isinstance(error, HTTPException)
-    method, path = request.method, request.scope["path"]
-    match error.status_code:
-        case 404:
-            message = f"no route {method} {path}; GET /openapi.json lists the routes this gateway serves"
-        case 405:
-            allowed = (error.headers or {}).get("Allow", "another method")
-            message = f"{path} does not accept {method}; use {allowed}"
-        case _:
-            message = str(error.detail)
+    allow = (error.headers or {}).get("Allow")
+    message = route_message(
+        request.method, request.scope["path"], error.status_code, allow=allow, detail=str(error.detail)
+    )
     return error_response(error.status_code, message, headers=error.headers)
 
 
 async def _on_invalid(_: Request, error: Exception) -> Response:
     assert isinstance(error, RequestValidationError)
-    first = error.errors()[0]
-    param = ".".join(str(part) for part in first["loc"][1:]) or None  # without "query", "path", ...
-    return error_response(422, f"invalid request: {param}: {first['msg']}", param=param)
+    # FastAPI's locations start with where the value was ("query", "path"): the client knows the name.
+    errors = [{**detail, "loc": tuple(detail["loc"][1:])} for detail in error.errors()]
+    return respond(invalid_request(errors, status=422))
 
 
 class _CatchAll:

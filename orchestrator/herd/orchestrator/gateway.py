@@ -38,13 +38,13 @@ from typing import Any, TypeVar, TypeVarTuple
 import httpx
 from starlette.responses import Response
 
+from herd.api.errors import HttpError
 from herd.api.kv_hash import block_hashes
 from herd.api.openai import ErrorResponse, LengthError
 from herd.api.prompt import PromptError, PromptThreads
 from herd.api.protocol import REQUEST_ID_HEADER, WORKER_HEADER, is_valid_request_id
 from herd.orchestrator.breaker import Outcome, answer_outcome
 from herd.orchestrator.disagg import Handoff, TwoPhase, handed_body
-from herd.orchestrator.errors import GatewayError
 from herd.orchestrator.model_metrics import ModelMetrics
 from herd.orchestrator.proxy import RelayResponse, StreamEnd
 from herd.orchestrator.registry import Hold, Registry
@@ -132,7 +132,7 @@ class _Route:
 class _NotServedError(Exception):
     """The worker did not take the request (it never reached an engine): another worker may."""
 
-    def __init__(self, error: GatewayError, outcome: Outcome) -> None:
+    def __init__(self, error: HttpError, outcome: Outcome) -> None:
         super().__init__(error.message)
         self.error = error
         self.outcome = outcome
@@ -174,7 +174,7 @@ class Gateway:
         try:
             return await self._attempt(request)
         except BaseException as error:
-            self._count(request, "", error.status if isinstance(error, GatewayError) else 500, None)
+            self._count(request, "", error.status if isinstance(error, HttpError) else 500, None)
             if request.handoff is not None:
                 await self.disagg.release(request.handoff)
             raise
@@ -195,7 +195,7 @@ class Gateway:
         served = self.registry.models.get(model)
         if served is None:
             known = ", ".join(sorted(self.registry.models)) or "none"
-            raise GatewayError(
+            raise HttpError(
                 404,
                 f"model {model!r} is not served here (served: {known}); see GET /v1/models",
                 param="model",
@@ -235,13 +235,13 @@ class Gateway:
                 )
             return (), ()
         except LengthError as error:
-            raise GatewayError(400, str(error), param=error.param) from None
+            raise HttpError(400, str(error), param=error.param) from None
         except PromptError as error:
-            raise GatewayError(400, str(error), param=parsed.prompt_param) from None
+            raise HttpError(400, str(error), param=parsed.prompt_param) from None
 
     async def _attempt(self, request: _Request) -> Response:
         tried: set[str] = set()
-        error: GatewayError | None = None
+        error: HttpError | None = None
         for _ in range(self.settings.max_attempts):
             try:
                 route = await self._routed(request, tried)
@@ -256,7 +256,7 @@ class Gateway:
                 route.release(not_served.outcome)
                 request.metrics.retries.inc()
                 error = not_served.error
-            except GatewayError:
+            except HttpError:
                 route.release("failure")
                 raise
             except BaseException:
@@ -334,19 +334,19 @@ class Gateway:
         elif request.ctx.token_ids:
             request.body = handed_body(request.payload, request.ctx, {})
 
-    def _refused(self, served: ServedModel, refusal: UnroutableError) -> GatewayError:
+    def _refused(self, served: ServedModel, refusal: UnroutableError) -> HttpError:
         if refusal.reason == "at_capacity":
             return self._busy(served)
-        return GatewayError(
+        return HttpError(
             503,
             f"model {served.name!r} has no healthy worker right now; retry shortly",
             headers={"Retry-After": str(self.settings.retry_after_seconds)},
         )
 
-    def _busy(self, served: ServedModel) -> GatewayError:
+    def _busy(self, served: ServedModel) -> HttpError:
         retry_after = str(self.settings.retry_after_seconds)
         message = f"every worker of model {served.name!r} is at capacity; retry after {retry_after}s"
-        return GatewayError(429, message, headers={"Retry-After": retry_after})
+        return HttpError(429, message, headers={"Retry-After": retry_after})
 
     async def _respond(self, request: _Request, worker: WorkerView, hold: Hold) -> Response:
         """The worker's answer; it releases the worker's ``hold`` exactly when the answer ends."""
@@ -365,7 +365,7 @@ class Gateway:
         try:
             content = await upstream.read_rest()
         except UpstreamError as error:
-            raise GatewayError(
+            raise HttpError(
                 502, f"worker {worker.id} failed mid-answer ({error}); retry the request"
             ) from None
         status = upstream.status_code
@@ -384,12 +384,12 @@ class Gateway:
             )
         except NotAnsweredError as error:
             self.registry.report_failure(worker.id, str(error))  # a killed worker: eject it now
-            failed = GatewayError(502, f"worker {worker.id} took no request ({error}); retry the request")
+            failed = HttpError(502, f"worker {worker.id} took no request ({error}); retry the request")
             raise _NotServedError(failed, "failure") from None
         except UpstreamTimeoutError as error:
-            raise GatewayError(504, f"worker {worker.id} timed out ({error}); retry the request") from None
+            raise HttpError(504, f"worker {worker.id} timed out ({error}); retry the request") from None
         except UpstreamError as error:
-            raise GatewayError(
+            raise HttpError(
                 502, f"worker {worker.id} broke its answer ({error}); retry the request"
             ) from None
         retry_after = upstream.headers.get("retry-after")
@@ -402,12 +402,12 @@ class Gateway:
 
     def _unavailable(
         self, served: ServedModel, worker: WorkerView, status: int, retry_after: str
-    ) -> GatewayError:
+    ) -> HttpError:
         """The error when the last worker tried was full (429) or draining (503)."""
         if status == httpx.codes.TOO_MANY_REQUESTS:
             return self._busy(served)
         message = f"worker {worker.id} is draining or not ready; retry after {retry_after}s"
-        return GatewayError(503, message, headers={"Retry-After": retry_after})
+        return HttpError(503, message, headers={"Retry-After": retry_after})
 
     def _stream_done(self, request: _Request, hold: Hold, ending: StreamEnd, ttft: float) -> None:
         status, outcome = _STREAM_ENDS[ending]

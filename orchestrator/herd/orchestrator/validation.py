@@ -14,11 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
-from pydantic_core import ErrorDetails
 
 from herd.api.body import BodyError, json_object
+from herd.api.errors import HttpError, invalid_request
 from herd.api.openai import ChatCompletionRequest, CompletionRequest, LengthError, SamplingFields
-from herd.orchestrator.errors import GatewayError
 
 __all__ = ["WIRE_MODELS", "ParsedRequest", "check_length", "parse_request"]
 
@@ -26,9 +25,6 @@ WIRE_MODELS: dict[str, type[ChatCompletionRequest] | type[CompletionRequest]] = 
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
 }
-
-_UNION_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list"})
-"""Locations pydantic adds for the member of a union that failed; a client's field is never one."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,29 +40,15 @@ class ParsedRequest:
 
 
 def parse_request(path: str, body: bytes) -> ParsedRequest:
-    """``body`` as the wire model of ``path``'s route; ``GatewayError`` (400 / 413) names what is wrong."""
+    """``body`` as the wire model of ``path``'s route; ``HttpError`` (400 / 413) names what is wrong."""
     try:
         payload = json_object(body)
     except BodyError as error:
-        raise GatewayError(error.status, str(error)) from None
+        raise HttpError(error.status, str(error)) from None
     try:
         return ParsedRequest(payload, WIRE_MODELS[path].model_validate(payload))
     except ValidationError as error:
-        raise _invalid(error.errors(include_url=False)[0]) from None
-
-
-def _invalid(first: ErrorDetails) -> GatewayError:
-    location = [str(part) for part in first["loc"] if not _is_union_tag(part)]
-    param = ".".join(location) or None
-    if first["type"] == "missing":
-        return GatewayError(400, f"invalid request: `{param}` is required", param=param)
-    reason = first["msg"].removeprefix("Value error, ")
-    where = f"`{param}`: " if param else ""
-    return GatewayError(400, f"invalid request: {where}{reason[:1].lower()}{reason[1:]}", param=param)
-
-
-def _is_union_tag(part: int | str) -> bool:
-    return isinstance(part, str) and (part in _UNION_TAGS or "[" in part)
+        raise invalid_request(error.errors(include_url=False)) from None
 
 
 def check_length(parsed: ParsedRequest, num_prompt_tokens: int, max_model_len: int) -> None:
@@ -76,4 +58,4 @@ def check_length(parsed: ParsedRequest, num_prompt_tokens: int, max_model_len: i
     try:
         request.output_budget(num_prompt_tokens, max_model_len, prompt_param=parsed.prompt_param)
     except LengthError as error:
-        raise GatewayError(400, str(error), param=error.param) from None
+        raise HttpError(400, str(error), param=error.param) from None

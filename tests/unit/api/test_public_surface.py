@@ -38,6 +38,7 @@ def test_every_module_declares_all() -> None:
     for name in (
         "body",
         "crd",
+        "errors",
         "crd_schema",
         "kv_hash",
         "logs",

@@ -55,7 +55,7 @@ def one_worker() -> FakeCluster:
             CHAT_PATH,
             {"model": MODEL, "messages": [{"role": "user", "content": 5}]},
             "messages.0.content",
-            "string",
+            "expected one of str",
         ),
         (CHAT_PATH, {"model": MODEL, "messages": HI, "logit_bias": {"x": 1}}, "logit_bias", "token ids"),
         (

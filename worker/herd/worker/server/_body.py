@@ -9,7 +9,7 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from herd.api.body import BodyError, check_content_type, json_object, read_limited
-from herd.worker.server._errors import ApiError, invalid_request
+from herd.api.errors import HttpError, invalid_request
 
 __all__ = ["read_body"]
 
@@ -17,13 +17,13 @@ M = TypeVar("M", bound=BaseModel)
 
 
 async def read_body(request: Request, model: type[M], *, max_bytes: int) -> M:
-    """Parse and validate the body as ``model``, or raise ``ApiError`` (400 / 413 / 415)."""
+    """Parse and validate the body as ``model``, or raise ``HttpError`` (400 / 413 / 415)."""
     declared = request.headers.get("content-length")
     try:
         check_content_type(request.headers.get("content-type"))
         data = json_object(await read_limited(request.stream(), max_bytes, declared_length=declared))
     except BodyError as error:
-        raise ApiError(error.status, str(error)) from None
+        raise HttpError(error.status, str(error)) from None
     try:
         return model.model_validate(data)
     except ValidationError as error:

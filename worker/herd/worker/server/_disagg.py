@@ -28,6 +28,7 @@ from pydantic import BaseModel, ValidationError
 
 from herd.api import metrics as names
 from herd.api.body import BodyError, json_object
+from herd.api.errors import HttpError, invalid_request
 from herd.api.kv_hash import BlockHash, block_hashes
 from herd.api.openai import ChatCompletionRequest, CompletionRequest
 from herd.api.prompt import PromptThreads
@@ -43,7 +44,6 @@ from herd.worker.kv_transfer import (
     check_layout,
     encode_frame,
 )
-from herd.worker.server._errors import ApiError, invalid_request
 from herd.worker.server._metrics import RequestTiming, WorkerMetrics
 from herd.worker.server._params import (
     HANDED_PROMPT_PARAM,
@@ -115,7 +115,7 @@ def _prompt(engine: ServingEngine, request: ChatCompletionRequest | CompletionRe
         return chat_prompt(engine.renderer, request, engine.info.max_model_len)
     prompts = completion_prompts(engine.renderer, request, engine.info.max_model_len)
     if len(prompts) != 1:
-        raise ApiError(400, "a disaggregated request carries exactly one prompt", param="prompt")
+        raise HttpError(400, "a disaggregated request carries exactly one prompt", param="prompt")
     return prompts[0]
 
 
@@ -197,7 +197,7 @@ class PrefillService:
     def _check_model(self, payload: dict[str, Any]) -> None:
         served = self.engine.info.model
         if payload.get("model") != served:
-            raise ApiError(
+            raise HttpError(
                 404, f"model {payload.get('model')!r} is not served here; this worker serves {served!r}"
             )
 
@@ -207,7 +207,7 @@ class PrefillService:
         try:
             check_layout(local, KVLayout(**body.layout), peer="the decode worker")
         except (KVLayoutError, TypeError) as error:
-            raise ApiError(409, str(error)) from None
+            raise HttpError(409, str(error)) from None
         block_ids = self._leased_ids(body)
 
         def read_frame(core: EngineCore) -> tuple[bytes, int]:
@@ -224,7 +224,7 @@ class PrefillService:
         lease = self.leases.get(body.remote_request_id)
         block_ids = None if lease is None else lease.block_ids_for(body.block_hashes)
         if block_ids is None:
-            raise ApiError(
+            raise HttpError(
                 404,
                 f"no live lease holds those blocks of request {body.remote_request_id!r} (expired or "
                 "released); prefill the request locally",
@@ -262,7 +262,7 @@ def _json_object(raw: bytes) -> dict[str, Any]:
     try:
         return json_object(raw)
     except BodyError as error:
-        raise ApiError(error.status, str(error)) from None
+        raise HttpError(error.status, str(error)) from None
 
 
 def _parse(model: type[M], raw: bytes) -> M:

@@ -8,6 +8,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 
+from herd.api.errors import HttpError
 from herd.api.protocol import (
     INTERNAL_PATHS,
     TOKEN_HEADER,
@@ -18,7 +19,7 @@ from herd.api.protocol import (
     WorkerInfo,
 )
 from herd.worker.engine_protocol import ServingEngine
-from herd.worker.server._errors import ApiError, install_error_handlers
+from herd.worker.server._errors import install_error_handlers
 
 __all__ = ["MAX_KV_EVENTS_WAIT_S", "build_internal_app"]
 
@@ -31,7 +32,7 @@ def build_internal_app(engine: ServingEngine, token: str, routers: Sequence[APIR
     async def check_token(request: Request) -> None:
         given = request.headers.get(TOKEN_HEADER, "")
         if not secrets.compare_digest(given.encode(), token.encode()):
-            raise ApiError(401, f"missing or wrong {TOKEN_HEADER} header; send the worker's internal token")
+            raise HttpError(401, f"missing or wrong {TOKEN_HEADER} header; send the worker's internal token")
 
     app = FastAPI(
         title="herd worker (internal)",

@@ -9,11 +9,11 @@ from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
+from herd.api.errors import HttpError, invalid_request
 from herd.api.openai import ChatCompletionRequest, CompletionRequest, LengthError, SamplingFields
 from herd.api.prompt import PromptError, PromptRenderer
 from herd.api.protocol import KVTransferParams
 from herd.worker.sampling_params import InvalidParamError, SamplingParams, check_token_ids
-from herd.worker.server._errors import ApiError, invalid_request
 
 __all__ = [
     "HANDED_PROMPT_PARAM",
@@ -71,9 +71,9 @@ def prompt_errors(param: str) -> Iterator[None]:
     try:
         yield
     except LengthError as error:
-        raise ApiError(400, str(error), param=error.param) from None
+        raise HttpError(400, str(error), param=error.param) from None
     except PromptError as error:
-        raise ApiError(400, str(error), param=param) from None
+        raise HttpError(400, str(error), param=param) from None
 
 
 def plan_choices(
@@ -110,7 +110,7 @@ def plan_choices(
 
 def _check_count(request: SamplingFields, prompts: list[list[int]], prompt_param: str) -> None:
     if len(prompts) * request.n > MAX_SEQUENCES:
-        raise ApiError(
+        raise HttpError(
             400,
             f"the request asks for {len(prompts) * request.n} sequences ({len(prompts)} prompts times "
             f"n={request.n}); send at most {MAX_SEQUENCES} per request",
@@ -170,7 +170,7 @@ def _max_tokens(
     try:
         return request.output_budget(num_prompt_tokens, max_model_len, prompt_param=prompt_param)
     except LengthError as error:
-        raise ApiError(400, str(error), param=error.param) from None
+        raise HttpError(400, str(error), param=error.param) from None
 
 
 def sampling_params(
@@ -201,4 +201,4 @@ def _checked(function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     try:
         return function(*args, **kwargs)
     except InvalidParamError as error:
-        raise ApiError(400, str(error), param=error.param) from None
+        raise HttpError(400, str(error), param=error.param) from None

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
+from herd.api.errors import HttpError
 from herd.api.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SamplingFields
 from herd.api.prompt import PromptRenderer, PromptThreads
 from herd.api.protocol import TOKEN_HEADER, KVTransferParams
@@ -28,7 +29,7 @@ from herd.worker.sampling_params import InvalidParamError, check_token_ids
 from herd.worker.server._body import read_body
 from herd.worker.server._chat import chat_chunks, chat_response
 from herd.worker.server._completions import completion_chunks, completion_response
-from herd.worker.server._errors import ApiError, as_api_error, error_response, install_error_handlers
+from herd.worker.server._errors import as_api_error, error_response, install_error_handlers, respond
 from herd.worker.server._generation import Generation
 from herd.worker.server._metrics import WorkerMetrics
 from herd.worker.server._openapi import build_openapi, route_docs
@@ -132,7 +133,7 @@ class _PublicRoutes:
         body = await self._read(request, CompletionRequest)
         if body.echo or body.suffix is not None:
             param = "echo" if body.echo else "suffix"
-            raise ApiError(400, f"{param} is not supported by herd; leave it out", param=param)
+            raise HttpError(400, f"{param} is not supported by herd; leave it out", param=param)
         handoff = handoff_params(body)
         renderer, max_model_len = self.engine.renderer, self.engine.info.max_model_len
         prompts = await self._prompts(handoff, lambda: completion_prompts(renderer, body, max_model_len))
@@ -184,7 +185,7 @@ class _PublicRoutes:
             message = (
                 f"model {body.model!r} is not served here; this worker serves {self.options.served_name!r}"
             )
-            raise ApiError(404, message, param="model")
+            raise HttpError(404, message, param="model")
         self.engine.check_accepting()
         return body
 
@@ -222,7 +223,7 @@ class _PublicRoutes:
         try:
             check_token_ids(body.tokens, vocab_size, param="tokens")
         except InvalidParamError as error:
-            raise ApiError(400, str(error), param=error.param) from None
+            raise HttpError(400, str(error), param=error.param) from None
         return DetokenizeResponse(prompt=await self._threads.run(renderer.decode, body.tokens))
 
     async def health(self) -> Response:
@@ -237,7 +238,7 @@ class _PublicRoutes:
         try:
             self.engine.check_accepting()
         except Exception as error:
-            return as_api_error(error).response()
+            return respond(as_api_error(error))
         return JSONResponse({"status": "ready"})
 
     async def metrics(self) -> Response:

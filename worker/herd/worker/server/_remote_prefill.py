@@ -28,12 +28,12 @@ import logging
 import secrets
 import time
 
+from herd.api.errors import HttpError
 from herd.api.kv_hash import BlockHash, block_hashes
 from herd.api.protocol import TOKEN_HEADER, KVTransferParams
 from herd.worker.engine_protocol import ServingEngine
 from herd.worker.kv_transfer import KVLayout, KVLayoutError, KVSource, KVTransfer, KVTransferError
 from herd.worker.server._disagg import DisaggMetrics
-from herd.worker.server._errors import ApiError
 
 __all__ = ["RemotePrefill"]
 
@@ -62,7 +62,7 @@ class RemotePrefill:
             log.warning("do_remote_prefill without remote_host/port/request_id; prefilling locally")
             return
         if not secrets.compare_digest(presented_token.encode(), self._token):
-            raise ApiError(
+            raise HttpError(
                 403,
                 f"kv_transfer_params names a prefill worker to pull KV blocks from, which only herd's "
                 f"orchestrator may do (it sends the {TOKEN_HEADER} header); leave kv_transfer_params out",
@@ -72,7 +72,7 @@ class RemotePrefill:
             hashes = self._checked_hashes(prompt, cache_salt, params.remote_block_hashes or [])
             await self._pull(source, prompt, hashes)
         except KVLayoutError as error:
-            raise ApiError(409, str(error)) from None
+            raise HttpError(409, str(error)) from None
         finally:
             self._release_later(source)
 
@@ -93,7 +93,7 @@ class RemotePrefill:
         # none of them, one sampling the first token again recomputes the last (the cache keeps one).
         usable = min(len(remote), len(prompt) // info.block_size)
         if ours[:usable] != remote[:usable]:
-            raise ApiError(
+            raise HttpError(
                 409,
                 "the prefill worker's block hashes for this prompt differ from this worker's: the two "
                 "pools serve different models, tokenizers or served names",
