@@ -150,6 +150,7 @@ class ControlPlane:
     etcd_dir: Path
     apiserver_port: int = 0
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    argv: dict[str, list[str]] = field(default_factory=dict)
     start_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -213,6 +214,8 @@ class ControlPlane:
                 f"--initial-cluster=herd={peer}", "--unsafe-no-fsync", "--log-level=warn"]  # fmt: skip
 
     def _apiserver_argv(self, etcd_port: int) -> list[str]:
+        """envtest's flag set on loopback. Open watches get 1 s to drain on SIGTERM: by default one open
+        watch kept the apiserver from exiting (a SIGKILL after the 10 s grace)."""
         pki = self.workdir / "pki"
         return [str(self.binaries.kube_apiserver),
                 f"--etcd-servers=http://127.0.0.1:{etcd_port}",
@@ -224,7 +227,7 @@ class ControlPlane:
                 f"--service-account-signing-key-file={pki / 'sa.key'}",
                 f"--service-account-issuer=https://127.0.0.1:{self.apiserver_port}",
                 f"--service-cluster-ip-range={SERVICE_CIDR}", "--allow-privileged=true",
-                "--v=1"]  # fmt: skip
+                "--shutdown-watch-termination-grace-period=1s", "--v=1"]  # fmt: skip
 
     def _component_argv(self, binary: Path, port: int) -> list[str]:
         kubeconfig = f"--kubeconfig={self.kubeconfig}"
@@ -245,17 +248,18 @@ class ControlPlane:
     def _spawn(self, name: str, argv: Sequence[str], detach: bool) -> None:
         logs = self.workdir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        with (logs / f"{name}.log").open("wb") as sink:
+        with (logs / f"{name}.log").open("ab") as sink:
             process = subprocess.Popen(
                 list(argv), stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=detach,
             )  # fmt: skip
-        self.processes[name] = process
+        self.processes[name], self.argv[name] = process, list(argv)
         pids = self.workdir / "pids"
         pids.mkdir(parents=True, exist_ok=True)
         (pids / name).write_text(f"{process.pid}\n")
 
     def _wait(self, url: str, name: str, began: float) -> None:
+        """Until ``name`` answers 200 at ``url``; records the seconds since ``began``."""
         process, log = self.processes[name], self.workdir / "logs" / f"{name}.log"
         # The components' own self-signed certificates are not the CA's: only the apiserver's is checked.
         verify: bool | ssl.SSLContext = (
@@ -269,6 +273,17 @@ class ControlPlane:
 
         wait_until(is_healthy, timeout=START_TIMEOUT_S, interval=0.1, what=f"{name} healthy at {url}")
         self.start_seconds[name] = round(time.monotonic() - began, 2)
+
+    def restart_apiserver(self) -> float:
+        """Stop kube-apiserver by its pid and start it again on the same port and etcd; returns the
+        seconds from the start to ``/readyz`` (clients see their connections and watches cut)."""
+        process, startup = self.processes.pop("kube-apiserver"), self.start_seconds["kube-apiserver"]
+        _stop_pid(process.pid, process)
+        began = time.monotonic()
+        self._spawn("kube-apiserver", self.argv["kube-apiserver"], detach=False)
+        self._wait(f"{self.url}/readyz", "kube-apiserver", began)
+        seconds, self.start_seconds["kube-apiserver"] = self.start_seconds["kube-apiserver"], startup
+        return seconds
 
     # Using it.
 
@@ -319,8 +334,9 @@ class ControlPlane:
 
     def stop(self) -> None:
         """Stop every process by its own pid, newest first, then drop etcd's tmpfs folder."""
-        for name in reversed(list(self.processes)):
-            _stop_pid(self.processes[name].pid, self.processes[name])
+        for name in reversed(_COMPONENTS):  # clients first: a restarted apiserver is no later than they
+            if name in self.processes:
+                _stop_pid(self.processes[name].pid, self.processes[name])
         self.processes.clear()
         shutil.rmtree(self.etcd_dir, ignore_errors=True)
 
