@@ -31,9 +31,9 @@ import json
 import logging
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, TypeVarTuple
+from typing import Any
 
 import httpx
 from starlette.responses import Response
@@ -41,7 +41,7 @@ from starlette.responses import Response
 from herd.api.errors import HttpError
 from herd.api.kv_hash import block_hashes
 from herd.api.openai import ErrorResponse, LengthError
-from herd.api.prompt import PromptError, PromptThreads
+from herd.api.prompt import INLINE_BYTES, PromptError, PromptThreads
 from herd.api.protocol import REQUEST_ID_HEADER, WORKER_HEADER, is_valid_request_id
 from herd.orchestrator.breaker import Outcome, answer_outcome
 from herd.orchestrator.disagg import Handoff, TwoPhase, handed_body
@@ -66,8 +66,6 @@ __all__ = ["Gateway", "GatewaySettings"]
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-Ts = TypeVarTuple("Ts")
 
 _STREAM_ENDS: dict[StreamEnd, tuple[int, Outcome]] = {
     "complete": (200, "success"),
@@ -83,11 +81,8 @@ class GatewaySettings:
     connect_timeout: float = 2.0
     max_attempts: int = 3
     retry_after_seconds: int = 1
-    inline_prepare_bytes: int = 2048
-    """Bodies from this size on are parsed and tokenized on ``prepare_threads``. Measured with
-    bench/gateway_prepare_threshold.py (SmolLM2's tokenizer, a loaded 2-core machine): a 1 KiB chat
-    body took 0.74 ms inline against 0.88 ms through a thread, a 4 KiB one 3.7 ms against 2.4 ms;
-    below 2 KiB the hop costs more than the work it moves."""
+    inline_prepare_bytes: int = INLINE_BYTES
+    """Bodies from this size on are parsed and tokenized on ``prepare_threads`` (``PromptThreads``)."""
     prepare_threads: int = 2
 
 
@@ -158,14 +153,16 @@ class Gateway:
         self.disagg = TwoPhase(registry, http, telemetry.registry, max_attempts=self.settings.max_attempts)
         self._untokenized: weakref.WeakSet[ServedModel] = weakref.WeakSet()
         """Models already logged as routed without tokens (once each)."""
-        self._prepare_threads = PromptThreads("herd-prepare", self.settings.prepare_threads)
+        self._prepare_threads = PromptThreads(
+            "herd-prepare", self.settings.prepare_threads, inline_bytes=self.settings.inline_prepare_bytes
+        )
 
     def close(self) -> None:
         self._prepare_threads.close()
 
     async def forward(self, path: str, body: bytes, headers: Mapping[str, str]) -> Response:
         """Validate, route and proxy one OpenAI request; ``path`` is its route (``WIRE_MODELS``)."""
-        parsed = await self._prepare(len(body), parse_request, path, body)
+        parsed = await self._prepare_threads.run_sized(len(body), parse_request, path, body)
         served = self._served(parsed.request.model)
         ctx = await self._context(served, parsed, headers, len(body))
         metrics = self._metrics_of(served)
@@ -178,12 +175,6 @@ class Gateway:
             if request.handoff is not None:
                 await self.disagg.release(request.handoff)
             raise
-
-    async def _prepare(self, size: int, work: Callable[[*Ts], T], *args: *Ts) -> T:
-        """``work(*args)`` inline for a body under ``inline_prepare_bytes``, else on the prepare threads."""
-        if size < self.settings.inline_prepare_bytes:
-            return work(*args)
-        return await self._prepare_threads.run(work, *args)
 
     def _metrics_of(self, served: ServedModel) -> ModelMetrics:
         metrics = self._metrics.get(served.name)
@@ -225,7 +216,7 @@ class Gateway:
         """The prompt's token ids and block hashes; none (the strategy's load-only fallback) while no
         tokenizer is known."""
         try:
-            return await self._prepare(size, _tokenize, served, parsed)
+            return await self._prepare_threads.run_sized(size, _tokenize, served, parsed)
         except RendererUnavailableError as error:
             if served not in self._untokenized:
                 self._untokenized.add(served)

@@ -112,3 +112,15 @@ async def test_prompt_threads_run_below_the_serving_threads() -> None:
     finally:
         threads.close()
     assert niceness() == serving
+
+
+@pytest.mark.parametrize(("size", "is_inline"), [(0, True), (99, True), (100, False), (10**6, False)])
+async def test_small_bodies_are_prepared_inline_and_large_ones_on_the_prompt_threads(
+    size: int, is_inline: bool
+) -> None:
+    threads = PromptThreads("test-sized", 1, inline_bytes=100)
+    try:
+        where = await threads.run_sized(size, threading.current_thread)
+    finally:
+        threads.close()
+    assert (where is threading.current_thread()) == is_inline

@@ -180,7 +180,7 @@ class _PublicRoutes:
 
     async def _read(self, request: Request, model: type[R]) -> R:
         """Parse the body, refuse other models' requests (404) and requests while not accepting (503)."""
-        body = await read_body(request, model, max_bytes=self.options.max_body_bytes)
+        body = await read_body(request, model, max_bytes=self.options.max_body_bytes, threads=self._threads)
         if body.model != self.options.served_name:
             message = (
                 f"model {body.model!r} is not served here; this worker serves {self.options.served_name!r}"
@@ -208,7 +208,9 @@ class _PublicRoutes:
         return ModelList(data=[ModelCard(id=self.options.served_name, max_model_len=max_model_len)])
 
     async def tokenize(self, request: Request) -> TokenizeResponse:
-        body = await read_body(request, TokenizeRequest, max_bytes=self.options.max_body_bytes)
+        body = await read_body(
+            request, TokenizeRequest, max_bytes=self.options.max_body_bytes, threads=self._threads
+        )
         self.engine.check_accepting()
         tokens = await self._threads.run(_tokenize, self.engine.renderer, body)
         return TokenizeResponse(
@@ -216,7 +218,9 @@ class _PublicRoutes:
         )
 
     async def detokenize(self, request: Request) -> DetokenizeResponse:
-        body = await read_body(request, DetokenizeRequest, max_bytes=self.options.max_body_bytes)
+        body = await read_body(
+            request, DetokenizeRequest, max_bytes=self.options.max_body_bytes, threads=self._threads
+        )
         self.engine.check_accepting()
         renderer = self.engine.renderer
         vocab_size = self.engine.info.vocab_size or renderer.vocab_size
