@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 HERD := $(BIN)/herd
 DEMO_MODEL := .cache/models/smollm2-135m-instruct
-APT_PACKAGES := redis-server chromium chromium-driver
+APT_PACKAGES := redis-server chromium chromium-driver openssl
 PYTEST_ARGS ?=
 
 .PHONY: install system-deps run test fuzz lint format crds crds-check bench cluster-bin cluster cluster-down clean
