@@ -127,11 +127,18 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--body-timeout", type=float, default=30.0, help="seconds a client may take to send a body (then 408)"
     )
+    limits = ServerLimits()
     parser.add_argument(
-        "--max-header-bytes", type=int, default=16 * 1024, help="request line plus headers (more: 431)"
+        "--max-header-bytes",
+        type=int,
+        default=limits.max_header_bytes,
+        help="request line plus headers (more: 431)",
     )
     parser.add_argument(
-        "--keep-alive-timeout", type=int, default=5, help="seconds an idle client connection stays open"
+        "--keep-alive-timeout",
+        type=int,
+        default=limits.keep_alive_timeout,
+        help="seconds an idle client connection stays open (longer than clients keep one)",
     )
     parser.add_argument("--log-level", default="INFO")
     parser.set_defaults(func=run)
