@@ -123,6 +123,23 @@ BAD = {
         "metadata.name must be a DNS label of at most 52 characters (lowercase letters, digits, '-'), "
         "since pool objects append a suffix",
     ),
+    "simulation-with-herd-backend": (
+        manifest(engine={"simulation": {"costModel": {"stepMs": 5}}}),
+        "engine.simulation applies only to engine.backend simulated: remove it or set backend: simulated",
+    ),
+    "vllm-block-with-simulated-backend": (
+        manifest(engine={"backend": "simulated", "vllm": {"extraArgs": ["--enforce-eager"]}}),
+        "engine.vllm applies only to engine.backend vllm: remove it or set backend: vllm",
+    ),
+    "vllm-disaggregated": (
+        disaggregated(engine={"backend": "vllm"}, prefill={"replicas": 1}, decode={"replicas": 1}),
+        "engine.backend vllm serves aggregated only (herd's KV handoff needs herd's engine): set "
+        "serving.mode: aggregated, or backend: herd",
+    ),
+    "unknown-backend": (
+        manifest(engine={"backend": "sglang"}),
+        'spec.engine.backend: Unsupported value: "sglang"',
+    ),
     "pool-engine-sets-dtype": (
         manifest(workers={"engine": {"dtype": "float16"}}),
         'unknown field "spec.workers.engine.dtype"',

@@ -31,8 +31,10 @@ __all__ = [
     "AutoscalingSpec",
     "AutoscalingStatus",
     "AutoscalingTargets",
+    "BackendName",
     "CacheSpec",
     "Condition",
+    "CostModel",
     "EngineSpec",
     "KVCacheAwareRouting",
     "KVCacheSpec",
@@ -53,8 +55,10 @@ __all__ = [
     "RoundRobinRouting",
     "RoutingSpec",
     "ServingSpec",
+    "SimulationSpec",
     "StickySessionRouting",
     "StrategyName",
+    "VLLMSpec",
 ]
 
 GROUP = "herd.dev"
@@ -71,6 +75,7 @@ POOL_ROLES: dict[PoolName, Role] = {"workers": "unified", "prefill": "prefill", 
 StrategyName = Literal[
     "round_robin", "least_request", "random", "prefix_hash", "sticky_session", "kv_cache_aware"
 ]
+BackendName = Literal["herd", "vllm", "simulated"]
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 
@@ -137,7 +142,51 @@ class KVCacheSpec(_Spec):
         return value
 
 
+class CostModel(_Spec):
+    """What one step of the simulated engine costs, in milliseconds: ``stepMs`` per step, ``seqMs``
+    per sequence in the batch, ``tokenMs`` per scheduled token (prefill and decode alike) and
+    ``contextUs`` microseconds per token of context the batch's chunks attend to (a decode step
+    reads its sequences' whole KV). ``herd bench calibrate`` fits it from the real engine; the
+    defaults are near SmolLM2-135M in fp32 on one CPU thread (a 300-token prefill about 0.5 s, a
+    decode step 60 ms)."""
+
+    step_ms: float = Field(default=60.0, ge=0.0, description="Fixed cost of a step.")
+    seq_ms: float = Field(default=0.0, ge=0.0, description="Cost per sequence in the batch.")
+    token_ms: float = Field(default=1.5, ge=0.0, description="Cost per scheduled token.")
+    context_us: float = Field(
+        default=0.0, ge=0.0, description="Microseconds per context token the batch attends to."
+    )
+
+    def step_seconds(self, num_tokens: int, num_seqs: int = 0, num_context_tokens: int = 0) -> float:
+        """The modelled duration of a step, in seconds."""
+        total_ms = self.step_ms + self.seq_ms * num_seqs + self.token_ms * num_tokens
+        return (total_ms + self.context_us * num_context_tokens / 1000.0) / 1000.0
+
+
+class SimulationSpec(_Spec):
+    """The simulated backend: herd's scheduler, block manager, prefix cache and server over a cost
+    model instead of the forward pass; only the model's config and tokenizer are read."""
+
+    cost_model: CostModel = Field(
+        default_factory=CostModel, description="Step cost; paste `herd bench calibrate`'s output here."
+    )
+
+
+class VLLMSpec(_Spec):
+    """The vllm backend: a vLLM server and herd's sidecar in each worker pod."""
+
+    image: str | None = Field(default=None, description="vLLM's image; defaults to the operator's.")
+    extra_args: list[str] = Field(
+        default_factory=list, description="Arguments appended to `vllm serve` (after herd's own)."
+    )
+
+
 class EngineSpec(_Spec):
+    backend: BackendName = Field(
+        default="herd",
+        description="What runs the model: herd's engine, a vLLM server behind herd's sidecar, or the "
+        "simulated engine (a fitted cost model, no weights).",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_model_len: int = Field(default=4096, ge=16, description="Longest prompt plus output, in tokens.")
@@ -147,6 +196,29 @@ class EngineSpec(_Spec):
     )
     max_queue_len: int = Field(default=1024, ge=1, description="Waiting requests before 429.")
     kv_cache: KVCacheSpec = Field(default_factory=KVCacheSpec)
+    simulation: SimulationSpec | None = Field(default=None, description="backend simulated only.")
+    vllm: VLLMSpec | None = Field(default=None, description="backend vllm only.")
+
+    @model_validator(mode="after")
+    def _check_backend_blocks(self) -> EngineSpec:
+        for block, backend in BACKEND_BLOCKS.items():
+            if getattr(self, block) is not None and self.backend != backend:
+                raise ValueError(backend_block_message(block, backend))
+        return self
+
+
+BACKEND_BLOCKS: dict[str, BackendName] = {"simulation": "simulated", "vllm": "vllm"}
+"""The engine blocks that belong to one backend each."""
+
+
+def backend_block_message(block: str, backend: str) -> str:
+    return f"engine.{block} applies only to engine.backend {backend}: remove it or set backend: {backend}"
+
+
+VLLM_DISAGGREGATED = (
+    "engine.backend vllm serves aggregated only (herd's KV handoff needs herd's engine): "
+    "set serving.mode: aggregated, or backend: herd"
+)
 
 
 def _refuse_shared(data: Any, shared: dict[str, str], where: str) -> Any:
@@ -324,6 +396,8 @@ class ModelDeploymentSpec(_Spec):
 
     @model_validator(mode="after")
     def _check_pools(self) -> ModelDeploymentSpec:
+        if self.serving.mode == "disaggregated" and self.engine.backend == "vllm":
+            raise ValueError(VLLM_DISAGGREGATED)
         if self.serving.mode == "disaggregated":
             missing = [name for name in ("prefill", "decode") if getattr(self, name) is None]
             if missing:

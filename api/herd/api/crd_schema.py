@@ -9,10 +9,10 @@ free-form maps with ``x-kubernetes-preserve-unknown-fields``.
 
 The cross-field rules pydantic enforces in validators become CEL ``x-kubernetes-validations``, so the
 API server refuses what the operator would refuse, with the same sentence: pools that match the
-serving mode, the autoscaling bounds, the model source's scheme, a power-of-two block size, the
-metadata name's length, and each routing setting only with the strategy that reads it (derived from
-the union's variants). Per-field bounds (``minimum``) and unknown keys (strict field validation) need
-no rule.
+serving mode, each engine block only with its backend (and vLLM only aggregated), the autoscaling
+bounds, the model source's scheme, a power-of-two block size, the metadata name's length, and each
+routing setting only with the strategy that reads it (derived from the union's variants). Per-field
+bounds (``minimum``) and unknown keys (strict field validation) need no rule.
 """
 
 from __future__ import annotations
@@ -20,14 +20,17 @@ from __future__ import annotations
 from typing import Any
 
 from herd.api.crd import (
+    BACKEND_BLOCKS,
     GROUP,
     KIND,
     PLURAL,
     SHORT_NAME,
     SOURCE_SCHEMES,
     VERSION,
+    VLLM_DISAGGREGATED,
     ModelDeploymentSpec,
     ModelDeploymentStatus,
+    backend_block_message,
 )
 
 __all__ = ["crd_manifest", "openapi_schema"]
@@ -189,6 +192,18 @@ def _spec_rules() -> dict[tuple[str, ...], list[Schema]]:
                 "spec.prefill and spec.decode are only used with serving.mode: disaggregated; "
                 "remove them or set the mode",
             ),
+            _rule(
+                f"!({is_disaggregated}) || !has(self.engine) || !has(self.engine.backend) "
+                "|| self.engine.backend != 'vllm'",
+                VLLM_DISAGGREGATED,
+            ),
+        ],
+        ("engine",): [
+            _rule(
+                f"!has(self.{block}) || (has(self.backend) && self.backend == '{backend}')",
+                backend_block_message(block, backend),
+            )
+            for block, backend in BACKEND_BLOCKS.items()
         ],
         ("model",): [
             _rule(
