@@ -1,30 +1,37 @@
-"""Running herd's operator against the Kubernetes API emulator in tests and benchmarks."""
+"""Running herd's operator against the real control plane (tests/support/cluster.py) in tests and
+benchmarks, and reading what it made through kubectl."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import subprocess
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
+import pytest
 import yaml
 
 from herd.operator.runner import run_operator
 from herd.operator.settings import OperatorConfig
+from support.cluster import ControlPlane, control_plane, find_binaries
 from support.kube.emulator import Emulator
 
 __all__ = [
     "CRD",
     "HasKubeconfig",
+    "Models",
     "RefusedRequests",
     "embedded_operator",
     "install_crd",
     "kubectl",
     "logged_refusals",
+    "own_control_plane",
 ]
 
 CRD = Path(__file__).resolve().parents[2] / "crds" / "herd.dev_modeldeployments.yaml"
@@ -35,8 +42,24 @@ def install_crd(kube: Emulator) -> None:
     kube.create(yaml.safe_load(CRD.read_text()))
 
 
+def kubectl(kube: Emulator, *args: str, stdin: str | None = None) -> str:
+    """Run kubectl against the emulator; asserts success and returns stdout."""
+    # A private discovery cache: a cache left by an earlier emulator on the same port would lack the CRD.
+    argv = [
+        "kubectl",
+        "--kubeconfig",
+        str(kube.kubeconfig),
+        "--cache-dir",
+        str(kube.workdir / "kubectl"),
+        *args,
+    ]
+    done = subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
+    assert done.returncode == 0, f"kubectl {' '.join(args)}: {done.stderr}"
+    return done.stdout
+
+
 class HasKubeconfig(Protocol):
-    """Where the operator logs in: the emulator, or a real control plane's credentials."""
+    """Where the operator logs in: a control plane's admin, or a ServiceAccount's :class:`Login`."""
 
     @property
     def kubeconfig(self) -> Path: ...
@@ -66,20 +89,58 @@ def embedded_operator(
         thread.join(TIMEOUT_S)
 
 
-def kubectl(kube: Emulator, *args: str, stdin: str | None = None) -> str:
-    """Run kubectl against the emulator; asserts success and returns stdout."""
-    # A private discovery cache: a cache left by an earlier emulator on the same port would lack the CRD.
-    argv = [
-        "kubectl",
-        "--kubeconfig",
-        str(kube.kubeconfig),
-        "--cache-dir",
-        str(kube.workdir / "kubectl"),
-        *args,
-    ]
-    done = subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
-    assert done.returncode == 0, f"kubectl {' '.join(args)}: {done.stderr}"
-    return done.stdout
+@contextlib.contextmanager
+def own_control_plane(workdir: Path) -> Iterator[ControlPlane]:
+    """A control plane of a test's own, for what the session's shared one must not see (no CRD, an
+    older CRD, a restarted apiserver); skips when the binaries are not built."""
+    binaries = find_binaries()
+    if binaries is None:
+        pytest.skip("the control plane binaries are not built (make cluster-bin)")
+    with control_plane(workdir, binaries) as plane:
+        yield plane
+
+
+@dataclass(frozen=True)
+class Models:
+    """One namespace's ModelDeployments and what the operator made of them, read as the admin."""
+
+    plane: ControlPlane
+    namespace: str
+
+    def kubectl(self, *args: str, stdin: str | None = None) -> str:
+        """kubectl in this namespace; asserts success and returns stdout."""
+        return self.plane.kubectl("-n", self.namespace, *args, stdin=stdin).stdout
+
+    def apply(self, manifest: dict[str, Any]) -> None:
+        self.kubectl("apply", "-f", "-", stdin=json.dumps(manifest))
+
+    def get(self, *args: str) -> dict[str, Any]:
+        body: dict[str, Any] = json.loads(self.kubectl("get", *args, "-o", "json"))
+        return body
+
+    def children(self, md: str) -> dict[str, dict[str, Any]]:
+        """The Deployments and Services labelled as ``md``'s, by ``Kind/name``."""
+        found = self.get("deployments,services", "-l", f"herd.dev/deployment={md}")["items"]
+        return {f"{obj['kind']}/{obj['metadata']['name']}": obj for obj in found}
+
+    def condition(self, md: str, kind: str) -> dict[str, Any]:
+        conditions = self.get("md", md).get("status", {}).get("conditions", [])
+        return next((c for c in conditions if c["type"] == kind), {})
+
+    def is_observed(self, md: str) -> bool:
+        """The operator has written the status of the ModelDeployment's current generation."""
+        body = self.get("md", md)
+        return bool(body.get("status", {}).get("observedGeneration") == body["metadata"]["generation"])
+
+    def events(self, md: str) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = self.get("events", "--field-selector", f"involvedObject.name={md}")[
+            "items"
+        ]
+        return items
+
+    def reasons(self, md: str) -> set[tuple[str, str]]:
+        """The (type, reason) of every Event about ``md``."""
+        return {(event["type"], event["reason"]) for event in self.events(md)}
 
 
 class RefusedRequests(logging.Handler):
