@@ -34,7 +34,9 @@ from support.operator_harness import (
     install_crd,
     kubectl,
     logged_refusals,
+    model_deployment,
     own_control_plane,
+    pending_pool,
 )
 from support.procs import wait_until
 
@@ -51,8 +53,6 @@ TIMEOUT = 60.0  # for what the operator does in the background: generous for a l
 # The garbage collector learns the CRD's kind at its discovery resync, every 30 s: the first collection
 # after the CRD was installed can wait that long (41 s measured on a fresh cluster).
 GC_TIMEOUT = 150.0
-NO_NODE = {"herd.dev/test-node": "none"}
-"""A nodeSelector no node matches: the pools' pods stay Pending."""
 
 
 @pytest.fixture(scope="module")
@@ -75,15 +75,6 @@ def models(cluster: ControlPlane, refused: RefusedRequests) -> Iterator[Models]:
     """The namespace the operator serves; every test ends with no request of the operator refused."""
     yield Models(cluster, NAMESPACE)
     assert not refused.records, refused.records[:3]
-
-
-def pool(replicas: int) -> dict[str, Any]:
-    return {"replicas": replicas, "nodeSelector": NO_NODE}
-
-
-def manifest(name: str, **spec: Any) -> dict[str, Any]:
-    body = {"model": {"source": "pvc://weights/chat", "servedName": name}, "workers": pool(2), **spec}
-    return {"apiVersion": "herd.dev/v1alpha1", "kind": "ModelDeployment", "metadata": {"name": name}, "spec": body}  # fmt: skip
 
 
 def eventually(check: Callable[[], bool], what: str, timeout: float = TIMEOUT) -> None:
@@ -129,14 +120,14 @@ def test_kubectl_apply_examples_creates_children_of_the_right_shape(models: Mode
 
 
 def test_replicas_updates_patch_the_deployment(models: Models) -> None:
-    models.apply(manifest("scaled"))
+    models.apply(model_deployment("scaled"))
     eventually(lambda: "Deployment/scaled-workers" in models.children("scaled"), "Deployment created")
     uid = models.children("scaled")["Deployment/scaled-workers"]["metadata"]["uid"]
 
     def replicas() -> int:
         return int(models.children("scaled")["Deployment/scaled-workers"]["spec"]["replicas"])
 
-    models.apply(manifest("scaled", workers=pool(4)))
+    models.apply(model_deployment("scaled", workers=pending_pool(4)))
     eventually(lambda: replicas() == 4, "replicas 4")
     models.kubectl("scale", "md/scaled", "--replicas=1")
     eventually(lambda: replicas() == 1, "scaled to 1")
@@ -145,7 +136,7 @@ def test_replicas_updates_patch_the_deployment(models: Models) -> None:
 
 
 def test_manual_edits_of_owned_fields_are_reverted(models: Models) -> None:
-    models.apply(manifest("drifty"))
+    models.apply(model_deployment("drifty"))
     eventually(lambda: "Deployment/drifty-workers" in models.children("drifty"), "Deployment created")
     template = models.children("drifty")["Deployment/drifty-workers"]["spec"]["template"]
     edit = {
@@ -168,7 +159,7 @@ def test_an_object_herd_does_not_own_is_left_alone(models: Models) -> None:
                 "spec": {"ports": [{"port": 80}]}}  # fmt: skip
     models.apply(squatter)
     uid = models.get("service", "squat-workers")["metadata"]["uid"]
-    models.apply(manifest("squat"))
+    models.apply(model_deployment("squat"))
     eventually(lambda: models.condition("squat", "Ready").get("reason") == "ChildConflict", "ChildConflict")
     assert "Service/squat-workers" in models.condition("squat", "Ready")["message"]
     service = models.get("service", "squat-workers")
@@ -180,7 +171,7 @@ def test_an_object_herd_does_not_own_is_left_alone(models: Models) -> None:
 
 
 def test_deleting_a_modeldeployment_lets_the_garbage_collector_remove_its_children(models: Models) -> None:
-    models.apply(manifest("doomed"))
+    models.apply(model_deployment("doomed"))
     eventually(lambda: len(models.children("doomed")) == 2, "children created")
     eventually(lambda: bool(models.get("pods", "-l", "herd.dev/deployment=doomed")["items"]), "pods")
     assert not models.get("md", "doomed")["metadata"].get("finalizers"), (
@@ -214,16 +205,20 @@ def rule_less(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Models]:
 
 def test_invalid_spec_sets_invalid_spec_and_the_operator_keeps_going(rule_less: Models) -> None:
     models = rule_less
-    models.apply(manifest("broken", serving={"mode": "disaggregated"}))
+    models.apply(model_deployment("broken", serving={"mode": "disaggregated"}))
     eventually(lambda: models.condition("broken", "Ready").get("reason") == "InvalidSpec", "InvalidSpec")
     ready = models.condition("broken", "Ready")
     assert ready["status"] == "False"
     assert "spec.prefill" in ready["message"] and "spec.decode" in ready["message"]
     assert not models.children("broken")
     eventually(lambda: ("Warning", "InvalidSpec") in models.reasons("broken"), "a Warning Event")
-    models.apply(manifest("fine"))
+    models.apply(model_deployment("fine"))
     eventually(lambda: len(models.children("fine")) == 2, "a valid one still reconciles")
-    models.apply(manifest("broken", serving={"mode": "disaggregated"}, prefill=pool(1), decode=pool(1)))
+    models.apply(
+        model_deployment(
+            "broken", serving={"mode": "disaggregated"}, prefill=pending_pool(1), decode=pending_pool(1)
+        )
+    )
     eventually(lambda: len(models.children("broken")) == 4, "the fixed spec reconciles")
 
 
@@ -282,7 +277,7 @@ async def next_membership(
 
 
 async def test_ready_pods_roll_up_into_status_and_discovery(kube: Emulator) -> None:
-    apply(kube, manifest("ready", workers={"replicas": 3}, routing={"strategy": "round_robin"}))
+    apply(kube, model_deployment("ready", workers={"replicas": 3}, routing={"strategy": "round_robin"}))
     eventually(
         lambda: condition(kube, "ready", "Ready").get("reason") == "PoolsNotReady", "Ready=False first"
     )
@@ -327,13 +322,13 @@ async def test_ready_pods_roll_up_into_status_and_discovery(kube: Emulator) -> N
 
 
 def test_rollouts_and_crash_loops_show_in_the_conditions(kube: Emulator) -> None:
-    apply(kube, manifest("rolling"))
+    apply(kube, model_deployment("rolling"))
     eventually(lambda: "Deployment/rolling-workers" in children(kube, "rolling"), "Deployment created")
     pods = start_pods(kube, "rolling-workers", 2, first_ip=21)
     eventually(
         lambda: condition(kube, "rolling", "Progressing").get("reason") == "RolloutComplete", "rolled out"
     )
-    apply(kube, manifest("rolling", engine={"maxModelLen": 8192}))  # a new pod template
+    apply(kube, model_deployment("rolling", engine={"maxModelLen": 8192}))  # a new pod template
     eventually(lambda: condition(kube, "rolling", "Progressing").get("reason") == "RollingOut", "rolling out")
     assert condition(kube, "rolling", "Ready")["status"] == "True", "old pods keep serving during a rollout"
     kube.set_pod_ready("default", pods[0], ready=False, pod_ip="127.0.0.21")

@@ -1,61 +1,76 @@
-"""``herd operator`` as a real process against the emulator: it reconciles, answers liveness, stops on SIGTERM."""
+"""``herd operator`` as a real process on the real control plane: it reconciles, answers liveness,
+stops on SIGTERM, and refuses to start where its CRD is not installed.
+
+Moved from the kmock emulator (issue 19, item 6). What changed: the process logs in with a
+TokenRequest token of the chart's operator ServiceAccount and serves every namespace, as the chart
+runs it (no request it makes may be refused); the refusal runs on a control plane of its own, since
+the session's shared one has the CRD.
+"""
 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from support.kube.emulator import kube_emulator
-from support.operator_harness import install_crd, kubectl
+from support.cluster import ControlPlane, install_herd_chart
+from support.operator_harness import Models, model_deployment, own_control_plane
 from support.procs import free_port, running, wait_until
 
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
+NAMESPACE = "operator-process"
+HERD = shutil.which("herd") or str(REPO / ".venv" / "bin" / "herd")
 
 
-def test_herd_operator_process_reconciles_and_reports_liveness(tmp_path: Path) -> None:
-    herd = shutil.which("herd") or str(REPO / ".venv" / "bin" / "herd")
-    port = free_port()
-    with kube_emulator(tmp_path / "kube") as kube:
-        install_crd(kube)
-        argv = [herd, "operator", "-n", "default", "--standalone", "--kubeconfig", str(kube.kubeconfig),
-                "--liveness", f"http://127.0.0.1:{port}/healthz", "--worker-image", "me/worker:7", "--orchestrator-namespace", "herd"]  # fmt: skip
-        with running(argv, log=tmp_path / "operator.log") as process:
-            wait_until(
-                lambda: httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200,
-                timeout=60,
-                what="liveness",
-            )
-            kubectl(kube, "apply", "--validate=false", "-f", str(REPO / "examples" / "smollm2.yaml"))
-            wait_until(
-                lambda: kube.find("deployments.apps", "smollm2-workers") is not None,
-                timeout=60,
-                what="Deployment",
-            )
-            image = kube.get("deployments.apps", "smollm2-workers")["spec"]["template"]["spec"]["containers"][
-                0
-            ]["image"]
-            assert image == "me/worker:7"
-            endpoint = "http://herd-orchestrator.herd.svc:8000/v1"
-            wait_until(
-                lambda: kube.get("md", "smollm2")["status"]["endpoint"] == endpoint,
-                timeout=60,
-                what="endpoint",
-            )
-            process.terminate()
-            assert process.wait(timeout=60) == 0
-        log = (tmp_path / "operator.log").read_text()
-        assert '"component": "operator"' in log
+@pytest.fixture(scope="module")
+def models(cluster: ControlPlane) -> Iterator[Models]:
+    install_herd_chart(cluster)
+    cluster.kubectl("create", "namespace", NAMESPACE)
+    try:
+        yield Models(cluster, NAMESPACE)
+    finally:
+        cluster.kubectl("delete", "namespace", NAMESPACE, "--wait=false")
+
+
+def test_herd_operator_process_reconciles_and_reports_liveness(models: Models, tmp_path: Path) -> None:
+    login = models.plane.login_as("herd-operator", "herd", default_namespace=NAMESPACE)
+    port, log = free_port(), tmp_path / "operator.log"
+    argv = [HERD, "operator", "-A", "--standalone", "--kubeconfig", str(login.kubeconfig),
+            "--liveness", f"http://127.0.0.1:{port}/healthz", "--worker-image", "me/worker:7",
+            "--orchestrator-namespace", "herd"]  # fmt: skip
+    with running(argv, log=log) as process:
+        wait_until(lambda: httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200, timeout=60,
+                   what="liveness")  # fmt: skip
+        models.apply(model_deployment("process"))
+        wait_until(lambda: "Deployment/process-workers" in models.children("process"), timeout=60, what="Deployment")  # fmt: skip
+        template = models.children("process")["Deployment/process-workers"]["spec"]["template"]
+        assert template["spec"]["containers"][0]["image"] == "me/worker:7"
+        endpoint = "http://herd-orchestrator.herd.svc:8000/v1"
+        wait_until(lambda: models.get("md", "process").get("status", {}).get("endpoint") == endpoint,
+                   timeout=60, what="endpoint")  # fmt: skip
+        process.terminate()
+        assert process.wait(timeout=60) == 0
+    text = log.read_text()
+    assert '"component": "operator"' in text
+    assert "forbidden" not in text.lower(), "a request of the operator was refused"
+
+
+@pytest.fixture(scope="module")
+def bare(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
+    """A control plane of its own with no CRD installed."""
+    with own_control_plane(tmp_path_factory.mktemp("bare")) as plane:
+        yield plane
 
 
 @pytest.mark.parametrize("scope", [["-n", "default"], ["-A"]], ids=["namespace", "cluster-wide"])
-def test_herd_operator_refuses_to_start_before_its_crd_is_installed(tmp_path: Path, scope: list[str]) -> None:
-    herd = shutil.which("herd") or str(REPO / ".venv" / "bin" / "herd")
-    with kube_emulator(tmp_path / "kube") as kube:
-        argv = [herd, "operator", *scope, "--standalone", "--kubeconfig", str(kube.kubeconfig)]
-        with running(argv, log=tmp_path / "operator.log") as process:
-            assert process.wait(timeout=60) == 2
+def test_herd_operator_refuses_to_start_before_its_crd_is_installed(
+    bare: ControlPlane, tmp_path: Path, scope: list[str]
+) -> None:
+    argv = [HERD, "operator", *scope, "--standalone", "--kubeconfig", str(bare.kubeconfig)]
+    with running(argv, log=tmp_path / "operator.log") as process:
+        assert process.wait(timeout=60) == 2
     assert "install the ModelDeployment CRD first" in (tmp_path / "operator.log").read_text()

@@ -31,11 +31,15 @@ __all__ = [
     "install_crd",
     "kubectl",
     "logged_refusals",
+    "model_deployment",
     "own_control_plane",
+    "pending_pool",
 ]
 
 CRD = Path(__file__).resolve().parents[2] / "crds" / "herd.dev_modeldeployments.yaml"
 TIMEOUT_S = 60.0  # generous for a loaded machine; nothing waits for it when things are quick
+NO_NODE = {"herd.dev/test-node": "none"}
+"""A nodeSelector no node matches."""
 
 
 def install_crd(kube: Emulator) -> None:
@@ -98,6 +102,17 @@ def own_control_plane(workdir: Path) -> Iterator[ControlPlane]:
         pytest.skip("the control plane binaries are not built (make cluster-bin)")
     with control_plane(workdir, binaries) as plane:
         yield plane
+
+
+def pending_pool(replicas: int) -> dict[str, Any]:
+    """A pool whose pods stay Pending (no node matches it): for tests of what the operator writes."""
+    return {"replicas": replicas, "nodeSelector": NO_NODE}
+
+
+def model_deployment(name: str, **spec: Any) -> dict[str, Any]:
+    """A ModelDeployment served as ``name`` with two pending workers; ``spec`` adds or replaces fields."""
+    body = {"model": {"source": "pvc://weights/chat", "servedName": name}, "workers": pending_pool(2), **spec}
+    return {"apiVersion": "herd.dev/v1alpha1", "kind": "ModelDeployment", "metadata": {"name": name}, "spec": body}  # fmt: skip
 
 
 @dataclass(frozen=True)
