@@ -88,12 +88,12 @@ def test_plan_workers_for_each_pool(tmp_path: Path) -> None:
     )
     token = "-starts-like-a-flag"  # token_urlsafe makes one in 64 of these
     workers = plan_workers(disaggregated, token)  # type: ignore[arg-type]
-    assert [(w.endpoint.id, w.endpoint.role) for w in workers] == [
-        ("tiny-prefill-0", "prefill"),
-        ("tiny-decode-0", "decode"),
-        ("tiny-decode-1", "decode"),
+    assert [[(e.id, e.role) for e in w.endpoints] for w in workers] == [
+        [("tiny-prefill-0", "prefill")],
+        [("tiny-decode-0", "decode")],
+        [("tiny-decode-1", "decode")],
     ]
-    assert len({w.port for w in workers}) == 3
+    assert len({w.endpoints[0].url for w in workers}) == 3
     argv = workers[0].argv
     assert argv[argv.index("--role") + 1] == "prefill"
     # The token travels in the environment: argv is public (ps) and a leading '-' would read as a flag.

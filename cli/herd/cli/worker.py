@@ -1,4 +1,8 @@
-"""``herd worker``: serve one model over the OpenAI API (and the internal protocol port)."""
+"""``herd worker``: serve one model over the OpenAI API (and the internal protocol port).
+
+``engine.backend`` picks the engine: herd's torch engine or the simulated one (cost model, no
+weights); ``--replicas N`` runs N simulated workers in this one process.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +11,18 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
 from herd.api.crd import EngineSpec
 from herd.api.logs import configure_logging
 from herd.api.protocol import TOKEN_ENV
+
+if TYPE_CHECKING:
+    from herd.api.prompt import PromptRenderer
+    from herd.worker.config import EngineConfig
+    from herd.worker.server import ServeOptions
 
 __all__ = ["engine_spec", "register"]
 
@@ -44,7 +53,7 @@ def engine_spec(engine_json: str | None, overrides: dict[str, Any]) -> EngineSpe
 
 def run(args: argparse.Namespace) -> int:
     from herd.worker.config import EngineConfig
-    from herd.worker.server import ServeOptions, serve
+    from herd.worker.server import serve_many
 
     token = args.internal_token or os.environ.get(TOKEN_ENV, "")
     if not token:
@@ -55,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         spec = engine_spec(args.engine_json, vars(args))
+        _check_backend(spec, args.replicas)
         config = EngineConfig(
             model_path=args.model,
             served_name=args.served_name or args.model.name,
@@ -65,16 +75,43 @@ def run(args: argparse.Namespace) -> int:
     except (ValidationError, ValueError) as error:
         print(f"herd worker: invalid settings: {error}", file=sys.stderr)
         return 2
-    options = ServeOptions(
+    configure_logging("worker", args.log_level)
+    return serve_many(
+        [(config, _options(args, token, number)) for number in range(args.replicas)], _renderer(config)
+    )
+
+
+def _check_backend(spec: EngineSpec, replicas: int) -> None:
+    if spec.backend == "vllm":
+        raise ValueError(
+            "engine.backend vllm runs vLLM's own server behind `herd sidecar`, not `herd worker`; "
+            "use backend herd or simulated here"
+        )
+    if replicas > 1 and spec.backend != "simulated":
+        raise ValueError(f"--replicas {replicas} needs engine.backend simulated (one real engine a process)")
+
+
+def _options(args: argparse.Namespace, token: str, number: int) -> ServeOptions:
+    """Worker ``number`` of the process listens on ``--port + number`` and ``--internal-port + number``."""
+    from herd.worker.server import ServeOptions
+
+    return ServeOptions(
         host=args.host,
-        port=args.port,
-        internal_port=args.internal_port or args.port + 1000,
+        port=args.port + number,
+        internal_port=(args.internal_port or args.port + 1000) + number,
         internal_token=token,
         max_body_bytes=args.max_body_bytes,
         drain_timeout_s=args.drain_timeout,
     )
-    configure_logging("worker", args.log_level)
-    return serve(config, options)
+
+
+def _renderer(config: EngineConfig) -> PromptRenderer | None:
+    """One tokenizer for a fleet of simulated engines (the torch engine loads its own)."""
+    if config.engine.backend != "simulated":
+        return None
+    from herd.api.prompt import PromptRenderer
+
+    return PromptRenderer.from_pretrained(config.model_path)
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -88,6 +125,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--role", choices=["unified", "prefill", "decode"], default="unified")
     parser.add_argument("--engine-json", help="the manifest's engine block as camelCase JSON")
     parser.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="simulated backend: this many workers in one process, on consecutive ports from --port "
+        "and --internal-port (a fleet on one event loop)",
+    )
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--max-batch-size", type=int)
     parser.add_argument("--max-batch-tokens", type=int)

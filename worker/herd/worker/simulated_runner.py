@@ -1,13 +1,13 @@
 """The cost-model runner: herd's real engine (scheduler, block manager, prefix cache, KV events)
 stepping without a model.
 
-A step costs ``step_ms + token_ms x scheduled tokens`` of time, spent on a clock: a
-``VirtualClock`` only adds it up (a simulation runs as fast as the engine plans, deterministically),
-a ``SleepingClock`` sleeps it (a simulated worker process that answers in real time). The sampled
+A step costs what the ``CostModel`` (``herd.api.crd``: the manifest's ``engine.simulation.costModel``)
+makes of its batch size, scheduled tokens and attended context, spent on a clock: a ``VirtualClock``
+only adds it up (a simulation runs as fast as the engine plans, deterministically), a
+``SleepingClock`` sleeps it (a simulated worker process that answers in real time). The sampled
 token of a sequence is a hash of the runner's seed, its prompt (with the cache salt and model that
 its root hash carries) and its position, so equal prompts continue alike, as under greedy decoding;
-never one of
-``avoid_token_ids`` (the stop tokens), unless ``eos_after`` asks for a stop token after that many
+never one of ``avoid_token_ids`` (the stop tokens), unless ``eos_after`` asks for a stop token after that many
 output tokens. The KV pool is block ids only: the block manager hands them out as for a real pool;
 ``read_blocks`` answers zeros of the geometry's shape (a placeholder of the right layout, so a KV
 frame encodes) and ``write_blocks`` checks that shape and keeps nothing; block copies are no-ops.
@@ -25,29 +25,27 @@ from typing import Protocol
 
 import torch
 
+from herd.api.crd import CostModel
 from herd.api.prompt import PromptRenderer
 from herd.worker.cache_geometry import CacheGeometry, bytes_per_block
 from herd.worker.config import EngineConfig
 from herd.worker.engine import LLMEngine
 from herd.worker.loader import read_model_args
+from herd.worker.model_runner import DEFAULT_CPU_KV_GIB
 from herd.worker.outputs import TokenLogprob
 from herd.worker.runner import SampledToken, StepResult
 from herd.worker.scheduler import SchedulerOutput
 from herd.worker.sequence import Sequence
 
-__all__ = ["Clock", "CostModel", "SimulatedRunner", "SleepingClock", "VirtualClock", "simulated_engine"]
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """What one step costs: a fixed part and a part per scheduled token. The defaults are near
-    SmolLM2-135M in fp32 on one CPU thread (a 300-token prefill about 0.5 s, a decode step 60 ms)."""
-
-    step_ms: float = 60.0
-    token_ms: float = 1.5
-
-    def step_seconds(self, num_tokens: int) -> float:
-        return (self.step_ms + self.token_ms * num_tokens) / 1000.0
+__all__ = [
+    "Clock",
+    "CostModel",
+    "SimulatedRunner",
+    "SleepingClock",
+    "VirtualClock",
+    "simulated_engine",
+    "step_seconds",
+]
 
 
 class Clock(Protocol):
@@ -69,6 +67,12 @@ class SleepingClock:
 
     def advance(self, seconds: float) -> None:
         time.sleep(seconds)
+
+
+def step_seconds(cost: CostModel, plan: SchedulerOutput) -> float:
+    """The plan's modelled duration: each chunk attends to its sequence's context up to its end."""
+    num_context_tokens = sum(chunk.start + chunk.num_tokens for chunk in plan.chunks)
+    return cost.step_seconds(plan.num_tokens, len(plan.chunks), num_context_tokens)
 
 
 class SimulatedRunner:
@@ -99,7 +103,7 @@ class SimulatedRunner:
     def execute(self, plan: SchedulerOutput) -> list[StepResult]:
         """Spend the plan's cost on the clock; one token per sampled chunk. ``block_copies`` move
         no data: the pool holds none."""
-        self.clock.advance(self.cost.step_seconds(plan.num_tokens))
+        self.clock.advance(step_seconds(self.cost, plan))
         return [self._sample(chunk.seq) for chunk in plan.chunks if chunk.is_sampled]
 
     def _sample(self, seq: Sequence) -> SampledToken:
@@ -143,7 +147,7 @@ class SimulatedRunner:
 def simulated_engine(
     config: EngineConfig,
     *,
-    num_blocks: int,
+    num_blocks: int | None = None,
     cost: CostModel | None = None,
     clock: Clock | None = None,
     renderer: PromptRenderer | None = None,
@@ -152,24 +156,29 @@ def simulated_engine(
 
     Only the model folder's ``config.json`` is read (the KV layout and vocabulary the worker
     announces are the real model's) and its tokenizer, unless ``renderer`` is given (a simulation
-    of many workers may share one); no weights are loaded.
+    of many workers may share one); no weights are loaded. By default the pool holds as many blocks
+    as the torch runner's on a CPU (``kvCache.memoryGiB``, else 1 GiB), so that both evict alike,
+    and the cost is the manifest's ``engine.simulation.costModel``.
     """
     args = read_model_args(config.model_path)
     dtype = config.resolve_dtype(args.checkpoint_dtype)
+    per_block = bytes_per_block(args, config.block_size, dtype)
+    budget_gib = config.engine.kv_cache.memory_gib or DEFAULT_CPU_KV_GIB
     geometry = CacheGeometry(
-        num_blocks=num_blocks,
+        num_blocks=num_blocks or int(budget_gib * 2**30) // per_block,
         block_size=config.block_size,
         num_layers=args.num_layers,
         num_kv_heads=args.num_kv_heads,
         head_dim=args.head_dim,
         dtype=dtype,
-        bytes_per_block=bytes_per_block(args, config.block_size, dtype),
+        bytes_per_block=per_block,
     )
     renderer = renderer or PromptRenderer.from_pretrained(config.model_path)
+    simulation = config.engine.simulation
     runner = SimulatedRunner(
         geometry,
         args.vocab_size,
-        cost=cost,
+        cost=cost or (simulation.cost_model if simulation is not None else None),
         clock=clock,
         avoid_token_ids=renderer.eos_token_ids,
         seed=config.seed,

@@ -2,6 +2,6 @@
 
 from herd.worker.server._internal import build_internal_app
 from herd.worker.server._public import PublicOptions, build_public_app
-from herd.worker.server._serve import ServeOptions, serve
+from herd.worker.server._serve import ServeOptions, serve, serve_many
 
-__all__ = ["PublicOptions", "ServeOptions", "build_internal_app", "build_public_app", "serve"]
+__all__ = ["PublicOptions", "ServeOptions", "build_internal_app", "build_public_app", "serve", "serve_many"]

@@ -7,6 +7,9 @@ finish (up to ``drain_timeout_s``), then both servers stop and the process exits
 An engine that fails beyond recovery (it could not reset after a failed batch) stops both servers
 at once and the process exits 1, so that ``herd up`` or the kubelet restarts it: a worker that
 answers 503 forever would only look alive.
+
+Several workers may share the process and its event loop (``serve_many``: a fleet of simulated
+workers); each keeps its own engine thread, ports, metrics and KV events.
 """
 
 from __future__ import annotations
@@ -15,22 +18,24 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import uvicorn
 import uvloop
 from fastapi import FastAPI
 
+from herd.api.prompt import PromptRenderer
 from herd.worker.async_engine import AsyncEngine
+from herd.worker.backends import build_engine
 from herd.worker.config import EngineConfig
 from herd.worker.engine_protocol import EngineCore, ServingEngine
-from herd.worker.model_runner import torch_engine
 from herd.worker.server._disagg_setup import attach_disaggregation
 from herd.worker.server._internal import build_internal_app
 from herd.worker.server._public import PublicOptions, build_public_app
 
-__all__ = ["ServeOptions", "serve"]
+__all__ = ["ServeOptions", "serve", "serve_many"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,27 +63,56 @@ class _Server(uvicorn.Server):
 
 def serve(config: EngineConfig, options: ServeOptions) -> int:
     """Run the worker until it is drained; returns the process exit code."""
-    return uvloop.run(_serve(lambda: torch_engine(config), config.served_name, options))
+    return serve_many([(config, options)])
 
 
-async def _serve(factory: Callable[[], EngineCore], served_name: str, options: ServeOptions) -> int:
-    engine = AsyncEngine(factory)
-    public = build_public_app(engine, PublicOptions(served_name, options.max_body_bytes))
-    disagg = attach_disaggregation(public, engine, options.internal_token)
-    internal = build_internal_app(engine, options.internal_token, routers=[disagg.router])
-    servers = [
-        _server(public, options.host, options.port),
-        _server(internal, options.host, options.internal_port),
-    ]
-    engine.start()
-    stopping = _install_drain(engine, servers, options.drain_timeout_s)
-    watcher = asyncio.create_task(_watch_engine(engine, servers, served_name, options))
-    await asyncio.gather(*(server.serve() for server in servers))
-    watcher.cancel()
-    await engine.stop()
-    await disagg.http.aclose()
-    logger.info("worker stopped")
-    return 1 if engine.error is not None and not stopping.is_set() else 0
+def serve_many(
+    workers: Sequence[tuple[EngineConfig, ServeOptions]], renderer: PromptRenderer | None = None
+) -> int:
+    """Run several workers on one event loop (a simulated fleet), each with its own engine, ports,
+    metrics and KV events; one signal drains them all. ``renderer`` is shared by the engines that
+    take one (the simulated backend), so that a fleet loads its tokenizer once. Exit code 1 when
+    any engine failed."""
+    return uvloop.run(
+        _serve(
+            [
+                _Worker(partial(build_engine, config, renderer), config.served_name, options)
+                for config, options in workers
+            ]
+        )
+    )
+
+
+class _Worker:
+    """One worker's engine and its two servers."""
+
+    def __init__(self, factory: Callable[[], EngineCore], served_name: str, options: ServeOptions) -> None:
+        self.engine = AsyncEngine(factory)
+        self.served_name = served_name
+        self.options = options
+        public = build_public_app(self.engine, PublicOptions(served_name, options.max_body_bytes))
+        self.disagg = attach_disaggregation(public, self.engine, options.internal_token)
+        internal = build_internal_app(self.engine, options.internal_token, routers=[self.disagg.router])
+        self.servers = [
+            _server(public, options.host, options.port),
+            _server(internal, options.host, options.internal_port),
+        ]
+
+
+async def _serve(workers: list[_Worker]) -> int:
+    for worker in workers:
+        worker.engine.start()
+    stopping = _install_drain(workers, workers[0].options.drain_timeout_s)
+    watchers = [asyncio.create_task(_watch_engine(worker)) for worker in workers]
+    await asyncio.gather(*(server.serve() for worker in workers for server in worker.servers))
+    for watcher in watchers:
+        watcher.cancel()
+    for worker in workers:
+        await worker.engine.stop()
+        await worker.disagg.http.aclose()
+    logger.info("worker stopped", extra={"num_workers": len(workers)})
+    has_failed = any(worker.engine.error is not None for worker in workers)
+    return 1 if has_failed and not stopping.is_set() else 0
 
 
 def _server(app: FastAPI, host: str, port: int) -> _Server:
@@ -86,9 +120,8 @@ def _server(app: FastAPI, host: str, port: int) -> _Server:
     return _Server(config)
 
 
-async def _watch_engine(
-    engine: ServingEngine, servers: list[_Server], served_name: str, options: ServeOptions
-) -> None:
+async def _watch_engine(worker: _Worker) -> None:
+    engine, servers, options = worker.engine, worker.servers, worker.options
     try:
         await engine.wait_loaded()
     except Exception:
@@ -97,7 +130,7 @@ async def _watch_engine(
         return
     logger.info(
         "worker ready",
-        extra={"model": served_name, "port": options.port, "internal_port": options.internal_port},
+        extra={"model": worker.served_name, "port": options.port, "internal_port": options.internal_port},
     )
     await engine.wait_failed()
     logger.error("the engine cannot serve any more; exiting so that the supervisor restarts this worker")
@@ -106,23 +139,25 @@ async def _watch_engine(
     _stop(servers, force=True)
 
 
-def _install_drain(engine: ServingEngine, servers: list[_Server], timeout: float) -> asyncio.Event:
-    """SIGTERM/SIGINT start a drain; a second one stops at once. Returns the 'drain began' flag."""
+def _install_drain(workers: list[_Worker], timeout: float) -> asyncio.Event:
+    """SIGTERM/SIGINT start a drain of every worker; a second one stops at once. Returns the
+    'drain began' flag."""
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
     tasks: set[asyncio.Task[None]] = set()
+    servers = [server for worker in workers for server in worker.servers]
 
     def on_signal(signum: int) -> None:
         if stopping.is_set():
             _stop(servers, force=True)
             return
         stopping.set()
-        logger.info(
-            "draining", extra={"signal": signal.Signals(signum).name, "num_in_flight": engine.num_in_flight}
-        )
-        task = loop.create_task(_drain(engine, servers, timeout))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
+        num_in_flight = sum(worker.engine.num_in_flight for worker in workers)
+        logger.info("draining", extra={"signal": signal.Signals(signum).name, "num_in_flight": num_in_flight})
+        for worker in workers:
+            task = loop.create_task(_drain(worker.engine, worker.servers, timeout))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
