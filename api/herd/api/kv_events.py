@@ -1,15 +1,18 @@
-"""The prefix cache's change log: numbered ``stored`` / ``removed`` events for the router's KV index."""
+"""The prefix cache's change log: numbered ``stored`` / ``removed`` events for the router's KV index,
+and the feed that serves them on the internal port."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import AsyncGenerator, Iterable
 from typing import Literal
 
 from herd.api.kv_hash import BlockHash
 from herd.api.protocol import KVEvent
 
-__all__ = ["KVEventBuffer"]
+__all__ = ["KVEventBuffer", "KVEventFeed"]
 
 
 class KVEventBuffer:
@@ -40,3 +43,45 @@ class KVEventBuffer:
         events = list(self._pending)
         self._pending.clear()
         return events
+
+
+class KVEventFeed:
+    """The published KV events: the last ``max_logged`` replayed to pollers (one that falls further
+    behind sees a gap and asks for a snapshot), each new one pushed to every live subscriber's queue;
+    event-loop side only. A herd worker's engine and the vLLM sidecar serve their events from one."""
+
+    def __init__(self, max_logged: int = 65536) -> None:
+        self._log: deque[KVEvent] = deque(maxlen=max_logged)
+        self._subscribers: set[asyncio.Queue[KVEvent]] = set()
+        self._changed = asyncio.Event()
+        self.num_published = 0
+
+    def publish(self, events: list[KVEvent]) -> None:
+        self.num_published += len(events)
+        self._log.extend(events)
+        for subscriber in self._subscribers:
+            for event in events:
+                subscriber.put_nowait(event)
+        self._changed.set()
+
+    async def after(self, seq: int, *, wait: float) -> list[KVEvent]:
+        deadline = time.monotonic() + wait
+        while True:
+            self._changed.clear()
+            events = [event for event in self._log if event.seq > seq]
+            remaining = deadline - time.monotonic()
+            if events or remaining <= 0:
+                return events
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except TimeoutError:
+                return []
+
+    async def subscribe(self) -> AsyncGenerator[KVEvent, None]:
+        events: asyncio.Queue[KVEvent] = asyncio.Queue()
+        self._subscribers.add(events)
+        try:
+            while True:
+                yield await events.get()
+        finally:
+            self._subscribers.discard(events)

@@ -41,6 +41,7 @@ def test_every_module_declares_all() -> None:
         "crd",
         "errors",
         "crd_schema",
+        "kv_events",
         "kv_hash",
         "logs",
         "manifest",

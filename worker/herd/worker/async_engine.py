@@ -17,7 +17,6 @@ process can exit and be restarted by its supervisor instead of lingering unable 
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import queue
 import threading
@@ -25,6 +24,7 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from typing import Any, TypeVar
 
+from herd.api.kv_events import KVEventFeed
 from herd.api.prompt import PromptRenderer
 from herd.api.protocol import KVEvent, KVSnapshot, LoadReport, WorkerInfo
 from herd.worker.engine_protocol import EngineCore
@@ -84,7 +84,7 @@ class AsyncEngine:
         self._factory = factory
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._outputs: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
-        self._kv_events = _KVEventFeed()
+        self._kv_events = KVEventFeed(_KV_EVENT_LOG_LEN)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._engine: EngineCore | None = None
@@ -353,47 +353,6 @@ class AsyncEngine:
         for observe in self.step_observers:
             observe(elapsed)
         return outputs
-
-
-class _KVEventFeed:
-    """The published KV events: the last ones replayed to pollers, each new one pushed to every live
-    subscriber's queue; event-loop side only."""
-
-    def __init__(self) -> None:
-        self._log: collections.deque[KVEvent] = collections.deque(maxlen=_KV_EVENT_LOG_LEN)
-        self._subscribers: set[asyncio.Queue[KVEvent]] = set()
-        self._changed = asyncio.Event()
-        self.num_published = 0
-
-    def publish(self, events: list[KVEvent]) -> None:
-        self.num_published += len(events)
-        self._log.extend(events)
-        for subscriber in self._subscribers:
-            for event in events:
-                subscriber.put_nowait(event)
-        self._changed.set()
-
-    async def after(self, seq: int, *, wait: float) -> list[KVEvent]:
-        deadline = time.monotonic() + wait
-        while True:
-            self._changed.clear()
-            events = [event for event in self._log if event.seq > seq]
-            remaining = deadline - time.monotonic()
-            if events or remaining <= 0:
-                return events
-            try:
-                await asyncio.wait_for(self._changed.wait(), remaining)
-            except TimeoutError:
-                return []
-
-    async def subscribe(self) -> AsyncGenerator[KVEvent, None]:
-        events: asyncio.Queue[KVEvent] = asyncio.Queue()
-        self._subscribers.add(events)
-        try:
-            while True:
-                yield await events.get()
-        finally:
-            self._subscribers.discard(events)
 
 
 def _checked(output: RequestOutput) -> RequestOutput:

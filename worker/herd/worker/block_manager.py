@@ -16,8 +16,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from herd.api.kv_events import KVEventBuffer
 from herd.api.kv_hash import BlockHash, hash_block
-from herd.worker.kv_events import KVEventBuffer
 from herd.worker.sequence import Sequence
 
 __all__ = ["Block", "BlockManager"]
