@@ -1,63 +1,61 @@
-"""The rendered Helm chart applied into the Kubernetes API emulator: the CRD installs, then a
-ModelDeployment reconciles into its worker Deployment and Service (issue 6, chart tests)."""
+"""The chart as support.chart renders it offline is what ``helm install`` puts on the real control
+plane: with Redis enabled, every object rendered is stored by the server, and nothing else is.
+
+Moved from the kmock emulator (issue 19, item 6), where the rendered objects were applied without
+Helm. What the emulator test also checked is covered on the real server elsewhere: the chart's CRD
+kept through ``helm uninstall`` (tests/e2e/test_cluster_helm.py) and ModelDeployments reconciled from
+it, the GPU limits among them (tests/e2e/test_operator.py, test_cluster_operator.py). A release of its
+own, beside the session's ``herd``, so it installs no CRD (``crds.install=false``).
+"""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from support.chart import NAMESPACE, find, render_chart
-from support.kube.emulator import Emulator, kube_emulator
-from support.operator_harness import embedded_operator
-from support.procs import wait_until
+from support.chart import render_chart
+from support.cluster import ControlPlane, install_herd_chart
 
 pytestmark = pytest.mark.e2e
-REPO = Path(__file__).resolve().parents[2]
+
+RELEASE = NAMESPACE = "herd-redis"
+VALUES = {"redis": {"enabled": True}, "crds": {"install": False}}
+SETS = ("redis.enabled=true", "crds.install=false")  # VALUES as helm's --set arguments
+Identity = tuple[str, str, str]
 
 
-@pytest.fixture
-def installed(tmp_path: Path) -> Iterator[tuple[Emulator, list[dict[str, Any]]]]:
-    objects = render_chart({"redis": {"enabled": True}})
-    with kube_emulator(tmp_path) as kube:
-        kube.create_namespace(NAMESPACE)
-        for obj in objects:
-            kube.apply(obj)
-        yield kube, objects
+def identities(objects: list[dict[str, Any]]) -> set[Identity]:
+    return {(obj["apiVersion"], obj["kind"], obj["metadata"]["name"]) for obj in objects}
 
 
-def test_every_rendered_object_is_stored(installed: tuple[Emulator, list[dict[str, Any]]]) -> None:
-    kube, objects = installed
-    for obj in objects:
-        meta = obj["metadata"]
-        stored = kube.find(
-            obj["kind"], meta["name"], meta.get("namespace", NAMESPACE), api_version=obj["apiVersion"]
-        )
-        assert stored is not None, f"{obj['kind']}/{meta['name']} was not stored"
+@pytest.fixture(scope="module")
+def installed(cluster: ControlPlane) -> Iterator[str]:
+    """The release's manifest as Helm installed it."""
+    install_herd_chart(cluster)  # the CRD, owned by the main release
+    install_herd_chart(cluster, *SETS, release=RELEASE, namespace=NAMESPACE)
+    try:
+        yield cluster.helm("get", "manifest", RELEASE, "-n", NAMESPACE).stdout
+    finally:
+        cluster.helm("uninstall", RELEASE, "-n", NAMESPACE)
+        cluster.kubectl("delete", "namespace", NAMESPACE, "--wait=false")
 
 
-def test_chart_crd_serves_modeldeployments_that_reconcile(
-    installed: tuple[Emulator, list[dict[str, Any]]],
-) -> None:
-    kube, objects = installed
-    crd = find(objects, "CustomResourceDefinition")[0]
-    assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
-    manifest = yaml.safe_load((REPO / "examples" / "llama-3-8b.yaml").read_text())
-    with embedded_operator(kube, namespace="default"):
-        kube.apply(manifest)
-        wait_until(
-            lambda: kube.find("deployments", "llama-3-8b-workers") is not None,
-            timeout=60,
-            what="the operator creating llama-3-8b-workers from the chart-installed CRD",
-        )
-        wait_until(
-            lambda: kube.find("services", "llama-3-8b-workers") is not None,
-            timeout=60,
-            what="the operator creating the llama-3-8b-workers Service",
-        )
-    deployment = kube.get("deployments", "llama-3-8b-workers")
-    limits = deployment["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
-    assert limits["nvidia.com/gpu"] in (1, "1")
-    assert deployment["spec"]["replicas"] == 2
+def test_helm_installs_exactly_what_the_chart_renders(installed: str) -> None:
+    helm_objects = [obj for obj in yaml.safe_load_all(installed) if obj]
+    rendered = render_chart(VALUES, release=RELEASE, namespace=NAMESPACE)
+    assert identities(helm_objects) == identities(rendered)
+    assert any(obj["kind"] == "Deployment" and "redis" in obj["metadata"]["name"] for obj in rendered)
+
+
+def test_every_rendered_object_is_stored(cluster: ControlPlane, installed: str) -> None:
+    rendered = render_chart(VALUES, release=RELEASE, namespace=NAMESPACE)
+    manifest = "\n---\n".join(yaml.safe_dump(obj) for obj in rendered)
+    stored = json.loads(
+        cluster.kubectl("get", "-n", NAMESPACE, "-f", "-", "-o", "json", stdin=manifest).stdout
+    )
+    assert identities(stored["items"]) == identities(rendered)
+    uids = {item["metadata"]["uid"] for item in stored["items"]}
+    assert len(uids) == len(rendered), "each a stored object of its own"
