@@ -1,11 +1,19 @@
-"""The pod template of one worker pool: the ``herd worker`` container and everything around it."""
+"""The pod template of one worker pool: the containers that serve herd's worker contract and
+everything around them.
+
+A ``herd`` or ``simulated`` pool runs one ``herd worker`` container (the simulated one fetches no
+weights). A ``vllm`` pool runs two: vLLM's server on the pod's loopback, and ``herd sidecar`` on
+the worker's ``http`` and ``internal`` ports in front of it, so that the Service, discovery and
+readiness are the same for every backend.
+"""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
-from herd.api.crd import POOL_ROLES, ModelDeployment, PoolName, PoolSpec, Resources
+from herd.api.backends import sidecar_argv, vllm_server_argv
+from herd.api.crd import POOL_ROLES, ModelDeployment, PoolName, PoolSpec, Resources, VLLMSpec
 from herd.api.protocol import TOKEN_ENV
 from herd.operator.settings import PlanSettings
 from herd.operator.source import ModelSource, plan_source
@@ -14,6 +22,10 @@ __all__ = ["HTTP_PORT", "INTERNAL_PORT", "plan_pod_spec", "worker_argv"]
 
 HTTP_PORT = 8000
 INTERNAL_PORT = 9000
+VLLM_PORT = 8100
+"""vLLM's HTTP port in a vllm pool, on the pod's loopback; the KV event ports follow."""
+VLLM_KV_EVENTS_PORT = 5557
+VLLM_KV_REPLAY_PORT = 5558
 _GPU_RESOURCE = {"nvidia": "nvidia.com/gpu", "amd": "amd.com/gpu"}
 # Neither the worker nor the fetchers need privileges; GPUs come through the device plugin.
 _CONTAINER_SECURITY = {
@@ -43,11 +55,18 @@ def worker_argv(md: ModelDeployment, pool: PoolName, model_path: str) -> list[st
 
 def plan_pod_spec(md: ModelDeployment, pool_name: PoolName, pool: PoolSpec, settings: PlanSettings) -> Object:
     image = pool.image or settings.worker_image
-    source = plan_source(md.spec.model, settings, worker_image=image)
-    worker = _worker_container(md, pool_name, pool, settings, image, source)
+    needs_weights = md.spec.engine.backend != "simulated"
+    source = plan_source(md.spec.model, settings, worker_image=image, needs_weights=needs_weights)
+    if md.spec.engine.backend == "vllm":
+        containers = [
+            _vllm_container(md, pool_name, pool, settings, source),
+            _sidecar_container(md, pool, settings, image, source),
+        ]
+    else:
+        containers = [_worker_container(md, pool_name, pool, settings, image, source)]
     spec: Object = {
         "securityContext": _pod_security(settings),
-        "containers": [worker],
+        "containers": containers,
         "initContainers": [
             {**init, "securityContext": _CONTAINER_SECURITY} for init in source.init_containers
         ],
@@ -68,18 +87,82 @@ def _worker_container(
     image: str,
     source: ModelSource,
 ) -> Object:
+    """``herd worker``: herd's engine, or the simulated one (the argv's engine JSON says which)."""
+    argv = worker_argv(md, pool_name, source.path)
+    return _serving_container("worker", image, argv, plan_resources(pool.resources), pool, settings, source)
+
+
+def _sidecar_container(
+    md: ModelDeployment, pool: PoolSpec, settings: PlanSettings, image: str, source: ModelSource
+) -> Object:
+    """``herd sidecar``: herd's worker contract in front of the vLLM container, on the worker's
+    ports, so that discovery, the Service and the probes see a worker like any other."""
+    argv = sidecar_argv(
+        vllm_port=VLLM_PORT,
+        kv_events_port=VLLM_KV_EVENTS_PORT,
+        replay_port=VLLM_KV_REPLAY_PORT,
+        served_name=md.served_name,
+        model_path=source.path,
+        block_size=md.spec.engine.kv_cache.block_size,
+        host="0.0.0.0",  # probes and the orchestrator come from outside the pod
+        port=HTTP_PORT,
+        internal_port=INTERNAL_PORT,
+    )
+    # No resources of its own: the accelerator and the memory are vLLM's.
+    return _serving_container("sidecar", image, argv, {}, pool, settings, source)
+
+
+def _serving_container(
+    name: str,
+    image: str,
+    argv: list[str],
+    resources: Object,
+    pool: PoolSpec,
+    settings: PlanSettings,
+    source: ModelSource,
+) -> Object:
+    """The container that answers herd's worker contract on the ``http`` and ``internal`` ports."""
     container: Object = {
-        "name": "worker",
+        "name": name,
         "image": image,
-        "command": worker_argv(md, pool_name, source.path),
+        "command": argv,
         "ports": [
             {"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
             {"name": "internal", "containerPort": INTERNAL_PORT, "protocol": "TCP"},
         ],
         "env": _env(pool, settings),
-        "resources": plan_resources(pool.resources),
+        "resources": resources,
         **_probes(),
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(settings.drain_seconds)]}}},
+        "volumeMounts": source.mounts,
+        "securityContext": _CONTAINER_SECURITY,
+    }
+    return _without_empty(container, keep=set())
+
+
+def _vllm_container(
+    md: ModelDeployment, pool_name: PoolName, pool: PoolSpec, settings: PlanSettings, source: ModelSource
+) -> Object:
+    """vLLM's server, on the pod's loopback only (the sidecar is its one client): no ports, no
+    readiness of its own (the sidecar's says when vLLM serves), liveness by its ``/health``."""
+    engine = md.spec.engine_for(pool_name)
+    vllm = engine.vllm or VLLMSpec()
+    argv = vllm_server_argv(
+        engine,
+        source.path,
+        md.served_name,
+        VLLM_PORT,
+        VLLM_KV_EVENTS_PORT,
+        VLLM_KV_REPLAY_PORT,
+        python="python3",
+    )
+    container: Object = {
+        "name": "vllm",
+        "image": vllm.image or settings.vllm_image,
+        "command": [*argv, *vllm.extra_args],
+        "env": [{"name": name, "value": value} for name, value in sorted(pool.env.items())],
+        "resources": plan_resources(pool.resources),
+        **_vllm_probes(),
         "volumeMounts": source.mounts,
         "securityContext": _CONTAINER_SECURITY,
     }
@@ -122,14 +205,13 @@ def _env(pool: PoolSpec, settings: PlanSettings) -> list[Object]:
     return [token, *({"name": name, "value": value} for name, value in sorted(pool.env.items()))]
 
 
+def _probe(handler: Object, period: int, timeout: int, failures: int) -> Object:
+    return {**handler, "periodSeconds": period, "timeoutSeconds": timeout, "failureThreshold": failures}
+
+
 def _probes() -> Object:
     def probe(path: str, period: int, timeout: int, failures: int) -> Object:
-        return {
-            "httpGet": {"path": path, "port": "http"},
-            "periodSeconds": period,
-            "timeoutSeconds": timeout,
-            "failureThreshold": failures,
-        }
+        return _probe({"httpGet": {"path": path, "port": "http"}}, period, timeout, failures)
 
     # /health: the process can serve (liveness: restart it when it cannot); /ready: it admits requests
     # (503 while loading, draining or full: out of the Service, never restarted for it). Loading a
@@ -140,3 +222,15 @@ def _probes() -> Object:
         "livenessProbe": probe("/health", 10, 5, 3),
         "readinessProbe": probe("/ready", 2, 3, 1),
     }
+
+
+def _vllm_probes() -> Object:
+    # vLLM listens on the pod's loopback, which the kubelet's httpGet (to the pod IP) cannot reach:
+    # the check runs inside the container, with the Python its image has.
+    url = f"http://127.0.0.1:{VLLM_PORT}/health"
+    check = {
+        "exec": {
+            "command": ["python3", "-c", f"import urllib.request; urllib.request.urlopen({url!r}, timeout=4)"]
+        }
+    }
+    return {"startupProbe": _probe(check, 5, 5, 180), "livenessProbe": _probe(check, 10, 5, 3)}

@@ -12,6 +12,10 @@ class PlanSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     worker_image: str = Field(default="herd-worker:0.1.0", description="Image of pools that set none.")
+    vllm_image: str = Field(
+        default="vllm/vllm-openai:v0.32.0",
+        description="vLLM's image, for pools of engine.backend vllm whose spec names none.",
+    )
     s3_image: str = Field(
         default="amazon/aws-cli:2.22.35", description="Init image that syncs s3:// sources."
     )

@@ -3,7 +3,8 @@
 ``hf://`` and ``s3://`` are fetched by an init container into ``/models`` (the cache PVC when the
 spec names one, so replicas and restarts share one download; an ``emptyDir`` otherwise).
 ``pvc://claim/path`` is mounted read-only; ``file:///abs`` is a node path (``hostPath``) and a
-relative ``file://path`` is a path inside the worker image.
+relative ``file://path`` is a path inside the worker image. A pool that needs no weights (the
+simulated backend reads the config and tokenizer only) fetches everything else.
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ from typing import Any
 from herd.api.crd import ModelSpec
 from herd.operator.settings import PlanSettings
 
-__all__ = ["MODELS_DIR", "ModelSource", "plan_source"]
+__all__ = ["MODELS_DIR", "WEIGHT_FILES", "ModelSource", "plan_source"]
 
 MODELS_DIR = "/models"
 _VOLUME = "models"
 _HF_TOKEN_SECRET = "herd-hf-token"
 _S3_SECRET = "herd-s3-credentials"
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
+"""File patterns of model weights, left out of a fetch for a pool that reads none."""
 
 Object = dict[str, Any]
 
@@ -35,16 +38,22 @@ class ModelSource:
     init_containers: list[Object] = field(default_factory=list)
 
 
-def plan_source(model: ModelSpec, settings: PlanSettings, *, worker_image: str) -> ModelSource:
+def plan_source(
+    model: ModelSpec, settings: PlanSettings, *, worker_image: str, needs_weights: bool = True
+) -> ModelSource:
     match model.scheme:
         case "hf":
             path = posixpath.join(MODELS_DIR, "hf", model.location, model.revision)
             argv = ["hf", "download", model.location, "--revision", model.revision, "--local-dir", path]
+            argv += [] if needs_weights else ["--exclude", *WEIGHT_FILES]
             env = [_secret_env("HF_TOKEN", _HF_TOKEN_SECRET, "token")]
             return _fetched(model, path, _init("fetch-model", worker_image, argv, env=env))
         case "s3":
             path = posixpath.join(MODELS_DIR, "s3", model.location)
             argv = ["aws", "s3", "sync", model.source, path]
+            argv += (
+                [] if needs_weights else [part for pattern in WEIGHT_FILES for part in ("--exclude", pattern)]
+            )
             fetch = _init("fetch-model", settings.s3_image, argv, env_from=_S3_SECRET)
             return _fetched(model, path, fetch)
         case "pvc":

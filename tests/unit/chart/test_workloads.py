@@ -130,6 +130,22 @@ def test_operator_is_told_the_worker_image_and_the_token_secret() -> None:
     assert _flag(args, "--token-secret") == ["herd-internal-token"]
 
 
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [
+        ({}, "vllm/vllm-openai:v0.32.0"),
+        (
+            {"vllm": {"image": {"repository": "registry.local/vllm", "tag": "cu12"}}},
+            "registry.local/vllm:cu12",
+        ),
+    ],
+    ids=["default", "set"],
+)
+def test_operator_is_told_the_vllm_image(values: dict[str, Any], expected: str) -> None:
+    args = _container(render_chart(values), "herd-operator")["args"]
+    assert _flag(args, "--vllm-image") == [expected]
+
+
 def test_operator_runs_alone() -> None:
     (deployment,) = find(render_chart({}), "Deployment", "herd-operator")
     assert deployment["spec"]["replicas"] == 1
