@@ -1,12 +1,14 @@
 """A real Kubernetes control plane on 127.0.0.1 for tests and contributors, from the binaries
 ``make cluster-bin`` builds: etcd (data on tmpfs), kube-apiserver (RBAC, ServiceAccount tokens, an admin
-token), kube-controller-manager and kube-scheduler.
+token), kube-controller-manager, kube-scheduler and a node agent (one Node, its pods local processes).
 
 The steps: certificates and keys with ``openssl`` (a CA, the apiserver's serving certificate for
 127.0.0.1, the ServiceAccount signing key), etcd, the apiserver until ``/readyz``, an admin kubeconfig,
-then the controller-manager and the scheduler until their ``/healthz``. Every process is started
-directly (no shell, no setsid wrapper), so the pid kept is the server's own and stopping kills exactly
-it. The service CIDR is a configuration value only: nothing here or in a test dials it.
+then the controller-manager and the scheduler until their ``/healthz``, then the node agent
+(support.node.agent) until its Node ``herd-node`` is Ready: pods bound to it run as local processes
+on loopback addresses, Services are served on 127.96.0.X (:meth:`ControlPlane.service_address`).
+Every process is started directly (no shell, no setsid wrapper), so the pid kept is the server's own
+and stopping kills exactly it. The service CIDR is a configuration value only: nothing here or in a test dials it.
 
 ``python -m support.cluster up|down|status`` (``make cluster`` / ``make cluster-down``, with
 ``PYTHONPATH=tests``) runs the same code for a contributor: the cluster outlives the command, its pids
@@ -24,15 +26,18 @@ import shutil
 import signal
 import ssl
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import yaml
 
+from support.node.addresses import service_loopback
 from support.procs import free_port, wait_until
 
 __all__ = [
@@ -65,7 +70,10 @@ CONTROLLERS = (
     "serviceaccount-token-controller",
     "root-ca-certificate-publisher-controller",
 )
-_COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
+NODE = "herd-node"
+NODE_AGENT = "herd-node-agent"
+_COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", NODE_AGENT)
+"""In start order; stopped in reverse, the node agent first (it stops its pods' processes itself)."""
 
 
 class BinariesMissingError(RuntimeError):
@@ -185,6 +193,8 @@ class ControlPlane:
         self._spawn("kube-scheduler", self._scheduler_argv(ports["kube-scheduler"]), detach)
         for name, port in ports.items():
             self._wait(f"https://127.0.0.1:{port}/healthz", name, began)
+        self._spawn(NODE_AGENT, self.node_agent_argv(NODE, self.workdir / "node"), detach)
+        self._wait_node_ready(NODE, began)
         self.start_seconds["total"] = round(time.monotonic() - began, 2)
 
     def _write_pki(self) -> None:
@@ -245,13 +255,34 @@ class ControlPlane:
     def _scheduler_argv(self, port: int) -> list[str]:
         return self._component_argv(self.binaries.kube_scheduler, port)
 
+    def node_agent_argv(self, node: str, workdir: Path, *extra: str) -> list[str]:
+        """The node agent for ``node`` as the admin (``extra``: more of its options, e.g. ``--taint``)."""
+        return [sys.executable, "-m", "support.node.agent", f"--kubeconfig={self.kubeconfig}", f"--node={node}",
+                f"--workdir={workdir}", f"--apiserver-port={self.apiserver_port}", f"--image-root={REPO}",
+                f"--service-cidr={SERVICE_CIDR}", *extra]  # fmt: skip
+
+    def _wait_node_ready(self, node: str, began: float) -> None:
+        process, log = self.processes[NODE_AGENT], self.workdir / "logs" / f"{NODE_AGENT}.log"
+
+        def is_ready() -> bool:
+            assert process.poll() is None, f"{NODE_AGENT} (pid {process.pid}) exited with {process.returncode}: {_tail(log)}"  # fmt: skip
+            return _is_node_ready(self.get_json("node", node))
+
+        wait_until(is_ready, timeout=START_TIMEOUT_S, interval=0.1, what=f"node {node} Ready")
+        self.start_seconds[NODE_AGENT] = round(time.monotonic() - began, 2)
+
     def _spawn(self, name: str, argv: Sequence[str], detach: bool) -> None:
         logs = self.workdir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
+        # The node agent imports support.node (under tests/) and herd.kube.
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
+        }
         with (logs / f"{name}.log").open("ab") as sink:
             process = subprocess.Popen(
                 list(argv), stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=detach,
+                start_new_session=detach, env=env,
             )  # fmt: skip
         self.processes[name], self.argv[name] = process, list(argv)
         pids = self.workdir / "pids"
@@ -319,6 +350,40 @@ class ControlPlane:
         argv = [str(self.binaries.helm), f"--kubeconfig={self.kubeconfig}", *args]
         return _run(argv, env=env, check=check)
 
+    def get_json(self, kind: str, name: str, namespace: str | None = None) -> dict[str, Any]:
+        """One object as the admin sees it ({} when it does not exist)."""
+        scope = ["-n", namespace] if namespace else []
+        done = self.kubectl(*scope, "get", kind, name, "-o", "json", "--ignore-not-found", check=True)
+        found: dict[str, Any] = json.loads(done.stdout) if done.stdout.strip() else {}
+        return found
+
+    def service_address(self, name: str, namespace: str, port: int) -> str:
+        """``host:port`` where a test dials Service ``namespace/name`` at its ``port``: the node agent's
+        proxy on 127.96.0.X for the ClusterIP 10.96.0.X (never the ClusterIP itself)."""
+        service = self.get_json("service", name, namespace)
+        assert service, f"no Service {namespace}/{name}"
+        address = service_loopback(service["spec"].get("clusterIP"), SERVICE_CIDR)
+        assert address, f"Service {namespace}/{name} has no ClusterIP the node agent serves (headless?)"
+        return f"{address}:{port}"
+
+    def wait_ready_pods(self, namespace: str, selector: str, count: int, *, timeout: float = 60.0) -> list[dict[str, Any]]:  # fmt: skip
+        """Wait until exactly ``count`` pods match ``selector`` and all are Running and Ready, none
+        terminating; returns them."""
+        pods: list[dict[str, Any]] = []
+
+        def are_ready() -> bool:
+            nonlocal pods
+            listed = json.loads(
+                self.kubectl("-n", namespace, "get", "pods", "-l", selector, "-o", "json").stdout
+            )
+            pods = listed["items"]
+            return len(pods) == count and all(_is_pod_ready(pod) for pod in pods)
+
+        wait_until(
+            are_ready, timeout=timeout, interval=0.2, what=f"{count} ready pods {selector} in {namespace}"
+        )
+        return pods
+
     def token(self, service_account: str, namespace: str, *, duration: str = "1h") -> str:
         """A token for ``service_account`` from the TokenRequest API."""
         argv = ["create", "token", service_account, "-n", namespace, f"--duration={duration}"]
@@ -364,6 +429,17 @@ def _run(
     )  # fmt: skip
     assert not check or done.returncode == 0, f"{' '.join(argv[2:])}: exit {done.returncode}: {done.stderr}"
     return done
+
+
+def _is_node_ready(node: dict[str, Any]) -> bool:
+    """Its Ready condition is True (a Node's or a Pod's)."""
+    conditions = (node.get("status") or {}).get("conditions") or []
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
+def _is_pod_ready(pod: dict[str, Any]) -> bool:
+    is_running = (pod.get("status") or {}).get("phase") == "Running"
+    return is_running and _is_node_ready(pod) and not pod["metadata"].get("deletionTimestamp")
 
 
 def _tail(log: Path, lines: int = 20) -> str:
@@ -449,9 +525,15 @@ def _running_pids(workdir: Path) -> dict[str, int]:
             continue
         pid = int(path.read_text())
         with contextlib.suppress(OSError):
-            if _is_alive(pid) and Path(f"/proc/{pid}/exe").resolve().name == name:
+            if _is_alive(pid) and _is_component(pid, name):
                 found[name] = pid
     return found
+
+
+def _is_component(pid: int, name: str) -> bool:
+    if name == NODE_AGENT:  # a python process: known by its module
+        return b"support.node.agent" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    return Path(f"/proc/{pid}/exe").resolve().name == name
 
 
 def _down(workdir: Path) -> None:

@@ -1,0 +1,345 @@
+"""The node agent: ``python -m support.node.agent --kubeconfig K --node herd-node --workdir W
+--apiserver-port P [--image-root R]``.
+
+It registers a Ready Node (renewing its Lease in kube-node-lease and its Ready heartbeat), watches
+the pods bound to it and runs each as local processes (support.node.pods), and serves Services on
+loopback with each pod's ``/etc/hosts`` naming them (support.node.services). On SIGTERM it stops
+every container it runs (SIGTERM, a grace of at most 5 s, SIGKILL, each by its pid; no preStop, and
+the pods stay as they are in the apiserver) and exits; killed outright, it leaves no container behind
+either, since each asked the kernel for SIGKILL when its parent dies.
+
+The liberties it takes with a kubelet's work: pods share the host's network (each listens on its
+own 127.244.0.0/16 address, ``0.0.0.0`` in a command line replaced by it); images are not pulled
+(a container runs ``command + args`` on this machine's filesystem, in ``workingDir`` or the image
+root); securityContext and resources are not enforced; restarts back off 1-10 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import platform
+import signal
+import sys
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from herd.kube import load_connection, resource_path
+from support.node.addresses import AddressPool
+from support.node.client import Kube, KubeError
+from support.node.containers import PodContext
+from support.node.pods import PodRunner, pod_folder
+from support.node.services import HostsFile, ServiceTable
+from support.node.status import now
+
+__all__ = ["Agent", "Settings", "main", "node_object"]
+
+Object = dict[str, Any]
+_log = logging.getLogger("herd.node.agent")
+REPO = Path(__file__).resolve().parents[3]
+LEASE_S = 40
+RENEW_S = 10.0
+SHUTDOWN_GRACE_S = 5.0
+IMAGE_ENV = ("HOME", "LANG", "LC_ALL", "TMPDIR", "OMP_NUM_THREADS", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+"""Variables of the agent's own environment a container gets, as if its image set them."""
+_ARCH = {"x86_64": "amd64", "aarch64": "arm64"}
+
+
+@dataclass(frozen=True)
+class Settings:
+    kubeconfig: str
+    node: str
+    workdir: Path
+    apiserver_port: int
+    image_root: Path = REPO
+    service_cidr: str = "10.96.0.0/24"
+    taints: tuple[Object, ...] = ()
+
+
+def node_object(node: str, kubelet_version: str, taints: tuple[Object, ...] = ()) -> Object:
+    """The Node as a kubelet registers it: labels, generous capacity, loopback addresses, Ready."""
+    arch = _ARCH.get(platform.machine(), platform.machine())
+    resources = {"cpu": "64", "memory": "256Gi", "pods": "110", "ephemeral-storage": "1Ti"}
+    labels = {"kubernetes.io/hostname": node, "kubernetes.io/os": "linux", "kubernetes.io/arch": arch,
+              "beta.kubernetes.io/os": "linux", "beta.kubernetes.io/arch": arch}  # fmt: skip
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": node, "labels": labels},
+        "spec": {"taints": list(taints)} if taints else {},
+        "status": {
+            "capacity": resources,
+            "allocatable": resources,
+            "addresses": [
+                {"type": "InternalIP", "address": "127.0.0.1"},
+                {"type": "Hostname", "address": node},
+            ],
+            "nodeInfo": {
+                "kubeletVersion": kubelet_version,
+                "kubeProxyVersion": kubelet_version,
+                "operatingSystem": "linux",
+                "architecture": arch,
+                "osImage": "herd test node",
+                "kernelVersion": platform.release(),
+                "containerRuntimeVersion": "herd://0.1.0",
+                "machineID": node,
+                "systemUUID": node,
+                "bootID": node,
+            },
+            "conditions": _conditions(),
+            "daemonEndpoints": {"kubeletEndpoint": {"Port": 0}},
+        },
+    }
+
+
+def _conditions() -> list[Object]:
+    stamp = now()
+    pressures = [
+        {"type": kind, "status": "False", "reason": f"KubeletHas{reason}", "message": message,
+         "lastHeartbeatTime": stamp, "lastTransitionTime": stamp}
+        for kind, reason, message in (
+            ("MemoryPressure", "SufficientMemory", "kubelet has sufficient memory available"),
+            ("DiskPressure", "NoDiskPressure", "kubelet has no disk pressure"),
+            ("PIDPressure", "SufficientPID", "kubelet has sufficient PID available"),
+        )
+    ]  # fmt: skip
+    ready = {"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "herd node agent is posting ready status",
+             "lastHeartbeatTime": stamp, "lastTransitionTime": stamp}  # fmt: skip
+    return [*pressures, ready]
+
+
+@dataclass
+class Agent:
+    """The running agent: the pods it runs by uid, their addresses, the Service table."""
+
+    settings: Settings
+    kube: Kube
+    pool: AddressPool = field(default_factory=AddressPool)
+    runners: dict[str, PodRunner] = field(default_factory=dict)
+    tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    ending: set[str] = field(default_factory=set)
+    background: set[asyncio.Task[None]] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.services = ServiceTable(self.settings.service_cidr)
+
+    # The node.
+
+    async def register(self) -> None:
+        version = await self.kube.get("/version")
+        assert version is not None, "the apiserver has no /version"
+        node = node_object(self.settings.node, version["gitVersion"], self.settings.taints)
+        with contextlib.suppress(KubeError):  # 409: registered before (an agent restarted)
+            await self.kube.create("/api/v1/nodes", node)
+        path = f"/api/v1/nodes/{self.settings.node}"
+        await self.kube.patch_status(path, node["status"])
+        # The TaintNodesByCondition admission plugin taints a new Node not-ready; the node lifecycle
+        # controller (not run here) would lift it once Ready: the agent, Ready at once, does.
+        taints = {"spec": {"taints": list(self.settings.taints) or None}}
+        await self.kube.request("PATCH", path, body=taints, content_type="application/merge-patch+json")
+        await self._renew_lease()
+
+    async def _renew_lease(self) -> None:
+        node = self.settings.node
+        path = resource_path("coordination.k8s.io/v1", "leases", "kube-node-lease", node)
+        spec = {"holderIdentity": node, "leaseDurationSeconds": LEASE_S, "renewTime": _micro_time()}
+        patched = await self.kube.request("PATCH", path, body={"spec": spec}, content_type="application/merge-patch+json")  # fmt: skip
+        if patched is None:
+            body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "spec": spec,
+                    "metadata": {"name": node, "namespace": "kube-node-lease"}}  # fmt: skip
+            await self.kube.create(resource_path("coordination.k8s.io/v1", "leases", "kube-node-lease"), body)
+
+    async def heartbeat(self) -> None:
+        """The Lease every 10 s and the Ready condition's heartbeat with it, as a kubelet renews them."""
+        while True:
+            await asyncio.sleep(RENEW_S)
+            try:
+                await self._renew_lease()
+                await self.kube.patch_status(
+                    f"/api/v1/nodes/{self.settings.node}", {"conditions": _conditions()}
+                )
+            except KubeError as error:
+                _log.warning(json.dumps({"msg": "node heartbeat refused", "error": str(error)}))
+
+    # Pods.
+
+    async def on_pods(self, items: list[Object]) -> None:
+        """A fresh list: pods no longer there are gone (killed), the others handled as changes."""
+        listed = {item["metadata"]["uid"] for item in items}
+        for uid in set(self.runners) - listed:
+            self._spawn(self._kill(uid))
+        for item in items:
+            await self.on_pod("MODIFIED", item)
+
+    async def on_pod(self, kind: str, pod: Object) -> None:
+        uid, metadata = pod["metadata"]["uid"], pod["metadata"]
+        if kind == "DELETED":
+            if uid in self.runners:
+                self._spawn(self._kill(uid))
+            return
+        if uid in self.runners:
+            self.runners[uid].ctx.pod = {**pod, "spec": self.runners[uid].ctx.pod["spec"]}
+        if metadata.get("deletionTimestamp"):
+            if uid not in self.ending:
+                self.ending.add(uid)
+                self._spawn(self._terminate(pod))
+        elif uid not in self.runners and (pod.get("status") or {}).get("phase") not in (
+            "Succeeded",
+            "Failed",
+        ):
+            self._start(pod)
+
+    def _start(self, pod: Object) -> None:
+        uid, pod_ip = pod["metadata"]["uid"], self.pool.allocate()
+        folder = pod_folder(self.settings.workdir, pod)
+        folder.mkdir(parents=True, exist_ok=True)
+        hostname = pod["spec"].get("hostname") or pod["metadata"]["name"]
+        hosts = HostsFile(folder / "etc-hosts", pod_ip, hostname, pod["metadata"]["namespace"])
+        self.services.write_hosts(hosts)
+        ctx = PodContext(pod, pod_ip, folder, hosts.path, self.settings.image_root,
+                         self._base_env(hostname), _launcher_env())  # fmt: skip
+        runner = PodRunner(self.kube, ctx, self.post_event)
+        self.runners[uid] = runner
+        self.tasks[uid] = asyncio.ensure_future(runner.run())
+
+    def _base_env(self, hostname: str) -> dict[str, str]:
+        path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "/usr/bin:/bin")])
+        image = {name: os.environ[name] for name in IMAGE_ENV if name in os.environ}
+        return {"PATH": path, **image, "HOSTNAME": hostname, "KUBERNETES_SERVICE_HOST": "127.0.0.1",
+                "KUBERNETES_SERVICE_PORT": str(self.settings.apiserver_port)}  # fmt: skip
+
+    async def _terminate(self, pod: Object) -> None:
+        """Graceful deletion; a pod this agent does not run (it restarted) is removed at once."""
+        uid = pod["metadata"]["uid"]
+        runner = self.runners.get(uid)
+        if runner is None:
+            metadata = pod["metadata"]
+            body = {"gracePeriodSeconds": 0, "preconditions": {"uid": uid}}
+            with contextlib.suppress(KubeError):
+                await self.kube.request("DELETE", resource_path("v1", "pods", metadata["namespace"], metadata["name"]), body=body)  # fmt: skip
+            return
+        await runner.terminate(float(pod["metadata"].get("deletionGracePeriodSeconds", 30)))
+        await self._forget(uid)
+
+    async def _kill(self, uid: str) -> None:
+        runner = self.runners.get(uid)
+        if runner is not None:
+            await runner.kill()
+            await self._forget(uid)
+
+    async def _forget(self, uid: str) -> None:
+        """Once every process of the pod is gone: its task ended, its address free again."""
+        runner, task = self.runners.pop(uid, None), self.tasks.pop(uid, None)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if runner is not None:
+            self.pool.release(runner.ctx.pod_ip)
+            self.services.forget_hosts(runner.ctx.hosts)
+        self.ending.discard(uid)
+
+    def _spawn(self, work: Any) -> None:
+        task = asyncio.ensure_future(work)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    async def post_event(self, pod: Object, kind: str, reason: str, message: str, field_path: str) -> None:
+        """An Event about ``pod`` as a kubelet posts it; a refused one is logged, never fatal."""
+        metadata, stamp = pod["metadata"], now()
+        involved = {"kind": "Pod", "apiVersion": "v1", "namespace": metadata["namespace"],
+                    "name": metadata["name"], "uid": metadata["uid"]}  # fmt: skip
+        if field_path:
+            involved["fieldPath"] = field_path
+        event = {"apiVersion": "v1", "kind": "Event", "type": kind, "reason": reason, "message": message,
+                 "metadata": {"generateName": f"{metadata['name']}.", "namespace": metadata["namespace"]},
+                 "involvedObject": involved, "source": {"component": "kubelet", "host": self.settings.node},
+                 "reportingComponent": "herd-node-agent", "reportingInstance": self.settings.node,
+                 "firstTimestamp": stamp, "lastTimestamp": stamp, "count": 1}  # fmt: skip
+        try:
+            await self.kube.create(resource_path("v1", "events", metadata["namespace"]), event)
+        except KubeError as error:
+            _log.warning(json.dumps({"msg": "event refused", "reason": reason, "error": str(error)}))
+
+    # Running.
+
+    async def serve(self, stop: asyncio.Event) -> None:
+        await self.register()
+        selector = {"fieldSelector": f"spec.nodeName={self.settings.node}"}
+        loops = [
+            self.heartbeat(),
+            self.kube.watch("/api/v1/pods", self.on_pods, self.on_pod, **selector),
+            self.kube.watch("/api/v1/services", self.services.on_services, self.services.on_service),
+            self.kube.watch("/apis/discovery.k8s.io/v1/endpointslices", self.services.on_slices, self.services.on_slice),
+        ]  # fmt: skip
+        tasks = [asyncio.ensure_future(loop) for loop in loops]
+        _log.info(json.dumps({"msg": "node agent serving", "node": self.settings.node, "pid": os.getpid()}))
+        await stop.wait()
+        for task in tasks:
+            task.cancel()
+        await self.shut_down()
+
+    async def shut_down(self) -> None:
+        """Every container stopped by its pid, the listeners closed."""
+        await asyncio.gather(
+            *(runner.shut_down(min(runner.ctx.grace_s, SHUTDOWN_GRACE_S)) for runner in self.runners.values())
+        )
+        for task in [*self.tasks.values(), *self.background]:
+            task.cancel()
+        self.services.close()
+        await self.kube.close()
+
+
+def _launcher_env() -> dict[str, str]:
+    """The sandbox launcher's own environment: the agent's, so that ``support.node`` imports."""
+    return dict(os.environ)
+
+
+def _micro_time() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _parse(argv: list[str] | None) -> Settings:
+    parser = argparse.ArgumentParser(prog="python -m support.node.agent", description=__doc__)
+    parser.add_argument("--kubeconfig", required=True)
+    parser.add_argument("--node", default="herd-node")
+    parser.add_argument("--workdir", type=Path, required=True)
+    parser.add_argument("--apiserver-port", type=int, required=True)
+    parser.add_argument("--image-root", type=Path, default=REPO)
+    parser.add_argument("--service-cidr", default="10.96.0.0/24")
+    parser.add_argument("--taint", action="append", default=[], help="key=value:Effect, as the kubelet's --register-with-taints")  # fmt: skip
+    args = parser.parse_args(argv)
+    taints = tuple(_taint(text) for text in args.taint)
+    return Settings(args.kubeconfig, args.node, args.workdir.resolve(), args.apiserver_port,
+                    args.image_root.resolve(), args.service_cidr, taints)  # fmt: skip
+
+
+def _taint(text: str) -> Object:
+    pair, _, effect = text.partition(":")
+    key, _, value = pair.partition("=")
+    return {"key": key, "value": value, "effect": effect or "NoSchedule"}
+
+
+async def _amain(settings: Settings) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    agent = Agent(settings, Kube(load_connection(settings.kubeconfig)))
+    await agent.serve(stop)
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
+    asyncio.run(_amain(_parse(argv)))
+
+
+if __name__ == "__main__":
+    main()
