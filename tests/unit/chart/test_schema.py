@@ -13,6 +13,7 @@ BAD_VALUES = {
     "unknown-nested-key": ({"orchestrator": {"replica": 2}}, "additional properties 'replica' not allowed"),
     "replicas-as-string": ({"orchestrator": {"replicas": "two"}}, "/orchestrator/replicas"),
     "negative-replicas": ({"orchestrator": {"replicas": -1}}, "/orchestrator/replicas"),
+    "two-operators": ({"operator": {"replicas": 2}}, "/operator/replicas"),
     "pull-policy-enum": ({"operator": {"image": {"pullPolicy": "Sometimes"}}}, "/operator/image/pullPolicy"),
     "service-type-enum": ({"orchestrator": {"service": {"type": "Ingress"}}}, "/orchestrator/service/type"),
     "port-out-of-range": ({"orchestrator": {"port": 70000}}, "/orchestrator/port"),

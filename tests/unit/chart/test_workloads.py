@@ -146,9 +146,10 @@ def test_operator_is_told_the_vllm_image(values: dict[str, Any], expected: str) 
     assert _flag(args, "--vllm-image") == [expected]
 
 
-def test_operator_runs_alone() -> None:
-    (deployment,) = find(render_chart({}), "Deployment", "herd-operator")
-    assert deployment["spec"]["replicas"] == 1
+@pytest.mark.parametrize("replicas", [1, 0], ids=["runs", "kept-off"])
+def test_operator_runs_alone_or_not_at_all(replicas: int) -> None:
+    (deployment,) = find(render_chart({"operator": {"replicas": replicas}}), "Deployment", "herd-operator")
+    assert deployment["spec"]["replicas"] == replicas
     assert deployment["spec"]["strategy"] == {"type": "Recreate"}
 
 
