@@ -1,118 +1,69 @@
-"""From ``kubectl apply`` to a chat completion: the operator's worker command, run as a kubelet would.
+"""From ``kubectl apply`` to a chat completion on the real control plane: the operator plans the
+worker Deployment, the controller-manager makes its pod, the node agent runs the planned command
+(``herd worker`` on the pod's own loopback address, the internal token from the namespace's Secret)
+and its readiness probe makes the pod Ready; ``herd orchestrator --kubernetes``, a local process
+logged in as the chart's orchestrator ServiceAccount, discovers the pod through the API and routes a
+request to it at the pod's IP.
 
-The operator plans the Deployment; the test runs its container command (ports moved to free loopback
-ports, ``--host`` to 127.0.0.1, the binary from this venv) with the token as the Secret would give it,
-creates the Pod from the template with those ports and marks it Ready. ``herd orchestrator
---kubernetes`` then discovers it through the API and routes a request to it.
+Moved from the kmock emulator (issue 19, item 6), where the test ran the planned command itself with
+ports moved and created and marked the Pod Ready as a kubelet would.
 """
 
 from __future__ import annotations
 
-import sys
+import ipaddress
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
-import yaml
-from support.kube.emulator import Emulator, kube_emulator
-from support.operator_harness import embedded_operator, install_crd, kubectl
-from support.procs import free_port, running, wait_until
+from support.cluster import ControlPlane
+from support.operator_harness import (
+    Models,
+    embedded_operator,
+    kube_orchestrator,
+    model_namespace,
+    tiny_model_deployment,
+)
+from support.procs import wait_until
 
 from herd.api.protocol import WORKER_HEADER
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[2]
+NAMESPACE = "routing"
 TOKEN = "routing-test-token"
+NODE_ADDRESSES = ipaddress.ip_network("127.244.0.0/16")
 
 
-def manifest(model: Path) -> dict[str, Any]:
-    spec = {
-        "model": {"source": f"file://{model}", "servedName": "tiny"},
-        "engine": {"device": "cpu", "dtype": "float32", "maxModelLen": 512, "kvCache": {"memoryGiB": 0.05}},
-        "workers": {"replicas": 1},
-        "routing": {"strategy": "kv_cache_aware"},
-    }
-    return {
-        "apiVersion": "herd.dev/v1alpha1",
-        "kind": "ModelDeployment",
-        "metadata": {"name": "tiny"},
-        "spec": spec,
-    }
+@pytest.fixture(scope="module")
+def models(cluster: ControlPlane) -> Iterator[Models]:
+    with model_namespace(cluster, NAMESPACE, TOKEN) as models:
+        login = cluster.login_as("herd-operator", "herd", default_namespace=NAMESPACE)
+        with embedded_operator(login, namespace=None):
+            yield models
 
 
-def as_kubelet_runs_it(container: dict[str, Any], port: int, internal_port: int) -> list[str]:
-    argv = list(container["command"])
-    moved = {"--host": "127.0.0.1", "--port": str(port), "--internal-port": str(internal_port)}
-    for flag, value in moved.items():
-        argv[argv.index(flag) + 1] = value
-    assert argv[:2] == ["herd", "worker"]
-    return [sys.executable, "-m", "herd.cli.main", *argv[1:], "--log-level", "WARNING"]
+def is_ready(models: Models, md: str) -> bool:
+    return models.condition(md, "Ready").get("status") == "True"
 
 
-def start_pod(kube: Emulator, template: dict[str, Any], port: int, internal_port: int) -> None:
-    spec = yaml.safe_load(yaml.safe_dump(template["spec"]))
-    spec["containers"][0]["ports"] = [
-        {"name": "http", "containerPort": port, "protocol": "TCP"},
-        {"name": "internal", "containerPort": internal_port, "protocol": "TCP"},
-    ]
-    metadata = {**template["metadata"], "name": "tiny-workers-0", "namespace": "default"}
-    kube.create({"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec})
-    kube.set_pod_ready("default", "tiny-workers-0", pod_ip="127.0.0.1")
+def test_the_orchestrator_routes_to_the_pod_the_operator_planned(
+    models: Models, tiny_llama: Path, tmp_path: Path
+) -> None:
+    models.apply(tiny_model_deployment("tiny", tiny_llama, routing={"strategy": "kv_cache_aware"}))
+    (pod,) = models.plane.wait_ready_pods(NAMESPACE, "herd.dev/deployment=tiny", 1, timeout=180)
+    assert ipaddress.ip_address(pod["status"]["podIP"]) in NODE_ADDRESSES
+    command = pod["spec"]["containers"][0]["command"]
+    assert command[:2] == ["herd", "worker"] and command[command.index("--host") + 1] == "0.0.0.0"
+    wait_until(lambda: is_ready(models, "tiny"), timeout=60, interval=0.2, what="ModelDeployment Ready=True")
+    with kube_orchestrator(models, TOKEN, tmp_path / "gateway.log", "--log-level", "WARNING") as url:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 
+        def routed() -> bool:
+            response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)
+            return response.status_code == 200 and response.headers[WORKER_HEADER] == f"{NAMESPACE}/{pod['metadata']['name']}"  # fmt: skip
 
-def test_the_orchestrator_routes_to_the_pod_the_operator_planned(tmp_path: Path, tiny_llama: Path) -> None:
-    with kube_emulator(tmp_path / "kube") as kube:
-        # The CRD before the operator: kopf picks up a CRD created after its start only eventually
-        # (a run here waited a minute for it), and that is no part of what this test checks.
-        install_crd(kube)
-        with embedded_operator(kube):
-            kubectl(kube, "apply", "--validate=false", "-f", "-", stdin=yaml.safe_dump(manifest(tiny_llama)))
-            wait_until(
-                lambda: kube.find("deployments.apps", "tiny-workers") is not None,
-                timeout=60,
-                what="Deployment",
-            )
-            template = kube.get("deployments.apps", "tiny-workers")["spec"]["template"]
-            container = template["spec"]["containers"][0]
-            assert container["env"][0]["name"] == "HERD_INTERNAL_TOKEN"
-            port, internal_port, gateway_port = free_port(), free_port(), free_port()
-            env = {"HERD_INTERNAL_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"}
-            worker_argv = as_kubelet_runs_it(container, port, internal_port)
-            gateway_argv = [sys.executable, "-m", "herd.cli.main", "orchestrator", "--kubernetes", "--namespace", "default",
-                            "--port", str(gateway_port), "--log-level", "WARNING"]  # fmt: skip
-            gateway_env = {**env, "KUBECONFIG": str(kube.kubeconfig)}
-            with running(worker_argv, log=tmp_path / "worker.log", env=env) as worker:
-
-                def is_worker_ready() -> bool:
-                    assert worker.poll() is None, (tmp_path / "worker.log").read_text()[-2000:]
-                    return httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200
-
-                wait_until(
-                    is_worker_ready, timeout=120, interval=0.2, what="the planned worker command serving"
-                )
-                start_pod(kube, template, port, internal_port)
-                wait_until(lambda: _ready(kube), timeout=60, what="ModelDeployment Ready=True")
-                with running(gateway_argv, log=tmp_path / "gateway.log", env=gateway_env):
-                    body = {
-                        "model": "tiny",
-                        "messages": [{"role": "user", "content": "hello"}],
-                        "max_tokens": 4,
-                    }
-
-                    def routed() -> bool:
-                        response = httpx.post(
-                            f"http://127.0.0.1:{gateway_port}/v1/chat/completions", json=body, timeout=30
-                        )
-                        return (
-                            response.status_code == 200
-                            and response.headers[WORKER_HEADER] == "default/tiny-workers-0"
-                        )
-
-                    wait_until(routed, timeout=180, interval=0.3, what="a chat completion routed to the pod")
-
-
-def _ready(kube: Emulator) -> bool:
-    conditions = kube.get("md", "tiny").get("status", {}).get("conditions", [])
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+        wait_until(routed, timeout=180, interval=0.3, what="a chat completion routed to the pod")
+        rows = httpx.get(f"{url}/dashboard/data", timeout=10).json()["workers"]
+        assert [row["url"] for row in rows] == [f"http://{pod['status']['podIP']}:8000"], rows

@@ -8,19 +8,23 @@ import contextlib
 import json
 import logging
 import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import httpx
 import pytest
 import yaml
 
+from herd.api.protocol import TOKEN_ENV
 from herd.operator.runner import run_operator
-from herd.operator.settings import OperatorConfig
-from support.cluster import ControlPlane, control_plane, find_binaries
+from herd.operator.settings import OperatorConfig, PlanSettings
+from support.cluster import ControlPlane, control_plane, find_binaries, install_herd_chart
 from support.kube.emulator import Emulator
+from support.procs import free_port, running, wait_until
 
 __all__ = [
     "CRD",
@@ -29,15 +33,19 @@ __all__ = [
     "RefusedRequests",
     "embedded_operator",
     "install_crd",
+    "kube_orchestrator",
     "kubectl",
     "logged_refusals",
     "model_deployment",
+    "model_namespace",
     "own_control_plane",
     "pending_pool",
+    "tiny_model_deployment",
 ]
 
 CRD = Path(__file__).resolve().parents[2] / "crds" / "herd.dev_modeldeployments.yaml"
 TIMEOUT_S = 60.0  # generous for a loaded machine; nothing waits for it when things are quick
+TOKEN_SECRET = PlanSettings().token_secret
 NO_NODE = {"herd.dev/test-node": "none"}
 """A nodeSelector no node matches."""
 
@@ -109,6 +117,15 @@ def pending_pool(replicas: int) -> dict[str, Any]:
     return {"replicas": replicas, "nodeSelector": NO_NODE}
 
 
+def tiny_model_deployment(name: str, model: Path, replicas: int = 1, **spec: Any) -> dict[str, Any]:
+    """A ModelDeployment of the tiny checkpoint at ``model`` (a node path: the node agent's pods run
+    on this machine) whose workers the node agent runs: CPU, float32, a small KV pool, one thread."""
+    engine = {"device": "cpu", "dtype": "float32", "maxModelLen": 512, "kvCache": {"memoryGiB": 0.05}}
+    workers = {"replicas": replicas, "env": {"OMP_NUM_THREADS": "1"}}
+    return model_deployment(name, model={"source": f"file://{model}", "servedName": name}, engine=engine,
+                            workers=workers, **spec)  # fmt: skip
+
+
 def model_deployment(name: str, **spec: Any) -> dict[str, Any]:
     """A ModelDeployment served as ``name`` with two pending workers; ``spec`` adds or replaces fields."""
     body = {"model": {"source": "pvc://weights/chat", "servedName": name}, "workers": pending_pool(2), **spec}
@@ -156,6 +173,43 @@ class Models:
     def reasons(self, md: str) -> set[tuple[str, str]]:
         """The (type, reason) of every Event about ``md``."""
         return {(event["type"], event["reason"]) for event in self.events(md)}
+
+
+@contextlib.contextmanager
+def model_namespace(plane: ControlPlane, namespace: str, token: str | None = None) -> Iterator[Models]:
+    """A namespace of a test's own, with the chart installed (its CRD and ServiceAccounts) and, given
+    ``token``, the Secret the workers' internal token comes from; deleted afterwards."""
+    install_herd_chart(plane)
+    plane.kubectl("create", "namespace", namespace)
+    models = Models(plane, namespace)
+    try:
+        if token is not None:
+            models.kubectl("create", "secret", "generic", TOKEN_SECRET, f"--from-literal=token={token}")
+        yield models
+    finally:
+        plane.kubectl("delete", "namespace", namespace, "--wait=false")
+
+
+@contextlib.contextmanager
+def kube_orchestrator(models: Models, token: str, log: Path, *args: str) -> Iterator[str]:
+    """``herd orchestrator --kubernetes`` as a local process serving ``models``' namespace, logged in
+    with a token of the chart's orchestrator ServiceAccount; yields its URL once it answers."""
+    login = models.plane.login_as("herd-orchestrator", "herd", default_namespace=models.namespace)
+    port = free_port()
+    argv = [sys.executable, "-m", "herd.cli.main", "orchestrator", "--kubernetes", "--namespace", models.namespace,
+            "--port", str(port), *args]  # fmt: skip
+    env = {"KUBECONFIG": str(login.kubeconfig), TOKEN_ENV: token}
+    with running(argv, log=log, env=env) as process:
+        url = f"http://127.0.0.1:{port}"
+
+        def is_up() -> bool:
+            assert process.poll() is None, f"the orchestrator exited with {process.returncode}: see {log}"
+            with contextlib.suppress(httpx.HTTPError):
+                return httpx.get(f"{url}/health", timeout=2).status_code == httpx.codes.OK
+            return False
+
+        wait_until(is_up, timeout=120, interval=0.2, what="herd orchestrator --kubernetes answering")
+        yield url
 
 
 class RefusedRequests(logging.Handler):
