@@ -15,8 +15,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from support.cluster import ControlPlane, install_herd_chart
-from support.operator_harness import Models, model_deployment, own_control_plane
+from support.cluster import ControlPlane
+from support.operator_harness import Models, model_deployment, model_namespace, own_control_plane
 from support.procs import free_port, running, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -28,12 +28,8 @@ HERD = shutil.which("herd") or str(REPO / ".venv" / "bin" / "herd")
 
 @pytest.fixture(scope="module")
 def models(cluster: ControlPlane) -> Iterator[Models]:
-    install_herd_chart(cluster)
-    cluster.kubectl("create", "namespace", NAMESPACE)
-    try:
-        yield Models(cluster, NAMESPACE)
-    finally:
-        cluster.kubectl("delete", "namespace", NAMESPACE, "--wait=false")
+    with model_namespace(cluster, NAMESPACE) as models:
+        yield models
 
 
 def test_herd_operator_process_reconciles_and_reports_liveness(models: Models, tmp_path: Path) -> None:

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.cluster import ControlPlane, install_herd_chart
-from support.operator_harness import Models, model_deployment, pending_pool
+from support.cluster import ControlPlane
+from support.operator_harness import Models, model_deployment, model_namespace, pending_pool
 from support.procs import free_port, running, wait_until
 
 from herd.api.crd import ModelDeployment
@@ -133,12 +133,8 @@ def service_webhook(plane: ControlPlane, folder: Path) -> Iterator[ServiceHold]:
 
 @pytest.fixture(scope="module")
 def models(cluster: ControlPlane) -> Iterator[Models]:
-    install_herd_chart(cluster)
-    cluster.kubectl("create", "namespace", NAMESPACE)
-    try:
-        yield Models(cluster, NAMESPACE)
-    finally:
-        cluster.kubectl("delete", "namespace", NAMESPACE, "--wait=false")
+    with model_namespace(cluster, NAMESPACE) as models:
+        yield models
 
 
 def operator_argv(kubeconfig: Path) -> list[str]:
