@@ -38,7 +38,7 @@ import httpx
 import yaml
 
 from support.node.addresses import service_loopback
-from support.procs import free_port, wait_until
+from support.procs import free_port, running, wait_until
 
 __all__ = [
     "ADMIN_TOKEN",
@@ -261,6 +261,16 @@ class ControlPlane:
                 f"--workdir={workdir}", f"--apiserver-port={self.apiserver_port}", f"--image-root={REPO}",
                 f"--service-cidr={SERVICE_CIDR}", *extra]  # fmt: skip
 
+    @contextlib.contextmanager
+    def node_agent(self, node: str, *extra: str) -> Iterator[subprocess.Popen[bytes]]:
+        """One more node agent, for ``node``, until exit (stopped by its pid; it stops its pods'
+        processes itself). Taint it (``--taint=key=value:NoSchedule``) to keep the scheduler away."""
+        argv = self.node_agent_argv(node, self.workdir / node, *extra)
+        with running(argv, log=self.workdir / "logs" / f"{node}.log", env=_agent_env()) as process:
+            wait_until(lambda: _is_node_ready(self.get_json("node", node)), timeout=START_TIMEOUT_S,
+                       interval=0.1, what=f"node {node} Ready")  # fmt: skip
+            yield process
+
     def _wait_node_ready(self, node: str, began: float) -> None:
         process, log = self.processes[NODE_AGENT], self.workdir / "logs" / f"{NODE_AGENT}.log"
 
@@ -274,11 +284,7 @@ class ControlPlane:
     def _spawn(self, name: str, argv: Sequence[str], detach: bool) -> None:
         logs = self.workdir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        # The node agent imports support.node (under tests/) and herd.kube.
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
-        }
+        env = {**os.environ, **_agent_env()}
         with (logs / f"{name}.log").open("ab") as sink:
             process = subprocess.Popen(
                 list(argv), stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -429,6 +435,11 @@ def _run(
     )  # fmt: skip
     assert not check or done.returncode == 0, f"{' '.join(argv[2:])}: exit {done.returncode}: {done.stderr}"
     return done
+
+
+def _agent_env() -> dict[str, str]:
+    """The node agent imports support.node (under tests/) and herd.kube."""
+    return {"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
 
 
 def _is_node_ready(node: dict[str, Any]) -> bool:

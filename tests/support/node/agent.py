@@ -2,8 +2,8 @@
 --apiserver-port P [--image-root R]``.
 
 It registers a Ready Node (renewing its Lease in kube-node-lease and its Ready heartbeat), watches
-the pods bound to it and runs each as local processes (support.node.pods), and serves Services on
-loopback with each pod's ``/etc/hosts`` naming them (support.node.services). On SIGTERM it stops
+every pod, runs those bound to it as local processes (support.node.pods), and serves Services on
+loopback to their ready pods, with each pod's ``/etc/hosts`` naming them (support.node.services). On SIGTERM it stops
 every container it runs (SIGTERM, a grace of at most 5 s, SIGKILL, each by its pid; no preStop, and
 the pods stay as they are in the apiserver) and exits; killed outright, it leaves no container behind
 either, since each asked the kernel for SIGKILL when its parent dies.
@@ -169,15 +169,26 @@ class Agent:
 
     # Pods.
 
+    def _is_mine(self, pod: Object) -> bool:
+        return bool(pod["spec"].get("nodeName") == self.settings.node)
+
     async def on_pods(self, items: list[Object]) -> None:
-        """A fresh list: pods no longer there are gone (killed), the others handled as changes."""
-        listed = {item["metadata"]["uid"] for item in items}
+        """A fresh list of every pod (the Services' endpoints): of this node's, those no longer there
+        are gone (killed), the others handled as changes."""
+        self.services.on_pods(items)
+        listed = {item["metadata"]["uid"] for item in items if self._is_mine(item)}
         for uid in set(self.runners) - listed:
             self._spawn(self._kill(uid))
         for item in items:
-            await self.on_pod("MODIFIED", item)
+            if self._is_mine(item):
+                await self._on_my_pod("MODIFIED", item)
 
     async def on_pod(self, kind: str, pod: Object) -> None:
+        self.services.on_pod(kind, pod)
+        if self._is_mine(pod):
+            await self._on_my_pod(kind, pod)
+
+    async def _on_my_pod(self, kind: str, pod: Object) -> None:
         uid, metadata = pod["metadata"]["uid"], pod["metadata"]
         if kind == "DELETED":
             if uid in self.runners:
@@ -271,13 +282,11 @@ class Agent:
 
     async def serve(self, stop: asyncio.Event) -> None:
         await self.register()
-        selector = {"fieldSelector": f"spec.nodeName={self.settings.node}"}
         loops = [
             self.heartbeat(),
-            self.kube.watch("/api/v1/pods", self.on_pods, self.on_pod, **selector),
+            self.kube.watch("/api/v1/pods", self.on_pods, self.on_pod),
             self.kube.watch("/api/v1/services", self.services.on_services, self.services.on_service),
-            self.kube.watch("/apis/discovery.k8s.io/v1/endpointslices", self.services.on_slices, self.services.on_slice),
-        ]  # fmt: skip
+        ]
         tasks = [asyncio.ensure_future(loop) for loop in loops]
         _log.info(json.dumps({"msg": "node agent serving", "node": self.settings.node, "pid": os.getpid()}))
         await stop.wait()

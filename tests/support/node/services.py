@@ -1,9 +1,10 @@
 """Services on this node, a userspace kube-proxy and the cluster DNS in miniature.
 
 Each Service with a ClusterIP 10.96.0.X is served on 127.96.0.X at each of its TCP ports: a
-connection goes to the next ready endpoint of the Service's EndpointSlices (round robin), at the
-port the slice gives for that service port (the endpointslice controller has already resolved a
-named targetPort per pod). Every pod's own ``/etc/hosts`` names each Service by its DNS names and
+connection goes to the next ready pod the Service selects (round robin), at the port its targetPort
+names (a number, or a container port's name). kube-proxy reads EndpointSlices instead; here they
+stay empty: the apiserver refuses loopback addresses in them ("may not be in the loopback range"),
+so the endpointslice controller cannot list these pods, and the proxy reads the pods themselves. Every pod's own ``/etc/hosts`` names each Service by its DNS names and
 is rewritten in place (same inode: it is bind-mounted) when Services come and go. Headless Services
 get no address, NodePorts and LoadBalancers nothing beyond their ClusterIP, UDP nothing.
 """
@@ -15,31 +16,29 @@ import contextlib
 import itertools
 import json
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from support.node.addresses import HostsEntry, hosts_file, service_loopback
 
-__all__ = ["HostsFile", "Listener", "ServiceTable", "desired_listeners", "ready_endpoints"]
+__all__ = ["HostsFile", "Listener", "ServiceTable", "desired_listeners", "service_endpoints"]
 
 Object = dict[str, Any]
 Key = tuple[str, str]
 _log = logging.getLogger("herd.node.services")
-_SERVICE_NAME = "kubernetes.io/service-name"
 _CHUNK = 65536
 
 
 @dataclass(frozen=True)
 class Listener:
-    """One proxied port: ``address:port`` to service ``namespace/name``'s port ``port_name``."""
+    """One proxied port: ``address:port`` to the same port of Service ``namespace/name``."""
 
     address: str
     port: int
     namespace: str
     name: str
-    port_name: str
 
 
 def desired_listeners(services: Iterable[Object], service_cidr: str) -> set[Listener]:
@@ -52,24 +51,37 @@ def desired_listeners(services: Iterable[Object], service_cidr: str) -> set[List
         metadata = service["metadata"]
         for port in service["spec"].get("ports") or []:
             if port.get("protocol", "TCP") == "TCP":
-                wanted.add(Listener(address, port["port"], metadata["namespace"], metadata["name"], port.get("name", "")))  # fmt: skip
+                wanted.add(Listener(address, port["port"], metadata["namespace"], metadata["name"]))
     return wanted
 
 
-def ready_endpoints(slices: Iterable[Object], port_name: str) -> list[tuple[str, int]]:
-    """``(address, port)`` of every ready endpoint of ``slices`` for the service port ``port_name``,
-    in a stable order."""
+def service_endpoints(service: Object, port: Object, pods: Iterable[Object]) -> list[tuple[str, int]]:
+    """``(pod IP, target port)`` of every ready, not terminating pod ``service`` selects for its
+    ``port``, in a stable order; a named targetPort is looked up in each pod's container ports."""
+    selector = service["spec"].get("selector") or {}
+    target: int | str = port.get("targetPort") or port["port"]
     found: set[tuple[str, int]] = set()
-    for endpoint_slice in slices:
-        port = next(
-            (p["port"] for p in endpoint_slice.get("ports") or [] if p.get("name", "") == port_name), None
-        )
-        if port is None:
+    for pod in pods:
+        labels, status = pod["metadata"].get("labels") or {}, pod.get("status") or {}
+        if not selector or any(labels.get(key) != value for key, value in selector.items()):
             continue
-        for endpoint in endpoint_slice.get("endpoints") or []:
-            if (endpoint.get("conditions") or {}).get("ready", True):
-                found.update((address, port) for address in endpoint["addresses"])
+        if pod["metadata"].get("deletionTimestamp") or not status.get("podIP") or not _is_ready(status):
+            continue
+        number = _target_port(pod, target)
+        if number is not None:
+            found.add((status["podIP"], number))
     return sorted(found)
+
+
+def _is_ready(status: Object) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions") or [])
+
+
+def _target_port(pod: Object, target: int | str) -> int | None:
+    if isinstance(target, int) or target.isdigit():
+        return int(target)
+    ports = [p for c in pod["spec"]["containers"] for p in c.get("ports") or [] if p.get("name") == target]
+    return int(ports[0]["containerPort"]) if ports else None
 
 
 @dataclass(frozen=True)
@@ -84,11 +96,11 @@ class HostsFile:
 
 @dataclass
 class ServiceTable:
-    """Services and EndpointSlices as watched; keeps the listeners and hosts files in step."""
+    """Services and pods as watched; keeps the listeners and hosts files in step."""
 
     service_cidr: str
     services: dict[Key, Object] = field(default_factory=dict)
-    slices: dict[Key, Object] = field(default_factory=dict)
+    pods: dict[Key, Object] = field(default_factory=dict)
     servers: dict[Listener, asyncio.Server] = field(default_factory=dict)
     hosts: dict[Path, HostsFile] = field(default_factory=dict)
     turns: dict[Listener, itertools.count[int]] = field(default_factory=dict)
@@ -104,14 +116,14 @@ class ServiceTable:
             self.services[_key(item)] = item
         await self._sync()
 
-    async def on_slices(self, items: list[Object]) -> None:
-        self.slices = {_key(item): item for item in items}
+    def on_pods(self, items: list[Object]) -> None:
+        self.pods = {_key(item): item for item in items}
 
-    async def on_slice(self, kind: str, item: Object) -> None:
+    def on_pod(self, kind: str, item: Object) -> None:
         if kind == "DELETED":
-            self.slices.pop(_key(item), None)
+            self.pods.pop(_key(item), None)
         else:
-            self.slices[_key(item)] = item
+            self.pods[_key(item)] = item
 
     def entries(self) -> list[HostsEntry]:
         entries = []
@@ -155,9 +167,13 @@ class ServiceTable:
 
     def pick(self, listener: Listener) -> tuple[str, int] | None:
         """The next ready endpoint for ``listener`` (round robin), None when it has none."""
-        slices = [s for (ns, _), s in self.slices.items()
-                  if ns == listener.namespace and _labels(s).get(_SERVICE_NAME) == listener.name]  # fmt: skip
-        endpoints = ready_endpoints(slices, listener.port_name)
+        service = self.services.get((listener.namespace, listener.name))
+        ports = (service or {}).get("spec", {}).get("ports") or []
+        port = next((p for p in ports if p["port"] == listener.port), None)
+        if service is None or port is None:
+            return None
+        pods = (pod for (namespace, _), pod in self.pods.items() if namespace == listener.namespace)
+        endpoints = service_endpoints(service, port, pods)
         if not endpoints:
             return None
         turn = next(self.turns.setdefault(listener, itertools.count()))
@@ -199,7 +215,3 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
 
 def _key(item: Object) -> Key:
     return item["metadata"]["namespace"], item["metadata"]["name"]
-
-
-def _labels(item: Mapping[str, Any]) -> dict[str, str]:
-    return dict(item["metadata"].get("labels") or {})

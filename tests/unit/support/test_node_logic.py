@@ -10,7 +10,7 @@ from support.node.addresses import AddressPool, HostsEntry, bind_pod_ip, hosts_f
 from support.node.containers import should_restart
 from support.node.env import ConfigError, container_env, decoded_data, expand, field_value, resource_value
 from support.node.probes import ProbeCounter
-from support.node.services import desired_listeners, ready_endpoints
+from support.node.services import desired_listeners, service_endpoints
 from support.node.status import ContainerRecord, PodRecord, pod_phase, pod_status, terminated, waiting
 
 Object = dict[str, Any]
@@ -263,17 +263,35 @@ def test_listeners_for_every_tcp_port_of_services_with_a_cluster_ip() -> None:
         _service("headless", "None", [{"name": "http", "port": 80}]),
     ]  # fmt: skip
     listeners = desired_listeners(services, "10.96.0.0/24")
-    assert {(item.address, item.port, item.name, item.port_name) for item in listeners} == {
-        ("127.96.0.20", 80, "web", "http")
-    }
+    assert {(item.address, item.port, item.name) for item in listeners} == {("127.96.0.20", 80, "web")}
 
 
-def test_ready_endpoints_at_the_port_the_slice_gives() -> None:
-    slices = [
-        {"ports": [{"name": "http", "port": 8080}], "endpoints": [
-            {"addresses": ["127.244.0.2"], "conditions": {"ready": True}},
-            {"addresses": ["127.244.0.1"], "conditions": {"ready": True}},
-            {"addresses": ["127.244.0.3"], "conditions": {"ready": False}}]},
-        {"ports": [{"name": "metrics", "port": 9090}], "endpoints": [{"addresses": ["127.244.0.9"]}]},
-    ]  # fmt: skip
-    assert ready_endpoints(slices, "http") == [("127.244.0.1", 8080), ("127.244.0.2", 8080)]
+def _pod(name: str, ip: str, *, ready: bool = True, app: str = "web", terminating: bool = False) -> Object:
+    metadata: Object = {"name": name, "labels": {"app": app}}
+    if terminating:
+        metadata["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    ports = [{"name": "http", "containerPort": 8080}]
+    status = {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
+    return {"metadata": metadata, "spec": {"containers": [{"name": "c", "ports": ports}]}, "status": status}
+
+
+PODS = [_pod("b", "127.244.0.2"), _pod("a", "127.244.0.1"), _pod("unready", "127.244.0.3", ready=False),
+        _pod("other", "127.244.0.4", app="db"), _pod("leaving", "127.244.0.5", terminating=True)]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("port", "expected"),
+    [
+        ({"port": 80, "targetPort": "http"}, [("127.244.0.1", 8080), ("127.244.0.2", 8080)]),
+        ({"port": 80, "targetPort": 9000}, [("127.244.0.1", 9000), ("127.244.0.2", 9000)]),
+        ({"port": 81}, [("127.244.0.1", 81), ("127.244.0.2", 81)]),
+        ({"port": 80, "targetPort": "nope"}, []),
+    ],
+    ids=["named-target", "numbered-target", "target-defaults-to-port", "unknown-name"],
+)
+def test_endpoints_are_the_ready_selected_pods_at_the_target_port(
+    port: Object, expected: list[tuple[str, int]]
+) -> None:
+    service = _service("web", "10.96.0.20", [port])
+    service["spec"]["selector"] = {"app": "web"}
+    assert service_endpoints(service, port, PODS) == expected

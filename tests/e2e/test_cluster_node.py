@@ -1,0 +1,330 @@
+"""The node agent on the real control plane: pods bound to herd-node run as local processes on
+their own loopback addresses, with the probes, restarts, volumes, environment, ServiceAccount
+tokens, graceful deletion and Services a kubelet and kube-proxy would give them.
+
+Most tests share one Deployment (``web``: a python HTTP server that answers with its pod's name and
+environment, and records its preStop hook and SIGTERM in an emptyDir file) to keep the file quick.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from support.cluster import NODE, ControlPlane
+from support.procs import stop_process, wait_until
+
+pytestmark = pytest.mark.e2e
+
+NAMESPACE = "node-e2e"
+TIMEOUT = 60.0
+Object = dict[str, Any]
+SERVER = textwrap.dedent("""
+    import http.server, json, os, pathlib, signal, sys
+    events = pathlib.Path("/data/events")
+    def on_term(*_):
+        with events.open("a") as sink:
+            sink.write("SIGTERM\\n")
+        os._exit(0)
+    signal.signal(signal.SIGTERM, on_term)
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            keys = ("POD_NAME", "POD_IP", "GREETING", "TOKEN", "CFG_LEVEL", "HOSTNAME")
+            body = json.dumps({key: os.environ.get(key) for key in keys}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        def log_message(self, *args):
+            pass
+    http.server.ThreadingHTTPServer((sys.argv[1], int(sys.argv[2])), Handler).serve_forever()
+""")
+
+
+def kubectl(cluster: ControlPlane, *args: str, stdin: str | None = None) -> str:
+    return cluster.kubectl("-n", NAMESPACE, *args, stdin=stdin).stdout
+
+
+def apply(cluster: ControlPlane, *manifests: Object) -> None:
+    kubectl(cluster, "apply", "-f", "-", stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": list(manifests)}))  # fmt: skip
+
+
+def get(cluster: ControlPlane, kind: str, name: str) -> Object:
+    return cluster.get_json(kind, name, NAMESPACE)
+
+
+def eventually(check: Any, what: str, timeout: float = TIMEOUT) -> None:
+    wait_until(check, timeout=timeout, interval=0.2, what=what)
+
+
+def pid_of(pod: Object, index: int = 0) -> int:
+    return int(pod["status"]["containerStatuses"][index]["containerID"].removeprefix("herd://"))
+
+
+def is_alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def pod_dir(cluster: ControlPlane, pod: Object) -> Path:
+    metadata = pod["metadata"]
+    return cluster.workdir / "node" / "pods" / f"{metadata['namespace']}_{metadata['name']}_{metadata['uid']}"
+
+
+def container_state(cluster: ControlPlane, name: str) -> Object:
+    statuses = (get(cluster, "pod", name).get("status") or {}).get("containerStatuses") or [{}]
+    return dict(statuses[0])
+
+
+def web_deployment(replicas: int) -> Object:
+    container = {
+        "name": "web",
+        "image": "python:3",
+        "command": ["python", "-c", SERVER],
+        "args": ["0.0.0.0", "8080"],
+        "ports": [{"name": "http", "containerPort": 8080}],
+        "env": [
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            {"name": "GREETING", "valueFrom": {"configMapKeyRef": {"name": "web-config", "key": "greeting"}}},
+            {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "web-secret", "key": "token"}}},
+        ],
+        "envFrom": [{"configMapRef": {"name": "web-config"}, "prefix": "CFG_"}],
+        "readinessProbe": {"httpGet": {"path": "/", "port": "http"}, "periodSeconds": 1},
+        "lifecycle": {"preStop": {"exec": {"command": ["sh", "-c", "echo preStop >> /data/events"]}}},
+        "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "web"},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": {"app": "web"}},
+            "template": {
+                "metadata": {"labels": {"app": "web"}},
+                "spec": {"containers": [container], "volumes": [{"name": "data", "emptyDir": {}}],
+                         "terminationGracePeriodSeconds": 10},
+            },
+        },
+    }  # fmt: skip
+
+
+def config_objects() -> list[Object]:
+    return [
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "web-config"},
+         "data": {"greeting": "hello", "LEVEL": "2"}},
+        {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "web-secret"}, "stringData": {"token": "s3cret"}},
+        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web"},
+         "spec": {"selector": {"app": "web"}, "ports": [{"name": "web", "port": 80, "targetPort": "http"}]}},
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def web(cluster: ControlPlane) -> Iterator[list[Object]]:
+    """The namespace with ``web`` at 2 ready replicas behind Service ``web``; yields its pods."""
+    cluster.kubectl("create", "namespace", NAMESPACE)
+    apply(cluster, *config_objects(), web_deployment(2))
+    yield cluster.wait_ready_pods(NAMESPACE, "app=web", 2)
+    cluster.kubectl("delete", "namespace", NAMESPACE, "--wait=false")
+
+
+def bare_pod(name: str, argv: list[str], **spec: Any) -> Object:
+    container = {"name": "main", "image": "python:3", "command": argv, **spec.pop("container", {})}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+            "spec": {"restartPolicy": "Never", "containers": [container], **spec}}  # fmt: skip
+
+
+def test_the_node_is_ready_with_the_apiservers_version(cluster: ControlPlane) -> None:
+    node = cluster.get_json("node", NODE)
+    version = json.loads(cluster.kubectl("version", "-o", "json").stdout)["serverVersion"]["gitVersion"]
+    assert node["status"]["nodeInfo"]["kubeletVersion"] == version
+    assert node["metadata"]["labels"]["kubernetes.io/hostname"] == NODE
+    assert {"type": "InternalIP", "address": "127.0.0.1"} in node["status"]["addresses"]
+    assert not node["spec"].get("taints")
+    lease = cluster.get_json("lease", NODE, "kube-node-lease")
+    assert lease["spec"]["holderIdentity"] == NODE
+
+
+def test_deployment_pods_run_ready_on_their_own_loopback_addresses(
+    cluster: ControlPlane, web: list[Object]
+) -> None:
+    addresses = {pod["status"]["podIP"] for pod in web}
+    assert len(addresses) == 2 and all(address.startswith("127.244.") for address in addresses)
+    for pod in web:
+        assert pod["spec"]["nodeName"] == NODE and pod["status"]["hostIP"] == "127.0.0.1"
+        assert b"http.server" in Path(f"/proc/{pid_of(pod)}/cmdline").read_bytes()
+        answer = httpx.get(f"http://{pod['status']['podIP']}:8080/", timeout=5).json()
+        assert answer == {"POD_NAME": pod["metadata"]["name"], "POD_IP": pod["status"]["podIP"],
+                          "GREETING": "hello", "TOKEN": "s3cret", "CFG_LEVEL": "2",
+                          "HOSTNAME": pod["metadata"]["name"]}  # fmt: skip
+    eventually(
+        lambda: get(cluster, "deployment", "web")["status"].get("readyReplicas") == 2, "readyReplicas 2"
+    )
+
+
+def test_the_service_answers_at_its_address_and_by_name_inside_a_pod(
+    cluster: ControlPlane, web: list[Object]
+) -> None:
+    address = cluster.service_address("web", NAMESPACE, 80)
+    assert address.startswith("127.96.0.")
+    names = {pod["metadata"]["name"] for pod in web}
+
+    def both_answer() -> bool:
+        return {httpx.get(f"http://{address}/", timeout=5).json()["POD_NAME"] for _ in range(4)} == names
+
+    eventually(both_answer, "round robin over both pods")
+    fetch = "import urllib.request as u; print(u.urlopen('http://web.node-e2e.svc.cluster.local/', timeout=5).read().decode())"  # fmt: skip
+    apply(cluster, bare_pod("client", ["python", "-c", fetch]))
+    eventually(
+        lambda: get(cluster, "pod", "client")["status"].get("phase") == "Succeeded", "the client pod done"
+    )
+    log = (pod_dir(cluster, get(cluster, "pod", "client")) / "main.log").read_text()
+    assert json.loads(log)["POD_NAME"] in names
+
+
+def test_scaling_starts_and_stops_processes_with_prestop_and_sigterm(
+    cluster: ControlPlane, web: list[Object]
+) -> None:
+    kubectl(cluster, "scale", "deployment/web", "--replicas=3")
+    three = cluster.wait_ready_pods(NAMESPACE, "app=web", 3)
+    assert len({pod["status"]["podIP"] for pod in three}) == 3
+    kubectl(cluster, "scale", "deployment/web", "--replicas=1")
+    one = cluster.wait_ready_pods(NAMESPACE, "app=web", 1)
+    gone = [pod for pod in three if pod["metadata"]["uid"] != one[0]["metadata"]["uid"]]
+    for pod in gone:
+        assert not is_alive(pid_of(pod)), f"{pod['metadata']['name']}'s process outlived its pod"
+        events = (pod_dir(cluster, pod) / "volumes" / "data" / "events").read_text().split()
+        assert events == ["preStop", "SIGTERM"]
+    kubectl(cluster, "scale", "deployment/web", "--replicas=2")
+    web[:] = cluster.wait_ready_pods(NAMESPACE, "app=web", 2)
+
+
+@pytest.mark.parametrize(("exit_code", "phase"), [(0, "Succeeded"), (3, "Failed")], ids=["exit-0", "exit-3"])
+def test_a_never_restarting_pod_ends_with_its_exit_code(
+    cluster: ControlPlane, web: list[Object], exit_code: int, phase: str
+) -> None:
+    name = f"once-{exit_code}"
+    apply(cluster, bare_pod(name, ["python", "-c", f"raise SystemExit({exit_code})"]))
+    eventually(lambda: get(cluster, "pod", name)["status"].get("phase") == phase, f"{name} {phase}")
+    state = container_state(cluster, name)["state"]["terminated"]
+    assert state["exitCode"] == exit_code
+    assert state["reason"] == ("Completed" if exit_code == 0 else "Error")
+
+
+def test_a_failing_liveness_probe_restarts_the_container(cluster: ControlPlane, web: list[Object]) -> None:
+    probe = {"tcpSocket": {"port": 9}, "periodSeconds": 1, "failureThreshold": 2}
+    apply(cluster, bare_pod("unhealthy", ["sleep", "600"], restartPolicy="Always",
+                            terminationGracePeriodSeconds=2, container={"livenessProbe": probe}))  # fmt: skip
+    eventually(lambda: container_state(cluster, "unhealthy").get("restartCount", 0) >= 2, "two restarts")
+    listed = json.loads(kubectl(cluster, "get", "events", "--field-selector", "involvedObject.name=unhealthy", "-o", "json"))  # fmt: skip
+    reasons = {event["reason"] for event in listed["items"]}
+    assert {"Started", "Unhealthy", "Killing"} <= reasons
+    assert all(
+        event["source"]["component"] == "kubelet" for event in listed["items"] if event["reason"] == "Killing"
+    )
+
+
+def test_a_missing_secret_holds_the_container_until_it_exists(
+    cluster: ControlPlane, web: list[Object]
+) -> None:
+    env = [{"name": "KEY", "valueFrom": {"secretKeyRef": {"name": "later", "key": "key"}}}]
+    apply(cluster, bare_pod("waits", ["sh", "-c", 'test "$KEY" = ok'], container={"env": env}))
+
+    def reason() -> str:
+        return str(container_state(cluster, "waits").get("state", {}).get("waiting", {}).get("reason"))
+
+    eventually(lambda: reason() == "CreateContainerConfigError", "CreateContainerConfigError")
+    apply(
+        cluster,
+        {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "later"}, "stringData": {"key": "ok"}},
+    )
+    eventually(
+        lambda: get(cluster, "pod", "waits")["status"].get("phase") == "Succeeded",
+        "the pod run once it exists",
+    )
+
+
+def test_a_persistent_volume_claim_fails_the_pod_naming_the_limit(
+    cluster: ControlPlane, web: list[Object]
+) -> None:
+    volume = {"name": "data", "persistentVolumeClaim": {"claimName": "data"}}
+    # Bound by name: the scheduler holds back a pod whose claim does not exist.
+    apply(cluster, bare_pod("claims", ["true"], volumes=[volume], nodeName=NODE))
+    eventually(lambda: get(cluster, "pod", "claims")["status"].get("phase") == "Failed", "the pod Failed")
+    assert "no storage" in get(cluster, "pod", "claims")["status"]["message"]
+
+
+def test_the_service_account_token_logs_in_with_its_own_rbac(
+    cluster: ControlPlane, web: list[Object]
+) -> None:
+    script = textwrap.dedent("""
+        import sys
+        from kubernetes import client, config
+        config.load_incluster_config()
+        try:
+            client.CoreV1Api().list_namespaced_pod("node-e2e")
+        except client.ApiException as error:
+            sys.exit(3 if error.status == 403 else 1)
+    """)
+    role = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": {"name": "reader"},
+        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}],
+    }
+    binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": {"name": "reader"},
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "reader"},
+               "subjects": [{"kind": "ServiceAccount", "name": "reader", "namespace": NAMESPACE}]}  # fmt: skip
+    accounts = [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name}}
+        for name in ("reader", "nobody")
+    ]
+    apply(cluster, role, binding, *accounts)
+    apply(cluster, *(bare_pod(f"as-{name}", ["python", "-c", script], serviceAccountName=name) for name in ("reader", "nobody")))  # fmt: skip
+    eventually(lambda: get(cluster, "pod", "as-reader")["status"].get("phase") == "Succeeded", "allowed")
+    eventually(lambda: get(cluster, "pod", "as-nobody")["status"].get("phase") == "Failed", "refused")
+    assert container_state(cluster, "as-nobody")["state"]["terminated"]["exitCode"] == 3
+
+
+def test_a_stopped_agent_leaves_none_of_its_processes(cluster: ControlPlane, web: list[Object]) -> None:
+    node = "herd-node-stop"
+    with cluster.node_agent(node, "--taint=herd.dev/test=stop:NoSchedule") as agent:
+        apply(cluster, bare_pod("pinned", ["sleep", "600"], nodeName=node))
+        eventually(
+            lambda: container_state(cluster, "pinned").get("started") is True, "the pinned pod running"
+        )
+        pid = pid_of(get(cluster, "pod", "pinned"))
+        assert is_alive(pid)
+        stop_process(agent)
+        assert agent.returncode == 0, f"the agent exited {agent.returncode}"
+    assert not is_alive(pid), "a container outlived its node agent"
+    kubectl(cluster, "delete", "pod", "pinned", "--grace-period=0", "--force")
+    cluster.kubectl("delete", "node", node)
+
+
+def test_an_agent_killed_outright_leaves_no_container(cluster: ControlPlane, web: list[Object]) -> None:
+    node = "herd-node-kill"
+    with cluster.node_agent(node, "--taint=herd.dev/test=kill:NoSchedule") as agent:
+        apply(cluster, bare_pod("orphan", ["sleep", "600"], nodeName=node))
+        eventually(
+            lambda: container_state(cluster, "orphan").get("started") is True, "the pinned pod running"
+        )
+        pid = pid_of(get(cluster, "pod", "orphan"))
+        os.kill(agent.pid, signal.SIGKILL)
+        agent.wait(timeout=TIMEOUT)
+        eventually(
+            lambda: not is_alive(pid), "the container killed with its agent (PR_SET_PDEATHSIG)", timeout=10
+        )
+    kubectl(cluster, "delete", "pod", "orphan", "--grace-period=0", "--force")
+    cluster.kubectl("delete", "node", node)
