@@ -8,12 +8,13 @@ routing error (404: no such route, 405: another method).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import json
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from herd.api.openai import ErrorResponse
 
-__all__ = ["HttpError", "invalid_request", "route_message"]
+__all__ = ["HttpError", "enveloped", "invalid_request", "route_message"]
 
 _UNION_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list"})
 """Pydantic names the member of a union in an error's location; a client's field path has no such part."""
@@ -55,6 +56,18 @@ def invalid_request(
     is_union = num_parts < len(location)
     expected = _union_forms(errors, location[:num_parts]) if is_union else _detail(first)
     return HttpError(status, f"invalid request: `{param}`: {expected}{_given(first)}", param=param)
+
+
+def enveloped(content: bytes, status: int, describe: Callable[[Any], str]) -> bytes:
+    """An upstream's error answer as is when it is an OpenAI error envelope, else wrapped in one whose
+    message ``describe`` makes of the parsed body (its text when it is not JSON)."""
+    try:
+        body = json.loads(content)
+    except ValueError:
+        body = content.decode(errors="replace")
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        return content
+    return json.dumps(ErrorResponse.of(status, describe(body)).model_dump()).encode()
 
 
 def route_message(method: str, path: str, status: int, *, allow: str | None, detail: str) -> str:

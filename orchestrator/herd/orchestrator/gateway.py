@@ -27,20 +27,19 @@ with ``Retry-After``.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 from starlette.responses import Response
 
-from herd.api.errors import HttpError
+from herd.api.errors import HttpError, enveloped
 from herd.api.kv_hash import block_hashes
-from herd.api.openai import ErrorResponse, LengthError
+from herd.api.openai import LengthError
 from herd.api.prompt import INLINE_BYTES, PromptError, PromptThreads
 from herd.api.protocol import REQUEST_ID_HEADER, WORKER_HEADER, is_valid_request_id
 from herd.orchestrator.breaker import Outcome, answer_outcome
@@ -362,7 +361,10 @@ class Gateway:
         status = upstream.status_code
         headers = {**upstream.headers_for_client(), **headers}
         if status >= 400:
-            content, headers["content-type"] = _enveloped(content, status, worker.id), "application/json"
+            content, headers["content-type"] = (
+                enveloped(content, status, _no_envelope(status, worker.id)),
+                "application/json",
+            )
         outcome = answer_outcome(status, has_retry_after="retry-after" in upstream.headers)
         self._finish(request, hold, status, None, outcome)
         return Response(content, status, headers=headers)
@@ -429,13 +431,6 @@ def _tokenize(served: ServedModel, parsed: ParsedRequest) -> tuple[tuple[int, ..
     return token_ids, tuple(hashes)
 
 
-def _enveloped(content: bytes, status: int, worker_id: str) -> bytes:
-    """A worker's error answer as is when it is an OpenAI error envelope, else wrapped in one."""
-    try:
-        body = json.loads(content)
-    except ValueError:
-        body = None
-    if isinstance(body, dict) and isinstance(body.get("error"), dict):
-        return content
-    message = f"worker {worker_id} answered {status} without an OpenAI error body; retry the request"
-    return json.dumps(ErrorResponse.of(status, message).model_dump()).encode()
+def _no_envelope(status: int, worker_id: str) -> Callable[[Any], str]:
+    """The message for a worker's error answer that is not an OpenAI error envelope."""
+    return lambda _: f"worker {worker_id} answered {status} without an OpenAI error body; retry the request"
