@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 from support.cluster import NODE, ControlPlane
-from support.procs import stop_process, wait_until
+from support.procs import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -297,34 +297,20 @@ def test_the_service_account_token_logs_in_with_its_own_rbac(
     assert container_state(cluster, "as-nobody")["state"]["terminated"]["exitCode"] == 3
 
 
-def test_a_stopped_agent_leaves_none_of_its_processes(cluster: ControlPlane, web: list[Object]) -> None:
-    node = "herd-node-stop"
-    with cluster.node_agent(node, "--taint=herd.dev/test=stop:NoSchedule") as agent:
-        apply(cluster, bare_pod("pinned", ["sleep", "600"], nodeName=node))
-        eventually(
-            lambda: container_state(cluster, "pinned").get("started") is True, "the pinned pod running"
-        )
-        pid = pid_of(get(cluster, "pod", "pinned"))
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+def test_an_agent_stopped_or_killed_leaves_none_of_its_containers(
+    cluster: ControlPlane, web: list[Object], how: str
+) -> None:
+    """SIGTERM: the agent stops each container by its pid; SIGKILL: the kernel kills them with it
+    (PR_SET_PDEATHSIG). Either way no container outlives its agent."""
+    node, pod = f"herd-node-{how.lower()}", f"pinned-{how.lower()}"
+    with cluster.node_agent(node, f"--taint=herd.dev/test={how}:NoSchedule") as agent:
+        apply(cluster, bare_pod(pod, ["sleep", "600"], nodeName=node))
+        eventually(lambda: container_state(cluster, pod).get("started") is True, "the pinned pod running")
+        pid = pid_of(get(cluster, "pod", pod))
         assert is_alive(pid)
-        stop_process(agent)
-        assert agent.returncode == 0, f"the agent exited {agent.returncode}"
-    assert not is_alive(pid), "a container outlived its node agent"
-    kubectl(cluster, "delete", "pod", "pinned", "--grace-period=0", "--force")
-    cluster.kubectl("delete", "node", node)
-
-
-def test_an_agent_killed_outright_leaves_no_container(cluster: ControlPlane, web: list[Object]) -> None:
-    node = "herd-node-kill"
-    with cluster.node_agent(node, "--taint=herd.dev/test=kill:NoSchedule") as agent:
-        apply(cluster, bare_pod("orphan", ["sleep", "600"], nodeName=node))
-        eventually(
-            lambda: container_state(cluster, "orphan").get("started") is True, "the pinned pod running"
-        )
-        pid = pid_of(get(cluster, "pod", "orphan"))
-        os.kill(agent.pid, signal.SIGKILL)
-        agent.wait(timeout=TIMEOUT)
-        eventually(
-            lambda: not is_alive(pid), "the container killed with its agent (PR_SET_PDEATHSIG)", timeout=10
-        )
-    kubectl(cluster, "delete", "pod", "orphan", "--grace-period=0", "--force")
+        os.kill(agent.pid, getattr(signal, how))
+        assert agent.wait(timeout=TIMEOUT) == (0 if how == "SIGTERM" else -signal.SIGKILL)
+        eventually(lambda: not is_alive(pid), "the container gone with its agent", timeout=10)
+    kubectl(cluster, "delete", "pod", pod, "--grace-period=0", "--force")
     cluster.kubectl("delete", "node", node)
