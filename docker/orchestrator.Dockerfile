@@ -20,6 +20,7 @@ COPY kube kube
 COPY worker worker
 COPY orchestrator orchestrator
 COPY operator operator
+COPY sidecar sidecar
 COPY cli cli
 RUN /opt/herd/bin/pip install --no-deps .
 

@@ -24,6 +24,7 @@ COPY kube kube
 COPY worker worker
 COPY orchestrator orchestrator
 COPY operator operator
+COPY sidecar sidecar
 COPY cli cli
 RUN /opt/herd/bin/pip install . "huggingface_hub==${HF_HUB_VERSION}"
 

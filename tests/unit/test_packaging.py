@@ -6,7 +6,7 @@ import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-COMPONENTS = ("api", "kube", "worker", "orchestrator", "operator", "cli")
+COMPONENTS = ("api", "kube", "worker", "orchestrator", "operator", "sidecar", "cli")
 
 
 def test_every_package_folder_is_listed() -> None:

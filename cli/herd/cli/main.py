@@ -14,6 +14,7 @@ __all__ = ["main"]
 _COMMANDS = {
     "up": "herd.cli.up",
     "worker": "herd.cli.worker",
+    "sidecar": "herd.cli.sidecar",
     "orchestrator": "herd.cli.orchestrator",
     "operator": "herd.cli.operator",
     "bench": "herd.cli.bench",
