@@ -2,17 +2,18 @@
 
 kopf runs embedded, logged in with a TokenRequest token of the chart's operator ServiceAccount and
 serving every namespace (as the chart's default runs it); the tests use a namespace of their own and
-each its own ModelDeployment names. The real
-controller-manager runs the Deployment, ReplicaSet and garbage-collection controllers, so the tests
-no longer create the objects those controllers would: deletion is the garbage collector's, not a
-fake's. The worker pools carry a nodeSelector no node matches, so their pods stay Pending: these
-tests are about what the operator writes, not about running workers.
+each its own ModelDeployment names. The real controller-manager runs the Deployment, ReplicaSet and
+garbage-collection controllers, so the tests no longer create the objects those controllers would:
+deletion is the garbage collector's, not a fake's. Most pools carry a nodeSelector no node matches, so
+their pods stay Pending; the status and crash-loop tests run real tiny workers, which the node agent
+runs as the pods (support.node).
 
 Moved from the kmock emulator (issue 19, item 6). What changed: the invalid-spec test runs on a
 control plane of its own whose CRD has no CEL rules (on the current CRD the server itself refuses
 such a spec, tests/e2e/test_cluster_crd_rules.py); the operator's restart without duplicates is
-tests/e2e/test_cluster_restarts.py; the request headers the emulator recorded are proven by use (the
-operator's token is a ServiceAccount's, and every request it makes is allowed by that account's RBAC).
+tests/e2e/test_cluster_restarts.py; the request headers the emulator recorded are proven by use: the
+operator and the discovery log in with ServiceAccount tokens, and the chart's RBAC allows every
+request they make (a refused one fails the test).
 """
 
 from __future__ import annotations
@@ -25,18 +26,17 @@ from typing import Any
 
 import pytest
 import yaml
-from support.cluster import ControlPlane, install_herd_chart
-from support.kube.emulator import Emulator, kube_emulator
+from support.cluster import ControlPlane
 from support.operator_harness import (
     Models,
     RefusedRequests,
     embedded_operator,
-    install_crd,
-    kubectl,
     logged_refusals,
     model_deployment,
+    model_namespace,
     own_control_plane,
     pending_pool,
+    tiny_model_deployment,
 )
 from support.procs import wait_until
 
@@ -48,32 +48,29 @@ pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
 CRD = REPO / "crds" / "herd.dev_modeldeployments.yaml"
 NAMESPACE = "operator-e2e"
+TOKEN = "operator-e2e-token"
 OPERATOR_ACCOUNT = ("herd-operator", "herd")  # the chart's operator ServiceAccount (release herd)
 TIMEOUT = 60.0  # for what the operator does in the background: generous for a loaded machine, free when quick
 # The garbage collector learns the CRD's kind at its discovery resync, every 30 s: the first collection
 # after the CRD was installed can wait that long (41 s measured on a fresh cluster).
 GC_TIMEOUT = 150.0
+POD_TIMEOUT = 180.0  # real workers start (torch imported) on 2 shared cores
 
 
 @pytest.fixture(scope="module")
-def refused(cluster: ControlPlane) -> Iterator[RefusedRequests]:
-    install_herd_chart(cluster)
-    cluster.kubectl("create", "namespace", NAMESPACE)
-    login = cluster.login_as(*OPERATOR_ACCOUNT, default_namespace=NAMESPACE)
-    try:
-        with (
-            logged_refusals() as refused,
-            embedded_operator(login, namespace=None),
-        ):  # every namespace, as the chart runs it
-            yield refused
-    finally:
-        cluster.kubectl("delete", "namespace", NAMESPACE, "--wait=false")
+def served(cluster: ControlPlane) -> Iterator[tuple[Models, RefusedRequests]]:
+    """The test namespace, with the operator serving every namespace as the chart runs it."""
+    with model_namespace(cluster, NAMESPACE, TOKEN) as models:
+        login = cluster.login_as(*OPERATOR_ACCOUNT, default_namespace=NAMESPACE)
+        with logged_refusals() as refused, embedded_operator(login, namespace=None):
+            yield models, refused
 
 
 @pytest.fixture
-def models(cluster: ControlPlane, refused: RefusedRequests) -> Iterator[Models]:
+def models(served: tuple[Models, RefusedRequests]) -> Iterator[Models]:
     """The namespace the operator serves; every test ends with no request of the operator refused."""
-    yield Models(cluster, NAMESPACE)
+    models, refused = served
+    yield models
     assert not refused.records, refused.records[:3]
 
 
@@ -222,120 +219,91 @@ def test_invalid_spec_sets_invalid_spec_and_the_operator_keeps_going(rule_less: 
     eventually(lambda: len(models.children("broken")) == 4, "the fixed spec reconciles")
 
 
-# Still on the emulator until the node agent runs pods on the real control plane.
-
-
-@pytest.fixture(scope="module")
-def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
-    with kube_emulator(tmp_path_factory.mktemp("kube")) as emulator:
-        install_crd(emulator)
-        with embedded_operator(emulator):
-            yield emulator
-
-
-def apply(kube: Emulator, manifest: dict[str, Any]) -> None:
-    kubectl(kube, "apply", "--validate=false", "-f", "-", stdin=yaml.safe_dump(manifest))
-
-
-def children(kube: Emulator, md: str) -> dict[str, dict[str, Any]]:
-    selector = f"herd.dev/deployment={md}"
-    found = kube.list("deployments.apps", "default", label_selector=selector)
-    found += kube.list("services", "default", label_selector=selector)
-    return {f"{obj['kind']}/{obj['metadata']['name']}": obj for obj in found}
-
-
-def condition(kube: Emulator, md: str, kind: str) -> dict[str, Any]:
-    conditions = kube.get("md", md).get("status", {}).get("conditions", [])
-    return next((c for c in conditions if c["type"] == kind), {})
-
-
-def events(kube: Emulator, md: str) -> set[tuple[str, str]]:
-    found = kube.list("events", "default")
-    return {(e["type"], e["reason"]) for e in found if e.get("involvedObject", {}).get("name") == md}
-
-
-def start_pods(kube: Emulator, deployment: str, count: int, *, first_ip: int = 1) -> list[str]:
-    """What the Deployment controller and kubelet would do: pods from the template, then Ready."""
-    template = kube.get("deployments.apps", deployment)["spec"]["template"]
-    names = []
-    for index in range(count):
-        name = f"{deployment}-{index}"
-        kube.create({"apiVersion": "v1", "kind": "Pod", "metadata": {**template["metadata"], "name": name, "namespace": "default"}, "spec": template["spec"]})  # fmt: skip
-        kube.set_pod_ready("default", name, pod_ip=f"127.0.0.{first_ip + index}")
-        names.append(name)
-    return names
-
-
 async def next_membership(
     updates: AsyncIterator[Membership], check: Callable[[Membership], bool]
 ) -> Membership:
-    async with asyncio.timeout(TIMEOUT):
+    async with asyncio.timeout(POD_TIMEOUT):
         async for membership in updates:
             if check(membership):
                 return membership
     raise AssertionError("the discovery stream ended")
 
 
-async def test_ready_pods_roll_up_into_status_and_discovery(kube: Emulator) -> None:
-    apply(kube, model_deployment("ready", workers={"replicas": 3}, routing={"strategy": "round_robin"}))
+def worker_ids(membership: Membership, model: str) -> set[str]:
+    return {endpoint.id for endpoint in membership.endpoints if endpoint.model == model}
+
+
+async def test_ready_pods_roll_up_into_status_and_discovery(models: Models, tiny_llama: Path) -> None:
+    """Two real workers (the node agent runs them; their readiness probes make them Ready) roll up
+    into the status and into the orchestrator's discovery, read with the chart orchestrator
+    ServiceAccount's token; a deleted pod leaves discovery at once and its replacement joins; a
+    scale to zero empties it. (On the emulator the test set pods Ready, terminating and gone itself.)"""
+    models.apply(tiny_model_deployment("ready", tiny_llama, replicas=2, routing={"strategy": "round_robin"}))
     eventually(
-        lambda: condition(kube, "ready", "Ready").get("reason") == "PoolsNotReady", "Ready=False first"
+        lambda: models.condition("ready", "Ready").get("reason") == "PoolsNotReady", "Ready=False first"
     )
-    updates = KubeSource("default", kubeconfig=str(kube.kubeconfig)).watch()
+    login = models.plane.login_as("herd-orchestrator", "herd", default_namespace=NAMESPACE)
+    updates = KubeSource(NAMESPACE, kubeconfig=str(login.kubeconfig)).watch()
     try:
-        pods = start_pods(kube, "ready-workers", 3, first_ip=11)
-        eventually(lambda: condition(kube, "ready", "Ready").get("status") == "True", "Ready=True")
-        status = kube.get("md", "ready")["status"]
+        pods = models.plane.wait_ready_pods(NAMESPACE, "herd.dev/deployment=ready", 2, timeout=POD_TIMEOUT)
+        eventually(lambda: models.condition("ready", "Ready").get("status") == "True", "Ready=True")
+        status = models.get("md", "ready")["status"]
         assert status["pools"]["workers"] == {
-            "replicas": 3,
-            "readyReplicas": 3,
-            "updatedReplicas": 3,
-            "ready": "3/3",
+            "replicas": 2,
+            "readyReplicas": 2,
+            "updatedReplicas": 2,
+            "ready": "2/2",
         }
-        assert status["replicas"] == 3
-        assert condition(kube, "ready", "Progressing")["status"] == "False"
+        assert status["replicas"] == 2
+        assert models.condition("ready", "Progressing")["status"] == "False"
 
-        def urls(membership: Membership) -> set[str]:
-            return {e.url for e in membership.endpoints if e.model == "ready"}
-
-        membership = await next_membership(updates, lambda m: len(urls(m)) == 3)
-        assert urls(membership) == {f"http://127.0.0.{ip}:8000" for ip in (11, 12, 13)}
+        membership = await next_membership(updates, lambda m: len(worker_ids(m, "ready")) == 2)
+        ids = {f"{NAMESPACE}/{pod['metadata']['name']}": pod["status"]["podIP"] for pod in pods}
+        assert worker_ids(membership, "ready") == set(ids)
+        assert {e.url for e in membership.endpoints if e.model == "ready"} == {
+            f"http://{ip}:8000" for ip in ids.values()
+        }
         assert (
             next(m for m in membership.models if m.served_name == "ready").routing.strategy == "round_robin"
         )
-        kube.set_pod_ready("default", pods[0], ready=False, pod_ip="127.0.0.11")
-        membership = await next_membership(updates, lambda m: len(urls(m)) == 2)
-        assert urls(membership) == {"http://127.0.0.12:8000", "http://127.0.0.13:8000"}
-        kube.terminate_pod("default", pods[1])  # still listed and Ready, but terminating
-        membership = await next_membership(updates, lambda m: len(urls(m)) == 1)
-        assert urls(membership) == {"http://127.0.0.13:8000"}
-        kube.delete("pods", pods[2])
-        await next_membership(updates, lambda m: not urls(m))
-        kube.release("pods", pods[1])
-        eventually(lambda: condition(kube, "ready", "Ready").get("status") == "False", "Ready=False again")
+
+        gone = f"{NAMESPACE}/{pods[0]['metadata']['name']}"
+        models.kubectl("delete", "pod", pods[0]["metadata"]["name"], "--wait=false")
+        membership = await next_membership(updates, lambda m: gone not in worker_ids(m, "ready"))
+        assert worker_ids(membership, "ready") <= set(ids)
+        replaced = await next_membership(updates, lambda m: len(worker_ids(m, "ready") - set(ids)) == 1)
+        assert gone not in worker_ids(replaced, "ready")
+        models.kubectl("scale", "md/ready", "--replicas=0")
+        await next_membership(updates, lambda m: not worker_ids(m, "ready"))
+        eventually(lambda: models.get("md", "ready")["status"]["pools"]["workers"]["ready"] == "0/0", "0/0")
     finally:
         await updates.aclose()
-    # The operator's own client and KubeSource (both httpx) authenticate with the kubeconfig's token.
-    ours = [r for r in kube.kmock if r.headers.get("User-Agent", "").startswith("python-httpx")]
-    assert ours
-    assert {r.headers.get("Authorization") for r in ours} == {"Bearer emulator"}
 
 
-def test_rollouts_and_crash_loops_show_in_the_conditions(kube: Emulator) -> None:
-    apply(kube, model_deployment("rolling"))
-    eventually(lambda: "Deployment/rolling-workers" in children(kube, "rolling"), "Deployment created")
-    pods = start_pods(kube, "rolling-workers", 2, first_ip=21)
+def test_rollouts_and_crash_loops_show_in_the_conditions(models: Models, tiny_llama: Path) -> None:
+    """A rollout to a pod template whose worker exits at start (a KV budget that holds no block): the
+    node agent restarts it with a back-off and reports CrashLoopBackOff, as a kubelet does, while the
+    old pods keep serving. (On the emulator the test wrote the crashing container status itself.)"""
+    models.apply(tiny_model_deployment("rolling", tiny_llama, replicas=2))
+    models.plane.wait_ready_pods(NAMESPACE, "herd.dev/deployment=rolling", 2, timeout=POD_TIMEOUT)
     eventually(
-        lambda: condition(kube, "rolling", "Progressing").get("reason") == "RolloutComplete", "rolled out"
+        lambda: models.condition("rolling", "Progressing").get("reason") == "RolloutComplete", "rolled out"
     )
-    apply(kube, model_deployment("rolling", engine={"maxModelLen": 8192}))  # a new pod template
-    eventually(lambda: condition(kube, "rolling", "Progressing").get("reason") == "RollingOut", "rolling out")
-    assert condition(kube, "rolling", "Ready")["status"] == "True", "old pods keep serving during a rollout"
-    kube.set_pod_ready("default", pods[0], ready=False, pod_ip="127.0.0.21")
-    crashing = {"name": "worker", "ready": False, "restartCount": 4,
-                "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s"}}}  # fmt: skip
-    kube.patch("pods", pods[0], {"status": {"containerStatuses": [crashing]}}, subresource="status")
-    eventually(lambda: condition(kube, "rolling", "Degraded").get("reason") == "CrashLoop", "Degraded=True")
-    assert pods[0] in condition(kube, "rolling", "Degraded")["message"]
-    eventually(lambda: ("Warning", "CrashLoop") in events(kube, "rolling"), "a Warning Event")
-    assert kube.get("md", "rolling")["status"]["pools"]["workers"]["ready"] == "1/2"
+    broken = tiny_model_deployment("rolling", tiny_llama, replicas=2)
+    broken["spec"]["engine"]["kvCache"]["memoryGiB"] = 1e-7
+    models.apply(broken)
+    eventually(
+        lambda: models.condition("rolling", "Progressing").get("reason") == "RollingOut", "rolling out"
+    )
+    eventually(lambda: models.condition("rolling", "Degraded").get("reason") == "CrashLoop", "Degraded=True",
+               timeout=POD_TIMEOUT)  # fmt: skip
+    crashing = [
+        pod["metadata"]["name"]
+        for pod in models.get("pods", "-l", "herd.dev/deployment=rolling")["items"]
+        if pod["status"].get("containerStatuses", [{}])[0].get("state", {}).get("waiting", {}).get("reason")
+        == "CrashLoopBackOff"
+    ]
+    assert crashing and all(name in models.condition("rolling", "Degraded")["message"] for name in crashing)
+    assert models.condition("rolling", "Ready")["status"] == "True", "old pods keep serving during a rollout"
+    eventually(lambda: ("Warning", "CrashLoop") in models.reasons("rolling"), "a Warning Event")
+    assert models.get("md", "rolling")["status"]["pools"]["workers"]["ready"] == "2/2"
