@@ -193,13 +193,15 @@ def model_namespace(plane: ControlPlane, namespace: str, token: str | None = Non
 @contextlib.contextmanager
 def kube_orchestrator(models: Models, token: str, log: Path, *args: str) -> Iterator[str]:
     """``herd orchestrator --kubernetes`` as a local process serving ``models``' namespace, logged in
-    with a token of the chart's orchestrator ServiceAccount; yields its URL once it answers."""
+    with a token of the chart's orchestrator ServiceAccount, in the log's folder (a relative
+    ``file://`` source, a path inside the worker image, is not found there, as in an orchestrator pod);
+    yields its URL once it answers."""
     login = models.plane.login_as("herd-orchestrator", "herd", default_namespace=models.namespace)
     port = free_port()
     argv = [sys.executable, "-m", "herd.cli.main", "orchestrator", "--kubernetes", "--namespace", models.namespace,
             "--port", str(port), *args]  # fmt: skip
     env = {"KUBECONFIG": str(login.kubeconfig), TOKEN_ENV: token}
-    with running(argv, log=log, env=env) as process:
+    with running(argv, log=log, env=env, cwd=log.parent) as process:
         url = f"http://127.0.0.1:{port}"
 
         def is_up() -> bool:

@@ -71,13 +71,18 @@ def stop_process(process: subprocess.Popen[bytes], *, grace: float = 10.0) -> No
 
 @contextlib.contextmanager
 def running(
-    argv: Sequence[str], *, log: Path, env: dict[str, str] | None = None, grace: float = 10.0
+    argv: Sequence[str],
+    *,
+    log: Path,
+    env: dict[str, str] | None = None,
+    grace: float = 10.0,
+    cwd: Path | None = None,
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """Run ``argv`` with output to ``log``; always stopped by its own pid on exit (SIGKILL after
-    ``grace`` seconds)."""
+    """Run ``argv`` (in ``cwd``, else here) with output to ``log``; always stopped by its own pid on
+    exit (SIGKILL after ``grace`` seconds)."""
     with log.open("wb") as sink:
         process = subprocess.Popen(
-            list(argv), stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+            list(argv), stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, cwd=cwd
         )
         try:
             yield process
