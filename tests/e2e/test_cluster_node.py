@@ -18,7 +18,8 @@ from typing import Any
 
 import httpx
 import pytest
-from support.cluster import NODE, ControlPlane
+from support.cluster import NODE, ControlPlane, install_herd_chart
+from support.operator_harness import embedded_operator
 from support.procs import wait_until
 
 pytestmark = pytest.mark.e2e
@@ -314,3 +315,32 @@ def test_an_agent_stopped_or_killed_leaves_none_of_its_containers(
         eventually(lambda: not is_alive(pid), "the container gone with its agent", timeout=10)
     kubectl(cluster, "delete", "pod", pod, "--grace-period=0", "--force")
     cluster.kubectl("delete", "node", node)
+
+
+WORKERS = "node-workers"
+
+
+@pytest.fixture(scope="module")
+def workers(cluster: ControlPlane, tiny_llama: Path) -> Iterator[list[Object]]:
+    """A ModelDeployment of the tiny model (a ``file://`` source: a hostPath) reconciled by the operator
+    (embedded, as the admin): its two ``herd worker`` pods, once Ready."""
+    install_herd_chart(cluster)  # the CRD, owned by Helm as every test here installs it
+    cluster.kubectl("create", "namespace", WORKERS)
+    token = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "herd-internal-token"}, "stringData": {"token": "t"}}  # fmt: skip
+    engine = {"dtype": "float32", "device": "cpu", "maxModelLen": 256, "kvCache": {"blockSize": 16, "memoryGiB": 0.05}}  # fmt: skip
+    md = {"apiVersion": "herd.dev/v1alpha1", "kind": "ModelDeployment", "metadata": {"name": "tiny"},
+          "spec": {"model": {"source": f"file://{tiny_llama}", "servedName": "tiny"}, "engine": engine,
+                   "workers": {"replicas": 2}}}  # fmt: skip
+    with embedded_operator(cluster, namespace=WORKERS):
+        cluster.kubectl("-n", WORKERS, "apply", "-f", "-", stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": [token, md]}))  # fmt: skip
+        yield cluster.wait_ready_pods(WORKERS, "herd.dev/deployment=tiny", 2, timeout=180)
+        cluster.kubectl("delete", "namespace", WORKERS, "--wait=false")
+
+
+def test_herd_workers_of_a_model_deployment_serve_at_their_pod_ips(workers: list[Object]) -> None:
+    addresses = [pod["status"]["podIP"] for pod in workers]
+    assert len(set(addresses)) == 2 and all(address.startswith("127.244.") for address in addresses)
+    for pod in workers:
+        assert pod["spec"]["containers"][0]["command"][:2] == ["herd", "worker"]
+        models = httpx.get(f"http://{pod['status']['podIP']}:8000/v1/models", timeout=10).json()
+        assert [model["id"] for model in models["data"]] == ["tiny"]
