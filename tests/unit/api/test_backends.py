@@ -8,7 +8,7 @@ import subprocess
 from typing import Any
 
 import pytest
-from support.vllm import VLLM_PYTHON, skip_without_vllm
+from support.vllm_env import VLLM_PYTHON, skip_without_vllm
 
 from herd.api.backends import KV_EVENTS_TOPIC, sidecar_argv, vllm_server_argv
 from herd.api.crd import EngineSpec
