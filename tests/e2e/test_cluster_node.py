@@ -185,6 +185,13 @@ def test_the_service_answers_at_its_address_and_by_name_inside_a_pod(
         return {httpx.get(f"http://{address}/", timeout=5).json()["POD_NAME"] for _ in range(4)} == names
 
     eventually(both_answer, "round robin over both pods")
+    hosts = pod_dir(cluster, web[0]) / "etc-hosts"
+    inode = hosts.stat().st_ino
+    apply(cluster, {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "late"},
+                    "spec": {"selector": {"app": "web"}, "ports": [{"port": 81, "targetPort": 8080}]}})  # fmt: skip
+    eventually(lambda: " late.node-e2e.svc " in hosts.read_text(), "a new Service in a running pod's hosts")
+    assert hosts.stat().st_ino == inode, "rewritten in place: the bind mount holds the inode"
+    assert any(line.endswith(" web.node-e2e web") for line in hosts.read_text().splitlines())
     fetch = "import urllib.request as u; print(u.urlopen('http://web.node-e2e.svc.cluster.local/', timeout=5).read().decode())"  # fmt: skip
     apply(cluster, bare_pod("client", ["python", "-c", fetch]))
     eventually(
@@ -264,6 +271,43 @@ def test_a_persistent_volume_claim_fails_the_pod_naming_the_limit(
     apply(cluster, bare_pod("claims", ["true"], volumes=[volume], nodeName=NODE))
     eventually(lambda: get(cluster, "pod", "claims")["status"].get("phase") == "Failed", "the pod Failed")
     assert "no storage" in get(cluster, "pod", "claims")["status"]["message"]
+    listed = json.loads(kubectl(cluster, "get", "events", "--field-selector", "involvedObject.name=claims", "-o", "json"))  # fmt: skip
+    assert any(
+        e["reason"] == "FailedMount" and "persistentVolumeClaim" in e["message"] for e in listed["items"]
+    )
+
+
+def test_init_containers_run_in_order_with_the_pods_volumes(cluster: ControlPlane, web: list[Object]) -> None:
+    """Two init containers in order (the second sees the first's file in the emptyDir), then the
+    container, which reads it and finds the configMap volume's item read-only."""
+    mounts = [
+        {"name": "work", "mountPath": "/scratch"},
+        {"name": "config", "mountPath": "/config", "readOnly": True},
+    ]
+    volumes = [
+        {"name": "work", "emptyDir": {}},
+        {"name": "config", "configMap": {"name": "web-config", "items": [{"key": "greeting", "path": "hi"}]}},
+    ]
+    init = [
+        {
+            "name": "first",
+            "image": "busybox",
+            "command": ["sh", "-c", "cp /config/hi /scratch/msg"],
+            "volumeMounts": mounts,
+        },
+        {
+            "name": "second",
+            "image": "busybox",
+            "command": ["sh", "-c", "echo -n ' world' >> /scratch/msg"],
+            "volumeMounts": mounts,
+        },
+    ]
+    check = 'test "$(cat /scratch/msg)" = "hello world" && ! touch /config/written 2>/dev/null'
+    apply(cluster, bare_pod("init", ["sh", "-c", check], initContainers=init, volumes=volumes,
+                            container={"volumeMounts": mounts}))  # fmt: skip
+    eventually(lambda: get(cluster, "pod", "init")["status"].get("phase") == "Succeeded", "the pod Succeeded")
+    statuses = get(cluster, "pod", "init")["status"]["initContainerStatuses"]
+    assert [(s["name"], s["state"]["terminated"]["reason"]) for s in statuses] == [("first", "Completed"), ("second", "Completed")]  # fmt: skip
 
 
 def test_the_service_account_token_logs_in_with_its_own_rbac(

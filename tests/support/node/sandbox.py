@@ -90,11 +90,17 @@ def _prepare(spec: dict[str, Any]) -> None:
             _bind(mount["source"], mount["target"], read_only=mount.get("readOnly", False))
         _bind(spec["hosts"], "/etc/hosts", read_only=False)
         _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")
-        os.chdir(spec["cwd"])
     except (OSError, SandboxError) as error:
         raise SandboxError(
             f"cannot make the container's sandbox: {error}; the node agent needs to create mount "
             "namespaces (run it as root, or where unprivileged user namespaces are allowed)"
+        ) from None
+    try:
+        os.chdir(spec["cwd"])
+    except OSError as error:
+        raise SandboxError(
+            f"working directory {spec['cwd']}: {error.strerror}; pods share this machine's filesystem, "
+            "so a volume mounted over a parent of it hides it: mount the volume elsewhere"
         ) from None
 
 
