@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
-from support.cluster import NODE, ControlPlane, install_herd_chart
+from support.cluster import HERD_ENTRYPOINTS, NODE, ControlPlane, install_herd_chart
 from support.operator_harness import embedded_operator
 from support.procs import wait_until
 
@@ -75,11 +75,6 @@ def is_alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state != "Z"
-
-
-def pod_dir(cluster: ControlPlane, pod: Object) -> Path:
-    metadata = pod["metadata"]
-    return cluster.workdir / "node" / "pods" / f"{metadata['namespace']}_{metadata['name']}_{metadata['uid']}"
 
 
 def container_state(cluster: ControlPlane, name: str) -> Object:
@@ -141,7 +136,9 @@ def web(cluster: ControlPlane) -> Iterator[list[Object]]:
 
 
 def bare_pod(name: str, argv: list[str], **spec: Any) -> Object:
-    container = {"name": "main", "image": "python:3", "command": argv, **spec.pop("container", {})}
+    """A pod running ``argv`` once; ``container``: more fields of its container, the rest its spec."""
+    command = {"command": argv} if argv else {}
+    container = {"name": "main", "image": "python:3", **command, **spec.pop("container", {})}
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
             "spec": {"restartPolicy": "Never", "containers": [container], **spec}}  # fmt: skip
 
@@ -185,7 +182,7 @@ def test_the_service_answers_at_its_address_and_by_name_inside_a_pod(
         return {httpx.get(f"http://{address}/", timeout=5).json()["POD_NAME"] for _ in range(4)} == names
 
     eventually(both_answer, "round robin over both pods")
-    hosts = pod_dir(cluster, web[0]) / "etc-hosts"
+    hosts = cluster.pod_dir(web[0]) / "etc-hosts"
     inode = hosts.stat().st_ino
     apply(cluster, {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "late"},
                     "spec": {"selector": {"app": "web"}, "ports": [{"port": 81, "targetPort": 8080}]}})  # fmt: skip
@@ -197,7 +194,7 @@ def test_the_service_answers_at_its_address_and_by_name_inside_a_pod(
     eventually(
         lambda: get(cluster, "pod", "client")["status"].get("phase") == "Succeeded", "the client pod done"
     )
-    log = (pod_dir(cluster, get(cluster, "pod", "client")) / "main.log").read_text()
+    log = (cluster.pod_dir(get(cluster, "pod", "client")) / "main.log").read_text()
     assert json.loads(log)["POD_NAME"] in names
 
 
@@ -212,7 +209,7 @@ def test_scaling_starts_and_stops_processes_with_prestop_and_sigterm(
     gone = [pod for pod in three if pod["metadata"]["uid"] != one[0]["metadata"]["uid"]]
     for pod in gone:
         assert not is_alive(pid_of(pod)), f"{pod['metadata']['name']}'s process outlived its pod"
-        events = (pod_dir(cluster, pod) / "volumes" / "data" / "events").read_text().split()
+        events = (cluster.pod_dir(pod) / "volumes" / "data" / "events").read_text().split()
         assert events == ["preStop", "SIGTERM"]
     kubectl(cluster, "scale", "deployment/web", "--replicas=2")
     web[:] = cluster.wait_ready_pods(NAMESPACE, "app=web", 2)
@@ -340,6 +337,29 @@ def test_the_service_account_token_logs_in_with_its_own_rbac(
     eventually(lambda: get(cluster, "pod", "as-reader")["status"].get("phase") == "Succeeded", "allowed")
     eventually(lambda: get(cluster, "pod", "as-nobody")["status"].get("phase") == "Failed", "refused")
     assert container_state(cluster, "as-nobody")["state"]["terminated"]["exitCode"] == 3
+
+
+def test_args_alone_run_on_the_entrypoint_the_agent_was_given(
+    cluster: ControlPlane, web: list[Object]
+) -> None:
+    """herd's images give only args in the chart: a node told their ENTRYPOINT runs them, and one that
+    was not says what to do."""
+    worker = {"image": "herd/worker:0.1.0", "args": ["worker", "--help"]}
+    node = "herd-node-images"
+    with cluster.node_agent(node, "--taint=herd.dev/test=images:NoSchedule", *HERD_ENTRYPOINTS):
+        apply(cluster, bare_pod("entry", [], nodeName=node, container=worker))
+        apply(cluster, bare_pod("no-entry", [], nodeName=NODE, container=worker))
+        eventually(
+            lambda: get(cluster, "pod", "entry")["status"].get("phase") == "Succeeded", "herd worker --help"
+        )
+        assert "--engine-json" in (cluster.pod_dir(get(cluster, "pod", "entry")) / "main.log").read_text()
+    waiting = container_state(cluster, "no-entry")["state"]["waiting"]
+    assert (
+        waiting["reason"] == "CreateContainerConfigError"
+        and "--entrypoint=herd/worker=" in waiting["message"]
+    )
+    kubectl(cluster, "delete", "pod", "entry", "--grace-period=0", "--force")
+    cluster.kubectl("delete", "node", node)
 
 
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])

@@ -38,10 +38,13 @@ import httpx
 import yaml
 
 from support.node.addresses import service_loopback
+from support.node.pods import pod_folder
 from support.procs import free_port, running, wait_until
 
 __all__ = [
     "ADMIN_TOKEN",
+    "HERD_ENTRYPOINTS",
+    "NODE",
     "Binaries",
     "BinariesMissingError",
     "ControlPlane",
@@ -74,6 +77,11 @@ NODE = "herd-node"
 NODE_AGENT = "herd-node-agent"
 _COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", NODE_AGENT)
 """In start order; stopped in reverse, the node agent first (it stops its pods' processes itself)."""
+HERD_ENTRYPOINTS = tuple(
+    f"--entrypoint=herd/{image}=herd" for image in ("operator", "orchestrator", "worker")
+)
+"""Node agent options giving herd's images their ENTRYPOINT (docker/*.Dockerfile), so that the chart's
+containers, which give only ``args``, run: ``control_plane(..., node_args=HERD_ENTRYPOINTS)``."""
 
 
 class BinariesMissingError(RuntimeError):
@@ -157,6 +165,8 @@ class ControlPlane:
     binaries: Binaries
     etcd_dir: Path
     apiserver_port: int = 0
+    node_args: tuple[str, ...] = ()
+    """More options of the node agent of ``herd-node`` (e.g. :data:`HERD_ENTRYPOINTS`)."""
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     argv: dict[str, list[str]] = field(default_factory=dict)
     start_seconds: dict[str, float] = field(default_factory=dict)
@@ -193,7 +203,7 @@ class ControlPlane:
         self._spawn("kube-scheduler", self._scheduler_argv(ports["kube-scheduler"]), detach)
         for name, port in ports.items():
             self._wait(f"https://127.0.0.1:{port}/healthz", name, began)
-        self._spawn(NODE_AGENT, self.node_agent_argv(NODE, self.workdir / "node"), detach)
+        self._spawn(NODE_AGENT, self.node_agent_argv(NODE, self.workdir / NODE, *self.node_args), detach)
         self._wait_node_ready(NODE, began)
         self.start_seconds["total"] = round(time.monotonic() - began, 2)
 
@@ -363,6 +373,11 @@ class ControlPlane:
         found: dict[str, Any] = json.loads(done.stdout) if done.stdout.strip() else {}
         return found
 
+    def pod_dir(self, pod: dict[str, Any]) -> Path:
+        """The folder where the node agent keeps ``pod``'s volumes (``volumes/<name>``), its hosts file
+        (``etc-hosts``) and each container's output (``<container>.log``)."""
+        return pod_folder(self.workdir / pod["spec"]["nodeName"], pod)
+
     def service_address(self, name: str, namespace: str, port: int) -> str:
         """``host:port`` where a test dials Service ``namespace/name`` at its ``port``: the node agent's
         proxy on 127.96.0.X for the ClusterIP 10.96.0.X (never the ClusterIP itself)."""
@@ -492,10 +507,13 @@ def _is_alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def control_plane(workdir: Path, binaries: Binaries | None = None) -> Iterator[ControlPlane]:
-    """A started control plane in ``workdir`` (etcd's data on /dev/shm), stopped on exit."""
+def control_plane(
+    workdir: Path, binaries: Binaries | None = None, *, node_args: tuple[str, ...] = ()
+) -> Iterator[ControlPlane]:
+    """A started control plane in ``workdir`` (etcd's data on /dev/shm), stopped on exit;
+    ``node_args``: more options of its node agent."""
     etcd_dir = Path(tempfile.mkdtemp(prefix="herd-etcd-", dir=_tmpfs()))
-    plane = ControlPlane(workdir, binaries or ensure_binaries(), etcd_dir)
+    plane = ControlPlane(workdir, binaries or ensure_binaries(), etcd_dir, node_args=node_args)
     try:
         plane.start()
         yield plane

@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import platform
+import shlex
 import signal
 import sys
 from dataclasses import dataclass, field
@@ -60,6 +61,7 @@ class Settings:
     image_root: Path = REPO
     service_cidr: str = "10.96.0.0/24"
     taints: tuple[Object, ...] = ()
+    entrypoints: dict[str, list[str]] = field(default_factory=dict)
 
 
 def node_object(node: str, kubelet_version: str, taints: tuple[Object, ...] = ()) -> Object:
@@ -214,7 +216,7 @@ class Agent:
         hosts = HostsFile(folder / "etc-hosts", pod_ip, hostname, pod["metadata"]["namespace"])
         self.services.write_hosts(hosts)
         ctx = PodContext(pod, pod_ip, folder, hosts.path, self.settings.image_root,
-                         self._base_env(hostname), _launcher_env())  # fmt: skip
+                         self._base_env(hostname), _launcher_env(), self.settings.entrypoints)  # fmt: skip
         runner = PodRunner(self.kube, ctx, self.post_event)
         self.runners[uid] = runner
         self.tasks[uid] = asyncio.ensure_future(runner.run())
@@ -323,10 +325,13 @@ def _parse(argv: list[str] | None) -> Settings:
     parser.add_argument("--image-root", type=Path, default=REPO)
     parser.add_argument("--service-cidr", default="10.96.0.0/24")
     parser.add_argument("--taint", action="append", default=[], help="key=value:Effect, as the kubelet's --register-with-taints")  # fmt: skip
+    parser.add_argument("--entrypoint", action="append", default=[], metavar="IMAGE=COMMAND",
+                        help="the entrypoint of an image (repository, no tag), for containers that give only args")  # fmt: skip
     args = parser.parse_args(argv)
     taints = tuple(_taint(text) for text in args.taint)
+    entrypoints = {image: shlex.split(command) for image, _, command in (text.partition("=") for text in args.entrypoint)}  # fmt: skip
     return Settings(args.kubeconfig, args.node, args.workdir.resolve(), args.apiserver_port,
-                    args.image_root.resolve(), args.service_cidr, taints)  # fmt: skip
+                    args.image_root.resolve(), args.service_cidr, taints, entrypoints)  # fmt: skip
 
 
 def _taint(text: str) -> Object:

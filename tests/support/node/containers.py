@@ -17,13 +17,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from support.node.addresses import bind_pod_ip
-from support.node.env import ConfigError, container_env, expand, referenced_sources
+from support.node.env import ConfigError, container_argv, container_env, referenced_sources
 from support.node.probes import ProbeCounter, Target, run_action
 from support.node.sandbox import EXIT_SANDBOX_FAILED, spec_for
 from support.node.status import ContainerRecord, now, terminated, waiting
@@ -52,6 +52,8 @@ class PodContext:
     image_root: Path
     base_env: dict[str, str]
     launcher_env: dict[str, str]
+    entrypoints: Mapping[str, list[str]] = field(default_factory=dict)
+    """Image repository -> its entrypoint, for containers that give only ``args``."""
     volumes: dict[str, Path] = field(default_factory=dict)
     fetch: SourceFetcher | None = None
     changed: Callable[[], None] = lambda: None
@@ -141,12 +143,7 @@ class ContainerRunner:
         fetch = self.ctx.fetch
         sources = {ref: (await fetch(*ref) if fetch else None) for ref in referenced_sources(self.spec)}
         env = self._env(sources)
-        if not self.spec.get("command"):
-            raise ConfigError(
-                f"container {self.name!r} has no command: this node runs no images, so the image's "
-                "entrypoint is unknown; give the container a command"
-            )
-        argv = [expand(word, env) for word in [*self.spec["command"], *(self.spec.get("args") or [])]]
+        argv = container_argv(self.spec, env, self.ctx.entrypoints)
         return bind_pod_ip(argv, self.ctx.pod_ip), env
 
     async def _launch(self) -> tuple[subprocess.Popen[bytes], str] | None:

@@ -19,10 +19,12 @@ from typing import Any
 __all__ = [
     "ConfigError",
     "Sources",
+    "container_argv",
     "container_env",
     "decoded_data",
     "expand",
     "field_value",
+    "image_repository",
     "parse_quantity",
     "referenced_sources",
     "resource_value",
@@ -56,6 +58,29 @@ def expand(text: str, env: Mapping[str, str]) -> str:
         return env.get(name, match.group(0))
 
     return _REFERENCE.sub(replace, text)
+
+
+def image_repository(image: str) -> str:
+    """``registry/name`` of an image reference, without its tag or digest."""
+    name = image.split("@", 1)[0]
+    last = name.rsplit("/", 1)[-1]
+    return name[: len(name) - len(last)] + last.split(":", 1)[0]
+
+
+def container_argv(
+    container: Object, env: Mapping[str, str], entrypoints: Mapping[str, list[str]]
+) -> list[str]:
+    """``command + args`` with ``$(VAR)`` expanded (args replace the image's CMD). Without a command,
+    the image's entrypoint when the agent was told it (``--entrypoint``), else a ConfigError."""
+    image = image_repository(container.get("image", ""))
+    command = container.get("command") or entrypoints.get(image)
+    if not command:
+        raise ConfigError(
+            f"container {container['name']!r} has no command and the entrypoint of image {image!r} is not "
+            "known to this node, which runs no images: give the container a command, or start the node "
+            f"agent with --entrypoint={image}=<command>"
+        )
+    return [expand(word, env) for word in [*command, *(container.get("args") or [])]]
 
 
 def decoded_data(kind: str, body: Object) -> dict[str, str]:

@@ -8,7 +8,16 @@ from typing import Any
 import pytest
 from support.node.addresses import AddressPool, HostsEntry, bind_pod_ip, hosts_file, service_loopback
 from support.node.containers import should_restart
-from support.node.env import ConfigError, container_env, decoded_data, expand, field_value, resource_value
+from support.node.env import (
+    ConfigError,
+    container_argv,
+    container_env,
+    decoded_data,
+    expand,
+    field_value,
+    image_repository,
+    resource_value,
+)
 from support.node.probes import ProbeCounter
 from support.node.services import desired_listeners, service_endpoints
 from support.node.status import ContainerRecord, PodRecord, pod_phase, pod_status, terminated, waiting
@@ -154,6 +163,33 @@ def test_downward_fields(path: str, expected: str) -> None:
 )
 def test_resource_fields(resources: Object, ref: Object, expected: str) -> None:
     assert resource_value(POD, {"name": "c", "resources": resources}, ref) == expected
+
+
+@pytest.mark.parametrize(
+    ("image", "expected"),
+    [("herd/worker:0.1.0", "herd/worker"), ("ghcr.io:443/herd/worker@sha256:ab", "ghcr.io:443/herd/worker"),
+     ("busybox", "busybox"), ("localhost:5000/tool:v1", "localhost:5000/tool")],
+    ids=["tag", "registry-port-and-digest", "bare", "registry-port-and-tag"],
+)  # fmt: skip
+def test_image_repository(image: str, expected: str) -> None:
+    assert image_repository(image) == expected
+
+
+@pytest.mark.parametrize(
+    ("container", "expected"),
+    [
+        ({"name": "c", "command": ["app", "$(MODE)"], "args": ["--x"]}, ["app", "fast", "--x"]),
+        ({"name": "c", "image": "herd/worker:1", "args": ["worker", "$(MODE)"]}, ["herd", "worker", "fast"]),
+    ],
+    ids=["command-and-args", "entrypoint-of-a-known-image"],
+)
+def test_the_command_line(container: Object, expected: list[str]) -> None:
+    assert container_argv(container, {"MODE": "fast"}, {"herd/worker": ["herd"]}) == expected
+
+
+def test_args_alone_of_an_unknown_image_are_a_config_error_naming_the_fix() -> None:
+    with pytest.raises(ConfigError, match="--entrypoint=curlimages/curl=<command>"):
+        container_argv({"name": "c", "image": "curlimages/curl:8", "args": ["-s"]}, {}, {})
 
 
 def test_secret_data_is_decoded() -> None:
