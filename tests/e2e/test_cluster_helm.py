@@ -1,7 +1,7 @@
 """Real Helm against the real control plane: ``helm install``, ``helm upgrade`` (a changed value takes
 effect, the generated token is kept through ``lookup``) and ``helm uninstall`` of charts/herd (the CRD
-and the ModelDeployments stay). The emulator counterpart, tests/e2e/test_chart_install.py, applies the
-rendered chart without Helm."""
+and the ModelDeployments stay). tests/e2e/test_chart_install.py checks that a release stores exactly
+what the chart renders offline."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The operator on the real control plane, logged in with a TokenRequest token of the ServiceAccount
 the chart creates, so the chart's RBAC is proven by use: a verb the chart forgot is a 403 here.
 
-kopf runs embedded (as tests/support/operator_harness.py runs it on the emulator). The real
+kopf runs embedded (tests/support/operator_harness.py). The real
 controller-manager turns the operator's Deployments into ReplicaSets and Pods, which stay Pending
 (there is no node yet), and garbage-collects every child when its ModelDeployment goes.
 """

@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -17,24 +16,19 @@ from typing import Any, Protocol
 
 import httpx
 import pytest
-import yaml
 
 from herd.api.protocol import TOKEN_ENV
 from herd.operator.runner import run_operator
 from herd.operator.settings import OperatorConfig, PlanSettings
 from support.cluster import ControlPlane, control_plane, find_binaries, install_herd_chart
-from support.kube.emulator import Emulator
 from support.procs import free_port, running, wait_until
 
 __all__ = [
-    "CRD",
     "HasKubeconfig",
     "Models",
     "RefusedRequests",
     "embedded_operator",
-    "install_crd",
     "kube_orchestrator",
-    "kubectl",
     "logged_refusals",
     "model_deployment",
     "model_namespace",
@@ -43,31 +37,10 @@ __all__ = [
     "tiny_model_deployment",
 ]
 
-CRD = Path(__file__).resolve().parents[2] / "crds" / "herd.dev_modeldeployments.yaml"
 TIMEOUT_S = 60.0  # generous for a loaded machine; nothing waits for it when things are quick
 TOKEN_SECRET = PlanSettings().token_secret
 NO_NODE = {"herd.dev/test-node": "none"}
 """A nodeSelector no node matches."""
-
-
-def install_crd(kube: Emulator) -> None:
-    kube.create(yaml.safe_load(CRD.read_text()))
-
-
-def kubectl(kube: Emulator, *args: str, stdin: str | None = None) -> str:
-    """Run kubectl against the emulator; asserts success and returns stdout."""
-    # A private discovery cache: a cache left by an earlier emulator on the same port would lack the CRD.
-    argv = [
-        "kubectl",
-        "--kubeconfig",
-        str(kube.kubeconfig),
-        "--cache-dir",
-        str(kube.workdir / "kubectl"),
-        *args,
-    ]
-    done = subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
-    assert done.returncode == 0, f"kubectl {' '.join(args)}: {done.stderr}"
-    return done.stdout
 
 
 class HasKubeconfig(Protocol):
