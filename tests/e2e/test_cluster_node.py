@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
-from support.cluster import HERD_ENTRYPOINTS, NODE, ControlPlane, install_herd_chart
+from support.cluster import HERD_ENTRYPOINTS, NODE, ControlPlane, container_pid, install_herd_chart, is_alive
 from support.operator_harness import embedded_operator
 from support.procs import wait_until
 
@@ -63,18 +63,6 @@ def get(cluster: ControlPlane, kind: str, name: str) -> Object:
 
 def eventually(check: Any, what: str, timeout: float = TIMEOUT) -> None:
     wait_until(check, timeout=timeout, interval=0.2, what=what)
-
-
-def pid_of(pod: Object, index: int = 0) -> int:
-    return int(pod["status"]["containerStatuses"][index]["containerID"].removeprefix("herd://"))
-
-
-def is_alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
 
 
 def container_state(cluster: ControlPlane, name: str) -> Object:
@@ -161,7 +149,7 @@ def test_deployment_pods_run_ready_on_their_own_loopback_addresses(
     assert len(addresses) == 2 and all(address.startswith("127.244.") for address in addresses)
     for pod in web:
         assert pod["spec"]["nodeName"] == NODE and pod["status"]["hostIP"] == "127.0.0.1"
-        assert b"http.server" in Path(f"/proc/{pid_of(pod)}/cmdline").read_bytes()
+        assert b"http.server" in Path(f"/proc/{container_pid(pod)}/cmdline").read_bytes()
         answer = httpx.get(f"http://{pod['status']['podIP']}:8080/", timeout=5).json()
         assert answer == {"POD_NAME": pod["metadata"]["name"], "POD_IP": pod["status"]["podIP"],
                           "GREETING": "hello", "TOKEN": "s3cret", "CFG_LEVEL": "2",
@@ -208,7 +196,7 @@ def test_scaling_starts_and_stops_processes_with_prestop_and_sigterm(
     one = cluster.wait_ready_pods(NAMESPACE, "app=web", 1)
     gone = [pod for pod in three if pod["metadata"]["uid"] != one[0]["metadata"]["uid"]]
     for pod in gone:
-        assert not is_alive(pid_of(pod)), f"{pod['metadata']['name']}'s process outlived its pod"
+        assert not is_alive(container_pid(pod)), f"{pod['metadata']['name']}'s process outlived its pod"
         events = (cluster.pod_dir(pod) / "volumes" / "data" / "events").read_text().split()
         assert events == ["preStop", "SIGTERM"]
     kubectl(cluster, "scale", "deployment/web", "--replicas=2")
@@ -372,7 +360,7 @@ def test_an_agent_stopped_or_killed_leaves_none_of_its_containers(
     with cluster.node_agent(node, f"--taint=herd.dev/test={how}:NoSchedule") as agent:
         apply(cluster, bare_pod(pod, ["sleep", "600"], nodeName=node))
         eventually(lambda: container_state(cluster, pod).get("started") is True, "the pinned pod running")
-        pid = pid_of(get(cluster, "pod", pod))
+        pid = container_pid(get(cluster, "pod", pod))
         assert is_alive(pid)
         os.kill(agent.pid, getattr(signal, how))
         assert agent.wait(timeout=TIMEOUT) == (0 if how == "SIGTERM" else -signal.SIGKILL)

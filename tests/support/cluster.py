@@ -49,10 +49,12 @@ __all__ = [
     "BinariesMissingError",
     "ControlPlane",
     "Login",
+    "container_pid",
     "control_plane",
     "ensure_binaries",
     "find_binaries",
     "install_herd_chart",
+    "is_alive",
 ]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -457,6 +459,11 @@ def _agent_env() -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
 
 
+def container_pid(pod: dict[str, Any], index: int = 0) -> int:
+    """The pid of the node agent's process for a pod's ``index``-th container (``herd://<pid>``)."""
+    return int(pod["status"]["containerStatuses"][index]["containerID"].removeprefix("herd://"))
+
+
 def _is_node_ready(node: dict[str, Any]) -> bool:
     """Its Ready condition is True (a Node's or a Pod's)."""
     conditions = (node.get("status") or {}).get("conditions") or []
@@ -492,13 +499,14 @@ def _wait_gone(pid: int, process: subprocess.Popen[bytes] | None, timeout: float
         return True
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not _is_alive(pid):
+        if not is_alive(pid):
             return True
         time.sleep(0.05)
-    return not _is_alive(pid)
+    return not is_alive(pid)
 
 
-def _is_alive(pid: int) -> bool:
+def is_alive(pid: int) -> bool:
+    """``pid`` runs (a zombie, exited but not yet reaped, does not)."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (FileNotFoundError, ProcessLookupError):
@@ -554,7 +562,7 @@ def _running_pids(workdir: Path) -> dict[str, int]:
             continue
         pid = int(path.read_text())
         with contextlib.suppress(OSError):
-            if _is_alive(pid) and _is_component(pid, name):
+            if is_alive(pid) and _is_component(pid, name):
                 found[name] = pid
     return found
 
