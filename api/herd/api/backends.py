@@ -18,6 +18,7 @@ from herd.api.crd import EngineSpec
 from herd.api.protocol import Role
 
 __all__ = [
+    "CPU_BLOCK_SIZE_MULTIPLE",
     "CPU_KV_CACHE_GIB",
     "KV_EVENTS_TOPIC",
     "LOOPBACK",
@@ -34,6 +35,9 @@ LOOPBACK = "127.0.0.1"
 CPU_KV_CACHE_GIB = 1.0
 """The KV pool on a CPU when the spec sizes none, as herd's own engine does: vLLM's own default
 takes 92 % of the machine's memory."""
+CPU_BLOCK_SIZE_MULTIPLE = 32
+"""vLLM's CPU attention takes block sizes that are multiples of 32 only (it fails at startup, after
+minutes of loading, on others)."""
 
 
 def vllm_server_argv(
@@ -45,8 +49,16 @@ def vllm_server_argv(
     replay_port: int,
     python: str = "python",
 ) -> list[str]:
-    """vLLM's OpenAI server for ``engine``, on loopback, publishing its KV events to the sidecar."""
+    """vLLM's OpenAI server for ``engine``, on loopback, publishing its KV events to the sidecar.
+
+    Raises ``ValueError`` for a spec vLLM would refuse: a CPU engine's block size not a multiple of 32.
+    """
     kv_cache = engine.kv_cache
+    if engine.device == "cpu" and kv_cache.block_size % CPU_BLOCK_SIZE_MULTIPLE:
+        raise ValueError(
+            f"engine.kvCache.blockSize {kv_cache.block_size} does not suit vLLM on a CPU, whose attention "
+            f"takes multiples of {CPU_BLOCK_SIZE_MULTIPLE}: set blockSize: {CPU_BLOCK_SIZE_MULTIPLE}"
+        )
     return [
         python, "-m", VLLM_SERVER_MODULE,
         "--model", model_path,

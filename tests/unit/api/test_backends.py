@@ -61,7 +61,11 @@ def _vllm(engine: dict[str, Any]) -> list[str]:
             {"--kv-cache-memory-bytes": str(int(2.5 * GIB))},
             id="kv-pool-in-gib",
         ),
-        pytest.param({"device": "cpu"}, {"--kv-cache-memory-bytes": str(GIB)}, id="cpu-default-pool"),
+        pytest.param(
+            {"device": "cpu", "kvCache": {"blockSize": 64}},
+            {"--kv-cache-memory-bytes": str(GIB), "--block-size": "64"},
+            id="cpu-default-pool",
+        ),
         pytest.param(
             {"device": "cuda", "kvCache": {"memoryUtilization": 0.5}},
             {"--gpu-memory-utilization": "0.5"},
@@ -74,6 +78,11 @@ def test_vllm_argv_follows_the_engine_spec(engine: dict[str, Any], expected: dic
     assert {name: flags.get(name, "<missing>") for name in expected} == expected
     assert ("--enable-prefix-caching" in flags) != ("--no-enable-prefix-caching" in flags)
     assert ("--kv-cache-memory-bytes" in flags) != ("--gpu-memory-utilization" in flags)
+
+
+def test_a_cpu_block_size_vllm_refuses_is_refused_here() -> None:
+    with pytest.raises(ValueError, match="blockSize 16 does not suit vLLM on a CPU"):
+        _vllm({"device": "cpu"})
 
 
 def test_vllm_argv_serves_on_loopback_and_publishes_kv_events_to_the_sidecar() -> None:
@@ -141,7 +150,12 @@ print(json.dumps({
 
 @skip_without_vllm
 def test_vllm_own_parser_takes_the_argv() -> None:
-    engine = {"dtype": "float32", "device": "cpu", "maxModelLen": 2048, "kvCache": {"prefixCaching": False}}
+    engine = {
+        "dtype": "float32",
+        "device": "cpu",
+        "maxModelLen": 2048,
+        "kvCache": {"blockSize": 32, "prefixCaching": False},
+    }
     argv = _vllm(engine)
     result = subprocess.run(
         [str(VLLM_PYTHON), "-c", _PARSE, *argv[3:]], capture_output=True, text=True, timeout=120, check=False
@@ -153,7 +167,7 @@ def test_vllm_own_parser_takes_the_argv() -> None:
         "served": ["m"],
         "dtype": "float32",
         "max_model_len": 2048,
-        "block_size": 16,
+        "block_size": 32,
         "prefix_caching": False,
         "kv_bytes": GIB,
         "max_num_seqs": 64,

@@ -1,0 +1,84 @@
+"""The sidecar's internal port over a vLLM answered by ``httpx.MockTransport`` (its recorded
+/metrics and model list): the token, info and load once vLLM is learned, KV events and snapshot."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from herd.api.protocol import INTERNAL_PATHS, TOKEN_HEADER, TokenizerFiles
+from herd.sidecar._internal import build_internal_app
+from herd.sidecar._kv_state import KVState
+from herd.sidecar._vllm import VLLMView, model_layout
+from herd.sidecar._wire import BlockStored
+
+DATA = Path(__file__).parent / "data"
+TOKEN = "t"
+CONFIG = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576,
+          "vocab_size": 49152, "torch_dtype": "float32"}  # fmt: skip
+
+
+def _vllm(request: httpx.Request) -> httpx.Response:
+    if request.url.path == "/metrics":
+        return httpx.Response(200, text=(DATA / "vllm_metrics.txt").read_text())
+    models = {"data": [{"id": "smollm2", "max_model_len": 2048}]}
+    return httpx.Response(200, json=models)
+
+
+@pytest.fixture
+async def parts(tmp_path: Path) -> AsyncIterator[tuple[httpx.AsyncClient, VLLMView, KVState]]:
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    kv = KVState("smollm2", 32)
+    async with httpx.AsyncClient(base_url="http://127.0.0.1:1", transport=httpx.MockTransport(_vllm)) as vllm:
+        view = VLLMView(vllm, served_name="smollm2", role="unified", layout=model_layout(tmp_path))
+        files = TokenizerFiles(files={"tokenizer.json": "{}"})
+        app = build_internal_app(TOKEN, kv, lambda: view.info(kv.epoch), view.load, files)
+        transport = httpx.ASGITransport(app)
+        async with httpx.AsyncClient(
+            base_url="http://sidecar", transport=transport, headers={TOKEN_HEADER: TOKEN}
+        ) as client:
+            yield client, view, kv
+
+
+async def test_every_route_wants_the_token(parts: tuple[httpx.AsyncClient, VLLMView, KVState]) -> None:
+    client, _, _ = parts
+    for path in (INTERNAL_PATHS.info, INTERNAL_PATHS.kv_snapshot, INTERNAL_PATHS.tokenizer):
+        response = await client.get(path, headers={TOKEN_HEADER: "wrong"})
+        assert response.status_code == 401 and TOKEN_HEADER in response.json()["error"]["message"]
+
+
+async def test_info_and_load_once_vllm_is_learned(parts: tuple[httpx.AsyncClient, VLLMView, KVState]) -> None:
+    client, view, kv = parts
+    for path in (INTERNAL_PATHS.info, INTERNAL_PATHS.load):
+        response = await client.get(path)
+        assert response.status_code == 503 and response.headers["retry-after"] == "1"
+    await view.learn()
+    info = (await client.get(INTERNAL_PATHS.info)).json()
+    assert info == {
+        "model": "smollm2", "role": "unified", "block_size": 32, "max_model_len": 2048, "epoch": kv.epoch,
+        "dtype": "float32", "num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "vocab_size": 49152,
+    }  # fmt: skip
+    load = (await client.get(INTERNAL_PATHS.load)).json()
+    assert (load["num_total_blocks"], load["num_free_blocks"], load["is_draining"]) == (1456, 1456, False)
+    assert (await client.get(INTERNAL_PATHS.tokenizer)).json() == {"files": {"tokenizer.json": "{}"}}
+
+
+async def test_kv_events_and_snapshot(parts: tuple[httpx.AsyncClient, VLLMView, KVState]) -> None:
+    client, _, kv = parts
+    kv.apply(
+        [BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=list(range(32)), block_size=32)]
+    )
+    events = (await client.get(INTERNAL_PATHS.kv_events, params={"after": -1})).json()
+    snapshot = (await client.get(INTERNAL_PATHS.kv_snapshot)).json()
+    assert events["epoch"] == snapshot["epoch"] == kv.epoch
+    assert [event["seq"] for event in events["events"]] == [1] and snapshot["seq"] == 1
+    assert (
+        events["events"][0]["block_hashes"] == snapshot["block_hashes"] and len(snapshot["block_hashes"]) == 1
+    )
+    assert (await client.get(INTERNAL_PATHS.kv_events, params={"after": 1, "wait": 0.05})).json()[
+        "events"
+    ] == []
