@@ -219,7 +219,7 @@ class Agent:
                          self._base_env(hostname), _launcher_env(), self.settings.entrypoints)  # fmt: skip
         runner = PodRunner(self.kube, ctx, self.post_event)
         self.runners[uid] = runner
-        self.tasks[uid] = asyncio.ensure_future(runner.run())
+        self.tasks[uid] = _logged(asyncio.ensure_future(runner.run()))
 
     def _base_env(self, hostname: str) -> dict[str, str]:
         path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "/usr/bin:/bin")])
@@ -259,7 +259,7 @@ class Agent:
         self.ending.discard(uid)
 
     def _spawn(self, work: Any) -> None:
-        task = asyncio.ensure_future(work)
+        task = _logged(asyncio.ensure_future(work))
         self.background.add(task)
         task.add_done_callback(self.background.discard)
 
@@ -305,6 +305,17 @@ class Agent:
             task.cancel()
         self.services.close()
         await self.kube.close()
+
+
+def _logged(task: asyncio.Task[None]) -> asyncio.Task[None]:
+    """``task``, whose failure is logged when it ends (a pod's task failing must not go unseen)."""
+
+    def report(done: asyncio.Task[None]) -> None:
+        if not done.cancelled() and done.exception() is not None:
+            _log.error(json.dumps({"msg": "pod task failed", "error": repr(done.exception())}), exc_info=done.exception())  # fmt: skip
+
+    task.add_done_callback(report)
+    return task
 
 
 def _launcher_env() -> dict[str, str]:

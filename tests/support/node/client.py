@@ -91,6 +91,9 @@ class Kube:
             except (httpx.TransportError, KubeError) as error:
                 _log.warning(json.dumps({"msg": "watch cut, listing again", "path": path, "error": str(error)}))  # fmt: skip
                 await asyncio.sleep(_RETRY_DELAY_S)
+            except Exception:  # a handler's bug: logged whole, and the agent keeps serving
+                _log.exception(json.dumps({"msg": "watch handler failed, listing again", "path": path}))
+                await asyncio.sleep(_RETRY_DELAY_S)
 
     async def _follow(self, path: str, version: str, on_event: Callable[[str, Object], Awaitable[None]],
                       params: dict[str, str]) -> None:  # fmt: skip

@@ -18,7 +18,7 @@ from support.node.client import Kube, KubeError
 from support.node.containers import ContainerRunner, PodContext
 from support.node.env import decoded_data
 from support.node.status import PodRecord, now, pod_status, waiting
-from support.node.volumes import VolumeError, materialise
+from support.node.volumes import VolumeError, materialise, token_refresh_s
 
 __all__ = ["PodRunner", "pod_folder"]
 
@@ -62,16 +62,29 @@ class PodRunner:
         return resource_path("v1", "pods", metadata["namespace"], metadata["name"])
 
     async def run(self) -> None:
-        publisher = asyncio.ensure_future(self._publish_changes())
+        helpers = [asyncio.ensure_future(self._publish_changes())]
         try:
             self.dirty.set()
             if await self._prepare():
+                helpers.append(asyncio.ensure_future(self._renew_tokens()))
                 await self._run_containers()
         finally:
             await self.publish()
-            publisher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await publisher
+            for helper in helpers:
+                helper.cancel()
+            await asyncio.gather(*helpers, return_exceptions=True)
+
+    async def _renew_tokens(self) -> None:
+        """The volumes written again before the ServiceAccount tokens in them expire."""
+        period = token_refresh_s(self.ctx.pod)
+        while period is not None:
+            await asyncio.sleep(period)
+            try:
+                await materialise(self.kube, self.ctx.pod, self.ctx.folder / "volumes")
+            except (VolumeError, KubeError) as error:
+                _log.warning(
+                    json.dumps({"msg": "token renewal failed", "pod": self.path, "error": str(error)})
+                )
 
     async def _prepare(self) -> bool:
         """The pod's folder and volumes; False (the pod failed, or went) when they cannot be made."""

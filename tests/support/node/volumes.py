@@ -15,7 +15,7 @@ from herd.kube import resource_path
 from support.node.client import Kube
 from support.node.env import decoded_data, field_value, resource_value
 
-__all__ = ["VolumeError", "materialise", "mounts_for"]
+__all__ = ["VolumeError", "materialise", "mounts_for", "token_refresh_s"]
 
 Object = dict[str, Any]
 _DEFAULT_MODE = 0o644
@@ -45,6 +45,18 @@ async def materialise(kube: Kube, pod: Object, root: Path) -> dict[str, Path]:
         _write(path, files, volume)
         paths[volume["name"]] = path
     return paths
+
+
+def token_refresh_s(pod: Object) -> float | None:
+    """Seconds after which the pod's ServiceAccount tokens are written anew (at 80 % of the shortest
+    lifetime, as a kubelet renews them); None when it has none."""
+    lifetimes = [
+        source["serviceAccountToken"].get("expirationSeconds", _TOKEN_SECONDS)
+        for volume in pod["spec"].get("volumes") or []
+        for source in (volume.get("projected") or {}).get("sources") or []
+        if "serviceAccountToken" in source
+    ]
+    return 0.8 * min(lifetimes) if lifetimes else None
 
 
 def _host_path(host: Object) -> Path:
@@ -161,8 +173,11 @@ def _write(folder: Path, files: dict[str, tuple[str, int | None]], volume: Objec
     for relative, (content, mode) in files.items():
         path = folder / posixpath.normpath(relative)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(content)
-        path.chmod(mode if mode is not None else default_mode)
+        # Written aside and renamed: a container reading a renewed token never sees half of it.
+        fresh = path.with_name(f".{path.name}.new")
+        fresh.write_text(content)
+        fresh.chmod(mode if mode is not None else default_mode)
+        fresh.replace(path)
 
 
 def mounts_for(container: Object, volumes: dict[str, Path]) -> list[Object]:

@@ -21,6 +21,7 @@ from support.node.env import (
 from support.node.probes import ProbeCounter
 from support.node.services import desired_listeners, service_endpoints
 from support.node.status import ContainerRecord, PodRecord, pod_phase, pod_status, terminated, waiting
+from support.node.volumes import token_refresh_s
 
 Object = dict[str, Any]
 POD: Object = {
@@ -331,3 +332,22 @@ def test_endpoints_are_the_ready_selected_pods_at_the_target_port(
     service = _service("web", "10.96.0.20", [port])
     service["spec"]["selector"] = {"app": "web"}
     assert service_endpoints(service, port, PODS) == expected
+
+
+@pytest.mark.parametrize(
+    ("sources", "expected"),
+    [
+        ([{"serviceAccountToken": {"path": "token", "expirationSeconds": 3607}}], 0.8 * 3607),
+        ([{"serviceAccountToken": {"path": "a", "expirationSeconds": 600}},
+          {"serviceAccountToken": {"path": "b", "expirationSeconds": 7200}}], 480.0),
+        ([{"configMap": {"name": "kube-root-ca.crt"}}], None),
+    ],
+    ids=["kube-api-access", "the-shortest-lifetime", "no-token"],
+)  # fmt: skip
+def test_tokens_are_renewed_at_80_percent_of_their_lifetime(
+    sources: list[Object], expected: float | None
+) -> None:
+    pod = {
+        "spec": {"volumes": [{"name": "v", "projected": {"sources": sources}}, {"name": "e", "emptyDir": {}}]}
+    }
+    assert token_refresh_s(pod) == expected
