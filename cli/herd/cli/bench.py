@@ -12,6 +12,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from herd.cli import calibrate
 from herd.cli.loadgen import BenchConfig, Progress, format_table, run_benchmark
 from herd.cli.loadgen.config import describe_errors, parse_extra_body
 
@@ -101,6 +102,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--json-out", help="also write the report as JSON to this file")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.set_defaults(func=run)
+    calibrate.register(parser.add_subparsers(dest="bench_command", metavar="calibrate"))
 
 
 def _add_workload_options(parser: argparse.ArgumentParser) -> None:

@@ -1,0 +1,176 @@
+"""Fitting the simulated engine's ``CostModel`` to the real engine.
+
+The real engine runs a grid of batch sizes and context lengths (each batch: that many distinct
+prompts of that length, prefilled, then decoded for a fixed number of tokens, greedily and ignoring
+EOS) on a runner wrapped to time each ``execute``: the runner's share of a step only, since the
+simulated engine pays the scheduler, block manager and detokenizer for real. Each timed step is a
+sample (sequences in the batch, scheduled tokens, attended context tokens -> seconds).
+
+The fit is in two stages, because a decode step schedules one token a sequence and so cannot tell a
+token's cost from a sequence's: the decode steps fix ``stepMs``, the cost of a decoding sequence and
+``contextUs`` (least squares of relative errors over the medians of steps of like shape, no negative
+term), then the prefill steps fix
+``tokenMs`` as the median cost of their tokens beyond a sequence's first, and ``seqMs`` keeps the
+rest of a decoding sequence's cost. Decode steps set the inter-token latency, prefills the time to
+first token; each stage takes its own, so the few prefills are not outvoted by the many decodes.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from herd.api.crd import CostModel
+from herd.api.prompt import PromptRenderer
+from herd.worker.config import EngineConfig
+from herd.worker.engine import LLMEngine
+from herd.worker.model_runner import TorchRunner
+from herd.worker.runner import Runner, StepResult
+from herd.worker.sampling_params import SamplingParams
+from herd.worker.scheduler import SchedulerOutput
+
+if TYPE_CHECKING:
+    import torch
+
+    from herd.worker.cache_geometry import CacheGeometry
+
+__all__ = ["CalibrationGrid", "StepSample", "TimedRunner", "calibrate", "fit_cost_model", "measure_steps"]
+
+_CONTEXT_BUCKET = 32
+"""Tokens of context a sequence per group of decode steps (``_decode_medians``)."""
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One executed step: what it ran and how long the runner took."""
+
+    num_seqs: int
+    num_tokens: int
+    num_context_tokens: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class CalibrationGrid:
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    context_lens: tuple[int, ...] = (32, 128, 384)
+    output_len: int = 16
+    warmup_steps: int = 3
+    """Steps run first and left out of the fit (allocator and kernel warm-up)."""
+
+
+@dataclass
+class TimedRunner:
+    """A ``Runner`` that times each ``execute`` of the runner it wraps."""
+
+    inner: Runner
+    samples: list[StepSample] = field(default_factory=list)
+
+    @property
+    def geometry(self) -> CacheGeometry:
+        return self.inner.geometry
+
+    @property
+    def vocab_size(self) -> int:
+        return self.inner.vocab_size
+
+    def execute(self, plan: SchedulerOutput) -> list[StepResult]:
+        start = time.perf_counter()
+        results = self.inner.execute(plan)
+        context = sum(chunk.start + chunk.num_tokens for chunk in plan.chunks)
+        elapsed = time.perf_counter() - start
+        self.samples.append(StepSample(len(plan.chunks), plan.num_tokens, context, elapsed))
+        return results
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        return self.inner.read_blocks(block_ids)
+
+    def write_blocks(self, block_ids: list[int | None], kv: torch.Tensor) -> None:
+        self.inner.write_blocks(block_ids, kv)
+
+    def check_health(self) -> None:
+        self.inner.check_health()
+
+
+def measure_steps(config: EngineConfig, grid: CalibrationGrid, seed: int = 0) -> list[StepSample]:
+    """Run the grid on herd's torch engine; every step after the warm-up, timed."""
+    renderer = PromptRenderer.from_pretrained(config.model_path)
+    runner = TimedRunner(TorchRunner(config, renderer.eos_token_ids))
+    engine = LLMEngine(config, runner, renderer)
+    rng = random.Random(seed)
+    params = SamplingParams(max_tokens=grid.output_len, temperature=0.0, ignore_eos=True)
+    for number, (batch, length) in enumerate(
+        (batch, length) for length in grid.context_lens for batch in grid.batch_sizes
+    ):
+        for index in range(batch):
+            # Random ids share no prefix, so every prompt is computed in full.
+            prompt = [rng.randrange(engine.vocab_size) for _ in range(length)]
+            engine.add_request(f"calibrate-{number}-{index}", prompt, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+    return runner.samples[grid.warmup_steps :]
+
+
+def fit_cost_model(samples: list[StepSample]) -> CostModel:
+    """The cost model of the samples: the decode steps fix the step, sequence and context terms,
+    then the steps with a prefill fix the cost of each token beyond a sequence's first."""
+    decode = [s for s in samples if s.num_tokens == s.num_seqs]
+    prefill = [s for s in samples if s.num_tokens > s.num_seqs]
+    if not decode or not prefill:
+        raise ValueError("calibration needs decode steps and prefill steps: run a grid with both")
+    medians = _decode_medians(decode)
+    rows = np.array([[1.0, seqs, context / 1000.0] for seqs, context, _ in medians])
+    step_ms, per_seq_ms, context_us = _nonnegative_fit(rows, np.array([ms for _, _, ms in medians]))
+    decode_model = CostModel(step_ms=step_ms, seq_ms=per_seq_ms, token_ms=0.0, context_us=context_us)
+    extra_ms = [
+        (s.seconds - decode_model.step_seconds(s.num_tokens, s.num_seqs, s.num_context_tokens))
+        * 1000.0
+        / (s.num_tokens - s.num_seqs)
+        for s in prefill
+    ]
+    token_ms = max(0.0, float(np.median(extra_ms)))
+    # A decode sequence's one token is in per_seq_ms already: the sequence term keeps the rest.
+    terms = {"step_ms": step_ms, "seq_ms": max(0.0, per_seq_ms - token_ms), "token_ms": token_ms}
+    return CostModel(**{name: round(value, 4) for name, value in {**terms, "context_us": context_us}.items()})
+
+
+def _decode_medians(decode: list[StepSample]) -> list[tuple[int, float, float]]:
+    """Decode steps grouped by batch size and by ``_CONTEXT_BUCKET`` tokens of context a sequence:
+    each group's median context and milliseconds. A busy machine's slow steps are spikes; the
+    medians leave them out, as the latency percentiles the simulation is held to do."""
+    groups: dict[tuple[int, int], list[StepSample]] = {}
+    for sample in decode:
+        bucket = sample.num_context_tokens // sample.num_seqs // _CONTEXT_BUCKET
+        groups.setdefault((sample.num_seqs, bucket), []).append(sample)
+    return [
+        (
+            seqs,
+            float(np.median([s.num_context_tokens for s in group])),
+            float(np.median([s.seconds for s in group])) * 1000.0,
+        )
+        for (seqs, _), group in sorted(groups.items())
+    ]
+
+
+def _nonnegative_fit(rows: np.ndarray, target_ms: np.ndarray) -> list[float]:
+    """Least squares of relative errors (rows weighted by 1/time); a coefficient that comes out
+    negative is dropped and the rest refitted, since no part of a step takes negative time."""
+    weights = 1.0 / np.maximum(target_ms, 1e-3)
+    kept = list(range(rows.shape[1]))
+    while True:
+        solution, *_ = np.linalg.lstsq(rows[:, kept] * weights[:, None], target_ms * weights, rcond=None)
+        if all(value >= 0 for value in solution):
+            break
+        kept.pop(int(np.argmin(solution)))
+    coefficients = [0.0] * rows.shape[1]
+    for index, value in zip(kept, solution, strict=True):
+        coefficients[index] = float(value)
+    return coefficients
+
+
+def calibrate(config: EngineConfig, grid: CalibrationGrid) -> CostModel:
+    return fit_cost_model(measure_steps(config, grid))
