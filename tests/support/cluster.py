@@ -430,14 +430,18 @@ class ControlPlane:
 
 
 def install_herd_chart(
-    plane: ControlPlane, *values: str, release: str = "herd", namespace: str = "herd"
+    plane: ControlPlane, *values: str, release: str = "herd", namespace: str = "herd", pods: bool = False
 ) -> subprocess.CompletedProcess[str]:
     """``helm upgrade --install`` of charts/herd (CRD included; ``values``: ``--set`` arguments).
 
     Every test that needs the CRD installs it this way: a CRD applied by kubectl would carry no Helm
-    ownership, and a later ``helm install`` of the chart would then refuse to take it over.
+    ownership, and a later ``helm install`` of the chart would then refuse to take it over. Unless
+    ``pods``, the chart's operator and orchestrator run no replica: the node agent would run them,
+    and a second operator would reconcile what a test's own (embedded, with the chart's ServiceAccount
+    token) reconciles. A later call without ``pods`` stops them again.
     """
-    sets = [argument for value in values for argument in ("--set", value)]
+    off = () if pods else ("operator.replicas=0", "orchestrator.replicas=0")
+    sets = [argument for value in (*off, *values) for argument in ("--set", value)]
     return plane.helm(
         "upgrade", "--install", release, str(CHART), "-n", namespace, "--create-namespace", *sets
     )
