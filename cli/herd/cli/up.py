@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import random
 import secrets
 import signal
 import socket
@@ -51,6 +52,8 @@ __all__ = [
 
 HOST = "127.0.0.1"
 VLLM_PYTHON_ENV = "HERD_VLLM_PYTHON"
+_BLOCK_PORTS_FROM = 20000
+_EPHEMERAL_FROM = 32768
 
 
 class UpError(RuntimeError):
@@ -85,11 +88,15 @@ def _free_port() -> int:
 
 
 def free_port_block(count: int, attempts: int = 50) -> list[int]:
-    """``count`` consecutive free loopback ports (a simulated fleet listens on a run of them)."""
+    """``count`` consecutive free loopback ports (a simulated fleet listens on a run of them).
+
+    Drawn below Linux's ephemeral range (32768 up), where the kernel gives ports to outgoing
+    connections: a block found free there could be taken by one before the fleet binds it."""
+    rng = random.Random()
     for _ in range(attempts):
-        start = _free_port()
+        start = rng.randrange(_BLOCK_PORTS_FROM, _EPHEMERAL_FROM - count)
         ports = list(range(start, start + count))
-        if ports[-1] < 65536 and all(_is_free(port) for port in ports[1:]):
+        if all(_is_free(port) for port in ports):
             return ports
     raise UpError(f"found no {count} consecutive free ports on {HOST} in {attempts} tries; free some ports")
 
