@@ -48,6 +48,7 @@ pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
 CRD = REPO / "crds" / "herd.dev_modeldeployments.yaml"
 NAMESPACE = "operator-e2e"
+EXAMPLES = "operator-examples"
 TOKEN = "operator-e2e-token"
 OPERATOR_ACCOUNT = ("herd-operator", "herd")  # the chart's operator ServiceAccount (release herd)
 TIMEOUT = 60.0  # for what the operator does in the background: generous for a loaded machine, free when quick
@@ -84,7 +85,50 @@ def owners(obj: dict[str, Any]) -> list[tuple[str, str, bool]]:
     ]
 
 
-def test_kubectl_apply_examples_creates_children_of_the_right_shape(models: Models) -> None:
+def no_pods_policy(namespace: str) -> list[dict[str, Any]]:
+    """A ValidatingAdmissionPolicy (CEL, in the apiserver) and its binding refusing pods in ``namespace``."""
+    name = f"herd-test-no-pods-{namespace}"
+    rules = [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods"]}]
+    policy = {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicy",
+              "metadata": {"name": name},
+              "spec": {"failurePolicy": "Fail", "matchConstraints": {"resourceRules": rules},
+                       "validations": [{"expression": "false", "message": "this namespace runs no pods"}]}}  # fmt: skip
+    binding = {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicyBinding",
+               "metadata": {"name": name},
+               "spec": {"policyName": name, "validationActions": ["Deny"],
+                        "matchResources": {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}}}}}  # fmt: skip
+    return [policy, binding]
+
+
+def refuses_pods(models: Models) -> bool:
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "probe"},
+           "spec": {"containers": [{"name": "probe", "image": "none", "command": ["true"]}]}}  # fmt: skip
+    argv = ["-n", models.namespace, "create", "--dry-run=server", "-f", "-"]
+    done = models.plane.kubectl(*argv, stdin=json.dumps(pod), check=False)
+    return done.returncode != 0 and "this namespace runs no pods" in done.stderr
+
+
+@pytest.fixture
+def no_pods(served: tuple[Models, RefusedRequests]) -> Iterator[Models]:
+    """A namespace of its own whose pods the apiserver refuses (an admission policy): the examples'
+    pools name no nodeSelector and would run real SmolLM2 workers; this test is about what the
+    operator writes."""
+    models, refused = served
+    policy = no_pods_policy(EXAMPLES)
+    with model_namespace(models.plane, EXAMPLES) as examples:
+        for obj in policy:
+            models.plane.kubectl("apply", "-f", "-", stdin=json.dumps(obj))
+        try:
+            eventually(lambda: refuses_pods(examples), "the admission policy in force")
+            yield examples
+        finally:
+            for obj in reversed(policy):
+                models.plane.kubectl("delete", obj["kind"], obj["metadata"]["name"])
+    assert not refused.records, refused.records[:3]
+
+
+def test_kubectl_apply_examples_creates_children_of_the_right_shape(no_pods: Models) -> None:
+    models = no_pods
     models.kubectl("apply", "-f", str(REPO / "examples"))
     expected = {
         "smollm2": {"Deployment/smollm2-workers": 2, "Service/smollm2-workers": None},
@@ -97,23 +141,23 @@ def test_kubectl_apply_examples_creates_children_of_the_right_shape(models: Mode
             "Service/smollm2-disagg-decode": None,
         },
     }
-    try:
-        for md, shape in expected.items():
-            eventually(lambda md=md, shape=shape: set(models.children(md)) == set(shape), f"children of {md}")
-            uid = models.get("md", md)["metadata"]["uid"]
-            for key, obj in models.children(md).items():
-                assert obj["spec"].get("replicas") == shape[key], key
-                assert owners(obj) == [("ModelDeployment", uid, True)], key
-                assert obj["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "herd"
-        llama = models.children("llama-3-8b")["Deployment/llama-3-8b-workers"]["spec"]["template"]["spec"]
-        assert llama["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "1"}
-        assert llama["initContainers"][0]["command"][:2] == ["hf", "download"]
-        qwen = models.children("qwen-chat")["Deployment/qwen-chat-workers"]["spec"]["template"]["spec"]
-        assert qwen["containers"][0]["resources"]["limits"] == {"amd.com/gpu": "1"}
-        decode = models.children("smollm2-disagg")["Deployment/smollm2-disagg-decode"]
-        assert decode["spec"]["template"]["metadata"]["labels"]["herd.dev/role"] == "decode"
-    finally:  # the examples' pools have no nodeSelector: their pods go with them
-        models.kubectl("delete", "-f", str(REPO / "examples"), "--wait=false")
+    for md, shape in expected.items():
+        eventually(lambda md=md, shape=shape: set(models.children(md)) == set(shape), f"children of {md}")
+        uid = models.get("md", md)["metadata"]["uid"]
+        for key, obj in models.children(md).items():
+            assert obj["spec"].get("replicas") == shape[key], key
+            assert owners(obj) == [("ModelDeployment", uid, True)], key
+            assert obj["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "herd"
+    llama = models.children("llama-3-8b")["Deployment/llama-3-8b-workers"]["spec"]["template"]["spec"]
+    assert llama["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "1"}
+    assert llama["initContainers"][0]["command"][:2] == ["hf", "download"]
+    qwen = models.children("qwen-chat")["Deployment/qwen-chat-workers"]["spec"]["template"]["spec"]
+    assert qwen["containers"][0]["resources"]["limits"] == {"amd.com/gpu": "1"}
+    decode = models.children("smollm2-disagg")["Deployment/smollm2-disagg-decode"]
+    assert decode["spec"]["template"]["metadata"]["labels"]["herd.dev/role"] == "decode"
+    num_deployments = len(models.get("deployments")["items"])
+    eventually(lambda: len(models.get("replicasets")["items"]) == num_deployments, "a ReplicaSet for each")
+    assert not models.get("pods")["items"], "the policy admits no pod"
 
 
 def test_replicas_updates_patch_the_deployment(models: Models) -> None:

@@ -47,6 +47,7 @@ OPERATOR_ACCOUNT = ("herd-operator", "herd")
 TIMEOUT_S = 60.0
 HOLD_S = 25.0  # below the webhook's 30 s timeout, far above the kill and the check (well under 1 s)
 IMAGE = "me/worker:7"
+WEBHOOK = "herd-test-hold-service"
 MANIFEST = model_deployment("split", serving={"mode": "disaggregated"}, prefill=pending_pool(1), decode=pending_pool(2))  # fmt: skip
 
 
@@ -99,10 +100,21 @@ def serving_certificate(folder: Path) -> tuple[Path, Path, Path]:
     return folder / "ca.crt", folder / "tls.crt", folder / "tls.key"
 
 
+def webhook_configuration(url: str, ca: Path) -> dict[str, Any]:
+    """A ValidatingWebhookConfiguration that sends Service creates in ``NAMESPACE`` only to ``url``."""
+    hook = {"name": "hold.services.herd.test", "sideEffects": "None", "admissionReviewVersions": ["v1"],
+            "timeoutSeconds": 30, "failurePolicy": "Fail",
+            "clientConfig": {"url": url, "caBundle": base64.b64encode(ca.read_bytes()).decode()},
+            "rules": [{"operations": ["CREATE"], "apiGroups": [""], "apiVersions": ["v1"], "resources": ["services"]}],
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": NAMESPACE}}}  # fmt: skip
+    return {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingWebhookConfiguration",
+            "metadata": {"name": WEBHOOK}, "webhooks": [hook]}  # fmt: skip
+
+
 @contextlib.contextmanager
 def service_webhook(plane: ControlPlane, folder: Path) -> Iterator[ServiceHold]:
-    """A validating webhook on 127.0.0.1 for Service creates in ``NAMESPACE`` only, registered while
-    in the block (the session's other namespaces never meet it)."""
+    """The webhook served on 127.0.0.1 over TLS and registered while in the block (the session's other
+    namespaces never meet it)."""
     ca, cert, key = serving_certificate(folder)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(cert, key)
@@ -111,21 +123,13 @@ def service_webhook(plane: ControlPlane, folder: Path) -> Iterator[ServiceHold]:
     server.socket = context.wrap_socket(server.socket, server_side=True)
     thread = threading.Thread(target=server.serve_forever, name="webhook", daemon=True)
     thread.start()
-    name = "herd-test-hold-service"
-    hook = {"name": "hold.services.herd.test", "sideEffects": "None", "admissionReviewVersions": ["v1"],
-            "timeoutSeconds": 30, "failurePolicy": "Fail",
-            "clientConfig": {"url": f"https://127.0.0.1:{server.server_port}/validate",
-                             "caBundle": base64.b64encode(ca.read_bytes()).decode()},
-            "rules": [{"operations": ["CREATE"], "apiGroups": [""], "apiVersions": ["v1"], "resources": ["services"]}],
-            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": NAMESPACE}}}  # fmt: skip
-    configuration = {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingWebhookConfiguration",
-                     "metadata": {"name": name}, "webhooks": [hook]}  # fmt: skip
-    plane.kubectl("apply", "-f", "-", stdin=json.dumps(configuration))
+    url = f"https://127.0.0.1:{server.server_port}/validate"
+    plane.kubectl("apply", "-f", "-", stdin=json.dumps(webhook_configuration(url, ca)))
     try:
         yield hold
     finally:
         hold.is_released.set()
-        plane.kubectl("delete", "validatingwebhookconfiguration", name)
+        plane.kubectl("delete", "validatingwebhookconfiguration", WEBHOOK)
         server.shutdown()
         server.server_close()
         thread.join(TIMEOUT_S)
