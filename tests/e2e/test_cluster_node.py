@@ -8,6 +8,7 @@ environment, and records its preStop hook and SIGTERM in an emptyDir file) to ke
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import signal
@@ -146,7 +147,13 @@ def test_deployment_pods_run_ready_on_their_own_loopback_addresses(
     cluster: ControlPlane, web: list[Object]
 ) -> None:
     addresses = {pod["status"]["podIP"] for pod in web}
-    assert len(addresses) == 2 and all(address.startswith("127.244.") for address in addresses)
+    block = ipaddress.IPv4Network(
+        cluster.get_json("node", NODE)["metadata"]["annotations"]["herd.dev/pod-cidr"]
+    )
+    assert block.subnet_of(ipaddress.IPv4Network("127.244.0.0/16")), (
+        "the node's own block of loopback addresses"
+    )
+    assert len(addresses) == 2 and all(ipaddress.IPv4Address(address) in block for address in addresses)
     for pod in web:
         assert pod["spec"]["nodeName"] == NODE and pod["status"]["hostIP"] == "127.0.0.1"
         assert b"http.server" in Path(f"/proc/{container_pid(pod)}/cmdline").read_bytes()
@@ -163,7 +170,7 @@ def test_the_service_answers_at_its_address_and_by_name_inside_a_pod(
     cluster: ControlPlane, web: list[Object]
 ) -> None:
     address = cluster.service_address("web", NAMESPACE, 80)
-    assert address.startswith("127.96.0.")
+    assert address.startswith("127.96.") and address.rsplit(":", 1)[1] == "80"
     names = {pod["metadata"]["name"] for pod in web}
 
     def both_answer() -> bool:
@@ -330,22 +337,25 @@ def test_the_service_account_token_logs_in_with_its_own_rbac(
 def test_args_alone_run_on_the_entrypoint_the_agent_was_given(
     cluster: ControlPlane, web: list[Object]
 ) -> None:
-    """herd's images give only args in the chart: a node told their ENTRYPOINT runs them, and one that
-    was not says what to do."""
-    worker = {"image": "herd/worker:0.1.0", "args": ["worker", "--help"]}
+    """herd's images give only args in the chart: a node told their ENTRYPOINT (HERD_ENTRYPOINTS) runs
+    them; for an image it was not told of, it says what to do."""
     node = "herd-node-images"
+    worker = {"image": "herd/worker:0.1.0", "args": ["worker", "--help"]}
     with cluster.node_agent(node, "--taint=herd.dev/test=images:NoSchedule", *HERD_ENTRYPOINTS):
         apply(cluster, bare_pod("entry", [], nodeName=node, container=worker))
-        apply(cluster, bare_pod("no-entry", [], nodeName=NODE, container=worker))
+        apply(
+            cluster, bare_pod("no-entry", [], container={"image": "curlimages/curl:8.11.1", "args": ["-s"]})
+        )
         eventually(
             lambda: get(cluster, "pod", "entry")["status"].get("phase") == "Succeeded", "herd worker --help"
         )
         assert "--engine-json" in (cluster.pod_dir(get(cluster, "pod", "entry")) / "main.log").read_text()
-    waiting = container_state(cluster, "no-entry")["state"]["waiting"]
-    assert (
-        waiting["reason"] == "CreateContainerConfigError"
-        and "--entrypoint=herd/worker=" in waiting["message"]
-    )
+
+    def waiting() -> Object:
+        return dict(container_state(cluster, "no-entry").get("state", {}).get("waiting") or {})
+
+    eventually(lambda: waiting().get("reason") == "CreateContainerConfigError", "CreateContainerConfigError")
+    assert "--entrypoint=curlimages/curl=<command>" in waiting()["message"]
     kubectl(cluster, "delete", "pod", "entry", "--grace-period=0", "--force")
     cluster.kubectl("delete", "node", node)
 
@@ -362,6 +372,13 @@ def test_an_agent_stopped_or_killed_leaves_none_of_its_containers(
         eventually(lambda: container_state(cluster, pod).get("started") is True, "the pinned pod running")
         pid = container_pid(get(cluster, "pod", pod))
         assert is_alive(pid)
+        blocks = [cluster.get_json("node", name)["metadata"]["annotations"] for name in (NODE, node)]
+        assert blocks[0]["herd.dev/pod-cidr"] != blocks[1]["herd.dev/pod-cidr"], (
+            "each node its own pod addresses"
+        )
+        assert blocks[0]["herd.dev/service-loopback"] == blocks[1]["herd.dev/service-loopback"], (
+            "the cluster's"
+        )
         os.kill(agent.pid, getattr(signal, how))
         assert agent.wait(timeout=TIMEOUT) == (0 if how == "SIGTERM" else -signal.SIGKILL)
         eventually(lambda: not is_alive(pid), "the container gone with its agent", timeout=10)

@@ -277,7 +277,9 @@ class ControlPlane:
     def node_agent(self, node: str, *extra: str) -> Iterator[subprocess.Popen[bytes]]:
         """One more node agent, for ``node``, until exit (stopped by its pid; it stops its pods'
         processes itself). Taint it (``--taint=key=value:NoSchedule``) to keep the scheduler away."""
-        argv = self.node_agent_argv(node, self.workdir / node, *extra)
+        argv = self.node_agent_argv(
+            node, self.workdir / node, f"--service-loopback={self.service_loopback}", *extra
+        )
         with running(argv, log=self.workdir / "logs" / f"{node}.log", env=_agent_env()) as process:
             wait_until(lambda: _is_node_ready(self.get_json("node", node)), timeout=START_TIMEOUT_S,
                        interval=0.1, what=f"node {node} Ready")  # fmt: skip
@@ -375,6 +377,12 @@ class ControlPlane:
         found: dict[str, Any] = json.loads(done.stdout) if done.stdout.strip() else {}
         return found
 
+    @property
+    def service_loopback(self) -> str:
+        """The /24 of loopback addresses this cluster's Services answer on (127.96.B.0/24), as its
+        node agent claimed it."""
+        return str(self.get_json("node", NODE)["metadata"]["annotations"]["herd.dev/service-loopback"])
+
     def pod_dir(self, pod: dict[str, Any]) -> Path:
         """The folder where the node agent keeps ``pod``'s volumes (``volumes/<name>``), its hosts file
         (``etc-hosts``) and each container's output (``<container>.log``)."""
@@ -385,7 +393,7 @@ class ControlPlane:
         proxy on 127.96.0.X for the ClusterIP 10.96.0.X (never the ClusterIP itself)."""
         service = self.get_json("service", name, namespace)
         assert service, f"no Service {namespace}/{name}"
-        address = service_loopback(service["spec"].get("clusterIP"), SERVICE_CIDR)
+        address = service_loopback(service["spec"].get("clusterIP"), SERVICE_CIDR, self.service_loopback)
         assert address, f"Service {namespace}/{name} has no ClusterIP the node agent serves (headless?)"
         return f"{address}:{port}"
 

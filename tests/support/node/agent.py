@@ -1,7 +1,7 @@
 """The node agent: ``python -m support.node.agent --kubeconfig K --node herd-node --workdir W
 --apiserver-port P [--image-root R]``.
 
-It registers a Ready Node (renewing its Lease in kube-node-lease and its Ready heartbeat), watches
+It registers a Ready Node (support.node.node: its Lease and heartbeat renewed every 10 s), watches
 every pod, runs those bound to it as local processes (support.node.pods), and serves Services on
 loopback to their ready pods, with each pod's ``/etc/hosts`` naming them (support.node.services). On SIGTERM it stops
 every container it runs (SIGTERM, a grace of at most 5 s, SIGKILL, each by its pid; no preStop, and
@@ -19,37 +19,34 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ipaddress
 import json
 import logging
 import os
-import platform
 import shlex
 import signal
 import sys
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from herd.kube import load_connection, resource_path
-from support.node.addresses import AddressPool
+from support.node.addresses import POD_SPACE, SERVICE_SPACE, AddressPool, claim_block
 from support.node.client import Kube, KubeError
 from support.node.containers import PodContext
+from support.node.node import heartbeat, register
 from support.node.pods import PodRunner, pod_folder
 from support.node.services import HostsFile, ServiceTable
 from support.node.status import now
 
-__all__ = ["Agent", "Settings", "main", "node_object"]
+__all__ = ["Agent", "Settings", "main"]
 
 Object = dict[str, Any]
 _log = logging.getLogger("herd.node.agent")
 REPO = Path(__file__).resolve().parents[3]
-LEASE_S = 40
-RENEW_S = 10.0
 SHUTDOWN_GRACE_S = 5.0
 IMAGE_ENV = ("HOME", "LANG", "LC_ALL", "TMPDIR", "OMP_NUM_THREADS", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 """Variables of the agent's own environment a container gets, as if its image set them."""
-_ARCH = {"x86_64": "amd64", "aarch64": "arm64"}
 
 
 @dataclass(frozen=True)
@@ -62,58 +59,11 @@ class Settings:
     service_cidr: str = "10.96.0.0/24"
     taints: tuple[Object, ...] = ()
     entrypoints: dict[str, list[str]] = field(default_factory=dict)
-
-
-def node_object(node: str, kubelet_version: str, taints: tuple[Object, ...] = ()) -> Object:
-    """The Node as a kubelet registers it: labels, generous capacity, loopback addresses, Ready."""
-    arch = _ARCH.get(platform.machine(), platform.machine())
-    resources = {"cpu": "64", "memory": "256Gi", "pods": "110", "ephemeral-storage": "1Ti"}
-    labels = {"kubernetes.io/hostname": node, "kubernetes.io/os": "linux", "kubernetes.io/arch": arch,
-              "beta.kubernetes.io/os": "linux", "beta.kubernetes.io/arch": arch}  # fmt: skip
-    return {
-        "apiVersion": "v1",
-        "kind": "Node",
-        "metadata": {"name": node, "labels": labels},
-        "spec": {"taints": list(taints)} if taints else {},
-        "status": {
-            "capacity": resources,
-            "allocatable": resources,
-            "addresses": [
-                {"type": "InternalIP", "address": "127.0.0.1"},
-                {"type": "Hostname", "address": node},
-            ],
-            "nodeInfo": {
-                "kubeletVersion": kubelet_version,
-                "kubeProxyVersion": kubelet_version,
-                "operatingSystem": "linux",
-                "architecture": arch,
-                "osImage": "herd test node",
-                "kernelVersion": platform.release(),
-                "containerRuntimeVersion": "herd://0.1.0",
-                "machineID": node,
-                "systemUUID": node,
-                "bootID": node,
-            },
-            "conditions": _conditions(),
-            "daemonEndpoints": {"kubeletEndpoint": {"Port": 0}},
-        },
-    }
-
-
-def _conditions() -> list[Object]:
-    stamp = now()
-    pressures = [
-        {"type": kind, "status": "False", "reason": f"KubeletHas{reason}", "message": message,
-         "lastHeartbeatTime": stamp, "lastTransitionTime": stamp}
-        for kind, reason, message in (
-            ("MemoryPressure", "SufficientMemory", "kubelet has sufficient memory available"),
-            ("DiskPressure", "NoDiskPressure", "kubelet has no disk pressure"),
-            ("PIDPressure", "SufficientPID", "kubelet has sufficient PID available"),
-        )
-    ]  # fmt: skip
-    ready = {"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "herd node agent is posting ready status",
-             "lastHeartbeatTime": stamp, "lastTransitionTime": stamp}  # fmt: skip
-    return [*pressures, ready]
+    pod_cidr: str | None = None
+    """This node's /24 of pod addresses in 127.244.0.0/16; None: the first free one."""
+    service_loopback: str | None = None
+    """The cluster's /24 of Service addresses in 127.96.0.0/16; None: the first free one (the first
+    node of a cluster claims it, a second node of the same cluster is given it)."""
 
 
 @dataclass
@@ -122,52 +72,12 @@ class Agent:
 
     settings: Settings
     kube: Kube
-    pool: AddressPool = field(default_factory=AddressPool)
+    pool: AddressPool
+    services: ServiceTable
     runners: dict[str, PodRunner] = field(default_factory=dict)
     tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     ending: set[str] = field(default_factory=set)
     background: set[asyncio.Task[None]] = field(default_factory=set)
-
-    def __post_init__(self) -> None:
-        self.services = ServiceTable(self.settings.service_cidr)
-
-    # The node.
-
-    async def register(self) -> None:
-        version = await self.kube.get("/version")
-        assert version is not None, "the apiserver has no /version"
-        node = node_object(self.settings.node, version["gitVersion"], self.settings.taints)
-        with contextlib.suppress(KubeError):  # 409: registered before (an agent restarted)
-            await self.kube.create("/api/v1/nodes", node)
-        path = f"/api/v1/nodes/{self.settings.node}"
-        await self.kube.patch_status(path, node["status"])
-        # The TaintNodesByCondition admission plugin taints a new Node not-ready; the node lifecycle
-        # controller (not run here) would lift it once Ready: the agent, Ready at once, does.
-        taints = {"spec": {"taints": list(self.settings.taints) or None}}
-        await self.kube.request("PATCH", path, body=taints, content_type="application/merge-patch+json")
-        await self._renew_lease()
-
-    async def _renew_lease(self) -> None:
-        node = self.settings.node
-        path = resource_path("coordination.k8s.io/v1", "leases", "kube-node-lease", node)
-        spec = {"holderIdentity": node, "leaseDurationSeconds": LEASE_S, "renewTime": _micro_time()}
-        patched = await self.kube.request("PATCH", path, body={"spec": spec}, content_type="application/merge-patch+json")  # fmt: skip
-        if patched is None:
-            body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "spec": spec,
-                    "metadata": {"name": node, "namespace": "kube-node-lease"}}  # fmt: skip
-            await self.kube.create(resource_path("coordination.k8s.io/v1", "leases", "kube-node-lease"), body)
-
-    async def heartbeat(self) -> None:
-        """The Lease every 10 s and the Ready condition's heartbeat with it, as a kubelet renews them."""
-        while True:
-            await asyncio.sleep(RENEW_S)
-            try:
-                await self._renew_lease()
-                await self.kube.patch_status(
-                    f"/api/v1/nodes/{self.settings.node}", {"conditions": _conditions()}
-                )
-            except KubeError as error:
-                _log.warning(json.dumps({"msg": "node heartbeat refused", "error": str(error)}))
 
     # Pods.
 
@@ -283,9 +193,10 @@ class Agent:
     # Running.
 
     async def serve(self, stop: asyncio.Event) -> None:
-        await self.register()
+        blocks = {"pod-cidr": str(self.pool.network), "service-loopback": self.services.loopback}
+        await register(self.kube, self.settings.node, self.settings.taints, blocks)
         loops = [
-            self.heartbeat(),
+            heartbeat(self.kube, self.settings.node),
             self.kube.watch("/api/v1/pods", self.on_pods, self.on_pod),
             self.kube.watch("/api/v1/services", self.services.on_services, self.services.on_service),
         ]
@@ -323,10 +234,6 @@ def _launcher_env() -> dict[str, str]:
     return dict(os.environ)
 
 
-def _micro_time() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
 def _parse(argv: list[str] | None) -> Settings:
     parser = argparse.ArgumentParser(prog="python -m support.node.agent", description=__doc__)
     parser.add_argument("--kubeconfig", required=True)
@@ -335,6 +242,8 @@ def _parse(argv: list[str] | None) -> Settings:
     parser.add_argument("--apiserver-port", type=int, required=True)
     parser.add_argument("--image-root", type=Path, default=REPO)
     parser.add_argument("--service-cidr", default="10.96.0.0/24")
+    parser.add_argument("--pod-cidr", help="a /24 of 127.244.0.0/16 (default: the first free one)")
+    parser.add_argument("--service-loopback", help="a /24 of 127.96.0.0/16 (default: the first free one)")
     parser.add_argument("--taint", action="append", default=[], help="key=value:Effect, as the kubelet's --register-with-taints")  # fmt: skip
     parser.add_argument("--entrypoint", action="append", default=[], metavar="IMAGE=COMMAND",
                         help="the entrypoint of an image (repository, no tag), for containers that give only args")  # fmt: skip
@@ -342,7 +251,8 @@ def _parse(argv: list[str] | None) -> Settings:
     taints = tuple(_taint(text) for text in args.taint)
     entrypoints = {image: shlex.split(command) for image, _, command in (text.partition("=") for text in args.entrypoint)}  # fmt: skip
     return Settings(args.kubeconfig, args.node, args.workdir.resolve(), args.apiserver_port,
-                    args.image_root.resolve(), args.service_cidr, taints, entrypoints)  # fmt: skip
+                    args.image_root.resolve(), args.service_cidr, taints, entrypoints, args.pod_cidr,
+                    args.service_loopback)  # fmt: skip
 
 
 def _taint(text: str) -> Object:
@@ -356,8 +266,20 @@ async def _amain(settings: Settings) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    agent = Agent(settings, Kube(load_connection(settings.kubeconfig)))
-    await agent.serve(stop)
+    pods, pod_claim = claim_block(POD_SPACE, settings.pod_cidr)
+    services, service_claim = (
+        (ipaddress.IPv4Network(settings.service_loopback), None)  # held by the cluster's first node
+        if settings.service_loopback
+        else claim_block(SERVICE_SPACE)
+    )
+    table = ServiceTable(settings.service_cidr, str(services))
+    agent = Agent(settings, Kube(load_connection(settings.kubeconfig)), AddressPool(pods), table)
+    try:
+        await agent.serve(stop)
+    finally:
+        for claim in (pod_claim, service_claim):
+            if claim is not None:
+                claim.close()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,6 +1,6 @@
 """Services on this node, a userspace kube-proxy and the cluster DNS in miniature.
 
-Each Service with a ClusterIP 10.96.0.X is served on 127.96.0.X at each of its TCP ports: a
+Each Service with a ClusterIP 10.96.0.X is served on 127.96.B.X at each of its TCP ports: a
 connection goes to the next ready pod the Service selects (round robin), at the port its targetPort
 names (a number, or a container port's name). kube-proxy reads EndpointSlices instead; here they
 stay empty: the apiserver refuses loopback addresses in them ("may not be in the loopback range"),
@@ -41,11 +41,11 @@ class Listener:
     name: str
 
 
-def desired_listeners(services: Iterable[Object], service_cidr: str) -> set[Listener]:
+def desired_listeners(services: Iterable[Object], service_cidr: str, loopback: str) -> set[Listener]:
     """The loopback listeners for ``services``: every TCP port of each with a ClusterIP."""
     wanted = set()
     for service in services:
-        address = service_loopback(service["spec"].get("clusterIP"), service_cidr)
+        address = service_loopback(service["spec"].get("clusterIP"), service_cidr, loopback)
         if address is None:
             continue
         metadata = service["metadata"]
@@ -99,6 +99,8 @@ class ServiceTable:
     """Services and pods as watched; keeps the listeners and hosts files in step."""
 
     service_cidr: str
+    loopback: str
+    """The block of loopback addresses this cluster's Services are served on (127.96.B.0/24)."""
     services: dict[Key, Object] = field(default_factory=dict)
     pods: dict[Key, Object] = field(default_factory=dict)
     servers: dict[Listener, asyncio.Server] = field(default_factory=dict)
@@ -128,7 +130,7 @@ class ServiceTable:
     def entries(self) -> list[HostsEntry]:
         entries = []
         for (namespace, name), service in self.services.items():
-            address = service_loopback(service["spec"].get("clusterIP"), self.service_cidr)
+            address = service_loopback(service["spec"].get("clusterIP"), self.service_cidr, self.loopback)
             if address is not None:
                 entries.append(HostsEntry(name, namespace, address))
         return entries
@@ -146,7 +148,7 @@ class ServiceTable:
         self.hosts.pop(path, None)
 
     async def _sync(self) -> None:
-        wanted = desired_listeners(self.services.values(), self.service_cidr)
+        wanted = desired_listeners(self.services.values(), self.service_cidr, self.loopback)
         for listener in set(self.servers) - wanted:
             self.servers.pop(listener).close()
         for listener in wanted - set(self.servers):

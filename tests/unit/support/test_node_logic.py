@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import base64
+import ipaddress
 from typing import Any
 
 import pytest
-from support.node.addresses import AddressPool, HostsEntry, bind_pod_ip, hosts_file, service_loopback
+from support.node.addresses import (
+    POD_SPACE,
+    AddressPool,
+    HostsEntry,
+    bind_pod_ip,
+    claim_block,
+    hosts_file,
+    service_loopback,
+)
 from support.node.containers import should_restart
 from support.node.env import (
     ConfigError,
@@ -32,18 +41,33 @@ POD: Object = {
 
 
 def test_addresses_start_at_one_and_come_back_once_released() -> None:
-    pool = AddressPool()
-    assert [pool.allocate() for _ in range(3)] == ["127.244.0.1", "127.244.0.2", "127.244.0.3"]
-    pool.release("127.244.0.2")
-    assert pool.allocate() == "127.244.0.2"
-    assert pool.allocate() == "127.244.0.4"
+    pool = AddressPool(ipaddress.IPv4Network("127.244.3.0/24"))
+    assert [pool.allocate() for _ in range(3)] == ["127.244.3.1", "127.244.3.2", "127.244.3.3"]
+    pool.release("127.244.3.2")
+    assert pool.allocate() == "127.244.3.2"
+    assert pool.allocate() == "127.244.3.4"
+
+
+def test_each_claim_holds_its_own_block_until_closed() -> None:
+    first, first_claim = claim_block(POD_SPACE)
+    second, second_claim = claim_block(POD_SPACE)
+    try:
+        assert first != second and first.prefixlen == second.prefixlen == 24
+        with pytest.raises(RuntimeError, match="other node agents on this machine hold them"):
+            claim_block(POD_SPACE, str(first))
+    finally:
+        first_claim.close()
+        second_claim.close()
+    again, claim = claim_block(POD_SPACE, str(first))
+    claim.close()
+    assert again == first
 
 
 @pytest.mark.parametrize(
     ("cluster_ip", "expected"),
     [
-        ("10.96.0.17", "127.96.0.17"),
-        ("10.96.0.1", "127.96.0.1"),
+        ("10.96.0.17", "127.96.2.17"),
+        ("10.96.0.1", "127.96.2.1"),
         ("None", None),
         ("", None),
         (None, None),
@@ -52,7 +76,7 @@ def test_addresses_start_at_one_and_come_back_once_released() -> None:
     ids=["service", "kubernetes", "headless", "empty", "missing", "outside-the-cidr"],
 )
 def test_a_cluster_ip_maps_onto_loopback(cluster_ip: str | None, expected: str | None) -> None:
-    assert service_loopback(cluster_ip, "10.96.0.0/24") == expected
+    assert service_loopback(cluster_ip, "10.96.0.0/24", "127.96.2.0/24") == expected
 
 
 @pytest.mark.parametrize(
@@ -299,7 +323,7 @@ def test_listeners_for_every_tcp_port_of_services_with_a_cluster_ip() -> None:
         _service("web", "10.96.0.20", [{"name": "http", "port": 80}, {"name": "dns", "port": 53, "protocol": "UDP"}]),
         _service("headless", "None", [{"name": "http", "port": 80}]),
     ]  # fmt: skip
-    listeners = desired_listeners(services, "10.96.0.0/24")
+    listeners = desired_listeners(services, "10.96.0.0/24", "127.96.0.0/24")
     assert {(item.address, item.port, item.name) for item in listeners} == {("127.96.0.20", 80, "web")}
 
 
