@@ -272,7 +272,7 @@ async def _amain(settings: Settings) -> None:
         if settings.service_loopback
         else claim_block(SERVICE_SPACE)
     )
-    table = ServiceTable(settings.service_cidr, str(services))
+    table = ServiceTable(settings.service_cidr, str(services), is_proxy=service_claim is not None)
     agent = Agent(settings, Kube(load_connection(settings.kubeconfig)), AddressPool(pods), table)
     try:
         await agent.serve(stop)

@@ -146,9 +146,10 @@ class ContainerRunner:
         argv = container_argv(self.spec, env, self.ctx.entrypoints)
         return bind_pod_ip(argv, self.ctx.pod_ip), env
 
-    async def _launch(self) -> tuple[subprocess.Popen[bytes], str] | None:
+    async def _configure(self) -> tuple[list[str], dict[str, str]] | None:
+        """The command line and environment; None (and the reason shown, once) when they cannot be made."""
         try:
-            argv, env = await self._resolve()
+            return await self._resolve()
         except ConfigError as error:
             was = self.record.state.get("waiting", {}).get("message")
             self.record.state = waiting("CreateContainerConfigError", str(error))
@@ -156,24 +157,31 @@ class ContainerRunner:
                 self.ctx.changed()
                 await self.ctx.report("Warning", "Failed", f"Error: {error}", self.name)
             return None
+
+    async def _launch(self) -> tuple[subprocess.Popen[bytes], str] | None:
+        """The container's process and its start time; None when it could not be configured (a
+        sandbox that failed leaves the state terminated with StartError)."""
+        configured = await self._configure()
+        if configured is None:
+            return None
+        argv, env = configured
         cwd = self.spec.get("workingDir") or str(self.ctx.image_root)
-        self.target = Target(self.ctx.pod_ip, _named_ports(self.spec), env, cwd, 0)
         spec = spec_for(argv, env, cwd, mounts_for(self.spec, self.ctx.volumes), str(self.ctx.hosts))
         process, failure = await self._spawn(spec)
         started_at = now()
+        self.target = Target(self.ctx.pod_ip, _named_ports(self.spec), env, cwd, process.pid)
         if failure:
             self.record.state = terminated(
                 EXIT_SANDBOX_FAILED, started_at, reason="StartError", message=failure
             )
-            self.ctx.changed()
-            await self.ctx.report("Warning", "Failed", f"Error: {failure}", self.name)
-            return process, started_at
-        self.target = Target(self.ctx.pod_ip, self.target.ports, env, cwd, process.pid)
-        self.record.state, self.record.pid = {"running": {"startedAt": started_at}}, process.pid
-        self.record.started = "startupProbe" not in self.spec
-        self.record.ready = self.record.started and "readinessProbe" not in self.spec
-        self.ctx.changed()
-        await self.ctx.report("Normal", "Started", f"Started container {self.name}", self.name)
+            event = ("Warning", "Failed", f"Error: {failure}")
+        else:
+            self.record.state, self.record.pid = {"running": {"startedAt": started_at}}, process.pid
+            self.record.started = "startupProbe" not in self.spec
+            self.record.ready = self.record.started and "readinessProbe" not in self.spec
+            event = ("Normal", "Started", f"Started container {self.name}")
+        self.ctx.changed()  # the status first: the Event can wait
+        await self.ctx.report(*event, self.name)
         return process, started_at
 
     async def _spawn(self, spec: Object) -> tuple[subprocess.Popen[bytes], str]:

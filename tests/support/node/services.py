@@ -101,6 +101,8 @@ class ServiceTable:
     service_cidr: str
     loopback: str
     """The block of loopback addresses this cluster's Services are served on (127.96.B.0/24)."""
+    is_proxy: bool = True
+    """Whether this agent serves them (the cluster's first node does; another only names them)."""
     services: dict[Key, Object] = field(default_factory=dict)
     pods: dict[Key, Object] = field(default_factory=dict)
     servers: dict[Listener, asyncio.Server] = field(default_factory=dict)
@@ -148,7 +150,11 @@ class ServiceTable:
         self.hosts.pop(path, None)
 
     async def _sync(self) -> None:
-        wanted = desired_listeners(self.services.values(), self.service_cidr, self.loopback)
+        wanted = (
+            desired_listeners(self.services.values(), self.service_cidr, self.loopback)
+            if self.is_proxy
+            else set()
+        )
         for listener in set(self.servers) - wanted:
             self.servers.pop(listener).close()
         for listener in wanted - set(self.servers):
