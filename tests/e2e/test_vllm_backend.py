@@ -212,3 +212,24 @@ def test_kv_cache_aware_routing_follows_vllms_kv_events(
         assert shared >= 4 and cached >= shared * BLOCK_SIZE, (
             f"{cached} tokens cached of {shared} shared blocks"
         )
+
+
+def _num_running(worker: Worker) -> float:
+    """vLLM's running requests, from its /metrics through the sidecar."""
+    text = httpx.get(f"{worker.url}/metrics", timeout=5).text
+    prefix = "vllm:num_requests_running{"
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
+
+
+def test_a_client_that_hangs_up_aborts_the_request_in_vllm(gateway: tuple[str, list[Worker]]) -> None:
+    _, workers = gateway
+    worker = workers[0]
+    body = _chat("Be long.", "Count to a thousand.", stream=True, max_tokens=1500, ignore_eos=True)
+    with httpx.stream("POST", f"{worker.url}/v1/chat/completions", json=body, timeout=120) as stream:
+        assert stream.status_code == 200
+        lines = stream.iter_lines()
+        wait_until(
+            lambda: bool(next(lines)) and _num_running(worker) == 1, timeout=30, what="vLLM running it"
+        )
+    # 1,500 tokens take a minute or more here: vLLM drops the request once the sidecar hangs up
+    wait_until(lambda: _num_running(worker) == 0, timeout=20, what="vLLM aborting the abandoned request")
