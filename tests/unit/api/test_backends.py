@@ -148,6 +148,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.slow
 @skip_without_vllm
 def test_vllm_own_parser_takes_the_argv() -> None:
     engine = {
