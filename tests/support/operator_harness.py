@@ -28,6 +28,7 @@ __all__ = [
     "Models",
     "RefusedRequests",
     "embedded_operator",
+    "is_refusal",
     "kube_orchestrator",
     "logged_refusals",
     "model_deployment",
@@ -187,12 +188,18 @@ def kube_orchestrator(models: Models, token: str, log: Path, *args: str) -> Iter
         yield url
 
 
-class RefusedRequests(logging.Handler):
-    """Every warning or error logged about a refused request (403, Forbidden), as ``logger: message``.
+def is_refusal(message: str) -> bool:
+    """Whether a logged message tells of a request RBAC refused (403, Forbidden).
 
     A write into a namespace being deleted is a 403 too ("... because it is being terminated", as an
     operator serving every namespace meets in another test's namespace): no RBAC rule is missing
-    there, so it is not counted."""
+    there, so it does not count."""
+    is_refused = "403" in message or "forbidden" in message.lower()
+    return is_refused and "because it is being terminated" not in message
+
+
+class RefusedRequests(logging.Handler):
+    """Every warning or error logged about a refused request (:func:`is_refusal`), as ``logger: message``."""
 
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
@@ -200,8 +207,7 @@ class RefusedRequests(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         message = record.getMessage()
-        is_refused = "403" in message or "forbidden" in message.lower()
-        if is_refused and "because it is being terminated" not in message:
+        if is_refusal(message):
             self.records.append(f"{record.name}: {message}")
 
 
