@@ -83,7 +83,8 @@ HERD_ENTRYPOINTS = tuple(
     f"--entrypoint=herd/{image}=herd" for image in ("operator", "orchestrator", "worker")
 )
 """Node agent options giving herd's images their ENTRYPOINT (docker/*.Dockerfile), so that the chart's
-containers, which give only ``args``, run: ``control_plane(..., node_args=HERD_ENTRYPOINTS)``."""
+containers, which give only ``args``, run: the node agent's default options, as a node that has
+herd's images."""
 
 
 class BinariesMissingError(RuntimeError):
@@ -167,8 +168,8 @@ class ControlPlane:
     binaries: Binaries
     etcd_dir: Path
     apiserver_port: int = 0
-    node_args: tuple[str, ...] = ()
-    """More options of the node agent of ``herd-node`` (e.g. :data:`HERD_ENTRYPOINTS`)."""
+    node_args: tuple[str, ...] = HERD_ENTRYPOINTS
+    """More options of the node agent of ``herd-node`` (default: :data:`HERD_ENTRYPOINTS`)."""
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     argv: dict[str, list[str]] = field(default_factory=dict)
     start_seconds: dict[str, float] = field(default_factory=dict)
@@ -528,7 +529,7 @@ def is_alive(pid: int) -> bool:
 
 @contextlib.contextmanager
 def control_plane(
-    workdir: Path, binaries: Binaries | None = None, *, node_args: tuple[str, ...] = ()
+    workdir: Path, binaries: Binaries | None = None, *, node_args: tuple[str, ...] = HERD_ENTRYPOINTS
 ) -> Iterator[ControlPlane]:
     """A started control plane in ``workdir`` (etcd's data on /dev/shm), stopped on exit;
     ``node_args``: more options of its node agent."""
