@@ -88,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         body_timeout=args.body_timeout,
         gateway=GatewaySettings(request_timeout=args.request_timeout),
+        ready_when_synced=args.kubernetes,
     )
     app = build_app(source, settings=settings, state=build_state(args.redis), api_keys=api_keys)
     limits = ServerLimits(max_header_bytes=args.max_header_bytes, keep_alive_timeout=args.keep_alive_timeout)

@@ -49,6 +49,11 @@ class AppSettings:
     """Longest time a client may take to send a request body (a slow client gets 408)."""
     gateway: GatewaySettings = field(default_factory=GatewaySettings)
     registry: RegistrySettings = field(default_factory=RegistrySettings)
+    ready_when_synced: bool = False
+    """What ``/ready`` waits for. False (a fixed list of workers): every model has a healthy worker.
+    True (discovered workers, as on Kubernetes): the discovery's first membership, models or none; a
+    model without workers then fails its own requests (503) and takes no other model's traffic with
+    it, as it would if one model's outage took the orchestrator out of its Service."""
 
 
 def build_app(
@@ -87,7 +92,13 @@ def build_app(
     )
     app.state.registry, app.state.gateway, app.state.telemetry = registry, gateway, telemetry
     _add_openai_routes(app, gateway, settings)
-    _add_ops_routes(app, registry, telemetry, is_key_required=api_keys.is_enabled)
+    _add_ops_routes(
+        app,
+        registry,
+        telemetry,
+        is_key_required=api_keys.is_enabled,
+        ready_when_synced=settings.ready_when_synced,
+    )
     if api_keys.is_enabled:
         app.add_middleware(RequireApiKey, keys=api_keys)
     install_error_handlers(app)  # last: its catch-all wraps everything else
@@ -143,7 +154,9 @@ def _add_openai_routes(app: FastAPI, gateway: Gateway, settings: AppSettings) ->
     app.add_api_route("/v1/models", models, methods=["GET"], **route_docs("/v1/models"))
 
 
-def _add_ops_routes(app: FastAPI, registry: Registry, telemetry: Telemetry, *, is_key_required: bool) -> None:
+def _add_ops_routes(
+    app: FastAPI, registry: Registry, telemetry: Telemetry, *, is_key_required: bool, ready_when_synced: bool
+) -> None:
     async def health() -> Response:
         return JSONResponse({"status": "ok"})
 
@@ -151,8 +164,10 @@ def _add_ops_routes(app: FastAPI, registry: Registry, telemetry: Telemetry, *, i
         waiting = [
             name for name in registry.models if not any(view.is_healthy for view in registry.views(name))
         ]
-        if registry.models and not waiting:
-            return JSONResponse({"status": "ready"})
+        if not registry.has_membership:
+            return JSONResponse({"status": "waiting", "reason": "discovery has not synced"}, status_code=503)
+        if ready_when_synced or (registry.models and not waiting):
+            return JSONResponse({"status": "ready", "models_without_workers": waiting})
         return JSONResponse({"status": "waiting", "models_without_workers": waiting}, status_code=503)
 
     async def metrics() -> Response:

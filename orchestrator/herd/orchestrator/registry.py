@@ -99,6 +99,8 @@ class Registry:
         self.models: dict[str, ServedModel] = {}
         self.workers: dict[str, WorkerState] = {}
         self.tokenizers = TokenizerFetcher(client)
+        self.has_membership = False
+        """The source has given its first membership (a discovery has synced)."""
 
     async def run(self, source: WorkerSource) -> None:
         """Follow the source until cancelled; every worker task stops with it."""
@@ -110,6 +112,7 @@ class Registry:
             await self._stop_all()
 
     def apply_membership(self, membership: Membership) -> None:
+        self.has_membership = True
         self._apply_models(membership.models)
         wanted = {endpoint.id: endpoint for endpoint in membership.endpoints if endpoint.model in self.models}
         for worker_id in [worker_id for worker_id in self.workers if worker_id not in wanted]:

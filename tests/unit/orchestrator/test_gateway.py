@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import AsyncIterator
 
+import httpx
 import pytest
 from support.gateway_fakes import (
     FAST_REGISTRY,
@@ -20,8 +22,9 @@ from support.gateway_fakes import (
 from herd.api.crd import StickySessionRouting
 from herd.api.metrics import ORCHESTRATOR_METRICS
 from herd.api.protocol import WORKER_HEADER
-from herd.orchestrator.app import AppSettings
+from herd.orchestrator.app import AppSettings, build_app
 from herd.orchestrator.auth import ApiKeys
+from herd.orchestrator.discovery import Membership
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 
@@ -223,6 +226,43 @@ async def test_health_ready_and_dashboard() -> None:
     assert "<script>" in page.text and "http" not in page.text.split("<script>")[1].split("fetch(")[0]
     assert {row["id"] for row in data["workers"]} == {"w0", "w1"}
     assert data["request_rate_per_s"] > 0 and data["ttft_p50_ms"] is not None
+
+
+READINESS = {
+    "fixed-workers-admitted": (False, True, 200),
+    "fixed-model-without-workers": (False, False, 503),
+    "discovered-workers-admitted": (True, True, 200),
+    "discovered-model-without-workers": (True, False, 200),
+}
+
+
+@pytest.mark.parametrize(("ready_when_synced", "is_up", "status"), READINESS.values(), ids=READINESS.keys())
+async def test_ready_waits_for_every_model_or_only_for_the_discovery(
+    ready_when_synced: bool, is_up: bool, status: int
+) -> None:
+    cluster = FakeCluster([FakeWorker("w0", is_up=is_up)])
+    settings = AppSettings(registry=FAST_REGISTRY, ready_when_synced=ready_when_synced)
+    async with running_gateway(cluster, settings=settings) as (_, client):
+        ready = await client.get("/ready")
+    assert ready.status_code == status
+    assert ready.json()["models_without_workers"] == ([] if is_up else [MODEL])
+
+
+class _SilentSource:
+    """A discovery that never syncs."""
+
+    async def watch(self) -> AsyncIterator[Membership]:
+        await asyncio.Event().wait()
+        yield Membership(models=(), endpoints=())
+
+
+async def test_not_ready_before_the_discovery_syncs() -> None:
+    app = build_app(_SilentSource(), settings=AppSettings(ready_when_synced=True))
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://orchestrator") as client:
+            ready = await client.get("/ready")
+    assert ready.status_code == 503 and ready.json()["reason"] == "discovery has not synced"
 
 
 async def test_metrics_expose_every_orchestrator_metric() -> None:
