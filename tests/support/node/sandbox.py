@@ -68,27 +68,38 @@ def _mount(source: str | None, target: str, flags: int) -> None:
     )
 
 
-def _bind(source: str, target: str, *, read_only: bool) -> None:
-    """Bind ``source`` at ``target``, creating the mount point (a directory, or an empty file for a
-    file) when it is missing."""
-    path = Path(target)
-    if Path(source).is_dir():
+def _bind(source: int, target: str, *, read_only: bool) -> None:
+    """Bind the file or directory open as ``source`` (an ``O_PATH`` descriptor) at ``target``,
+    creating the mount point (a directory, or an empty file for a file) when it is missing."""
+    path, origin = Path(target), f"/proc/self/fd/{source}"
+    if os.path.isdir(origin):
         path.mkdir(parents=True, exist_ok=True)
     elif not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.touch()
-    _mount(source, target, MS_BIND | MS_REC)
+    _mount(origin, target, MS_BIND | MS_REC)
     if read_only:
         _mount(None, target, MS_BIND | MS_REMOUNT | MS_RDONLY)
+
+
+def _binds(spec: dict[str, Any]) -> list[tuple[int, str, bool]]:
+    """Every bind as (source descriptor, target, read-only), parents before children as a kubelet
+    mounts them. The sources are opened before the first mount: a volume mounted at ``/tmp`` would
+    otherwise hide the next one's source when the pod folders lie under ``/tmp``."""
+    mounts = sorted(spec["mounts"], key=lambda mount: Path(mount["target"]).parts)
+    binds = [(mount["source"], mount["target"], bool(mount.get("readOnly"))) for mount in mounts]
+    binds.append((spec["hosts"], "/etc/hosts", False))
+    return [(os.open(source, os.O_PATH | os.O_CLOEXEC), target, ro) for source, target, ro in binds]
 
 
 def _prepare(spec: dict[str, Any]) -> None:
     try:
         _enter_namespace()
         _mount(None, "/", MS_REC | MS_PRIVATE)
-        for mount in spec["mounts"]:
-            _bind(mount["source"], mount["target"], read_only=mount.get("readOnly", False))
-        _bind(spec["hosts"], "/etc/hosts", read_only=False)
+        binds = _binds(spec)  # opened inside the namespace: a bind's source must be one of its mounts
+        for source, target, read_only in binds:
+            _bind(source, target, read_only=read_only)
+            os.close(source)
         _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")
     except (OSError, SandboxError) as error:
         raise SandboxError(
