@@ -9,7 +9,7 @@ sample (sequences in the batch, scheduled tokens, attended context tokens -> sec
 The fit is in two stages, because a decode step schedules one token a sequence and so cannot tell a
 token's cost from a sequence's: the decode steps fix ``stepMs``, the cost of a decoding sequence and
 ``contextUs`` (least squares of relative errors over the medians of steps of like shape, no negative
-term), then the prefill steps fix
+term, the context term only where it explains a fifth of the rest's error), then the prefill steps fix
 ``tokenMs`` as the median cost of their tokens beyond a sequence's first, and ``seqMs`` keeps the
 rest of a decoding sequence's cost. Decode steps set the inter-token latency, prefills the time to
 first token; each stage takes its own, so the few prefills are not outvoted by the many decodes.
@@ -42,6 +42,8 @@ __all__ = ["CalibrationGrid", "StepSample", "TimedRunner", "calibrate", "fit_cos
 
 _CONTEXT_BUCKET = 32
 """Tokens of context a sequence per group of decode steps (``_decode_medians``)."""
+_CONTEXT_GAIN = 0.2
+"""The share of the residual error the context term must remove to be kept (``_fit_decode``)."""
 
 
 @dataclass(frozen=True)
@@ -122,9 +124,7 @@ def fit_cost_model(samples: list[StepSample]) -> CostModel:
     prefill = [s for s in samples if s.num_tokens > s.num_seqs]
     if not decode or not prefill:
         raise ValueError("calibration needs decode steps and prefill steps: run a grid with both")
-    medians = _decode_medians(decode)
-    rows = np.array([[1.0, seqs, context / 1000.0] for seqs, context, _ in medians])
-    step_ms, per_seq_ms, context_us = _nonnegative_fit(rows, np.array([ms for _, _, ms in medians]))
+    step_ms, per_seq_ms, context_us = _fit_decode(_decode_medians(decode))
     decode_model = CostModel(step_ms=step_ms, seq_ms=per_seq_ms, token_ms=0.0, context_us=context_us)
     extra_ms = [
         (s.seconds - decode_model.step_seconds(s.num_tokens, s.num_seqs, s.num_context_tokens))
@@ -136,6 +136,22 @@ def fit_cost_model(samples: list[StepSample]) -> CostModel:
     # A decode sequence's one token is in per_seq_ms already: the sequence term keeps the rest.
     terms = {"step_ms": step_ms, "seq_ms": max(0.0, per_seq_ms - token_ms), "token_ms": token_ms}
     return CostModel(**{name: round(value, 4) for name, value in {**terms, "context_us": context_us}.items()})
+
+
+def _fit_decode(medians: list[tuple[int, float, float]]) -> list[float]:
+    """``[stepMs, ms a decoding sequence, contextUs]``. The context term is kept only where it
+    explains at least ``_CONTEXT_GAIN`` of what the other two leave: over short contexts its cost
+    drowns in a busy machine's noise, and a term fitted to noise takes from the others at random."""
+    rows = np.array([[1.0, seqs, context / 1000.0] for seqs, context, _ in medians])
+    target_ms = np.array([ms for _, _, ms in medians])
+    with_context = _nonnegative_fit(rows, target_ms)
+    without = [*_nonnegative_fit(rows[:, :2], target_ms), 0.0]
+    residuals = [_relative_residual(rows, target_ms, fit) for fit in (with_context, without)]
+    return with_context if residuals[0] <= (1.0 - _CONTEXT_GAIN) * residuals[1] else without
+
+
+def _relative_residual(rows: np.ndarray, target_ms: np.ndarray, coefficients: list[float]) -> float:
+    return float(np.sum(((rows @ np.array(coefficients) - target_ms) / target_ms) ** 2))
 
 
 def _decode_medians(decode: list[StepSample]) -> list[tuple[int, float, float]]:
