@@ -34,6 +34,7 @@ from support.operator_harness import (
     logged_refusals,
     model_deployment,
     model_namespace,
+    operated_namespace,
     own_control_plane,
     pending_pool,
     tiny_model_deployment,
@@ -50,7 +51,6 @@ CRD = REPO / "crds" / "herd.dev_modeldeployments.yaml"
 NAMESPACE = "operator-e2e"
 EXAMPLES = "operator-examples"
 TOKEN = "operator-e2e-token"
-OPERATOR_ACCOUNT = ("herd-operator", "herd")  # the chart's operator ServiceAccount (release herd)
 TIMEOUT = 60.0  # for what the operator does in the background: generous for a loaded machine, free when quick
 # The garbage collector learns the CRD's kind at its discovery resync, every 30 s: the first collection
 # after the CRD was installed can wait that long (41 s measured on a fresh cluster).
@@ -61,10 +61,8 @@ POD_TIMEOUT = 180.0  # real workers start (torch imported) on 2 shared cores
 @pytest.fixture(scope="module")
 def served(cluster: ControlPlane) -> Iterator[tuple[Models, RefusedRequests]]:
     """The test namespace, with the operator serving every namespace as the chart runs it."""
-    with model_namespace(cluster, NAMESPACE, TOKEN) as models:
-        login = cluster.login_as(*OPERATOR_ACCOUNT, default_namespace=NAMESPACE)
-        with logged_refusals() as refused, embedded_operator(login, namespace=None):
-            yield models, refused
+    with logged_refusals() as refused, operated_namespace(cluster, NAMESPACE, TOKEN) as models:
+        yield models, refused
 
 
 @pytest.fixture

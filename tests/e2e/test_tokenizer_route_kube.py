@@ -20,9 +20,8 @@ import pytest
 from support.cluster import ControlPlane
 from support.operator_harness import (
     Models,
-    embedded_operator,
     kube_orchestrator,
-    model_namespace,
+    operated_namespace,
     tiny_model_deployment,
 )
 from support.procs import wait_until
@@ -38,10 +37,8 @@ TOKEN = "tokenizer-route-token"
 
 @pytest.fixture(scope="module")
 def models(cluster: ControlPlane) -> Iterator[Models]:
-    with model_namespace(cluster, NAMESPACE, TOKEN) as models:
-        login = cluster.login_as("herd-operator", "herd", default_namespace=NAMESPACE)
-        with embedded_operator(login, namespace=None):
-            yield models
+    with operated_namespace(cluster, NAMESPACE, TOKEN) as models:
+        yield models
 
 
 @pytest.fixture

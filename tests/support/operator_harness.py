@@ -33,6 +33,7 @@ __all__ = [
     "logged_refusals",
     "model_deployment",
     "model_namespace",
+    "operated_namespace",
     "own_control_plane",
     "pending_pool",
     "tiny_model_deployment",
@@ -162,6 +163,16 @@ def model_namespace(plane: ControlPlane, namespace: str, token: str | None = Non
         yield models
     finally:
         plane.kubectl("delete", "namespace", namespace, "--wait=false")
+
+
+@contextlib.contextmanager
+def operated_namespace(plane: ControlPlane, namespace: str, token: str | None = None) -> Iterator[Models]:
+    """:func:`model_namespace` with the operator embedded, logged in with a token of the chart's
+    operator ServiceAccount and serving every namespace, as the chart runs it."""
+    with model_namespace(plane, namespace, token) as models:
+        login = plane.login_as("herd-operator", "herd", default_namespace=namespace)
+        with embedded_operator(login, namespace=None):
+            yield models
 
 
 @contextlib.contextmanager
