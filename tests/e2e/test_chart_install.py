@@ -22,8 +22,9 @@ from support.cluster import ControlPlane, install_herd_chart
 pytestmark = pytest.mark.e2e
 
 RELEASE = NAMESPACE = "herd-redis"
-VALUES = {"redis": {"enabled": True}, "crds": {"install": False}}
-SETS = ("redis.enabled=true", "crds.install=false")  # VALUES as helm's --set arguments
+SETS = ("redis.enabled=true", "crds.install=false")
+# SETS as values, with the zero replicas install_herd_chart gives the chart's operator and orchestrator.
+VALUES = {"redis": {"enabled": True}, "crds": {"install": False}, "operator": {"replicas": 0}, "orchestrator": {"replicas": 0}}  # fmt: skip
 Identity = tuple[str, str, str]
 
 
