@@ -1,9 +1,11 @@
 """The operator on the real control plane, logged in with a TokenRequest token of the ServiceAccount
 the chart creates, so the chart's RBAC is proven by use: a verb the chart forgot is a 403 here.
 
-kopf runs embedded (tests/support/operator_harness.py). The real
-controller-manager turns the operator's Deployments into ReplicaSets and Pods, which stay Pending
-(there is no node yet), and garbage-collects every child when its ModelDeployment goes.
+kopf runs embedded (tests/support/operator_harness.py). The real controller-manager turns the
+operator's Deployments into ReplicaSets and Pods and garbage-collects every child when its
+ModelDeployment goes. The examples are applied with a nodeSelector no node matches, so their pods
+stay Pending: what the operator writes is under test here; tests/e2e/test_cluster_serving.py runs
+the same examples' workers for real.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from support.cluster import ControlPlane, Login, install_herd_chart
-from support.operator_harness import RefusedRequests, embedded_operator, logged_refusals
+from support.operator_harness import NO_NODE, RefusedRequests, embedded_operator, logged_refusals
 from support.procs import wait_until
 
 pytestmark = pytest.mark.e2e
@@ -42,6 +45,15 @@ def operator(cluster: ControlPlane, forbidden: RefusedRequests) -> Iterator[Logi
     with embedded_operator(login, namespace=None):  # every namespace, as the chart's default runs it
         yield login
     cluster.kubectl("delete", "namespace", NAMESPACE, "--wait=false")
+
+
+def apply_pending(cluster: ControlPlane, example: str) -> None:
+    """``kubectl apply`` of ``examples/<example>.yaml`` with every pool's pods kept Pending."""
+    body = yaml.safe_load((REPO / "examples" / f"{example}.yaml").read_text())
+    for pool in ("workers", "prefill", "decode"):
+        if pool in body["spec"]:
+            body["spec"][pool]["nodeSelector"] = NO_NODE
+    cluster.kubectl("apply", "-n", NAMESPACE, "-f", "-", stdin=json.dumps(body))
 
 
 def get(cluster: ControlPlane, *args: str) -> dict[str, Any]:
@@ -91,7 +103,7 @@ def test_the_operator_holds_the_chart_service_accounts_token_and_no_more(
 def test_apply_smollm2_gives_children_pods_status_and_columns(
     cluster: ControlPlane, operator: Login, forbidden: RefusedRequests
 ) -> None:
-    cluster.kubectl("apply", "-n", NAMESPACE, "-f", str(REPO / "examples" / "smollm2.yaml"))
+    apply_pending(cluster, "smollm2")
     selector = "herd.dev/deployment=smollm2"
     eventually(lambda: names(cluster, "deployments", selector) == {"smollm2-workers"}, "the Deployment")
     eventually(lambda: names(cluster, "services", selector) == {"smollm2-workers"}, "the Service")
@@ -99,7 +111,7 @@ def test_apply_smollm2_gives_children_pods_status_and_columns(
     for kind in ("deployment", "service"):
         refs = get(cluster, kind, "smollm2-workers")["metadata"]["ownerReferences"]
         assert [(r["kind"], r["uid"], r["controller"]) for r in refs] == [("ModelDeployment", uid, True)]
-    # The controller-manager's work: a ReplicaSet, its two Pods (Pending without a node), an EndpointSlice.
+    # The controller-manager's work: a ReplicaSet, its two Pods (Pending: no node matches), an EndpointSlice.
     eventually(lambda: len(names(cluster, "replicasets", selector)) == 1, "the ReplicaSet")
     eventually(lambda: len(names(cluster, "pods", selector)) == 2, "two worker pods")
     eventually(
@@ -135,7 +147,7 @@ def test_apply_smollm2_gives_children_pods_status_and_columns(
 def test_deleting_the_modeldeployment_collects_its_children(
     cluster: ControlPlane, operator: Login, forbidden: RefusedRequests
 ) -> None:
-    cluster.kubectl("apply", "-n", NAMESPACE, "-f", str(REPO / "examples" / "smollm2-disagg.yaml"))
+    apply_pending(cluster, "smollm2-disagg")
     selector = "herd.dev/deployment=smollm2-disagg"
     both = {"smollm2-disagg-prefill", "smollm2-disagg-decode"}
     eventually(lambda: names(cluster, "deployments", selector) == both, "the prefill and decode Deployments")
