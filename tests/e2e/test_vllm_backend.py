@@ -24,9 +24,8 @@ from typing import Any
 import httpx
 import pytest
 from support.procs import free_port, running, wait_until
-from support.vllm_env import VLLM_PYTHON, skip_without_vllm, vllm_server
+from support.vllm_env import loopback_worker, skip_without_vllm, vllm_server
 
-from herd.api.backends import sidecar_argv, vllm_server_argv
 from herd.api.crd import EngineSpec
 from herd.api.kv_hash import block_hashes
 from herd.api.openai import ChatCompletionRequest
@@ -69,27 +68,12 @@ def _is_ready(url: str, process: subprocess.Popen[bytes], log: Path) -> bool:
 
 def _start_worker(number: int, model: Path, logs: Path, stack: contextlib.ExitStack) -> Worker:
     """vLLM and its sidecar, each stopped by its pid when ``stack`` closes."""
-    port, events, replay, public, internal = (free_port() for _ in range(5))
-    # Eager mode: no torch.compile warm-up, so vLLM is up in about 40 s here rather than 3 minutes.
-    argv = [
-        *vllm_server_argv(ENGINE, str(model), MODEL, port, events, replay, python=str(VLLM_PYTHON)),
-        "--enforce-eager",
-    ]
-    stack.enter_context(vllm_server(argv, log=logs / f"vllm-{number}.log"))
-    sidecar = sidecar_argv(
-        vllm_port=port,
-        kv_events_port=events,
-        replay_port=replay,
-        served_name=MODEL,
-        model_path=str(model),
-        block_size=BLOCK_SIZE,
-        host="127.0.0.1",
-        port=public,
-        internal_port=internal,
-        herd=HERD,
+    worker = loopback_worker(ENGINE, model, MODEL)
+    stack.enter_context(vllm_server(worker.vllm_argv, log=logs / f"vllm-{number}.log"))
+    stack.enter_context(
+        running(worker.sidecar_argv, log=logs / f"sidecar-{number}.log", env={TOKEN_ENV: TOKEN})
     )
-    stack.enter_context(running(sidecar, log=logs / f"sidecar-{number}.log", env={TOKEN_ENV: TOKEN}))
-    return Worker(f"vllm-{number}", f"http://127.0.0.1:{public}", f"http://127.0.0.1:{internal}")
+    return Worker(f"vllm-{number}", worker.url, worker.internal_url)
 
 
 @pytest.fixture(scope="module")
