@@ -1,13 +1,14 @@
 """The simulated backend against the real engine it was calibrated from (issue 13's acceptance).
 
-``herd bench calibrate`` fits the cost model on the demo model; then the same multi-tenant workload
-runs through ``herd bench``'s client on a real ``herd worker`` and on a simulated one, at two
-concurrency levels. The simulated TTFT p50 and ITL p50 must be within 25 % of the real engine's own
-measured numbers in the same test, and the prefix-cache hit rate equal. Each level first sends its
-tenants' requests one at a time (unmeasured), so that which blocks a measured request finds cached
-does not depend on timing: the hit rates are then a property of the scheduler and the block
+The same multi-tenant workload runs through ``herd bench``'s client on a real ``herd worker`` and on
+a simulated one, at two concurrency levels; ``herd bench calibrate`` fits the cost model on the demo
+model just before and just after each of the real engine's runs, and the simulated worker of that
+level runs the mean of the two. The simulated TTFT p50 and ITL p50 must be within 25 % of the real
+engine's own measured numbers in the same test, and the prefix-cache hit rate equal. Each level first
+sends its tenants' requests one at a time (unmeasured), so that which blocks a measured request finds
+cached does not depend on timing: the hit rates are then a property of the scheduler and the block
 manager, which both backends share. Both engines run on one thread (``OMP_NUM_THREADS=1``), as the
-calibration did.
+calibration does.
 """
 
 from __future__ import annotations
@@ -50,48 +51,70 @@ def _calibrate(model: Path, out: Path) -> dict[str, Any]:
     return cost
 
 
-def _run(url: str, concurrency: int, num_requests: int, seed: int) -> dict[str, Any]:
-    config = BenchConfig(
+def _config(concurrency: int, num_requests: int, seed: int, url: str = "http://127.0.0.1") -> BenchConfig:
+    return BenchConfig(
         url=url, model="tiny", concurrency=concurrency, num_requests=num_requests, seed=seed, **WORKLOAD
     )
-    report = asyncio.run(run_benchmark(config))
+
+
+def _warming_seed(level: int) -> int:
+    """The first seed from ``100 x level`` whose warm-up reaches every tenant: a tenant it missed
+    would meet two of its requests in flight at once, and whether the second found the first's
+    blocks cached would depend on timing."""
+    for seed in range(100 * level, 100 * level + 100):
+        workload = _config(1, NUM_WARMUP, seed).build_workload()
+        tenants = {workload.next_request().tenant for _ in range(NUM_WARMUP)}
+        if len(tenants) == WORKLOAD["num_tenants"]:
+            return seed
+    raise AssertionError(f"no seed from {100 * level} warms all tenants in {NUM_WARMUP} requests")
+
+
+def _run(url: str, concurrency: int, num_requests: int, seed: int) -> dict[str, Any]:
+    report = asyncio.run(run_benchmark(_config(concurrency, num_requests, seed, url)))
     assert report["num_completed"] == num_requests, report["errors"]
     return report
 
 
-def _measure(url: str) -> dict[int, dict[str, float]]:
-    """Per level: the warm-up one at a time, then warm-up plus measured requests (the warm-up's
-    own requests come first again, whole-prompt hits) at the level's concurrency."""
-    figures = {}
-    for level in LEVELS:  # the level is the seed: its tenants' prefixes are new to the worker
-        _run(url, 1, NUM_WARMUP, seed=level)
-        report = _run(url, level, NUM_WARMUP + NUM_MEASURED, seed=level)
-        figures[level] = {
-            "ttft_p50_ms": report["ttft_ms"]["p50"],
-            "itl_p50_ms": report["itl_ms"]["p50"],
-            "hit_rate": report["prefix_cache_hit_rate"],
-        }
-    return figures
+def _measure(url: str, level: int) -> dict[str, float]:
+    """The level's warm-up one at a time, then warm-up plus measured requests at the level's
+    concurrency (the warm-up's own requests come first again, whole-prompt hits). Each level has
+    seeds of its own: its tenants' prefixes are new to the worker."""
+    seed = _warming_seed(level)
+    _run(url, 1, NUM_WARMUP, seed)
+    report = _run(url, level, NUM_WARMUP + NUM_MEASURED, seed)
+    return {
+        "ttft_p50_ms": report["ttft_ms"]["p50"],
+        "itl_p50_ms": report["itl_ms"]["p50"],
+        "hit_rate": report["prefix_cache_hit_rate"],
+    }
+
+
+def _simulated(model: Path, log: Path, cost: dict[str, Any], level: int) -> dict[str, float]:
+    engine = json.dumps({**ENGINE, "backend": "simulated", "simulation": {"costModel": cost}})
+    with worker_process(model, log=log, token=TOKEN, engine_json=engine, **FLAGS) as simulated:
+        return _measure(simulated.url, level)
 
 
 def test_the_simulated_engine_matches_the_real_one(
     demo_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    cost = _calibrate(demo_model, tmp_path / "cost.json")
-    real_engine = json.dumps(ENGINE)
+    figures: dict[int, dict[str, Any]] = {}
     with worker_process(
-        demo_model, log=tmp_path / "real.log", token=TOKEN, engine_json=real_engine, **FLAGS
+        demo_model, log=tmp_path / "real.log", token=TOKEN, engine_json=json.dumps(ENGINE), **FLAGS
     ) as real:
-        real_figures = _measure(real.url)
-    simulated_engine = json.dumps({**ENGINE, "backend": "simulated", "simulation": {"costModel": cost}})
-    with worker_process(
-        demo_model, log=tmp_path / "simulated.log", token=TOKEN, engine_json=simulated_engine, **FLAGS
-    ) as simulated:
-        simulated_figures = _measure(simulated.url)
-    print(json.dumps({"cost_model": cost, "real": real_figures, "simulated": simulated_figures}))
-    for level in LEVELS:
-        real_level, simulated_level = real_figures[level], simulated_figures[level]
+        for level in LEVELS:
+            # The machine is shared and its load moves within minutes: each level's calibrations
+            # bracket its real run, so that the load weighs on the reference and the model alike.
+            before = _calibrate(demo_model, tmp_path / f"before-{level}.json")
+            real_figures = _measure(real.url, level)
+            after = _calibrate(demo_model, tmp_path / f"after-{level}.json")
+            cost = {term: round((before[term] + after[term]) / 2, 4) for term in before}
+            simulated = _simulated(demo_model, tmp_path / f"simulated-{level}.log", cost, level)
+            figures[level] = {"calibrated": [before, after], "real": real_figures, "simulated": simulated}
+    print(json.dumps(figures))
+    for level, figure in figures.items():
+        real_level, simulated_level = figure["real"], figure["simulated"]
         assert simulated_level["hit_rate"] == real_level["hit_rate"], level
         for name in ("ttft_p50_ms", "itl_p50_ms"):
             ratio = simulated_level[name] / real_level[name]
