@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -172,6 +173,26 @@ def test_replicas_updates_patch_the_deployment(models: Models) -> None:
     eventually(lambda: replicas() == 1, "scaled to 1")
     assert models.children("scaled")["Deployment/scaled-workers"]["metadata"]["uid"] == uid
     eventually(lambda: {("Normal", "Created"), ("Normal", "Updated")} <= models.reasons("scaled"), "Events")
+
+
+def test_a_scale_up_undone_before_its_pods_are_ready_is_undone_in_the_deployment(models: Models) -> None:
+    """0 replicas is ready at once, so kopf records it as handled; 4 pending pods never turn ready, and
+    the scale back to 0 comes while the pass for 4 waits on them. A handler that failed until pods were
+    ready left kopf's last-handled spec at 0, so 0 -> 4 -> 0 read as no change and the Deployment
+    stayed at 4 (seen with the chart's 30 s retry; the module's operator retries after 1 s, which
+    narrows that window without closing it)."""
+    models.apply(model_deployment("bounce", workers=pending_pool(0)))
+    eventually(lambda: "Deployment/bounce-workers" in models.children("bounce"), "Deployment created")
+
+    def replicas() -> int:
+        return int(models.children("bounce")["Deployment/bounce-workers"]["spec"]["replicas"])
+
+    models.kubectl("scale", "md/bounce", "--replicas=4")
+    eventually(lambda: replicas() == 4, "replicas 4")
+    models.kubectl("scale", "md/bounce", "--replicas=0")
+    eventually(lambda: replicas() == 0, "back to 0")
+    time.sleep(2)  # past the module operator's retry delay: nothing scales it up again
+    assert replicas() == 0
 
 
 def test_manual_edits_of_owned_fields_are_reverted(models: Models) -> None:

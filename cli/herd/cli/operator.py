@@ -84,7 +84,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--retry-delay",
         type=float,
         default=OperatorConfig().retry_delay,
-        help="seconds between passes while pods start",
+        help="seconds before a pass that an API error failed runs again",
     )
     scaling = AutoscalerSettings()
     parser.add_argument(

@@ -1,7 +1,10 @@
 """kopf handlers: thin, typed, each one call into the shared level-based reconcile.
 
-* create / update / resume of a ModelDeployment: one pass; while pools are short of ready pods the
-  handler raises ``TemporaryError`` so kopf runs it again; an invalid spec is a ``PermanentError``.
+* create / update / resume of a ModelDeployment: one pass, done once the children are written; an
+  invalid spec is a ``PermanentError``, an API error a ``TemporaryError``. Pods that are not ready yet
+  are not a failure: their events bring the status along (below). Failing the handler until they were
+  ready kept kopf's last-handled spec behind the children, so a scale up and back before the pods were
+  ready read as no change at all and left the Deployment at the larger count.
 * events of owned Deployments, Services and Pods (by herd's labels): a pass for the owner, so status
   follows pods and manual edits are reverted at once. Events of the operator's own writes are
   skipped. No timer: kopf timers need a finalizer, and a watch that breaks is re-listed by kopf,
@@ -74,7 +77,7 @@ async def reconcile(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: 
     except (KubeError, ChildConflictError) as error:  # the next pass starts from fresh reads
         raise kopf.TemporaryError(str(error), delay=memo.config.retry_delay) from error
     if not outcome.is_ready:
-        raise kopf.TemporaryError(f"waiting for ready pods: {outcome.waiting}", delay=memo.config.retry_delay)
+        logger.info(f"children written; waiting for ready pods: {outcome.waiting}")
 
 
 @kopf.on.event("apps/v1", "deployments", labels=_OWNED, registry=registry)

@@ -78,10 +78,5 @@ class OperatorConfig(BaseModel):
     retry_delay: float = Field(
         default=30.0,
         gt=0.0,
-        description="Seconds between handler retries while pods start (pod events act at once).",
-    )
-    resync_interval: float = Field(
-        default=60.0,
-        gt=0.0,
-        description="A full pass per resource this often, in case a watch event was missed.",
+        description="Seconds before a pass that an API error failed runs again (child events act at once).",
     )
