@@ -61,8 +61,8 @@ class CalibrationGrid:
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     context_lens: tuple[int, ...] = (32, 128, 384)
     output_len: int = 16
-    warmup_steps: int = 3
-    """Steps run first and left out of the fit (allocator and kernel warm-up)."""
+    warmup_rounds: int = 1
+    """Rounds of the grid's first shape run first and left out of the fit."""
 
 
 @dataclass
@@ -99,22 +99,31 @@ class TimedRunner:
 
 
 def measure_steps(config: EngineConfig, grid: CalibrationGrid, seed: int = 0) -> list[StepSample]:
-    """Run the grid on herd's torch engine; every step after the warm-up, timed."""
+    """Run the grid on herd's torch engine, every step timed, after ``grid.warmup_rounds`` rounds of
+    its first shape left out (allocator and kernel warm-up; leaving out the grid's own first steps
+    would lose its smallest prefill, whose cost a token is the highest)."""
     renderer = PromptRenderer.from_pretrained(config.model_path)
     runner = TimedRunner(TorchRunner(config, renderer.eos_token_ids))
     engine = LLMEngine(config, runner, renderer)
     rng = random.Random(seed)
-    params = SamplingParams(max_tokens=grid.output_len, temperature=0.0, ignore_eos=True)
-    for number, (batch, length) in enumerate(
-        (batch, length) for length in grid.context_lens for batch in grid.batch_sizes
-    ):
-        for index in range(batch):
-            # Random ids share no prefix, so every prompt is computed in full.
-            prompt = [rng.randrange(engine.vocab_size) for _ in range(length)]
-            engine.add_request(f"calibrate-{number}-{index}", prompt, params)
-        while engine.has_unfinished_requests():
-            engine.step()
-    return runner.samples[grid.warmup_steps :]
+    shapes = [(batch, length) for length in grid.context_lens for batch in grid.batch_sizes]
+    for number, (batch, length) in enumerate([shapes[0]] * grid.warmup_rounds + shapes):
+        if number == grid.warmup_rounds:
+            runner.samples.clear()
+        _run_batch(engine, rng, f"calibrate-{number}", batch, length, grid.output_len)
+    return runner.samples
+
+
+def _run_batch(
+    engine: LLMEngine, rng: random.Random, name: str, batch: int, length: int, output_len: int
+) -> None:
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    for index in range(batch):
+        # Random ids share no prefix, so every prompt is computed in full.
+        prompt = [rng.randrange(engine.vocab_size) for _ in range(length)]
+        engine.add_request(f"{name}-{index}", prompt, params)
+    while engine.has_unfinished_requests():
+        engine.step()
 
 
 def fit_cost_model(samples: list[StepSample]) -> CostModel:
