@@ -12,11 +12,13 @@ import platform
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from herd.cli.loadgen import BenchConfig, run_benchmark
 
@@ -25,9 +27,11 @@ __all__ = [
     "DEMO_MODEL",
     "HOST",
     "REPO",
+    "Launch",
     "free_port",
     "herd_worker_argv",
     "machine_info",
+    "metric_sums",
     "run_load",
     "serving",
     "summary_row",
@@ -78,13 +82,30 @@ def herd_worker_argv(
     ]
 
 
+class Launch(Protocol):
+    """Starts ``argv`` with output to ``log`` and stops it on exit (``support.procs.running``;
+    ``support.vllm_env.vllm_server`` for a server with child processes)."""
+
+    def __call__(
+        self, argv: Sequence[str], *, log: Path, env: dict[str, str] | None = None
+    ) -> AbstractContextManager[subprocess.Popen[bytes]]: ...
+
+
 @contextlib.contextmanager
 def serving(
-    argv: Sequence[str], *, ready_url: str, log: Path, env: dict[str, str], timeout: float = 300.0
+    argv: Sequence[str],
+    *,
+    ready_url: str,
+    log: Path,
+    env: dict[str, str],
+    timeout: float = 300.0,
+    launch: Launch | None = None,
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """A server subprocess (output to ``log``) once ``ready_url`` answers 200; stopped by pid on exit."""
+    """A server subprocess (output to ``log``) once ``ready_url`` answers 200; stopped on exit, by
+    ``launch`` (default: by its pid, SIGKILL after 20 s)."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    with running(argv, log=log, env=env, grace=20.0) as process:
+    started = launch(argv, log=log, env=env) if launch else running(argv, log=log, env=env, grace=20.0)
+    with started as process:
 
         def is_ready() -> bool:
             assert process.poll() is None, f"server exited with code {process.returncode}; see {log}"
@@ -104,6 +125,18 @@ def run_load(
         return await run_benchmark(config, transport=transport() if transport else None)
 
     return asyncio.run(run())
+
+
+def metric_sums(url: str, names: tuple[str, ...]) -> dict[str, float]:
+    """Totals of the named samples (summed over labels) on a ``/metrics`` page; raises
+    ``httpx.HTTPStatusError`` where the server has no such page."""
+    text = httpx.get(f"{url}/metrics", timeout=10).raise_for_status().text
+    totals = dict.fromkeys(names, 0.0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in totals:
+                totals[sample.name] += sample.value
+    return totals
 
 
 def summary_row(report: dict[str, Any]) -> dict[str, Any]:

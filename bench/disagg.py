@@ -59,6 +59,7 @@ from _common import (
     REPO,
     free_port,
     machine_info,
+    metric_sums,
     serving,
     summary_row,
     thread_env,
@@ -131,17 +132,6 @@ def decode_url(gateway: str) -> str:
     """The decode worker's public URL, from the orchestrator's dashboard data."""
     rows = httpx.get(f"{gateway}/dashboard/data", timeout=10).json()["workers"]
     return str(next(row["url"] for row in rows if row["role"] == "decode"))
-
-
-def metric_sums(url: str, names: tuple[str, ...]) -> dict[str, float]:
-    """Totals of the named samples (summed over labels) on a ``/metrics`` page."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    totals = dict.fromkeys(names, 0.0)
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in totals:
-                totals[sample.name] += sample.value
-    return totals
 
 
 _TRANSFER_SAMPLES = (

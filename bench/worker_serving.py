@@ -39,6 +39,7 @@ from _common import (
     DEMO_MODEL,
     HOST,
     REPO,
+    Launch,
     free_port,
     herd_worker_argv,
     machine_info,
@@ -69,6 +70,12 @@ class Server:
     model: str
     env: dict[str, str]
     token: str = ""  # the internal token, kept out of the results
+    launch: Launch | None = None  # how to start and stop it (default: by its pid)
+
+    @property
+    def printable_argv(self) -> str:
+        """The command line without the internal token."""
+        return shlex.join([a.replace(self.token, "<token>") for a in self.argv] if self.token else self.argv)
 
 
 def num_kv_blocks(args: argparse.Namespace) -> int:
@@ -151,7 +158,9 @@ def load_config(server: Server, args: argparse.Namespace, *, is_warmup: bool) ->
 def measure(server: Server, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     log = log_dir / f"{server.name}.log"
     started = time.monotonic()
-    with serving(server.argv, ready_url=server.url + server.ready_path, log=log, env=server.env):
+    with serving(
+        server.argv, ready_url=server.url + server.ready_path, log=log, env=server.env, launch=server.launch
+    ):
         startup_s = time.monotonic() - started
         run_load(load_config(server, args, is_warmup=True))
         load_before = machine_info()["load_average"]
@@ -162,9 +171,7 @@ def measure(server: Server, args: argparse.Namespace, log_dir: Path) -> dict[str
         "startup_s": round(startup_s, 1),
         "load_average_before": load_before,
         "load_average_after": machine_info()["load_average"],
-        "argv": shlex.join(
-            server.argv if not server.token else [a.replace(server.token, "<token>") for a in server.argv]
-        ),
+        "argv": server.printable_argv,
     }
 
 
@@ -195,25 +202,30 @@ def markdown_table(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """What the server builders (``herd_server``, ``transformers_server``) read, besides ``concurrency``."""
+    parser.add_argument("--model", type=Path, default=DEMO_MODEL, help="HF-format checkpoint folder")
+    parser.add_argument("--threads", type=int, default=2, help="torch/OpenMP threads of each server")
+    parser.add_argument(
+        "--kv-memory-gib", type=float, default=1.0, help="herd's KV pool (the peers: as many bytes)"
+    )
+    parser.add_argument("--max-batch-tokens", type=int, default=1024, help="per-step token budget of all")
+    parser.add_argument("--peer-attn", default=None, help="--attn-implementation for transformers serve")
+    parser.add_argument("--request-timeout", type=float, default=600.0)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", type=Path, default=DEMO_MODEL, help="HF-format checkpoint folder")
+    add_server_arguments(parser)
     parser.add_argument("--servers", default="herd,transformers", help="comma-separated, run in this order")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--num-requests", type=int, default=32, help="measured requests per server")
     parser.add_argument("--input-len", default="128:512", help="prompt words: N or LOW:HIGH")
     parser.add_argument("--output-len", default="64:256", help="max_tokens: N or LOW:HIGH")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=2, help="torch/OpenMP threads of each server")
-    parser.add_argument(
-        "--kv-memory-gib", type=float, default=1.0, help="herd's KV pool (the peer: as many blocks)"
-    )
-    parser.add_argument("--max-batch-tokens", type=int, default=1024, help="per-step token budget of both")
-    parser.add_argument("--peer-attn", default=None, help="--attn-implementation for transformers serve")
     parser.add_argument("--max-seconds", type=float, default=420.0, help="stop sending after this per server")
-    parser.add_argument("--request-timeout", type=float, default=600.0)
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "worker_serving.json")
     return parser.parse_args(argv)
 

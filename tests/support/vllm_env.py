@@ -71,8 +71,11 @@ def loopback_worker(engine: EngineSpec, model: Path, served_name: str) -> Loopba
 
 
 @contextlib.contextmanager
-def vllm_server(argv: Sequence[str], *, log: Path, grace: float = 30.0) -> Iterator[subprocess.Popen[bytes]]:
-    """vLLM from ``argv`` (``herd.api.backends.vllm_server_argv``) with output to ``log``.
+def vllm_server(
+    argv: Sequence[str], *, log: Path, env: dict[str, str] | None = None, grace: float = 30.0
+) -> Iterator[subprocess.Popen[bytes]]:
+    """vLLM from ``argv`` (``herd.api.backends.vllm_server_argv``) with output to ``log``; ``env``
+    over one OpenMP thread by default.
 
     vLLM runs its engine in child processes: it starts in a session of its own, gets SIGTERM by its
     pid (it stops its children), and whatever of its session is left after ``grace`` seconds gets
@@ -83,7 +86,7 @@ def vllm_server(argv: Sequence[str], *, log: Path, grace: float = 30.0) -> Itera
             list(argv),
             stdout=sink,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
             start_new_session=True,
         )
         try:
