@@ -49,7 +49,8 @@ def vllm_server_argv(
     replay_port: int,
     python: str = "python",
 ) -> list[str]:
-    """vLLM's OpenAI server for ``engine``, on loopback, publishing its KV events to the sidecar.
+    """vLLM's OpenAI server for ``engine``, on loopback, publishing its KV events to the sidecar;
+    ``engine.vllm.extraArgs`` last, so that they win.
 
     Raises ``ValueError`` for a spec vLLM would refuse: a CPU engine's block size not a multiple of 32.
     """
@@ -75,6 +76,7 @@ def vllm_server_argv(
         "--host", LOOPBACK,
         "--port", str(port),
         "--kv-events-config", _kv_events_config(kv_events_port, replay_port),
+        *(engine.vllm.extra_args if engine.vllm is not None else ()),
     ]  # fmt: skip
 
 

@@ -198,8 +198,7 @@ def _vllm_worker(
     endpoint = WorkerEndpoint(
         name, served_name, f"http://{HOST}:{port}", f"http://{HOST}:{internal_port}", "unified"
     )
-    extra_args = engine.vllm.extra_args if engine.vllm is not None else []
-    vllm = LocalEngine(f"http://{LOOPBACK}:{vllm_port}", (*server, *extra_args))
+    vllm = LocalEngine(f"http://{LOOPBACK}:{vllm_port}", tuple(server))
     return LocalWorker(name, (endpoint,), tuple(sidecar), env, vllm)
 
 

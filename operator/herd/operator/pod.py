@@ -159,7 +159,7 @@ def _vllm_container(
     container: Object = {
         "name": "vllm",
         "image": vllm.image or settings.vllm_image,
-        "command": [*argv, *vllm.extra_args],
+        "command": argv,
         "env": [{"name": name, "value": value} for name, value in sorted(pool.env.items())],
         "resources": plan_resources(pool.resources),
         **_vllm_probes(),

@@ -101,6 +101,11 @@ def test_vllm_argv_serves_on_loopback_and_publishes_kv_events_to_the_sidecar() -
     }
 
 
+def test_the_specs_extra_args_come_last_so_that_they_win() -> None:
+    argv = _vllm({"backend": "vllm", "vllm": {"extraArgs": ["--enforce-eager", "--max-model-len", "512"]}})
+    assert argv[-3:] == ["--enforce-eager", "--max-model-len", "512"]
+
+
 def test_sidecar_argv_names_the_same_ports() -> None:
     argv = sidecar_argv(
         vllm_port=8000,
