@@ -262,20 +262,24 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any
     return table
 
 
+def decode_fractions(rounds: list[dict[str, Any]], workload: str) -> list[float | None]:
+    """herd's decode rate over the limit's, round by round: the limit's step time over herd's ITL p50."""
+    fractions: list[float | None] = []
+    for r in rounds:
+        itl_p50 = figures(r["servers"]["herd"]["workloads"][workload])["itl_p50"]
+        fractions.append(round(r["limit"][workload]["step_ms"] / itl_p50, 4) if itl_p50 else None)
+    return fractions
+
+
 def verdicts(rounds: list[dict[str, Any]], table: dict[str, Any]) -> dict[str, Any]:
-    """Per workload: herd over vLLM on throughput, and herd's decode rate over the limit's (ITL p50)."""
+    """Per workload: herd over vLLM on throughput (medians), and herd's decode rate over the limit's."""
     result: dict[str, Any] = {}
     for workload in WORKLOADS:
-        fractions = [
-            r["limit"][workload.name]["step_ms"] / f["itl_p50"]
-            for r in rounds
-            if (f := figures(r["servers"]["herd"]["workloads"][workload.name]))["itl_p50"]
-        ] if "herd" in rounds[0]["servers"] else []  # fmt: skip
         row = table[workload.name]
-        herd, vllm = row.get("herd", {}).get("output_tok_s"), row.get("vllm", {}).get("output_tok_s")
+        herd, vllm = row["herd"]["output_tok_s"], row.get("vllm", {}).get("output_tok_s")
         result[workload.name] = {
             "herd_over_vllm_tok_s": round(herd["median"] / vllm["median"], 3) if herd and vllm else None,
-            "herd_decode_fraction_of_limit": spread(list(fractions)),
+            "herd_decode_fraction_of_limit": spread(decode_fractions(rounds, workload.name)),
             "decode_goal": DECODE_GOAL,
         }
     return result
