@@ -166,7 +166,8 @@ class ContainerRunner:
             return None
         argv, env = configured
         cwd = self.spec.get("workingDir") or str(self.ctx.image_root)
-        spec = spec_for(argv, env, cwd, mounts_for(self.spec, self.ctx.volumes), str(self.ctx.hosts))
+        image = [str(self.ctx.image_root), sys.prefix]  # the agent runs on the venv its pods use
+        spec = spec_for(argv, env, cwd, mounts_for(self.spec, self.ctx.volumes), str(self.ctx.hosts), image)
         process, failure = await self._spawn(spec)
         started_at = now()
         self.target = Target(self.ctx.pod_ip, _named_ports(self.spec), env, cwd, process.pid)

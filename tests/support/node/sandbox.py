@@ -37,10 +37,16 @@ class SandboxError(Exception):
 
 
 def spec_for(
-    argv: list[str], env: dict[str, str], cwd: str, mounts: list[dict[str, Any]], hosts: str
+    argv: list[str],
+    env: dict[str, str],
+    cwd: str,
+    mounts: list[dict[str, Any]],
+    hosts: str,
+    image: list[str],
 ) -> dict[str, Any]:
-    """The launcher's spec: ``mounts`` are ``{source, target, readOnly}``; ``hosts`` the pod's hosts file."""
-    return {"argv": argv, "env": env, "cwd": cwd, "mounts": mounts, "hosts": hosts}
+    """The launcher's spec: ``mounts`` are ``{source, target, readOnly}``; ``hosts`` the pod's hosts
+    file; ``image`` the folders that stand for the image's files (the image root, the venv)."""
+    return {"argv": argv, "env": env, "cwd": cwd, "mounts": mounts, "hosts": hosts, "image": image}
 
 
 def _check(result: int, what: str) -> None:
@@ -92,13 +98,33 @@ def _binds(spec: dict[str, Any]) -> list[tuple[int, str, bool]]:
     return [(os.open(source, os.O_PATH | os.O_CLOEXEC), target, ro) for source, target, ro in binds]
 
 
+def _image_binds(spec: dict[str, Any]) -> list[tuple[int, str, bool]]:
+    """The image's folders, to bind back where a volume hid them: a real image's files lie under its
+    volumes' mount points, but here the image is this machine's filesystem, and a volume at ``/tmp``
+    (the chart's) would hide a checkout and its venv under ``/tmp`` (a CI clone's)."""
+    return [(os.open(path, os.O_PATH | os.O_CLOEXEC), path, False) for path in spec["image"]]
+
+
+def _is_hidden(source: int, target: str) -> bool:
+    try:
+        seen, kept = os.stat(target), os.fstat(source)
+    except OSError:
+        return True
+    return (seen.st_dev, seen.st_ino) != (kept.st_dev, kept.st_ino)
+
+
 def _prepare(spec: dict[str, Any]) -> None:
     try:
         _enter_namespace()
         _mount(None, "/", MS_REC | MS_PRIVATE)
-        binds = _binds(spec)  # opened inside the namespace: a bind's source must be one of its mounts
+        # Opened inside the namespace (a bind's source must be one of its mounts), before any mount.
+        binds, image = _binds(spec), _image_binds(spec)
         for source, target, read_only in binds:
             _bind(source, target, read_only=read_only)
+            os.close(source)
+        for source, target, _ in image:
+            if _is_hidden(source, target):
+                _bind(source, target, read_only=False)
             os.close(source)
         _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")
     except (OSError, SandboxError) as error:
