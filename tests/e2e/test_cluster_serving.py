@@ -104,8 +104,11 @@ def chat(endpoint: str, model: str, **fields: Any) -> httpx.Response:
 
 
 def pod_names(cluster: ControlPlane, selector: str) -> set[str]:
+    """The pods ``selector`` names that are not terminating."""
     listed = json.loads(cluster.kubectl("-n", NAMESPACE, "get", "pods", "-l", selector, "-o", "json").stdout)
-    return {pod["metadata"]["name"] for pod in listed["items"]}
+    return {
+        pod["metadata"]["name"] for pod in listed["items"] if not pod["metadata"].get("deletionTimestamp")
+    }
 
 
 def test_an_openai_request_is_served_by_a_worker_pod(
@@ -140,8 +143,12 @@ def test_kubectl_scale_adds_a_worker_the_orchestrator_routes_to(
     cluster.kubectl("-n", NAMESPACE, "scale", f"md/{smollm2}", "--replicas=2")
     wait_until(lambda: len(routable_workers(endpoint, smollm2)) == 2, timeout=120, interval=0.5,
                what="the orchestrator back to two workers")  # fmt: skip
-    pods = {f"{NAMESPACE}/{name}" for name in pod_names(cluster, f"herd.dev/deployment={smollm2}")}
-    wait_until(lambda: set(routable_workers(endpoint, smollm2)) == pods, timeout=60, interval=0.5,
+
+    def routes_to_the_remaining_pods() -> bool:
+        pods = {f"{NAMESPACE}/{name}" for name in pod_names(cluster, f"herd.dev/deployment={smollm2}")}
+        return len(pods) == 2 and set(routable_workers(endpoint, smollm2)) == pods
+
+    wait_until(routes_to_the_remaining_pods, timeout=60, interval=0.5,
                what="the orchestrator routing to exactly the remaining pods")  # fmt: skip
     assert added.startswith(f"{NAMESPACE}/{smollm2}-workers-")
 
