@@ -103,12 +103,11 @@ def chat(endpoint: str, model: str, **fields: Any) -> httpx.Response:
     return httpx.post(f"{endpoint}/v1/chat/completions", json={**body, **fields}, timeout=120)
 
 
-def pod_names(cluster: ControlPlane, selector: str) -> set[str]:
-    """The pods ``selector`` names that are not terminating."""
+def pod_names(cluster: ControlPlane, selector: str, *, terminating: bool = False) -> set[str]:
+    """The pods ``selector`` names, those terminating among them only when asked."""
     listed = json.loads(cluster.kubectl("-n", NAMESPACE, "get", "pods", "-l", selector, "-o", "json").stdout)
-    return {
-        pod["metadata"]["name"] for pod in listed["items"] if not pod["metadata"].get("deletionTimestamp")
-    }
+    return {pod["metadata"]["name"] for pod in listed["items"]
+            if terminating or not pod["metadata"].get("deletionTimestamp")}  # fmt: skip
 
 
 def test_an_openai_request_is_served_by_a_worker_pod(
@@ -172,8 +171,9 @@ def test_deleting_the_modeldeployment_stops_its_workers(
     assert pids and all(is_alive(pid) for pid in pids)
     cluster.kubectl("-n", NAMESPACE, "delete", "md", smollm2, "--wait=false")
     # The garbage collector learns the CRD's kind at its discovery resync (up to 30 s after install).
-    wait_until(lambda: not pod_names(cluster, f"herd.dev/deployment={smollm2}"), timeout=180, interval=0.5,
-               what="the workers' pods collected")  # fmt: skip
+    selector = f"herd.dev/deployment={smollm2}"
+    wait_until(lambda: not pod_names(cluster, selector, terminating=True), timeout=180, interval=0.5,
+               what="the workers' pods collected and gone")  # fmt: skip
     assert not any(is_alive(pid) for pid in pids)
     wait_until(lambda: not routable_workers(endpoint, smollm2), timeout=60, interval=0.5,
                what="the orchestrator routing to none of them")  # fmt: skip
