@@ -352,11 +352,34 @@ def run_round(
     return {"order": order, "servers": servers, "limit": limit_rows(model, servers["herd"], args)}
 
 
+def document(
+    args: argparse.Namespace, argv: list[str], start: dict[str, Any], rounds: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The results JSON of the rounds run so far."""
+    table = summarize(rounds)
+    settings = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
+    return {
+        "benchmark": "engine_peers",
+        "command": shlex.join(["python", "bench/engine_peers.py", *argv]),
+        "machine": start,
+        "machine_after": machine_info(),
+        "settings": settings,
+        "workloads": [asdict(workload) for workload in WORKLOADS],
+        "rounds_done": len(rounds),
+        "rounds": rounds,
+        "table": table,
+        "verdicts": verdicts(rounds, table),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     names = [name.strip() for name in args.servers.split(",") if name.strip()]
     if "herd" not in names or set(names) - SERVERS.keys():
         print(f"--servers: herd and any of {sorted(SERVERS)}, got {names}", file=sys.stderr)
+        return 2
+    if args.rounds < 1:
+        print(f"--rounds: at least 1, got {args.rounds}", file=sys.stderr)
         return 2
     # SIGTERM unwinds the context managers, which stop the running server by its pid.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -364,28 +387,16 @@ def main(argv: list[str] | None = None) -> int:
 
     model: Any = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     model.eval()
-    machine = machine_info()
+    start = machine_info()
     logs = Path(tempfile.mkdtemp(prefix="herd-bench-peers-"))  # kept: the servers' logs
-    rounds = [run_round(number, names, model, args, logs) for number in range(args.rounds)]
-    table = summarize(rounds)
-    settings = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
-    document = {
-        "benchmark": "engine_peers",
-        "command": shlex.join(
-            ["python", "bench/engine_peers.py", *(argv if argv is not None else sys.argv[1:])]
-        ),
-        "machine": machine,
-        "machine_after": machine_info(),
-        "settings": settings,
-        "workloads": [asdict(workload) for workload in WORKLOADS],
-        "logs": str(logs),
-        "rounds": rounds,
-        "table": table,
-        "verdicts": verdicts(rounds, table),
-    }
-    write_json(args.out, document)
-    print(markdown_table(table))
-    print(document["verdicts"])
+    print(f"servers' logs in {logs}", flush=True)
+    rounds: list[dict[str, Any]] = []
+    for number in range(args.rounds):
+        rounds.append(run_round(number, names, model, args, logs))
+        result = document(args, argv if argv is not None else sys.argv[1:], start, rounds)
+        write_json(args.out, result)  # after every round: a run cut short keeps the rounds it finished
+    print(markdown_table(result["table"]))
+    print(result["verdicts"])
     return 0
 
 
