@@ -451,8 +451,17 @@ def install_herd_chart(
     """
     off = () if pods else ("operator.replicas=0", "orchestrator.replicas=0")
     sets = [argument for value in (*off, *values) for argument in ("--set", value)]
+    # --reset-values: an upgrade given no values at all would keep the previous revision's instead.
     return plane.helm(
-        "upgrade", "--install", release, str(CHART), "-n", namespace, "--create-namespace", *sets
+        "upgrade",
+        "--install",
+        release,
+        str(CHART),
+        "-n",
+        namespace,
+        "--create-namespace",
+        "--reset-values",
+        *sets,
     )
 
 
