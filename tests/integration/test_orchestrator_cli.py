@@ -132,6 +132,27 @@ def test_herd_up_reports_a_remote_source_and_exits(tmp_path: Path) -> None:
     assert "herd up needs a local model" in result.stderr
 
 
+def test_orchestrator_rejects_a_poll_interval_of_zero() -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "herd.cli.main",
+            "orchestrator",
+            "--poll-interval",
+            "0",
+            "--worker",
+            "http://127.0.0.1:1,http://127.0.0.1:2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert "--poll-interval must be above 0 seconds" in result.stderr
+
+
 @pytest.mark.e2e
 def test_herd_up_names_the_log_of_a_worker_that_fails(tmp_path: Path) -> None:
     model = tmp_path / "broken-model"

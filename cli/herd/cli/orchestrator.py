@@ -16,6 +16,7 @@ from herd.orchestrator.app import AppSettings, build_app
 from herd.orchestrator.auth import load_api_keys
 from herd.orchestrator.discovery import ModelConfig, StaticSource, WorkerEndpoint, WorkerSource
 from herd.orchestrator.gateway import GatewaySettings
+from herd.orchestrator.registry import RegistrySettings
 from herd.orchestrator.server import ServerLimits, run_server
 from herd.orchestrator.state import build_state
 
@@ -69,6 +70,12 @@ def _source(args: argparse.Namespace, models: list[ModelConfig]) -> WorkerSource
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.poll_interval <= 0:
+        print(
+            f"herd orchestrator: --poll-interval must be above 0 seconds, got {args.poll_interval}",
+            file=sys.stderr,
+        )
+        return 2
     configure_logging("orchestrator", args.log_level)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health poll otherwise
     try:
@@ -88,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         body_timeout=args.body_timeout,
         gateway=GatewaySettings(request_timeout=args.request_timeout),
+        registry=RegistrySettings(poll_interval=args.poll_interval),
         ready_when_synced=args.kubernetes,
     )
     app = build_app(source, settings=settings, state=build_state(args.redis), api_keys=api_keys)
@@ -123,6 +131,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     parser.add_argument(
         "--request-timeout", type=float, default=600.0, help="seconds to wait for a worker's next byte"
+    )
+    parser.add_argument(
+        "--poll-interval",
+        type=float,
+        default=RegistrySettings().poll_interval,
+        help="seconds between a worker's health, load and KV polls (raise it for fleets of hundreds)",
     )
     parser.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     parser.add_argument(
