@@ -125,6 +125,17 @@ class BlockManager:
                     f"{counts[block.block_id]} holders and is{'' if is_free else ' not'} free"
                 )
 
+    def can_reset_prefix_cache(self) -> bool:
+        """Only an idle pool can forget its cache: a held block's hash is what its holder reads."""
+        return len(self._free) == len(self.blocks)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (all are free: ``can_reset_prefix_cache``); one ``cleared`` event."""
+        for block in self.blocks:
+            block.block_hash, block.token_ids = None, []
+        self.cached.clear()
+        self.events.record("cleared", [])
+
     def hold_prefix(self, block_hashes: list[BlockHash]) -> list[int]:
         """Take a reference on the leading run of ``block_hashes`` still cached (a KV lease); their ids."""
         held: list[int] = []

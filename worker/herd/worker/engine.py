@@ -310,6 +310,13 @@ class LLMEngine:
             num_total_blocks=self.block_manager.num_total_blocks,
         )
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache if no request or lease holds a block; whether it did."""
+        if not self.block_manager.can_reset_prefix_cache():
+            return False
+        self.block_manager.reset_prefix_cache()
+        return True
+
     def drain_kv_events(self) -> list[KVEvent]:
         return self.block_manager.events.drain()
 

@@ -73,7 +73,8 @@ def build_openapi(app: FastAPI, served_name: str) -> dict[str, Any]:
     """The whole document: FastAPI's paths plus the bodies' schemas, ``model`` pinned to ``served_name``."""
     if app.openapi_schema is None:
         document = get_openapi(title=app.title, version=app.version, routes=app.routes)
-        document.setdefault("components", {})["schemas"] = _schemas(served_name)
+        # Beside FastAPI's own schemas: the routes with response models (peer routes) refer to them.
+        document.setdefault("components", {}).setdefault("schemas", {}).update(_schemas(served_name))
         app.openapi_schema = document
     return app.openapi_schema
 

@@ -1,4 +1,5 @@
-"""The public port: the OpenAI API, tokenization, health, readiness and metrics.
+"""The public port: the OpenAI API, tokenization, health, readiness, metrics, and what peer routers
+ask (``_peer_routes``).
 
 A completion request is parsed once, its ``kv_transfer_params`` validated once (``handoff_params``),
 and its prompt rendered and tokenized here only when the request does not carry the ids the
@@ -43,6 +44,7 @@ from herd.worker.server._params import (
     plan_choices,
     prompt_errors,
 )
+from herd.worker.server._peer_routes import Route, peer_routes
 from herd.worker.server._remote_prefill import RemotePrefill
 from herd.worker.server._request_id import RequestIdMiddleware, request_id
 from herd.worker.server._responses import ResponseContext
@@ -98,7 +100,7 @@ def build_public_app(engine: ServingEngine, options: PublicOptions) -> FastAPI:
     app.state.prompt_threads = PromptThreads("herd-prompt")  # the prefill route renders there too
     install_error_handlers(app, metrics.observe_rejected)
     routes = _PublicRoutes(engine, options, metrics, app.state.prompt_threads)
-    for path, method, endpoint in (
+    table: list[Route] = [
         ("/v1/chat/completions", "POST", routes.chat),
         ("/v1/completions", "POST", routes.completions),
         ("/v1/models", "GET", routes.models),
@@ -107,7 +109,9 @@ def build_public_app(engine: ServingEngine, options: PublicOptions) -> FastAPI:
         ("/health", "GET", routes.health),
         ("/ready", "GET", routes.ready),
         ("/metrics", "GET", routes.metrics),
-    ):
+        *peer_routes(engine),
+    ]
+    for path, method, endpoint in table:
         app.add_api_route(path, endpoint, methods=[method], openapi_extra=route_docs(path))
     app.openapi = lambda: build_openapi(app, options.served_name)  # type: ignore[method-assign]
     return app
