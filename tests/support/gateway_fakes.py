@@ -66,6 +66,8 @@ class FakeWorker:
     events: list[KVEvent] = field(default_factory=list)
     snapshot_blocks: list[int] = field(default_factory=list)
     is_kv_broken: bool = False
+    metrics: str = ""
+    """The Prometheus text its ``/metrics`` answers."""
     prefill_delay: float = 0.0
     """How long ``/internal/prefill`` takes to answer (a prefill in progress)."""
     prefills: list[dict[str, object]] = field(default_factory=list)
@@ -88,6 +90,8 @@ class FakeWorker:
         path = request.url.path
         if path == "/ready":
             return httpx.Response(200 if self.is_ready else 503)
+        if path == "/metrics":
+            return httpx.Response(200, text=self.metrics)
         if path.startswith("/internal/"):
             return self._internal(request)
         self.num_requests += 1

@@ -29,6 +29,7 @@ from herd.orchestrator.dashboard import DASHBOARD_HTML, dashboard_data
 from herd.orchestrator.discovery import WorkerSource
 from herd.orchestrator.errors import install_error_handlers
 from herd.orchestrator.gateway import Gateway, GatewaySettings
+from herd.orchestrator.history_sampler import HistorySampler, HistorySettings
 from herd.orchestrator.openapi import build_openapi, route_docs
 from herd.orchestrator.proxy import build_http_client
 from herd.orchestrator.registry import Registry, RegistrySettings, WorkerState
@@ -49,6 +50,8 @@ class AppSettings:
     """Longest time a client may take to send a request body (a slow client gets 408)."""
     gateway: GatewaySettings = field(default_factory=GatewaySettings)
     registry: RegistrySettings = field(default_factory=RegistrySettings)
+    history: HistorySettings = field(default_factory=HistorySettings)
+    """The dashboard's history: how often it samples, what each point covers, how far back it keeps."""
     ready_when_synced: bool = False
     """What ``/ready`` waits for. False (a fixed list of workers): every model has a healthy worker.
     True (discovered workers, as on Kubernetes): the discovery's first membership, models or none; a
@@ -80,13 +83,14 @@ def build_app(
     worker_client = WorkerClient(client, token=settings.internal_token)
     registry = Registry(worker_client, state, settings.registry, on_restart=_count_restart(telemetry))
     gateway = Gateway(registry, state, client, pool, telemetry, settings.gateway)
+    sampler = HistorySampler(registry, telemetry, client, settings.history)
 
     owned: list[httpx.AsyncClient | UpstreamClient] = []
     if http is None:
         owned.append(client)
     if upstream is None:
         owned.append(pool)
-    lifespan = _lifespan(registry, gateway, source, owned)
+    lifespan = _lifespan(registry, gateway, sampler, source, owned)
     app = FastAPI(
         title="herd orchestrator", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
     )
@@ -96,6 +100,7 @@ def build_app(
         app,
         registry,
         telemetry,
+        sampler,
         is_key_required=api_keys.is_enabled,
         ready_when_synced=settings.ready_when_synced,
     )
@@ -115,20 +120,27 @@ def _count_restart(telemetry: Telemetry) -> Callable[[WorkerState], None]:
 def _lifespan(
     registry: Registry,
     gateway: Gateway,
+    sampler: HistorySampler,
     source: WorkerSource,
     owned_clients: list[httpx.AsyncClient | UpstreamClient],
 ) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
-    """Follow the source while the app runs; close the clients the app created."""
+    """Follow the source and sample the dashboard's history while the app runs; close the clients the
+    app created."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        task = asyncio.create_task(registry.run(source), name="herd-registry")
+        tasks = [
+            asyncio.create_task(registry.run(source), name="herd-registry"),
+            asyncio.create_task(sampler.run(), name="herd-history"),
+        ]
         try:
             yield
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             gateway.close()
             for owned in owned_clients:
                 await owned.aclose()
@@ -155,7 +167,13 @@ def _add_openai_routes(app: FastAPI, gateway: Gateway, settings: AppSettings) ->
 
 
 def _add_ops_routes(
-    app: FastAPI, registry: Registry, telemetry: Telemetry, *, is_key_required: bool, ready_when_synced: bool
+    app: FastAPI,
+    registry: Registry,
+    telemetry: Telemetry,
+    sampler: HistorySampler,
+    *,
+    is_key_required: bool,
+    ready_when_synced: bool,
 ) -> None:
     async def health() -> Response:
         return JSONResponse({"status": "ok"})
@@ -177,8 +195,8 @@ def _add_ops_routes(
     async def dashboard() -> Response:
         return HTMLResponse(DASHBOARD_HTML)
 
-    async def data() -> Response:
-        return JSONResponse(dashboard_data(registry, telemetry))
+    async def data(since: float | None = None) -> Response:
+        return JSONResponse(dashboard_data(registry, sampler, since=since))
 
     async def openapi() -> Response:
         if app.openapi_schema is None:

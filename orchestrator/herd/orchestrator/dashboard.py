@@ -3,46 +3,47 @@
 from __future__ import annotations
 
 import time
-from collections import Counter as Tally
 from typing import Any
 
-from prometheus_client import Counter
-
 from herd.orchestrator.breaker import BreakerState
+from herd.orchestrator.history_sampler import HistorySampler, counter_totals
 from herd.orchestrator.registry import Registry, WorkerState
-from herd.orchestrator.telemetry import Telemetry
 
 __all__ = ["DASHBOARD_HTML", "dashboard_data"]
 
 
-def dashboard_data(registry: Registry, telemetry: Telemetry) -> dict[str, Any]:
+def dashboard_data(
+    registry: Registry, sampler: HistorySampler, *, since: float | None = None
+) -> dict[str, Any]:
     """Workers with health, circuit breaker, restarts, load, requests and KV blocks; totals, request
-    rate and TTFT over a window."""
+    rate and TTFT over a window; the history's points newer than ``since`` (Unix seconds), all without."""
+    telemetry = sampler.telemetry
     ttft = telemetry.recent.ttft_p50_ms()
-    requests_by_worker = _totals_by(telemetry.requests, "worker")
+    requests_by_worker = counter_totals(telemetry.requests, "worker")
     now = time.monotonic()
     return {
         "models": sorted(registry.models),
-        "requests_total": sum(requests_by_worker.values()),
-        "errors_total": sum(_totals_by(telemetry.errors, "reason").values()),
+        "requests_total": int(sum(requests_by_worker.values())),
+        "errors_total": int(sum(counter_totals(telemetry.errors, "reason").values())),
         "window_seconds": telemetry.recent.window_seconds,
         "request_rate_per_s": round(telemetry.recent.rate_per_second(), 3),
         "ttft_p50_ms": None if ttft is None else round(ttft, 1),
         "workers": [
-            _worker_row(registry, worker, requests_by_worker[worker.endpoint.id], now)
+            _worker_row(registry, worker, int(requests_by_worker.get((worker.endpoint.id,), 0)), now)
             for worker in sorted(registry.workers.values(), key=lambda worker: worker.endpoint.id)
         ],
+        "history": _history(sampler, since),
     }
 
 
-def _totals_by(counter: Counter, label: str) -> Tally[str]:
-    """The counter's value summed per value of ``label`` (the samples, not the ``_created`` stamps)."""
-    totals: Tally[str] = Tally()
-    for metric in counter.collect():
-        for sample in metric.samples:
-            if sample.name.endswith("_total"):
-                totals[sample.labels[label]] += int(sample.value)
-    return totals
+def _history(sampler: HistorySampler, since: float | None) -> dict[str, Any]:
+    settings = sampler.settings
+    return {
+        "interval_seconds": settings.interval_seconds,
+        "window_seconds": settings.window_seconds,
+        "span_seconds": settings.span_seconds,
+        "points": [point.as_dict() for point in sampler.history.since(since)],
+    }
 
 
 def _worker_row(registry: Registry, worker: WorkerState, num_requests: int, now: float) -> dict[str, Any]:
@@ -122,6 +123,18 @@ td .sub{display:block;font-size:12px;color:var(--muted)}
 .meter.high span{background:var(--bar-high)}
 tr.down td{color:var(--muted)}
 td.empty{text-align:center;color:var(--muted);padding:24px}
+h2{font-size:17px;margin:28px 0 4px}
+h3{font-size:15px;margin:16px 0 8px}
+.charts{display:grid;grid-template-columns:repeat(auto-fill,minmax(330px,1fr));gap:12px}
+figure.chart{margin:0;background:var(--card);border:1px solid var(--line);border-radius:8px;padding:8px 10px}
+figure.chart figcaption{font-size:12px;color:var(--muted);font-weight:600;text-transform:uppercase;
+  letter-spacing:.04em}
+figure.chart svg{display:block;width:100%;height:auto}
+svg .axis{stroke:var(--line);stroke-width:1}
+svg text{fill:var(--muted);font-size:10px;font-variant-numeric:tabular-nums}
+svg path{fill:none;stroke-width:1.6;stroke-linejoin:round}
+.legend{display:flex;flex-wrap:wrap;gap:2px 12px;font-size:12px;font-variant-numeric:tabular-nums}
+.legend .swatch{display:inline-block;width:10px;height:3px;margin-right:4px;vertical-align:middle}
 </style></head><body>
 <header><h1>herd</h1><span class="muted">orchestrator dashboard</span>
 <span id="status" class="muted">loading&hellip;</span></header>
@@ -146,6 +159,10 @@ td.empty{text-align:center;color:var(--muted);padding:24px}
 <th class="text" title="Share of the worker's KV cache blocks in use">KV cache</th>
 <th title="Prefix blocks the router's index believes the worker holds">Indexed blocks</th></tr></thead>
 <tbody id="workers"><tr><td class="empty" colspan="12">loading&hellip;</td></tr></tbody></table></div>
+<h2>History</h2>
+<p class="muted" id="history-note">loading&hellip;</p>
+<div id="history"></div>
+<template id="chart"><svg viewBox="0 0 340 130" role="img"></svg></template>
 <script>
 const NUMBER=new Intl.NumberFormat("en-US");
 function set(name,text,flag){const el=document.querySelector('[data-summary="'+name+'"]');el.textContent=text;
@@ -184,6 +201,85 @@ function emptyRow(){
   const tr=document.createElement("tr");const td=cell("empty",
     "No workers yet: they appear here once discovery finds them and they answer /ready.","empty");
   td.colSpan=12;tr.append(td);return tr;}
+// History: the page keeps the points it has and asks only for newer ones (?since=), so a long span
+// costs one full load, then a point or none per poll.
+// Every chart is a clone of the template's <svg>, whose namespace its lines and labels are made in.
+const BLANK=document.getElementById("chart").content.firstElementChild,W=340,H=130,LEFT=40,BOTTOM=16,TOP=6;
+const COLORS=["#2f6fde","#e08600","#1a7f37","#b42318","#8250df","#0a8a8a","#bf3989","#6e7781"];
+const HISTORY={points:[],last:null,span:900};
+const CHARTS=[
+  {id:"request_rate",title:"Requests / s",series:()=>[["requests / s",m=>m.request_rate]],format:v=>v.toFixed(2)},
+  {id:"ttft",title:"Time to first token",series:()=>[["p50",m=>m.ttft_p50_ms],["p99",m=>m.ttft_p99_ms]],format:ttft},
+  {id:"itl",title:"Inter-token latency",series:()=>[["p50",m=>m.itl_p50_ms],["p99",m=>m.itl_p99_ms]],format:ttft},
+  {id:"hit_rate",title:"Prefix-cache hit rate",max:1,series:()=>[["hit rate",m=>m.hit_rate]],format:percent},
+  {id:"shares",title:"Share of requests per worker",max:1,format:percent,
+    series:points=>workersIn(points).map(w=>[w,m=>w in m.shares?m.shares[w]:null])}];
+function percent(v){return (v*100).toFixed(v<0.1?1:0)+" %";}
+function workersIn(points){const all=new Set();
+  for(const p of points)for(const w of Object.keys(p.shares))all.add(w);return [...all].sort();}
+function mergeHistory(h){
+  // True when new points came: redrawing every chart each second is wasted work with hundreds of workers.
+  HISTORY.span=h.span_seconds;HISTORY.points.push(...h.points);
+  if(h.points.length)HISTORY.last=h.points[h.points.length-1].wall;
+  const horizon=HISTORY.last-HISTORY.span;HISTORY.points=HISTORY.points.filter(p=>p.wall>horizon);
+  const minutes=Math.round(h.span_seconds/60),every=h.interval_seconds+" s";
+  document.getElementById("history-note").textContent=HISTORY.points.length?
+    "Last "+minutes+" min, a point every "+every+", each over the "+h.window_seconds+" s before it.":
+    "The first points appear after "+every+" (then one every "+every+", kept "+minutes+" min).";
+  return h.points.length>0;}
+function svgEl(name,attrs,text){const el=document.createElementNS(BLANK.namespaceURI,name);
+  for(const [k,v] of Object.entries(attrs))el.setAttribute(k,v);if(text!==undefined)el.textContent=text;return el;}
+function niceMax(v){if(!(v>0))return 1;const step=10**Math.floor(Math.log10(v));
+  return [1,2,5,10].map(m=>m*step).find(m=>m>=v);}
+function linePath(values,x,y){
+  // A null (no observation in that window) breaks the line instead of drawing it down to zero.
+  let d="",isOpen=false;
+  for(const [t,v] of values){if(v===null){isOpen=false;continue;}
+    d+=(isOpen?"L":"M")+x(t).toFixed(1)+" "+y(v).toFixed(1);isOpen=true;}
+  return d;}
+function drawChart(chart,series,points){
+  const t1=HISTORY.last,t0=t1-HISTORY.span,lines=series.map(([name,get])=>
+    [name,points.map(p=>[p.wall,p.model?get(p.model)??null:null])]);
+  const peak=lines.reduce((most,[,vs])=>vs.reduce((m,[,v])=>Math.max(m,v??0),most),0);
+  const top=chart.max??niceMax(peak),x=t=>LEFT+(W-LEFT-4)*(t-t0)/(t1-t0||1),y=v=>TOP+(H-TOP-BOTTOM)*(1-v/top);
+  const svg=BLANK.cloneNode();svg.dataset.chart=chart.id;svg.setAttribute("aria-label",chart.title);
+  svg.append(svgEl("line",{class:"axis",x1:LEFT,y1:y(0),x2:W-4,y2:y(0)}),
+    svgEl("line",{class:"axis",x1:LEFT,y1:y(top),x2:W-4,y2:y(top),"stroke-dasharray":"2 3"}),
+    svgEl("text",{x:LEFT-4,y:y(top)+4,"text-anchor":"end"},chart.format(top)),
+    svgEl("text",{x:LEFT-4,y:y(0),"text-anchor":"end"},chart.format(0)),
+    svgEl("text",{x:LEFT,y:H-2},"-"+Math.round(HISTORY.span/60)+" min"),
+    svgEl("text",{x:W-4,y:H-2,"text-anchor":"end"},new Date(t1*1000).toLocaleTimeString("en-GB")));
+  let drawn=0;
+  lines.forEach(([name,values],i)=>{const color=COLORS[i%COLORS.length],shown=values.filter(([,v])=>v!==null);
+    drawn+=shown.length;
+    svg.append(svgEl("path",{d:linePath(values,x,y),stroke:color,"data-series":name,"data-count":shown.length}));
+    // The latest value as a dot, so a series with one point so far is visible too.
+    if(shown.length){const [t,v]=shown[shown.length-1];svg.append(svgEl("circle",{cx:x(t),cy:y(v),r:2.5,fill:color}));}});
+  svg.dataset.points=drawn;return [svg,legend(chart,lines)];}
+function legend(chart,lines){
+  const div=document.createElement("div");div.className="legend";const max=8;
+  const latest=lines.map(([name,values],i)=>{const shown=values.filter(([,v])=>v!==null);
+    return {name,color:COLORS[i%COLORS.length],value:shown.length?shown[shown.length-1][1]:null};});
+  // Many workers: name the busiest few, count the rest.
+  const named=latest.length>max?[...latest].sort((a,b)=>(b.value??-1)-(a.value??-1)).slice(0,max):latest;
+  for(const item of named){const span=document.createElement("span"),swatch=document.createElement("span");
+    swatch.className="swatch";swatch.style.background=item.color;
+    span.append(swatch,item.name+" "+(item.value===null?"-":chart.format(item.value)));div.append(span);}
+  if(latest.length>max)div.append(latest.length-max+" more");
+  return div;}
+function renderHistory(){
+  const models=[...new Set(HISTORY.points.flatMap(p=>Object.keys(p.models)))].sort();
+  const sections=models.map(model=>{
+    const section=document.createElement("section"),grid=document.createElement("div");
+    section.dataset.model=model;grid.className="charts";
+    const title=document.createElement("h3");title.textContent=model;section.append(title,grid);
+    const points=HISTORY.points.map(p=>({wall:p.wall,model:p.models[model]}));
+    const present=points.filter(p=>p.model).map(p=>p.model);
+    for(const chart of CHARTS){const figure=document.createElement("figure"),caption=document.createElement("figcaption");
+      figure.className="chart";caption.textContent=chart.title;
+      figure.append(caption,...drawChart(chart,chart.series(present),points));grid.append(figure);}
+    return section;});
+  document.getElementById("history").replaceChildren(...sections);}
 function render(data){
   const up=data.workers.filter(w=>w.state==="up").length,period=" ("+data.window_seconds+" s)";
   set("workers",up+" / "+data.workers.length,["bad",up===0]);
@@ -197,9 +293,11 @@ function showStatus(text,isStale){const s=document.getElementById("status");s.te
   s.className=isStale?"stale":"muted";}
 async function refresh(){
   try{
-    const response=await fetch("dashboard/data",{cache:"no-store"});
+    const since=HISTORY.last===null?"":"?since="+HISTORY.last;
+    const response=await fetch("dashboard/data"+since,{cache:"no-store"});
     if(!response.ok)throw new Error("HTTP status "+response.status);
-    render(await response.json());
+    const data=await response.json();
+    render(data);if(mergeHistory(data.history))renderHistory();
     showStatus("updated "+new Date().toLocaleTimeString("en-GB"),false);
   }catch(e){showStatus("orchestrator unreachable ("+e.message+"); retrying every second",true);}
 }

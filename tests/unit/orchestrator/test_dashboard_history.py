@@ -1,0 +1,298 @@
+"""The dashboard's history: the pure sampler (windows, rates, percentiles, eviction, workers coming and
+going) table-driven, then the app's sampling task over fake workers through ``/dashboard/data``."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from support.gateway_fakes import FAST_REGISTRY, FakeCluster, FakeWorker, running_gateway
+
+from herd.orchestrator.app import AppSettings
+from herd.orchestrator.history import (
+    Buckets,
+    History,
+    ModelPoint,
+    Snapshot,
+    counter_increases,
+    histogram_increases,
+    point_between,
+    quantile,
+)
+from herd.orchestrator.history_sampler import HistorySettings, WorkerFigures, parse_worker_metrics
+
+INF = math.inf
+MODEL = "m"
+
+
+def snap(
+    at: float,
+    *,
+    requests: Mapping[str, float] | None = None,
+    queries: Mapping[str, float] | None = None,
+    hits: Mapping[str, float] | None = None,
+    ttft: Buckets | None = None,
+    itl: Mapping[str, Buckets] | None = None,
+) -> Snapshot:
+    """A snapshot of model ``m`` at ``at`` seconds (Unix time 1000 s later), per worker id."""
+
+    def of(values: Mapping[str, Any] | None) -> dict[tuple[str, str], Any]:
+        return {(MODEL, worker): value for worker, value in (values or {}).items()}
+
+    return Snapshot(
+        at,
+        1000.0 + at,
+        requests=of(requests),
+        cache_queries=of(queries),
+        cache_hits=of(hits),
+        ttft={} if ttft is None else {(MODEL, ""): ttft},
+        itl=of(itl),
+    )
+
+
+@pytest.mark.parametrize(
+    ("q", "buckets", "expected"),
+    [
+        (0.5, {}, None),
+        (0.5, {1.0: 0, INF: 0}, None),
+        (0.5, {0.1: 10, INF: 10}, 0.05),
+        (0.5, {0.1: 0, 0.2: 10, INF: 10}, 0.15),
+        (0.99, {0.1: 50, 1.0: 100, INF: 100}, 0.982),
+        (0.5, {0.1: 1, INF: 10}, 0.1),
+        (0.5, {0.1: 6, 0.2: 5, INF: 10}, 0.1 * 5 / 6),
+    ],
+    ids=[
+        "no buckets",
+        "no observations",
+        "inside the first bucket, from zero",
+        "interpolated in the bucket holding the rank",
+        "p99 across buckets",
+        "in the +Inf bucket: the highest finite bound",
+        "a falling cumulative count (raced scrapes) is lifted",
+    ],
+)
+def test_quantile_interpolates_like_prometheus(q: float, buckets: Buckets, expected: float | None) -> None:
+    found = quantile(q, buckets)
+    assert found == (None if expected is None else pytest.approx(expected))
+
+
+@pytest.mark.parametrize(
+    ("new", "old", "expected"),
+    [
+        ({"a": 7.0}, {"a": 3.0}, {"a": 4.0}),
+        ({"a": 2.0}, {"a": 30.0}, {"a": 2.0}),
+        ({"a": 5.0, "b": 9.0}, {"a": 5.0}, {"a": 0.0}),
+        ({"a": 5.0}, {"a": 1.0, "b": 9.0}, {"a": 4.0}),
+    ],
+    ids=[
+        "grew",
+        "reset (a restarted worker) counts from zero",
+        "a new series waits a sample",
+        "a gone one drops",
+    ],
+)
+def test_counter_increases(new: dict[str, float], old: dict[str, float], expected: dict[str, float]) -> None:
+    assert counter_increases(new, old) == expected
+
+
+@pytest.mark.parametrize(
+    ("new", "old", "expected"),
+    [
+        ({0.1: 4.0, INF: 6.0}, {0.1: 1.0, INF: 2.0}, {0.1: 3.0, INF: 4.0}),
+        ({0.1: 1.0, INF: 1.0}, {0.1: 5.0, INF: 8.0}, {0.1: 1.0, INF: 1.0}),
+    ],
+    ids=["bucket by bucket", "a restart (fewer observations) counts from zero"],
+)
+def test_histogram_increases(new: Buckets, old: Buckets, expected: Buckets) -> None:
+    assert histogram_increases({"w": new}, {"w": old}) == {"w": expected}
+
+
+NO_TRAFFIC = ModelPoint(0.0, None, None, None, None, None, {})
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "expected"),
+    [
+        (
+            snap(0, requests={"w0": 0, "w1": 0}),
+            snap(5, requests={"w0": 15, "w1": 5}),
+            replace(NO_TRAFFIC, request_rate=4.0, shares={"w0": 0.75, "w1": 0.25}),
+        ),
+        (
+            snap(0, requests={"w0": 0}),
+            snap(5, requests={"w0": 5, "w2": 100}),
+            replace(NO_TRAFFIC, request_rate=1.0, shares={"w0": 1.0}),
+        ),
+        (
+            snap(0, requests={"w0": 0, "w1": 3}),
+            snap(5, requests={"w0": 4}),
+            replace(NO_TRAFFIC, request_rate=0.8, shares={"w0": 1.0}),
+        ),
+        (
+            snap(0, queries={"w0": 100, "w1": 0}, hits={"w0": 50, "w1": 0}),
+            snap(5, queries={"w0": 10, "w1": 10}, hits={"w0": 10, "w1": 0}),
+            replace(NO_TRAFFIC, hit_rate=0.5),
+        ),
+        (
+            snap(0, requests={"w0": 9}, queries={"w0": 40}, ttft={0.1: 3, INF: 3}),
+            snap(5, requests={"w0": 9}, queries={"w0": 40}, ttft={0.1: 3, INF: 3}),
+            NO_TRAFFIC,
+        ),
+        (
+            snap(0, ttft={0.1: 0, 1.0: 0, INF: 0}, itl={"w0": {0.01: 0, 0.1: 0, INF: 0}, "w1": {}}),
+            snap(
+                5,
+                ttft={0.1: 50, 1.0: 100, INF: 100},
+                itl={"w0": {0.01: 10, 0.1: 10, INF: 10}, "w1": {0.01: 0, 0.1: 10, INF: 10}},
+            ),
+            replace(NO_TRAFFIC, ttft_p50_ms=100.0, ttft_p99_ms=982.0, itl_p50_ms=10.0, itl_p99_ms=98.2),
+        ),
+    ],
+    ids=[
+        "request rate and each worker's share from the request counter",
+        "a worker that came counts from its second sample",
+        "a worker that left drops out",
+        "hit rate over the workers' counters, a restarted one from zero",
+        "no traffic: no percentiles, no hit rate, no shares",
+        "TTFT and ITL p50/p99 from the window's observations, ITL summed over workers",
+    ],
+)
+def test_a_point_over_one_window(old: Snapshot, new: Snapshot, expected: ModelPoint) -> None:
+    point = point_between(old, new)
+    assert (point.wall, point.window_seconds) == (1005.0, 5.0)
+    assert point.models == {MODEL: expected}
+
+
+def test_a_model_whose_workers_all_left_has_no_point() -> None:
+    point = point_between(snap(0, requests={"w0": 1}), Snapshot(5, 1005))
+    assert point.models == {}
+
+
+def steady(num: int, *, every: float = 5.0, rate: float = 1.0) -> list[Snapshot]:
+    """``num`` snapshots ``every`` seconds of one worker answering ``rate`` requests a second."""
+    return [snap(i * every, requests={"w0": i * every * rate}) for i in range(num)]
+
+
+@pytest.mark.parametrize(
+    ("snapshots", "window", "expected_windows"),
+    [
+        (steady(1), 30.0, []),
+        (steady(10), 30.0, [5.0, 10.0, 15.0, 20.0, 25.0, 30.0, 30.0, 30.0, 30.0]),
+        (steady(4), 5.0, [5.0, 5.0, 5.0]),
+        ([*steady(3), snap(100, requests={"w0": 100})], 30.0, [5.0, 10.0, 90.0]),
+    ],
+    ids=[
+        "one snapshot: no point yet",
+        "the window fills, then slides",
+        "a window of one interval",
+        "a stalled sampler compares with the last snapshot before the gap",
+    ],
+)
+def test_points_cover_the_window(
+    snapshots: list[Snapshot], window: float, expected_windows: list[float]
+) -> None:
+    history = History(window_seconds=window, num_points=100)
+    for snapshot in snapshots:
+        history.add(snapshot)
+    assert [point.window_seconds for point in history.points] == expected_windows
+    assert all(point.models[MODEL].request_rate == 1.0 for point in history.points)
+
+
+def test_old_points_are_evicted_and_since_returns_the_newer() -> None:
+    history = History(window_seconds=30.0, num_points=3)
+    for snapshot in steady(7):
+        history.add(snapshot)
+    assert [point.wall for point in history.points] == [1020.0, 1025.0, 1030.0]
+    assert [point.wall for point in history.since(1020.0)] == [1025.0, 1030.0]
+    assert history.since(None) == list(history.points)
+    assert history.since(1030.0) == []
+
+
+class EngineMetrics:
+    """A worker's vLLM-named metrics, exposed by the same library the worker uses."""
+
+    def __init__(self, *labels: str) -> None:
+        self.registry = CollectorRegistry()
+        names = ["model_name", *labels]
+        self.queries = Counter("vllm:prefix_cache_queries", "q", names, registry=self.registry)
+        self.hits = Counter("vllm:prefix_cache_hits", "h", names, registry=self.registry)
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds", "i", names, buckets=(0.01, 0.1), registry=self.registry
+        )
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "t", names, registry=self.registry)
+
+    def text(self) -> str:
+        return generate_latest(self.registry).decode()
+
+
+def test_worker_metrics_are_summed_over_their_series_and_the_rest_ignored() -> None:
+    engine = EngineMetrics("engine")
+    for label, queries, hits, gaps in (("0", 100, 60, (0.005, 0.05)), ("1", 20, 20, (0.5,))):
+        engine.queries.labels("tiny", label).inc(queries)
+        engine.hits.labels("tiny", label).inc(hits)
+        engine.ttft.labels("tiny", label).observe(0.2)
+        for gap in gaps:
+            engine.itl.labels("tiny", label).observe(gap)
+    figures = parse_worker_metrics(engine.text())
+    assert figures == WorkerFigures(cache_queries=120, cache_hits=80, itl={0.01: 1, 0.1: 2, INF: 3})
+
+
+def test_a_page_without_the_metrics_gives_zeros() -> None:
+    assert parse_worker_metrics("# nothing here\nother_metric 1\n") == WorkerFigures()
+
+
+HISTORY = HistorySettings(interval_seconds=0.02, window_seconds=0.1, span_seconds=60.0)
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}]}
+
+
+async def points(client: httpx.AsyncClient, since: float | None = None) -> list[dict[str, Any]]:
+    params = {} if since is None else {"since": since}
+    data = (await client.get("/dashboard/data", params=params)).json()
+    found: list[dict[str, Any]] = data["history"]["points"]
+    return found
+
+
+async def test_the_app_samples_its_workers_and_serves_the_series() -> None:
+    engines = {worker_id: EngineMetrics() for worker_id in ("w0", "w1")}
+    workers = [FakeWorker(worker_id, metrics=engine.text()) for worker_id, engine in engines.items()]
+    settings = AppSettings(registry=FAST_REGISTRY, history=HISTORY)
+    async with running_gateway(FakeCluster(workers), settings=settings) as (_, client):
+        first = await _wait_for_point(client, lambda model: model["request_rate"] == 0.0)
+        for _ in range(4):
+            assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
+        for worker, engine in zip(workers, engines.values(), strict=True):
+            engine.queries.labels("tiny").inc(100)
+            engine.hits.labels("tiny").inc(75)
+            engine.itl.labels("tiny").observe(0.05)
+            worker.metrics = engine.text()
+        busy = await _wait_for_point(client, lambda model: model["shares"] == {"w0": 0.5, "w1": 0.5})
+        cached = await _wait_for_point(client, lambda model: model["hit_rate"] is not None)
+        newer = await points(client, since=first["wall"])
+    assert busy["models"]["tiny"]["request_rate"] > 0
+    assert (cached["models"]["tiny"]["hit_rate"], cached["models"]["tiny"]["itl_p50_ms"]) == (0.75, 55.0)
+    assert cached in newer and all(point["wall"] > first["wall"] for point in newer)
+
+
+async def _wait_for_point(
+    client: httpx.AsyncClient, check: Callable[[dict[str, Any]], bool]
+) -> dict[str, Any]:
+    """The newest point whose model ``tiny`` passes ``check``, polling for at most 10 s."""
+    for _ in range(500):
+        for point in reversed(await points(client)):
+            if "tiny" in point["models"] and check(point["models"]["tiny"]):
+                return point
+        await asyncio.sleep(0.02)
+    raise AssertionError("no history point matched within 10 s")
+
+
+async def test_the_sampling_task_stops_with_the_app() -> None:
+    settings = AppSettings(registry=FAST_REGISTRY, history=HISTORY)
+    async with running_gateway(FakeCluster([FakeWorker("w0")]), settings=settings):
+        assert [task for task in asyncio.all_tasks() if task.get_name() == "herd-history"]
+    assert not [task for task in asyncio.all_tasks() if task.get_name() == "herd-history"]
