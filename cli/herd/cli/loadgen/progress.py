@@ -1,8 +1,14 @@
-"""A one-line progress bar on stderr, redrawn at most ten times a second (no dependencies)."""
+"""A one-line progress bar on stderr, redrawn at most ten times a second (no dependencies).
+
+It is drawn from the start and a ticker thread redraws it every half second, so a run whose first
+answers take long still shows its clock (and, for a timed run, its bar) moving from the first request
+sent; ``close`` stops the ticker.
+"""
 
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from typing import TextIO
 
@@ -10,6 +16,7 @@ __all__ = ["Progress"]
 
 _WIDTH = 30
 _REDRAW_S = 0.1
+_TICK_S = 0.5
 
 
 class Progress:
@@ -31,6 +38,12 @@ class Progress:
         self.num_errors = 0
         self._start = time.monotonic()
         self._last_draw = 0.0
+        self._lock = threading.Lock()  # the ticker and the run's updates write the same line
+        self._stopped = threading.Event()
+        self._ticker = threading.Thread(target=self._tick, name="herd-bench-progress", daemon=True)
+        if enabled:
+            self._draw(self._start)
+            self._ticker.start()
 
     def update(self, *, is_ok: bool) -> None:
         self.num_done += 1
@@ -42,6 +55,8 @@ class Progress:
 
     def close(self) -> None:
         if self.enabled:
+            self._stopped.set()
+            self._ticker.join(timeout=2 * _TICK_S)
             self._draw(time.monotonic())
             self.stream.write("\n")
             self.stream.flush()
@@ -62,7 +77,12 @@ class Progress:
             fractions.append(elapsed / self.duration_s)
         return min(1.0, max(fractions, default=0.0))
 
+    def _tick(self) -> None:
+        while not self._stopped.wait(_TICK_S):
+            self._draw(time.monotonic())
+
     def _draw(self, now: float) -> None:
         if self.enabled:
-            self.stream.write("\r" + self.line(now))
-            self.stream.flush()
+            with self._lock:
+                self.stream.write("\r" + self.line(now))
+                self.stream.flush()
