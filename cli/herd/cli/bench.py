@@ -1,5 +1,6 @@
 """``herd bench``: a load generator for any OpenAI-compatible endpoint (herd's gateway, a worker,
-or a peer server). Thin: it turns arguments into a ``BenchConfig`` and runs ``herd.cli.loadgen``."""
+or a peer server). Thin: it turns arguments into a ``BenchConfig`` and runs ``herd.cli.loadgen``.
+``herd bench trace`` writes a request trace, ``herd bench oracle`` the best hit rate on one."""
 
 from __future__ import annotations
 
@@ -12,9 +13,20 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from herd.api.prompt import PromptRenderer
 from herd.cli import calibrate
 from herd.cli.loadgen import BenchConfig, Progress, format_table, run_benchmark
 from herd.cli.loadgen.config import describe_errors, parse_extra_body
+from herd.cli.loadgen.oracle import OracleRequest, oracle_report, oracle_request
+from herd.cli.loadgen.traces import (
+    TRACE_KINDS,
+    TRACE_SPEC,
+    TraceError,
+    TraceRequest,
+    dump_trace,
+    generate,
+    load_trace,
+)
 
 __all__ = ["register", "run"]
 
@@ -25,11 +37,13 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
     """The validated config; raises ``ValueError`` naming the option to fix."""
     uses_defaults = args.concurrency is None and args.request_rate is None
     bounded = args.num_requests is not None or args.duration is not None
+    num_requests = _trace_requests(args.trace, args.num_requests) if args.trace else args.num_requests
     return BenchConfig(
         url=args.url,
         model=args.model,
         api=args.api,
         workload=args.workload,
+        trace=args.trace,
         input_len=args.input_len,
         output_len=args.output_len,
         num_tenants=args.num_tenants,
@@ -38,7 +52,7 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         session_header=args.session_header,
         concurrency=8 if uses_defaults else args.concurrency,
         request_rate=args.request_rate,
-        num_requests=args.num_requests if bounded else 100,
+        num_requests=num_requests if bounded or args.trace else 100,
         duration_s=args.duration,
         ignore_eos=args.ignore_eos,
         include_usage=args.include_usage,
@@ -47,6 +61,18 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         timeout_s=args.timeout,
         seed=args.seed,
     )
+
+
+def _trace_requests(path: Path, num_requests: int | None) -> int:
+    """How many of the trace's requests to replay: all by default (the file is read here, so a
+    trace that cannot be replayed fails before the run starts)."""
+    num_in_trace = len(load_trace(path))
+    if (num_requests or 0) > num_in_trace:
+        raise TraceError(
+            f"--num-requests {num_requests} is more than the {num_in_trace} requests of {path}: "
+            "ask for at most that many"
+        )
+    return num_requests or num_in_trace
 
 
 def run(args: argparse.Namespace) -> int:
@@ -102,12 +128,21 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--json-out", help="also write the report as JSON to this file")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.set_defaults(func=run)
-    calibrate.register(parser.add_subparsers(dest="bench_command", metavar="calibrate"))
+    commands = parser.add_subparsers(dest="bench_command", metavar="{calibrate,trace,oracle}")
+    calibrate.register(commands)
+    _register_trace(commands)
+    _register_oracle(commands)
 
 
 def _add_workload_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--workload", choices=["synthetic", "shared-prefix", "multi-turn"], default="synthetic"
+        "--workload", choices=["synthetic", "shared-prefix", "multi-turn", "trace"], default="synthetic"
+    )
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        help="trace: the JSONL file to replay in order (herd bench trace); with --request-rate its "
+        "arrival gaps are kept, scaled to that mean rate",
     )
     parser.add_argument("--input-len", default="256", help="prompt words per request: N or LOW:HIGH")
     parser.add_argument("--output-len", default="64", help="max_tokens per request: N or LOW:HIGH")
@@ -122,3 +157,89 @@ def _add_load_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-rate", type=float, help="Poisson arrivals per second")
     parser.add_argument("--num-requests", type=int, help="requests to send (default 100 without a duration)")
     parser.add_argument("--duration", type=float, help="seconds to keep sending")
+
+
+def _register_trace(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = commands.add_parser("trace", help="write a deterministic request trace as JSONL")
+    kinds = [str(kind.model_fields["kind"].default) for kind in TRACE_KINDS]
+    parser.add_argument("--kind", choices=kinds, required=True)
+    parser.add_argument("--out", type=Path, required=True, help="the JSONL file to write")
+    parser.add_argument("--seed", type=int, default=0, help="the same seed writes the same bytes")
+    for name, (description, defaults) in _trace_options().items():
+        uses = ", ".join(f"{kind} {default}" for kind, default in defaults)
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, help=f"{description} ({uses})")
+    parser.set_defaults(func=run_trace)
+
+
+def _trace_options() -> dict[str, tuple[str, list[tuple[str, object]]]]:
+    """Every kind's settings: option name -> (its description, [(kind, default)])."""
+    options: dict[str, tuple[str, list[tuple[str, object]]]] = {}
+    for kind in TRACE_KINDS:
+        kind_name = kind.model_fields["kind"].default
+        for name, field in kind.model_fields.items():
+            if name != "kind":
+                options.setdefault(name, (field.description or name, []))[1].append(
+                    (kind_name, field.default)
+                )
+    return options
+
+
+def run_trace(args: argparse.Namespace) -> int:
+    given = {name: getattr(args, name) for name in _trace_options() if getattr(args, name) is not None}
+    try:
+        spec = TRACE_SPEC.validate_python({"kind": args.kind, **given})
+    except ValidationError as error:
+        for problem in error.errors(include_input=False, include_url=False):
+            option = "--" + str(problem["loc"][-1]).replace("_", "-")
+            message = problem["msg"].removeprefix("Value error, ")
+            if problem["type"] == "extra_forbidden":
+                message = f"not a setting of --kind {args.kind}; see herd bench trace --help"
+            print(f"herd bench trace: {option}: {message}", file=sys.stderr)
+        return 2
+    requests = generate(spec, args.seed)
+    dump_trace(requests, args.out)
+    sessions = len({request.session_id for request in requests})
+    print(f"wrote {len(requests)} requests of {sessions} sessions to {args.out}")
+    return 0
+
+
+def _register_oracle(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = commands.add_parser(
+        "oracle", help="the hit rate of an ideal router on a trace, and the trace's infinite-cache ceiling"
+    )
+    parser.add_argument("--trace", type=Path, required=True, help="a JSONL trace (herd bench trace)")
+    parser.add_argument("--workers", type=int, required=True, help="fleet size")
+    parser.add_argument("--blocks-per-worker", type=int, required=True, help="KV blocks of each worker")
+    parser.add_argument("--model", type=Path, required=True, help="model folder (tokenizer, chat template)")
+    parser.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (default 16)")
+    parser.set_defaults(func=run_oracle)
+
+
+def run_oracle(args: argparse.Namespace) -> int:
+    try:
+        requests = _oracle_requests(load_trace(args.trace), args.model, args.block_size)
+        report = oracle_report(
+            requests,
+            num_workers=args.workers,
+            blocks_per_worker=args.blocks_per_worker,
+            block_size=args.block_size,
+        )
+    except ValueError as error:  # a malformed trace, a model folder without a tokenizer, a pool too small
+        print(f"herd bench oracle: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps({"trace": str(args.trace), **report}, indent=2))
+    return 0
+
+
+def _oracle_requests(trace: list[TraceRequest], model: Path, block_size: int) -> list[OracleRequest]:
+    """The trace's prompts rendered and tokenized as the model's workers do."""
+    renderer = PromptRenderer.from_pretrained(model)
+    return [
+        oracle_request(
+            renderer.encode_chat([message.model_dump() for message in request.messages]),
+            request.output_length,
+            block_size=block_size,
+            model_id=model.name,
+        )
+        for request in trace
+    ]

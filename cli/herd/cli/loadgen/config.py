@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from herd.cli.loadgen.traces import TraceError, load_trace, trace_workload
 from herd.cli.loadgen.workloads import (
     LengthRange,
     MultiTurnWorkload,
@@ -21,14 +23,17 @@ __all__ = ["BenchConfig", "describe_errors", "parse_extra_body"]
 class BenchConfig(BaseModel):
     """Where to send, what, and how hard. Rate mode (``request_rate``) sends Poisson arrivals,
     capped at ``concurrency`` in flight if both are given; otherwise ``concurrency`` requests are
-    kept in flight. The run ends after ``num_requests`` or ``duration_s``, whichever comes first."""
+    kept in flight. The run ends after ``num_requests`` or ``duration_s``, whichever comes first.
+    The ``trace`` workload replays a saved trace (``herd bench trace``) in order; paced by
+    ``request_rate`` it keeps the trace's arrival gaps, scaled to that mean rate."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     url: str = Field(description="Base URL of the OpenAI API, e.g. http://127.0.0.1:8000")
     model: str | None = Field(default=None, description="The `model` field; default: the first served.")
     api: Literal["chat", "completions"] = "chat"
-    workload: Literal["synthetic", "shared-prefix", "multi-turn"] = "synthetic"
+    workload: Literal["synthetic", "shared-prefix", "multi-turn", "trace"] = "synthetic"
+    trace: Path | None = Field(default=None, description="The JSONL trace the `trace` workload replays.")
     input_len: str = "256"
     output_len: str = "64"
     num_tenants: int = Field(default=8, ge=1)
@@ -58,6 +63,8 @@ class BenchConfig(BaseModel):
             raise ValueError("give --concurrency N or --request-rate R (requests per second)")
         if self.num_requests is None and self.duration_s is None:
             raise ValueError("give --num-requests N or --duration SECONDS")
+        if (self.workload == "trace") != (self.trace is not None):
+            raise ValueError("--workload trace replays --trace FILE.jsonl: give both or neither")
         return self
 
     @property
@@ -67,6 +74,7 @@ class BenchConfig(BaseModel):
         return url.removesuffix("/v1")
 
     def build_workload(self) -> Workload:
+        """The workload to run; raises ``TraceError`` for a trace that cannot be replayed."""
         lengths = {
             "input_len": LengthRange.parse(self.input_len),
             "output_len": LengthRange.parse(self.output_len),
@@ -82,6 +90,13 @@ class BenchConfig(BaseModel):
                 return MultiTurnWorkload(
                     num_turns=self.num_turns, session_header=self.session_header, **lengths, seed=self.seed
                 )
+            case "trace":
+                return self._trace_workload()
+
+    def _trace_workload(self) -> Workload:
+        if self.trace is None:  # the validator refuses this; here for the type checker
+            raise TraceError("--workload trace replays --trace FILE.jsonl: give the file")
+        return trace_workload(load_trace(self.trace), self.session_header)
 
 
 def parse_extra_body(text: str | None) -> dict[str, Any]:

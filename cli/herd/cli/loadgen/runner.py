@@ -105,7 +105,7 @@ class _Run:
         tasks: list[asyncio.Task[None]] = []
         while self._take():
             tasks.append(asyncio.create_task(self._limited(limit)))
-            await asyncio.sleep(self.rng.expovariate(rate))
+            await asyncio.sleep(self.workload.arrival_gap_s(self.rng, rate))
         await asyncio.gather(*tasks)
 
     async def _limited(self, limit: AbstractAsyncContextManager[Any]) -> None:

@@ -19,6 +19,7 @@ __all__ = [
     "RequestSpec",
     "SharedPrefixWorkload",
     "SyntheticWorkload",
+    "TraceWorkload",
     "Workload",
     "random_text",
 ]
@@ -77,11 +78,6 @@ class RequestSpec:
 class Workload(ABC):
     name: str
 
-    def __init__(self, *, input_len: LengthRange, output_len: LengthRange, seed: int) -> None:
-        self.input_len = input_len
-        self.output_len = output_len
-        self.rng = random.Random(seed)
-
     @abstractmethod
     def next_request(self) -> RequestSpec:
         """The next request to send."""
@@ -90,11 +86,24 @@ class Workload(ABC):
         """How a request ended: the reply text, or ``None`` on an error. Stateless by default."""
         return
 
+    def arrival_gap_s(self, rng: random.Random, rate: float) -> float:
+        """Seconds from one arrival to the next at ``rate`` per second: Poisson by default."""
+        return rng.expovariate(rate)
+
+
+class _RandomWorkload(Workload):
+    """A workload drawn from a seeded generator: prompt and output lengths from ranges."""
+
+    def __init__(self, *, input_len: LengthRange, output_len: LengthRange, seed: int) -> None:
+        self.input_len = input_len
+        self.output_len = output_len
+        self.rng = random.Random(seed)
+
     def _user_turn(self) -> Message:
         return {"role": "user", "content": random_text(self.rng, self.input_len.draw(self.rng))}
 
 
-class SyntheticWorkload(Workload):
+class SyntheticWorkload(_RandomWorkload):
     """Independent prompts of random words."""
 
     name = "synthetic"
@@ -103,7 +112,7 @@ class SyntheticWorkload(Workload):
         return RequestSpec(messages=[self._user_turn()], max_tokens=self.output_len.draw(self.rng))
 
 
-class SharedPrefixWorkload(Workload):
+class SharedPrefixWorkload(_RandomWorkload):
     """Multi-tenant: each tenant has a long system prompt that all its requests share."""
 
     name = "shared-prefix"
@@ -134,7 +143,7 @@ class _Session:
     is_busy: bool = False
 
 
-class MultiTurnWorkload(Workload):
+class MultiTurnWorkload(_RandomWorkload):
     """Chat sessions of ``num_turns`` turns: each turn resends the whole conversation plus a new user
     message, under the session's id in ``session_header``. A session has one turn in flight at a time;
     when every open session is busy, a new one starts."""
@@ -183,3 +192,34 @@ class MultiTurnWorkload(Workload):
         session = _Session(session_id=session_id, messages=[], turns_left=self.num_turns)
         self.sessions[session_id] = session
         return session
+
+
+class TraceWorkload(Workload):
+    """Replays a trace's requests in order. Paced by a request rate, it keeps the trace's own
+    arrival gaps scaled so that their mean rate is the one asked for (bursts stay bursts)."""
+
+    name = "trace"
+
+    def __init__(self, specs: list[RequestSpec], timestamps_ms: list[int]) -> None:
+        self.specs = specs
+        self.timestamps_ms = timestamps_ms
+        self._num_sent = 0
+        self._num_arrived = 0
+
+    def next_request(self) -> RequestSpec:
+        if self._num_sent == len(self.specs):
+            raise RuntimeError(
+                f"the trace has only {len(self.specs)} requests: ask for at most that many (--num-requests)"
+            )
+        self._num_sent += 1
+        return self.specs[self._num_sent - 1]
+
+    def arrival_gap_s(self, rng: random.Random, rate: float) -> float:
+        span_ms = self.timestamps_ms[-1] - self.timestamps_ms[0]
+        if span_ms <= 0:  # every request at once: one arrival per 1/rate
+            return 1 / rate
+        self._num_arrived += 1
+        index = min(self._num_arrived, len(self.timestamps_ms) - 1)
+        gap_ms = self.timestamps_ms[index] - self.timestamps_ms[index - 1]
+        trace_rate = (len(self.timestamps_ms) - 1) / span_ms * 1000
+        return gap_ms / 1000 * trace_rate / rate

@@ -1,0 +1,140 @@
+"""The oracle on hand-made tables (blocks of 4 tokens), and its pool against herd's own engine."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+from support.engine import make_config
+
+from herd.cli.loadgen.oracle import (
+    OracleRequest,
+    WorkerPool,
+    ceiling_hit_rate,
+    ideal_hit_rate,
+    oracle_report,
+    oracle_request,
+)
+from herd.worker.sampling_params import SamplingParams
+from herd.worker.simulated_runner import simulated_engine
+
+BLOCK = 4
+
+
+def _blocks(*names: str) -> list[int]:
+    """Token ids of full blocks named by letters: the same letter at the same place is the same block."""
+    return [ord(name) * 10 + offset for name in names for offset in range(BLOCK)]
+
+
+def _request(*names: str, tail: int = 1, output: int = 1) -> OracleRequest:
+    """A prompt of the named blocks plus ``tail`` tokens of its own (a tail of 0 ends on a block)."""
+    own = [random.Random(str(names) + str(tail)).randrange(1000, 2000)] * tail
+    return oracle_request(_blocks(*names) + own, output, block_size=BLOCK, model_id="m")
+
+
+A, B, C = _request("a", "b"), _request("c", "d"), _request("e", "f")
+
+
+@pytest.mark.parametrize(
+    ("requests", "expected"),
+    [
+        ([A, A], 8 / 18),
+        ([_request("a", "b", tail=0), _request("a", "b", tail=0)], 4 / 16),
+        ([A, _request("a", "x")], 4 / 18),
+        ([A, B], 0.0),
+        ([A, B, C, A, B, C], 24 / 54),
+    ],
+    ids=[
+        "repeat",
+        "whole-prompt-hit-recomputes-the-last-block",
+        "shared-first-block",
+        "distinct",
+        "three-prefixes",
+    ],
+)
+def test_the_ceiling_hits_every_full_block_seen_before(
+    requests: list[OracleRequest], expected: float
+) -> None:
+    assert ceiling_hit_rate(requests, block_size=BLOCK) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("requests", "num_workers", "num_blocks", "expected"),
+    [
+        ([A, B, A, B, C, A], 2, 100, 24 / 54),
+        ([A, B, A, B], 1, 3, 0.0),
+        ([A, B, A, B], 2, 3, 16 / 36),
+        ([A, B, A], 1, 5, 8 / 27),
+        ([_request("a", "b", "c"), B, C, _request("a", "b", "c")], 1, 6, 4 / 44),
+        ([A, _request("c", "d", output=1), A], 1, 4, 4 / 27),
+        ([A, _request("c", "d", output=8), A], 1, 4, 0.0),
+        ([A, B, A, C, B], 2, 3, 8 / 45),
+    ],
+    ids=[
+        "room-for-everything-reaches-the-ceiling",
+        "one-small-worker-thrashes",
+        "two-small-workers-each-keep-a-prefix",
+        "one-worker-is-one-lru-pool",
+        "a-request-is-evicted-tail-first",
+        "a-short-answer-leaves-room",
+        "decoded-blocks-evict-too",
+        "ties-go-to-the-least-recently-used-worker",
+    ],
+)
+def test_the_ideal_router(
+    requests: list[OracleRequest], num_workers: int, num_blocks: int, expected: float
+) -> None:
+    rate = ideal_hit_rate(requests, num_workers=num_workers, blocks_per_worker=num_blocks, block_size=BLOCK)
+    assert rate == pytest.approx(expected)
+
+
+def test_capacity_pressure_lowers_the_oracle_down_from_the_ceiling() -> None:
+    rng = random.Random(3)
+    names = "abcdefgh"
+    requests = [_request(name, name.upper(), tail=rng.randint(1, 9)) for name in rng.choices(names, k=200)]
+    ceiling = ceiling_hit_rate(requests, block_size=BLOCK)
+    rates = [
+        ideal_hit_rate(requests, num_workers=2, blocks_per_worker=blocks, block_size=BLOCK)
+        for blocks in (6, 12, 24, 1000)
+    ]
+    assert rates == sorted(rates)
+    assert rates[0] < ceiling
+    assert rates[-1] == pytest.approx(ceiling)
+
+
+def test_a_request_larger_than_a_worker_names_the_fix() -> None:
+    with pytest.raises(ValueError, match="raise --blocks-per-worker"):
+        ideal_hit_rate([A], num_workers=1, blocks_per_worker=2, block_size=BLOCK)
+
+
+def test_the_report_carries_the_fleet_and_both_rates() -> None:
+    report = oracle_report([A, B, A, B], num_workers=1, blocks_per_worker=3, block_size=BLOCK)
+    assert report == {
+        "num_requests": 4,
+        "num_prompt_tokens": 36,
+        "workers": 1,
+        "blocks_per_worker": 3,
+        "block_size": BLOCK,
+        "oracle_hit_rate": 0.0,
+        "ceiling_hit_rate": 0.4444,
+    }
+
+
+def test_one_pool_caches_what_herds_engine_caches(tiny_llama: Path) -> None:
+    """Requests one at a time through herd's engine (cost-model runner, real scheduler and block
+    manager) and through one oracle pool of the same size: the same cached tokens, request by request."""
+    num_blocks, block_size = 14, 16
+    engine = simulated_engine(make_config(tiny_llama, num_blocks=num_blocks), num_blocks=num_blocks)
+    pool = WorkerPool(num_blocks, block_size)
+    rng = random.Random(5)
+    prefixes = [[rng.randrange(3, 384) for _ in range(rng.choice([32, 40]))] for _ in range(4)]
+    for _ in range(60):
+        prompt = rng.choice(prefixes) + [rng.randrange(3, 384) for _ in range(rng.randint(0, 30))]
+        num_output = rng.randint(1, 24)
+        params = SamplingParams(max_tokens=num_output, ignore_eos=True)
+        [output] = engine.generate([prompt], params)
+        expected = pool.serve(
+            oracle_request(prompt, num_output, block_size=block_size, model_id="test-model")
+        )
+        assert output.num_cached_tokens == expected

@@ -1,0 +1,125 @@
+"""``herd bench --workload trace``: the replay sends exactly the trace's requests, paced by its timestamps."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from support.fake_openai import FakeOpenAI
+
+from herd.cli.loadgen import BenchConfig, run_benchmark
+from herd.cli.loadgen.traces import TRACE_SPEC, TraceRequest, dump_trace, generate, trace_workload
+from herd.cli.loadgen.workloads import RequestSpec, TraceWorkload
+from herd.cli.main import main
+
+SESSION_HEADER = "x-session-id"
+
+
+@pytest.fixture
+def trace(tmp_path: Path) -> tuple[Path, list[TraceRequest]]:
+    spec = {"kind": "multi-turn", "num_sessions": 3, "num_turns": 3, "user_len": "4:8", "output_len": "2:4"}
+    requests = generate(TRACE_SPEC.validate_python(spec), seed=1)
+    path = tmp_path / "chat.jsonl"
+    dump_trace(requests, path)
+    return path, requests
+
+
+def _sent(server: FakeOpenAI) -> list[tuple[str, str, int]]:
+    return [
+        (r["headers"][SESSION_HEADER], repr(r["body"]["messages"]), r["body"]["max_tokens"])
+        for r in server.requests
+    ]
+
+
+def _expected(requests: list[TraceRequest]) -> list[tuple[str, str, int]]:
+    return [(r.session_id, repr([m.model_dump() for m in r.messages]), r.output_length) for r in requests]
+
+
+async def _replay(path: Path, **fields: Any) -> tuple[FakeOpenAI, dict[str, Any]]:
+    server = FakeOpenAI()
+    config = BenchConfig(url="http://fake/v1", workload="trace", trace=path, **fields)
+    report = await run_benchmark(config, transport=httpx.ASGITransport(app=server.app()))
+    return server, report
+
+
+async def test_one_at_a_time_the_replay_sends_the_trace_in_order(
+    trace: tuple[Path, list[TraceRequest]],
+) -> None:
+    path, requests = trace
+    server, report = await _replay(path, concurrency=1, num_requests=len(requests))
+    assert report["num_completed"] == len(requests) == 9
+    assert _sent(server) == _expected(requests)
+
+
+@pytest.mark.parametrize(
+    "load",
+    [{"concurrency": 4}, {"request_rate": 1000.0}, {"request_rate": 1000.0, "concurrency": 2}],
+    ids=["closed-loop", "rate", "rate-capped"],
+)
+async def test_every_load_mode_sends_exactly_the_trace(
+    trace: tuple[Path, list[TraceRequest]], load: dict[str, Any]
+) -> None:
+    path, requests = trace
+    server, report = await _replay(path, num_requests=len(requests), **load)
+    assert report["num_completed"] == len(requests)
+    assert Counter(_sent(server)) == Counter(_expected(requests))
+
+
+@pytest.mark.parametrize(
+    ("timestamps", "rate", "gaps"),
+    [
+        ([0, 100, 100, 400], 7.5, [0.1, 0.0, 0.3, 0.3]),
+        ([0, 100, 100, 400], 15.0, [0.05, 0.0, 0.15, 0.15]),
+        ([0, 1000], 1.0, [1.0, 1.0]),
+        ([5, 5, 5], 4.0, [0.25, 0.25]),
+    ],
+    ids=["the-traces-own-rate", "twice-as-fast", "two-requests", "all-at-once"],
+)
+def test_a_rate_keeps_the_traces_gaps_scaled_to_it(
+    timestamps: list[int], rate: float, gaps: list[float]
+) -> None:
+    specs = [RequestSpec(messages=[{"role": "user", "content": "hi"}], max_tokens=1) for _ in timestamps]
+    workload = TraceWorkload(specs, timestamps)
+    assert [workload.arrival_gap_s(random.Random(0), rate) for _ in gaps] == pytest.approx(gaps)
+
+
+def test_each_request_carries_its_session_header() -> None:
+    [request] = generate(
+        TRACE_SPEC.validate_python({"kind": "shared-prefix", "num_groups": 1, "prompts_per_group": 1}), 0
+    )
+    [spec] = trace_workload([request], "X-Tenant").specs
+    assert spec.headers == {"X-Tenant": "group-0"}
+    assert spec.session_id == "group-0"
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--num-requests", "10"], "--num-requests 10 is more than the 9 requests of"),
+        (["--workload", "synthetic"], "--workload trace replays --trace FILE.jsonl: give both or neither"),
+    ],
+    ids=["beyond-the-trace", "trace-without-the-workload"],
+)
+def test_the_cli_refuses_a_replay_it_cannot_do(
+    trace: tuple[Path, list[TraceRequest]],
+    options: list[str],
+    message: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    path, _ = trace
+    args = ["bench", "--url", "http://127.0.0.1:9", "--workload", "trace", "--trace", str(path), *options]
+    assert main(args) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_malformed_trace_fails_before_any_request(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"timestamp": 0}\n')
+    assert main(["bench", "--url", "http://127.0.0.1:9", "--workload", "trace", "--trace", str(path)]) == 2
+    assert capsys.readouterr().err.startswith(f"herd bench: {path} line 1: session_id: Field required")
