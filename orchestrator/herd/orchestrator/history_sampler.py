@@ -3,21 +3,22 @@ metrics and each healthy worker's ``/metrics`` (the edge: ``herd.orchestrator.hi
 
 The orchestrator sees TTFT and which worker answered; inter-token latency and realized prefix-cache
 hits only the workers know, under vLLM's metric names that every backend exposes. A scrape is one GET
-per worker per interval with a short timeout and bounded concurrency; only the three families used are
-parsed. A worker whose scrape fails is left out of the windows it misses (see ``History``).
+per worker per interval with a short timeout and bounded concurrency, and only the lines of the three
+samples used are read (about 35 us for a herd worker's page, which takes it 0.5 ms to render). A worker whose
+scrape fails is left out of the windows it misses (see ``History``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import httpx
 from prometheus_client import Counter, Histogram
-from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from herd.api import metrics as names
@@ -32,6 +33,8 @@ log = logging.getLogger(__name__)
 _QUERIES = names.PREFIX_CACHE_QUERIES + "_total"
 _HITS = names.PREFIX_CACHE_HITS + "_total"
 _ITL = names.INTER_TOKEN_LATENCY_SECONDS + "_bucket"
+_WANTED = (_QUERIES, _HITS, _ITL)
+_LE = re.compile(r'[{,]le="([^"]*)"')
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,15 +139,31 @@ class HistorySampler:
 
 
 def parse_worker_metrics(text: str) -> WorkerFigures:
-    """The prefix-cache counters and ITL histogram in a Prometheus text page, summed over its series."""
-    wanted = "\n".join(line for line in text.splitlines() if line.startswith((_QUERIES, _HITS, _ITL)))
-    samples = [sample for family in text_string_to_metric_families(wanted) for sample in family.samples]
-    itl = _buckets((sample for sample in samples if sample.name == _ITL), ())
-    return WorkerFigures(
-        cache_queries=sum(sample.value for sample in samples if sample.name == _QUERIES),
-        cache_hits=sum(sample.value for sample in samples if sample.name == _HITS),
-        itl=itl.get((), {}),
-    )
+    """The prefix-cache counters and ITL histogram in a Prometheus text page, summed over its series.
+
+    Only the lines of those three samples are read, by hand: prometheus_client's parser took 305 us for
+    a herd worker's page against 35 us, and the page is scraped from every worker every interval."""
+    queries = hits = 0.0
+    itl: dict[float, float] = {}
+    for line in text.splitlines():
+        if not line.startswith(_WANTED):
+            continue
+        name, value = _sample(line)
+        if name == _QUERIES:
+            queries += value
+        elif name == _HITS:
+            hits += value
+        elif name == _ITL and (bound := _LE.search(line)) is not None:
+            le = float(bound.group(1))  # "+Inf" parses as math.inf
+            itl[le] = itl.get(le, 0.0) + value
+    return WorkerFigures(cache_queries=queries, cache_hits=hits, itl=itl)
+
+
+def _sample(line: str) -> tuple[str, float]:
+    """A sample line's name and value (``name{labels} value [timestamp]``); ``ValueError`` if malformed."""
+    name = line.split("{", 1)[0].split(" ", 1)[0]
+    rest = line[line.rindex("}") + 1 :] if "{" in line else line[len(name) :]
+    return name, float(rest.split()[0])
 
 
 def counter_totals(counter: Counter, *labels: str) -> dict[tuple[str, ...], float]:

@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from support.engine_metrics import EngineMetrics
 from support.gateway_fakes import FAST_REGISTRY, FakeCluster, FakeWorker, running_gateway
 
 from herd.orchestrator.app import AppSettings
@@ -214,23 +214,6 @@ def test_old_points_are_evicted_and_since_returns_the_newer() -> None:
     assert history.since(1030.0) == []
 
 
-class EngineMetrics:
-    """A worker's vLLM-named metrics, exposed by the same library the worker uses."""
-
-    def __init__(self, *labels: str) -> None:
-        self.registry = CollectorRegistry()
-        names = ["model_name", *labels]
-        self.queries = Counter("vllm:prefix_cache_queries", "q", names, registry=self.registry)
-        self.hits = Counter("vllm:prefix_cache_hits", "h", names, registry=self.registry)
-        self.itl = Histogram(
-            "vllm:inter_token_latency_seconds", "i", names, buckets=(0.01, 0.1), registry=self.registry
-        )
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "t", names, registry=self.registry)
-
-    def text(self) -> str:
-        return generate_latest(self.registry).decode()
-
-
 def test_worker_metrics_are_summed_over_their_series_and_the_rest_ignored() -> None:
     engine = EngineMetrics("engine")
     for label, queries, hits, gaps in (("0", 100, 60, (0.005, 0.05)), ("1", 20, 20, (0.5,))):
@@ -243,8 +226,25 @@ def test_worker_metrics_are_summed_over_their_series_and_the_rest_ignored() -> N
     assert figures == WorkerFigures(cache_queries=120, cache_hits=80, itl={0.01: 1, 0.1: 2, INF: 3})
 
 
-def test_a_page_without_the_metrics_gives_zeros() -> None:
-    assert parse_worker_metrics("# nothing here\nother_metric 1\n") == WorkerFigures()
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("# nothing here\nother_metric 1\nvllm:prefix_cache_hits_created 1.7e9\n", WorkerFigures()),
+        ("vllm:prefix_cache_queries_total 7 1764000000000\n", WorkerFigures(cache_queries=7)),
+        (
+            'vllm:inter_token_latency_seconds_bucket{engine="0",le="+Inf",model_name="a}b"} 4\n',
+            WorkerFigures(itl={INF: 4}),
+        ),
+    ],
+    ids=["other samples only: zeros", "a sample with a timestamp", "le anywhere, a brace in a label"],
+)
+def test_worker_metric_lines(text: str, expected: WorkerFigures) -> None:
+    assert parse_worker_metrics(text) == expected
+
+
+def test_a_malformed_value_is_an_error() -> None:
+    with pytest.raises(ValueError, match="could not convert"):
+        parse_worker_metrics('vllm:prefix_cache_hits_total{model_name="m"} many\n')
 
 
 HISTORY = HistorySettings(interval_seconds=0.02, window_seconds=0.1, span_seconds=60.0)
