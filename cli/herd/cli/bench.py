@@ -165,23 +165,24 @@ def _register_trace(commands: argparse._SubParsersAction[argparse.ArgumentParser
     parser.add_argument("--kind", choices=kinds, required=True)
     parser.add_argument("--out", type=Path, required=True, help="the JSONL file to write")
     parser.add_argument("--seed", type=int, default=0, help="the same seed writes the same bytes")
-    for name, (description, defaults) in _trace_options().items():
-        uses = ", ".join(f"{kind} {default}" for kind, default in defaults)
-        parser.add_argument("--" + name.replace("_", "-"), dest=name, help=f"{description} ({uses})")
+    for name, uses in _trace_options().items():
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, help=uses)
     parser.set_defaults(func=run_trace)
 
 
-def _trace_options() -> dict[str, tuple[str, list[tuple[str, object]]]]:
-    """Every kind's settings: option name -> (its description, [(kind, default)])."""
-    options: dict[str, tuple[str, list[tuple[str, object]]]] = {}
+def _trace_options() -> dict[str, str]:
+    """Every kind's settings: option name -> what it means for each kind that has it, with its default."""
+    uses: dict[str, dict[str, list[str]]] = {}
     for kind in TRACE_KINDS:
         kind_name = kind.model_fields["kind"].default
         for name, field in kind.model_fields.items():
             if name != "kind":
-                options.setdefault(name, (field.description or name, []))[1].append(
-                    (kind_name, field.default)
-                )
-    return options
+                meanings = uses.setdefault(name, {})
+                meanings.setdefault(field.description or name, []).append(f"{kind_name} {field.default}")
+    return {
+        name: "; ".join(f"{meaning} ({', '.join(kinds)})" for meaning, kinds in meanings.items())
+        for name, meanings in uses.items()
+    }
 
 
 def run_trace(args: argparse.Namespace) -> int:

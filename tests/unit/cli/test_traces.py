@@ -26,7 +26,7 @@ SMALL: dict[str, dict[str, Any]] = {
     "shared-prefix": {"num_groups": 3, "prompts_per_group": 5, "system_prompt_len": 100, "question_len": 20},
     "multi-turn": {"num_sessions": 4, "num_turns": 3, "user_len": "10:20", "output_len": "5:9"},
     "mooncake": {"num_requests": 80, "app_context_len": 64, "tool_result_len": "8:16", "chat_len": "8:16"},
-    "hot-burst": {"background_requests": 60, "num_prefixes": 4, "prefix_len": 40, "burst_requests": 20},
+    "hot-burst": {"num_requests": 60, "num_prefixes": 4, "prefix_len": 40, "burst_requests": 20},
 }
 
 
@@ -167,7 +167,7 @@ def test_a_missing_trace_file_names_the_fix(tmp_path: Path) -> None:
 def test_the_cli_writes_the_same_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "burst.jsonl"
     options = [
-        "--background-requests",
+        "--num-requests",
         "60",
         "--num-prefixes",
         "4",

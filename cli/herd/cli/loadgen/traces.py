@@ -269,7 +269,7 @@ class HotBurstTrace(_TraceKind):
     burst of ``burst_requests`` requests on one hot prefix arriving at ``burst_rate`` per second."""
 
     kind: Literal["hot-burst"] = "hot-burst"
-    background_requests: int = Field(default=512, ge=1, description="requests outside the burst")
+    num_requests: int = Field(default=512, ge=1, description="background requests (the burst comes on top)")
     num_prefixes: int = Field(default=16, ge=1, description="background prefixes (tenants)")
     prefix_len: int = Field(default=512, ge=1, description="words of every prefix")
     question_len: int = Field(default=64, ge=1, description="question words")
@@ -284,11 +284,11 @@ class HotBurstTrace(_TraceKind):
         prefixes = [random_text(rng, self.prefix_len) for _ in range(self.num_prefixes + 1)]
         background = [
             _ask(f"prefix-{tenant}", prefixes[tenant], self.question_len, self.output_len, rng)
-            for tenant in (rng.randrange(self.num_prefixes) for _ in range(self.background_requests))
+            for tenant in (rng.randrange(self.num_prefixes) for _ in range(self.num_requests))
         ]
         self._arrive(background, rng)
         burst_start = background[
-            min(int(self.burst_at * self.background_requests), self.background_requests - 1)
+            min(int(self.burst_at * self.num_requests), self.num_requests - 1)
         ].arrival_ms
         burst = [
             _ask("hot", prefixes[-1], self.question_len, self.output_len, rng)
