@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
 import pytest
 from support.engine import make_config
 
+from herd.api.prompt import PromptRenderer
 from herd.cli.loadgen.oracle import (
     OracleRequest,
     WorkerPool,
@@ -16,6 +18,8 @@ from herd.cli.loadgen.oracle import (
     oracle_report,
     oracle_request,
 )
+from herd.cli.loadgen.traces import load_trace
+from herd.cli.main import main
 from herd.worker.sampling_params import SamplingParams
 from herd.worker.simulated_runner import simulated_engine
 
@@ -138,3 +142,59 @@ def test_one_pool_caches_what_herds_engine_caches(tiny_llama: Path) -> None:
             oracle_request(prompt, num_output, block_size=block_size, model_id="test-model")
         )
         assert output.num_cached_tokens == expected
+
+
+def test_the_cli_renders_the_trace_as_workers_do(
+    tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "chat.jsonl"
+    options = ["--num-sessions", "3", "--num-turns", "3", "--user-len", "20", "--output-len", "4"]
+    assert main(["bench", "trace", "--kind", "multi-turn", "--out", str(trace), *options]) == 0
+    capsys.readouterr()
+    fleet = ["--workers", "2", "--blocks-per-worker", "200", "--block-size", str(BLOCK)]
+    assert main(["bench", "oracle", "--trace", str(trace), "--model", str(tiny_llama), *fleet]) == 0
+    report = json.loads(capsys.readouterr().out)
+    renderer = PromptRenderer.from_pretrained(tiny_llama)
+    requests = [
+        oracle_request(
+            renderer.encode_chat([m.model_dump() for m in request.messages]),
+            request.output_length,
+            block_size=BLOCK,
+            model_id="any",
+        )
+        for request in load_trace(trace)
+    ]
+    expected = oracle_report(requests, num_workers=2, blocks_per_worker=200, block_size=BLOCK)
+    assert report == {"trace": str(trace), **expected}
+    assert 0 < report["oracle_hit_rate"] <= report["ceiling_hit_rate"] < 1
+
+
+@pytest.mark.parametrize(
+    ("fleet", "message"),
+    [
+        (
+            ["--workers", "0", "--blocks-per-worker", "8"],
+            "the oracle needs at least one worker and one block",
+        ),
+        (["--workers", "1", "--blocks-per-worker", "2"], "raise --blocks-per-worker"),
+    ],
+    ids=["no-workers", "pool-too-small"],
+)
+def test_the_cli_names_what_to_fix(
+    fleet: list[str], message: str, tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "t.jsonl"
+    assert main(["bench", "trace", "--kind", "multi-turn", "--out", str(trace), "--num-sessions", "1"]) == 0
+    code = main(["bench", "oracle", "--trace", str(trace), "--model", str(tiny_llama), *fleet])
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_model_folder_without_a_tokenizer_names_the_fix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "t.jsonl"
+    assert main(["bench", "trace", "--kind", "multi-turn", "--out", str(trace), "--num-sessions", "1"]) == 0
+    fleet = ["--workers", "1", "--blocks-per-worker", "8"]
+    assert main(["bench", "oracle", "--trace", str(trace), "--model", str(tmp_path), *fleet]) == 2
+    assert "has no tokenizer.json" in capsys.readouterr().err
