@@ -146,7 +146,8 @@ class CostModel(_Spec):
     """What one step of the simulated engine costs, in milliseconds: ``stepMs`` per step, ``seqMs``
     per sequence in the batch, ``tokenMs`` per scheduled token (prefill and decode alike) and
     ``contextUs`` microseconds per token of context the batch's chunks attend to (a decode step
-    reads its sequences' whole KV). ``herd bench calibrate`` fits it from the real engine; the
+    reads its sequences' whole KV); ``hostShare`` says how much of that time the host's CPU works.
+    ``herd bench calibrate`` fits it from the real engine; the
     defaults are near SmolLM2-135M in fp32 on one CPU thread (a 300-token prefill about 0.5 s, a
     decode step 60 ms)."""
 
@@ -155,6 +156,14 @@ class CostModel(_Spec):
     token_ms: float = Field(default=1.5, ge=0.0, description="Cost per scheduled token.")
     context_us: float = Field(
         default=0.0, ge=0.0, description="Microseconds per context token the batch attends to."
+    )
+    host_share: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=1.0,
+        description="Share of a step the engine's thread keeps the host CPU busy (its CPU time over the "
+        "step's wall time); a simulated worker spins for that share, holding a core and the GIL as the "
+        "real step does, and sleeps the rest. 0 models an accelerator that leaves the host idle.",
     )
 
     def step_seconds(self, num_tokens: int, num_seqs: int = 0, num_context_tokens: int = 0) -> float:

@@ -73,6 +73,15 @@ def test_a_sleeping_clock_takes_the_steps_time(tiny_llama: Path) -> None:
     assert time.perf_counter() - started >= 2 * 0.04
 
 
+@pytest.mark.parametrize("host_share", [0.0, 0.5, 1.0], ids=["asleep", "half-busy", "busy"])
+def test_a_sleeping_clock_spends_the_host_share_on_the_cpu(host_share: float) -> None:
+    started, started_cpu = time.perf_counter(), time.thread_time()
+    SleepingClock().advance(0.2, host_share)
+    cpu = time.thread_time() - started_cpu
+    assert time.perf_counter() - started >= 0.2
+    assert 0.2 * host_share <= cpu < 0.2 * host_share + 0.05
+
+
 def test_tokens_are_a_deterministic_hash_that_avoids_stop_tokens(tiny_llama: Path) -> None:
     params = SamplingParams(max_tokens=40, logprobs=1)
     first, again, other_seed = (

@@ -11,7 +11,8 @@ token's cost from a sequence's: the decode steps fix ``stepMs``, the cost of a d
 ``contextUs`` (least squares of relative errors over the medians of steps of like shape, no negative
 term, the context term only where it explains a fifth of the rest's error), then the prefill steps fix
 ``tokenMs`` as the median cost of their tokens beyond a sequence's first, and ``seqMs`` keeps the
-rest of a decoding sequence's cost. Decode steps set the inter-token latency, prefills the time to
+rest of a decoding sequence's cost. ``hostShare`` is the engine thread's CPU time over all the steps'
+wall time. Decode steps set the inter-token latency, prefills the time to
 first token; each stage takes its own, so the few prefills are not outvoted by the many decodes.
 """
 
@@ -48,12 +49,14 @@ _CONTEXT_GAIN = 0.2
 
 @dataclass(frozen=True)
 class StepSample:
-    """One executed step: what it ran and how long the runner took."""
+    """One executed step: what it ran, how long the runner took and how much of it this thread
+    spent on the CPU."""
 
     num_seqs: int
     num_tokens: int
     num_context_tokens: int
     seconds: float
+    cpu_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -81,11 +84,11 @@ class TimedRunner:
         return self.inner.vocab_size
 
     def execute(self, plan: SchedulerOutput) -> list[StepResult]:
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         results = self.inner.execute(plan)
+        elapsed, cpu = time.perf_counter() - start, time.thread_time() - start_cpu
         context = sum(chunk.start + chunk.num_tokens for chunk in plan.chunks)
-        elapsed = time.perf_counter() - start
-        self.samples.append(StepSample(len(plan.chunks), plan.num_tokens, context, elapsed))
+        self.samples.append(StepSample(len(plan.chunks), plan.num_tokens, context, elapsed, cpu))
         return results
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
@@ -144,7 +147,15 @@ def fit_cost_model(samples: list[StepSample]) -> CostModel:
     token_ms = max(0.0, float(np.median(extra_ms)))
     # A decode sequence's one token is in per_seq_ms already: the sequence term keeps the rest.
     terms = {"step_ms": step_ms, "seq_ms": max(0.0, per_seq_ms - token_ms), "token_ms": token_ms}
-    return CostModel(**{name: round(value, 4) for name, value in {**terms, "context_us": context_us}.items()})
+    terms |= {"context_us": context_us, "host_share": _host_share(samples)}
+    return CostModel(**{name: round(value, 4) for name, value in terms.items()})
+
+
+def _host_share(samples: list[StepSample]) -> float:
+    """The engine thread's CPU time over the steps' wall time, at most 1 (with more than one torch
+    thread, the others' CPU time is not this thread's)."""
+    wall = sum(s.seconds for s in samples)
+    return min(1.0, sum(s.cpu_seconds for s in samples) / wall) if wall > 0 else 0.0
 
 
 def _fit_decode(medians: list[tuple[int, float, float]]) -> list[float]:

@@ -4,7 +4,8 @@ stepping without a model.
 A step costs what the ``CostModel`` (``herd.api.crd``: the manifest's ``engine.simulation.costModel``)
 makes of its batch size, scheduled tokens and attended context, spent on a clock: a ``VirtualClock``
 only adds it up (a simulation runs as fast as the engine plans, deterministically), a
-``SleepingClock`` sleeps it (a simulated worker process that answers in real time). The sampled
+``SleepingClock`` spends it in real time (a simulated worker process that answers in real time):
+the cost model's ``hostShare`` of it busy on the CPU, the rest asleep. The sampled
 token of a sequence is a hash of the runner's seed, its prompt (with the cache salt and model that
 its root hash carries) and its position, so equal prompts continue alike, as under greedy decoding;
 never one of ``avoid_token_ids`` (the stop tokens), unless ``eos_after`` asks for a stop token after that many
@@ -49,7 +50,8 @@ __all__ = [
 
 
 class Clock(Protocol):
-    def advance(self, seconds: float) -> None: ...
+    def advance(self, seconds: float, host_share: float = 0.0) -> None:
+        """Spend a step of ``seconds``, ``host_share`` of it working on the host's CPU."""
 
 
 @dataclass
@@ -58,15 +60,25 @@ class VirtualClock:
 
     now: float = 0.0
 
-    def advance(self, seconds: float) -> None:
+    def advance(self, seconds: float, host_share: float = 0.0) -> None:
         self.now += seconds
 
 
 class SleepingClock:
-    """Real time: a step takes as long as the cost model says."""
+    """Real time: a step takes as long as the cost model says, ``host_share`` of it spinning.
 
-    def advance(self, seconds: float) -> None:
-        time.sleep(seconds)
+    The spin counts this thread's CPU time, not the wall clock: like the real engine's work it is
+    delayed by whatever takes the core or the GIL from it (the worker's own server detokenizing
+    and streaming, another process), and while it runs it holds both, as the real step's Python
+    does. The rest of the step sleeps, as a host does while its accelerator computes.
+    """
+
+    def advance(self, seconds: float, host_share: float = 0.0) -> None:
+        busy = seconds * host_share
+        deadline = time.thread_time() + busy
+        while time.thread_time() < deadline:
+            pass
+        time.sleep(seconds - busy)
 
 
 def step_seconds(cost: CostModel, plan: SchedulerOutput) -> float:
@@ -103,7 +115,7 @@ class SimulatedRunner:
     def execute(self, plan: SchedulerOutput) -> list[StepResult]:
         """Spend the plan's cost on the clock; one token per sampled chunk. ``block_copies`` move
         no data: the pool holds none."""
-        self.clock.advance(step_seconds(self.cost, plan))
+        self.clock.advance(step_seconds(self.cost, plan), self.cost.host_share)
         return [self._sample(chunk.seq) for chunk in plan.chunks if chunk.is_sampled]
 
     def _sample(self, seq: Sequence) -> SampledToken:
