@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 from collections import Counter
 from pathlib import Path
@@ -9,7 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
-from support.fake_openai import FakeOpenAI
+from support.fake_openai import FakeOpenAI, serving
 
 from herd.cli.loadgen import BenchConfig, run_benchmark
 from herd.cli.loadgen.traces import TRACE_SPEC, TraceRequest, dump_trace, generate, trace_workload
@@ -123,3 +124,18 @@ def test_a_malformed_trace_fails_before_any_request(
     path.write_text('{"timestamp": 0}\n')
     assert main(["bench", "--url", "http://127.0.0.1:9", "--workload", "trace", "--trace", str(path)]) == 2
     assert capsys.readouterr().err.startswith(f"herd bench: {path} line 1: session_id: Field required")
+
+
+def test_the_cli_replays_the_whole_trace_over_http(
+    trace: tuple[Path, list[TraceRequest]], tmp_path: Path
+) -> None:
+    path, requests = trace
+    server = FakeOpenAI()
+    out = tmp_path / "report.json"
+    with serving(server.app()) as url:
+        args = ["bench", "--url", url, "--workload", "trace", "--trace", str(path), "--concurrency", "1"]
+        assert main([*args, "--json-out", str(out), "--quiet"]) == 0
+    report = json.loads(out.read_text())
+    assert report["num_completed"] == len(requests)
+    assert report["config"]["trace"] == str(path)
+    assert _sent(server) == _expected(requests)
