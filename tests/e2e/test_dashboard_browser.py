@@ -1,4 +1,5 @@
-"""The orchestrator's /dashboard page in headless Chromium: what a person sees matches /dashboard/data.
+"""The orchestrator's /dashboard page in headless Chromium: what a person sees matches /dashboard/data,
+and its history charts draw the sampled points.
 
 A real orchestrator app is served by uvicorn on a loopback port over fake workers (their health, load
 and KV events are chosen here); Chromium loads the page, runs its script against the live server and
@@ -13,6 +14,7 @@ import os
 import shutil
 import signal
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
@@ -22,11 +24,14 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, JSONResponse
-from support.gateway_fakes import FakeCluster, FakeWorker, running_gateway, wait_for
+from support.engine_metrics import EngineMetrics
+from support.gateway_fakes import FAST_REGISTRY, FakeCluster, FakeWorker, running_gateway, wait_for
 from support.procs import free_port
 
 from herd.api.protocol import LoadReport
+from herd.orchestrator.app import AppSettings
 from herd.orchestrator.dashboard import DASHBOARD_HTML
+from herd.orchestrator.history_sampler import HistorySettings
 
 CHROMIUM = shutil.which("chromium")
 
@@ -56,8 +61,17 @@ CHROMIUM_FLAGS = (
 )
 
 
+@dataclass
+class Chart:
+    """One history chart as drawn: the values it plotted and each line's values and path."""
+
+    num_points: int
+    lines: dict[str, tuple[int, str]] = field(default_factory=dict)
+
+
 class RenderedDashboard(HTMLParser):
-    """The text of every ``data-summary`` element and of every ``data-field`` cell per worker row."""
+    """The text of every ``data-summary`` element and of every ``data-field`` cell per worker row; the
+    history charts by (model, chart)."""
 
     def __init__(self, dom: str) -> None:
         super().__init__()
@@ -65,8 +79,11 @@ class RenderedDashboard(HTMLParser):
         self.rows: dict[str, dict[str, str]] = {}
         self.status = ""
         self.empty = ""
+        self.charts: dict[tuple[str, str], Chart] = {}
         self._open: list[tuple[str, dict[str, str], list[str]]] = []
         self._worker: str | None = None
+        self._model = ""
+        self._chart: Chart | None = None
         self.feed(dom)
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
@@ -74,7 +91,17 @@ class RenderedDashboard(HTMLParser):
         if "data-worker" in values:
             self._worker = values["data-worker"]
             self.rows[self._worker] = {}
+        self._chart_tag(tag, values)
         self._open.append((tag, values, []))
+
+    def _chart_tag(self, tag: str, values: dict[str, str]) -> None:
+        if "data-model" in values:
+            self._model = values["data-model"]
+        elif "data-chart" in values:
+            self._chart = Chart(int(values["data-points"]))
+            self.charts[self._model, values["data-chart"]] = self._chart
+        elif tag == "path" and self._chart is not None:
+            self._chart.lines[values["data-series"]] = (int(values["data-count"]), values["d"])
 
     def handle_endtag(self, tag: str) -> None:
         while self._open:
@@ -251,13 +278,18 @@ async def test_dashboard_without_workers_says_so(tmp_path: Path) -> None:
 
 async def test_dashboard_screenshot_is_a_picture(tmp_path: Path) -> None:
     fakes = cluster()
+    engines = {"w0": EngineMetrics(), "w1": EngineMetrics()}
     shot = tmp_path / "dashboard.png"
-    async with running_gateway(fakes) as (app, client), serving(app) as url:
-        await stream_quickly(fakes, client, 4)
+    settings = AppSettings(registry=FAST_REGISTRY, history=SHORT_HISTORY)
+    async with running_gateway(fakes, settings=settings) as (app, client), serving(app) as url:
+        for round_number in range(40):  # 4 s of traffic that rises and falls, for the charts
+            await stream_quickly(fakes, client, 1 + round_number % 8)
+            count_engine_work(fakes, engines, gap=0.01 + 0.005 * (round_number % 6))
+            await asyncio.sleep(SHORT_HISTORY.interval_seconds)
         await send(client, 6)
         await wait_for(lambda: indexed_blocks(app, "w0") == 40, within=30.0)
         async with held_stream(url):
-            size = "--window-size=1280,440"
+            size = "--window-size=1280,1100"
             await chromium(f"{url}/dashboard", tmp_path / "profile", f"--screenshot={shot}", size)
     assert shot.read_bytes().startswith(b"\x89PNG") and shot.stat().st_size > 10_000
 
@@ -272,6 +304,65 @@ async def stream_quickly(fakes: FakeCluster, client: httpx.AsyncClient, count: i
         assert response.status_code == 200, response.text
     for worker, delay in zip(fakes.workers, delays, strict=True):
         worker.chunk_delay = delay
+
+
+HISTORY = HistorySettings(interval_seconds=0.1, window_seconds=0.5, span_seconds=60.0)
+SHORT_HISTORY = HistorySettings(interval_seconds=0.1, window_seconds=0.5, span_seconds=5.0)
+"""For the screenshot: a span that a few seconds of traffic fill."""
+CHARTS = ("request_rate", "ttft", "itl", "hit_rate", "shares")
+
+
+def count_engine_work(fakes: FakeCluster, engines: dict[str, EngineMetrics], gap: float = 0.02) -> None:
+    """The workers' engines count cache hits and a token gap of ``gap`` seconds, as their /metrics then say."""
+    for worker in fakes.workers:
+        engine = engines.get(worker.id)
+        if engine is not None:
+            engine.queries.labels("tiny").inc(100)
+            engine.hits.labels("tiny").inc(60)
+            engine.itl.labels("tiny").observe(gap)
+            worker.metrics = engine.text()
+
+
+def complete(point: dict[str, Any]) -> bool:
+    """A point of model ``tiny`` with every figure the charts draw."""
+    model = point["models"].get("tiny")
+    figures = ("ttft_p50_ms", "itl_p50_ms", "hit_rate")
+    return (
+        model is not None
+        and model["request_rate"] > 0
+        and model["shares"] != {}
+        and all(model[figure] is not None for figure in figures)
+    )
+
+
+async def test_history_charts_draw_the_sampled_points_after_traffic(tmp_path: Path) -> None:
+    engines = {"w0": EngineMetrics(), "w1": EngineMetrics()}
+    workers = [FakeWorker(worker_id, metrics=engine.text()) for worker_id, engine in engines.items()]
+    fakes = FakeCluster([*workers, FakeWorker("w2", is_up=False)])
+    settings = AppSettings(registry=FAST_REGISTRY, history=HISTORY)
+    async with running_gateway(fakes, settings=settings) as (app, client), serving(app) as url:
+        served: list[dict[str, Any]] = []
+        for _ in range(100):  # at most ~10 s: three complete points usually take half a second
+            await stream_quickly(fakes, client, 4)
+            count_engine_work(fakes, engines)
+            await asyncio.sleep(HISTORY.interval_seconds)
+            served = (await client.get("/dashboard/data")).json()["history"]["points"]
+            if sum(complete(point) for point in served) >= 3:
+                break
+        assert sum(complete(point) for point in served) >= 3, served
+        rendered = await render(url, tmp_path)
+    charts = {chart: rendered.charts.get(("tiny", chart)) for chart in CHARTS}
+    assert all(chart is not None and chart.num_points > 0 for chart in charts.values()), charts
+    rate = rendered.charts["tiny", "request_rate"].lines["requests / s"]
+    assert rate[0] >= sum(point["models"]["tiny"]["request_rate"] > 0 for point in served)
+    assert "L" in rate[1], "the request rate is drawn as a line between its points"
+    for chart in ("ttft", "itl"):
+        assert sorted(rendered.charts["tiny", chart].lines) == ["p50", "p99"]
+        assert all(count >= 3 for count, _ in rendered.charts["tiny", chart].lines.values())
+    assert rendered.charts["tiny", "hit_rate"].lines["hit rate"][0] >= 3
+    # Every known worker has a share line; w2 is down, so its line lies at zero.
+    assert sorted(rendered.charts["tiny", "shares"].lines) == ["w0", "w1", "w2"]
+    assert {point["models"]["tiny"]["shares"].get("w2") for point in served if complete(point)} == {0.0}
 
 
 async def test_dashboard_says_when_its_data_does_not_come(tmp_path: Path) -> None:

@@ -204,7 +204,7 @@ function emptyRow(){
 // History: the page keeps the points it has and asks only for newer ones (?since=), so a long span
 // costs one full load, then a point or none per poll.
 // Every chart is a clone of the template's <svg>, whose namespace its lines and labels are made in.
-const BLANK=document.getElementById("chart").content.firstElementChild,W=340,H=130,LEFT=40,BOTTOM=16,TOP=6;
+const BLANK=document.getElementById("chart").content.firstElementChild,W=340,H=130,LEFT=54,BOTTOM=16,TOP=6;
 const COLORS=["#2f6fde","#e08600","#1a7f37","#b42318","#8250df","#0a8a8a","#bf3989","#6e7781"];
 const HISTORY={points:[],last:null,span:900};
 const CHARTS=[
@@ -222,11 +222,12 @@ function mergeHistory(h){
   HISTORY.span=h.span_seconds;HISTORY.points.push(...h.points);
   if(h.points.length)HISTORY.last=h.points[h.points.length-1].wall;
   const horizon=HISTORY.last-HISTORY.span;HISTORY.points=HISTORY.points.filter(p=>p.wall>horizon);
-  const minutes=Math.round(h.span_seconds/60),every=h.interval_seconds+" s";
+  const span=duration(h.span_seconds),every=duration(h.interval_seconds);
   document.getElementById("history-note").textContent=HISTORY.points.length?
-    "Last "+minutes+" min, a point every "+every+", each over the "+h.window_seconds+" s before it.":
-    "The first points appear after "+every+" (then one every "+every+", kept "+minutes+" min).";
+    "Last "+span+", a point every "+every+", each over the "+duration(h.window_seconds)+" before it.":
+    "The first points appear after "+every+" (then one every "+every+", kept "+span+").";
   return h.points.length>0;}
+function duration(s){return s<120?s+" s":Math.round(s/60)+" min";}
 function svgEl(name,attrs,text){const el=document.createElementNS(BLANK.namespaceURI,name);
   for(const [k,v] of Object.entries(attrs))el.setAttribute(k,v);if(text!==undefined)el.textContent=text;return el;}
 function niceMax(v){if(!(v>0))return 1;const step=10**Math.floor(Math.log10(v));
@@ -247,7 +248,7 @@ function drawChart(chart,series,points){
     svgEl("line",{class:"axis",x1:LEFT,y1:y(top),x2:W-4,y2:y(top),"stroke-dasharray":"2 3"}),
     svgEl("text",{x:LEFT-4,y:y(top)+4,"text-anchor":"end"},chart.format(top)),
     svgEl("text",{x:LEFT-4,y:y(0),"text-anchor":"end"},chart.format(0)),
-    svgEl("text",{x:LEFT,y:H-2},"-"+Math.round(HISTORY.span/60)+" min"),
+    svgEl("text",{x:LEFT,y:H-2},"-"+duration(HISTORY.span)),
     svgEl("text",{x:W-4,y:H-2,"text-anchor":"end"},new Date(t1*1000).toLocaleTimeString("en-GB")));
   let drawn=0;
   lines.forEach(([name,values],i)=>{const color=COLORS[i%COLORS.length],shown=values.filter(([,v])=>v!==null);
