@@ -13,6 +13,7 @@ from herd.api.prompt import PromptRenderer
 from herd.cli.loadgen.oracle import (
     OracleRequest,
     WorkerPool,
+    best_ideal_hit_rate,
     ceiling_hit_rate,
     ideal_hit_rate,
     oracle_report,
@@ -38,6 +39,7 @@ def _request(*names: str, tail: int = 1, output: int = 1) -> OracleRequest:
 
 
 A, B, C = _request("a", "b"), _request("c", "d"), _request("e", "f")
+D = _request("a", "b", "c")
 
 
 @pytest.mark.parametrize(
@@ -74,6 +76,7 @@ def test_the_ceiling_hits_every_full_block_seen_before(
         ([A, _request("c", "d", output=1), A], 1, 4, 4 / 27),
         ([A, _request("c", "d", output=8), A], 1, 4, 0.0),
         ([A, B, A, C, B], 2, 3, 8 / 45),
+        ([D, B, C, B, D], 2, 5, 20 / 53),
     ],
     ids=[
         "room-for-everything-reaches-the-ceiling",
@@ -84,6 +87,7 @@ def test_the_ceiling_hits_every_full_block_seen_before(
         "a-short-answer-leaves-room",
         "decoded-blocks-evict-too",
         "ties-go-to-the-least-recently-used-worker",
+        "no-hit-goes-to-the-emptiest-worker",
     ],
 )
 def test_the_ideal_router(
@@ -91,6 +95,21 @@ def test_the_ideal_router(
 ) -> None:
     rate = ideal_hit_rate(requests, num_workers=num_workers, blocks_per_worker=num_blocks, block_size=BLOCK)
     assert rate == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("follow_share", "expected"),
+    [(0.0, 12 / 36), (0.25, 12 / 36), (0.5, 16 / 36)],
+    ids=["every-hit", "a-quarter", "half"],
+)
+def test_a_block_every_prompt_shares_is_not_worth_following(follow_share: float, expected: float) -> None:
+    """Two chats behind one common block (as a chat template's default system prompt): following
+    that block crowds both onto one small worker, where they evict each other."""
+    first, second = _request("z", "a"), _request("z", "b")
+    requests = [first, second, first, second]
+    fleet = {"num_workers": 2, "blocks_per_worker": 3, "block_size": BLOCK}
+    assert ideal_hit_rate(requests, **fleet, follow_share=follow_share) == pytest.approx(expected)
+    assert best_ideal_hit_rate(requests, **fleet) == (pytest.approx(16 / 36), 0.5)
 
 
 def test_capacity_pressure_lowers_the_oracle_down_from_the_ceiling() -> None:
@@ -121,6 +140,7 @@ def test_the_report_carries_the_fleet_and_both_rates() -> None:
         "blocks_per_worker": 3,
         "block_size": BLOCK,
         "oracle_hit_rate": 0.0,
+        "oracle_follow_share": 0.0,
         "ceiling_hit_rate": 0.4444,
     }
 

@@ -14,11 +14,16 @@ at a time from a pool of ``blocks_per_worker`` KV blocks:
    stays unregistered, as on a worker; decoded blocks are the request's own and never hit again);
 4. when it ends its blocks are freed tail first, so its leading blocks become the most recently used.
 
-The ideal router knows every worker's pool exactly and ignores load: it sends each request, in trace
-order, to the worker with the longest hit, ties to the least recently used worker (one never used
-first, then the one idle longest), which spreads new prefixes over the fleet. It is greedy, not an
-offline optimum, and with no concurrency no running request pins blocks another one needs. The
-ceiling is one pool of unbounded size: every full prompt block seen before hits.
+An ideal router knows every worker's pool exactly and ignores load. It takes the requests in trace
+order and follows the longest hit (the worker holding the longest leading run of the prompt's blocks)
+when that hit covers at least ``follow_share`` of the prompt; a request with no hit worth following
+goes to the emptiest worker (most empty blocks). Ties go to the least recently used worker (one never
+used first), then to the first. Following every hit (``follow_share = 0``) crowds every new chat onto
+the worker that holds the chat template's default system prompt, a block every prompt shares, and
+thrashes it while others idle; following only long hits loses short real ones. The oracle is the best
+of the family ``FOLLOW_SHARES`` on each trace and fleet. It is greedy, not an offline optimum, and
+with no concurrency no running request pins blocks another one needs. The ceiling is one pool of
+unbounded size: every full prompt block seen before hits.
 
 Cost: per request, one dict lookup per leading hit block per worker, plus the pool updates.
 Hit rate = cached prompt tokens / prompt tokens, over the whole trace.
@@ -34,13 +39,18 @@ from dataclasses import dataclass
 from herd.api.kv_hash import BlockHash, block_hashes
 
 __all__ = [
+    "FOLLOW_SHARES",
     "OracleRequest",
     "WorkerPool",
+    "best_ideal_hit_rate",
     "ceiling_hit_rate",
     "ideal_hit_rate",
     "oracle_report",
     "oracle_request",
 ]
+
+FOLLOW_SHARES = (0.0, 0.125, 0.25, 0.5)
+"""The ideal routers the oracle tries: the share of a prompt a hit must cover to be followed."""
 
 _BlockKey = BlockHash | tuple[int, int]
 """A registered block: a prompt block's hash, or (request serial, index) for a decoded block."""
@@ -130,9 +140,15 @@ def _hit_rate(num_cached: int, requests: Sequence[OracleRequest]) -> float:
 
 
 def ideal_hit_rate(
-    requests: Sequence[OracleRequest], *, num_workers: int, blocks_per_worker: int, block_size: int
+    requests: Sequence[OracleRequest],
+    *,
+    num_workers: int,
+    blocks_per_worker: int,
+    block_size: int,
+    follow_share: float = 0.0,
 ) -> float:
-    """The hit rate of the ideal router over ``num_workers`` pools of ``blocks_per_worker`` blocks."""
+    """The hit rate of the ideal router that follows hits covering ``follow_share`` of the prompt,
+    over ``num_workers`` pools of ``blocks_per_worker`` blocks."""
     if num_workers < 1 or blocks_per_worker < 1:
         raise ValueError(
             f"the oracle needs at least one worker and one block, got {num_workers} and {blocks_per_worker}"
@@ -141,10 +157,30 @@ def ideal_hit_rate(
     last_used = [-1] * num_workers
     num_cached = 0
     for step, request in enumerate(requests):
-        best = max(range(num_workers), key=lambda w: (pools[w].num_hit_blocks(request), -last_used[w], -w))
+        best = _choose(pools, last_used, request, follow_share)
         num_cached += pools[best].serve(request)
         last_used[best] = step
     return _hit_rate(num_cached, requests)
+
+
+def _choose(
+    pools: list[WorkerPool], last_used: list[int], request: OracleRequest, follow_share: float
+) -> int:
+    hits = [pool.num_hit_blocks(request) for pool in pools]
+    longest = max(hits)
+    if longest and longest * pools[0].block_size >= follow_share * request.num_prompt_tokens:
+        return max(range(len(pools)), key=lambda w: (hits[w], -last_used[w], -w))
+    return max(range(len(pools)), key=lambda w: (pools[w].num_empty or 0, -last_used[w], -w))
+
+
+def best_ideal_hit_rate(
+    requests: Sequence[OracleRequest], *, num_workers: int, blocks_per_worker: int, block_size: int
+) -> tuple[float, float]:
+    """The best ideal router of ``FOLLOW_SHARES``: its hit rate and its follow share (the lowest on a tie)."""
+    fleet = {"num_workers": num_workers, "blocks_per_worker": blocks_per_worker, "block_size": block_size}
+    rates = {share: ideal_hit_rate(requests, **fleet, follow_share=share) for share in FOLLOW_SHARES}
+    share = max(rates, key=lambda share: (rates[share], -share))
+    return rates[share], share
 
 
 def ceiling_hit_rate(requests: Sequence[OracleRequest], *, block_size: int) -> float:
@@ -157,7 +193,7 @@ def oracle_report(
     requests: Sequence[OracleRequest], *, num_workers: int, blocks_per_worker: int, block_size: int
 ) -> dict[str, int | float]:
     """Both figures with what they were computed for (``herd bench oracle`` prints it as JSON)."""
-    ideal = ideal_hit_rate(
+    ideal, follow_share = best_ideal_hit_rate(
         requests, num_workers=num_workers, blocks_per_worker=blocks_per_worker, block_size=block_size
     )
     return {
@@ -167,5 +203,6 @@ def oracle_report(
         "blocks_per_worker": blocks_per_worker,
         "block_size": block_size,
         "oracle_hit_rate": round(ideal, 4),
+        "oracle_follow_share": follow_share,
         "ceiling_hit_rate": round(ceiling_hit_rate(requests, block_size=block_size), 4),
     }
