@@ -8,7 +8,7 @@ DEMO_MODEL := .cache/models/smollm2-135m-instruct
 APT_PACKAGES := redis-server chromium chromium-driver openssl
 PYTEST_ARGS ?=
 
-.PHONY: install system-deps run test fuzz lint format crds crds-check bench cluster-bin cluster cluster-down vllm-venv clean
+.PHONY: install system-deps run test fuzz lint format crds crds-check bench cluster-bin cluster cluster-down vllm-venv peer-venvs clean
 
 install: $(VENV)/.installed
 
@@ -54,7 +54,7 @@ crds-check: install
 	$(HERD) crds --out crds --check
 	$(HERD) crds --out charts/herd/files --check
 
-test: install system-deps lint crds-check cluster-bin vllm-venv
+test: install system-deps lint crds-check cluster-bin vllm-venv peer-venvs
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 # A longer schemathesis run than `make test`'s (600 requests per server): 10,000 generated requests
@@ -71,6 +71,11 @@ cluster-bin:
 # ~/.cache/herd/venvs for the vLLM backend's tests; built once, then reused.
 vllm-venv:
 	scripts/vllm-venv.sh
+
+# The peer routers of issue 14 (sglang-router, smg, vllm-router: about 400 MB, 30-80 s), each in its own
+# virtual environment under ~/.cache/herd/venvs; built once, then reused.
+peer-venvs: install
+	PYTHONPATH=tests $(BIN)/python -m support.peer_routers
 
 # That control plane on 127.0.0.1 (etcd on tmpfs, apiserver, controller-manager, scheduler), left running:
 # kubectl --kubeconfig .cache/cluster/kubeconfig ...; `make cluster-down` stops each process by its pid.

@@ -28,7 +28,10 @@ PEER_ROUTES = [
     ("GET", "/model_info"),
     ("GET", "/get_model_info"),
     ("POST", "/flush_cache"),
+    ("POST", "/v1/chat/completions/render"),
+    ("POST", "/v1/completions/render"),
 ]
+MESSAGES = [{"role": "user", "content": PROMPT}]
 
 
 @pytest_asyncio.fixture
@@ -120,6 +123,41 @@ async def test_flush_cache_refuses_while_a_block_is_held(
     assert (await client.post("/flush_cache")).status_code == 200
 
 
+async def test_render_gives_the_token_ids_the_worker_would_run(client: httpx.AsyncClient) -> None:
+    chat = await client.post("/v1/chat/completions/render", json={"model": "tiny", "messages": MESSAGES})
+    assert chat.status_code == 200, chat.text
+    tokenized = (await client.post("/tokenize", json={"messages": MESSAGES})).json()
+    assert chat.json()["token_ids"] == tokenized["tokens"]
+    assert chat.json()["model"] == "tiny"
+    prompts = {"model": "tiny", "prompt": [PROMPT, "second"]}
+    completions = (await client.post("/v1/completions/render", json=prompts)).json()
+    expected = [
+        (await client.post("/tokenize", json={"prompt": text})).json()["tokens"] for text in prompts["prompt"]
+    ]
+    assert [rendered["token_ids"] for rendered in completions] == expected
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "words"),
+    [
+        ({"model": "other", "messages": MESSAGES}, 404, "is not served here"),
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": "word " * 600}]},
+            400,
+            "shorten the prompt",
+        ),
+        ({"model": "tiny"}, 400, "messages"),
+    ],
+    ids=["another-model", "longer-than-the-context", "no-messages"],
+)
+async def test_render_refuses_what_generation_refuses(
+    client: httpx.AsyncClient, body: dict[str, Any], status: int, words: str
+) -> None:
+    response = await client.post("/v1/chat/completions/render", json=body)
+    assert response.status_code == status, response.text
+    assert words in response.json()["error"]["message"]
+
+
 @pytest.mark.parametrize(("method", "path"), PEER_ROUTES, ids=[path for _, path in PEER_ROUTES])
 async def test_a_loading_worker_answers_every_peer_route_503(
     tiny_llama: Path, method: str, path: str
@@ -128,7 +166,9 @@ async def test_a_loading_worker_answers_every_peer_route_503(
         AsyncEngine(lambda: simulated_engine(engine_config(tiny_llama))), PublicOptions("tiny")
     )
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://worker") as client:
-        response = await client.request(method, path)
+        response = await client.request(
+            method, path, json={"model": "tiny", "prompt": "x", "messages": MESSAGES}
+        )
     assert response.status_code == 503
     assert "still loading" in response.json()["error"]["message"]
 

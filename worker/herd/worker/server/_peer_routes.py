@@ -2,7 +2,8 @@
 
 SGLang's router (``sglang-router``), the SGLang model gateway (``smg``) and vLLM's router
 (``vllm-router``) probe a worker's settings (``/server_info``, ``/model_info``, each also under its
-older ``/get_`` name), poll its load (SGLang's ``/get_load`` list, the gateway's ``/v1/loads``) and
+older ``/get_`` name), ask for a request's token ids (vLLM's ``render`` routes, served beside the
+completions in ``_public``), poll its load (SGLang's ``/get_load`` list, the gateway's ``/v1/loads``) and
 fan ``/flush_cache`` out to every worker. Every answer is the engine's own: loads from its load report
 (taken between two steps) and counters, settings from what the engine announces; ``/flush_cache``
 forgets the prefix cache on the engine thread between steps, or answers 409 while a request holds
@@ -22,7 +23,16 @@ from herd.api.errors import HttpError
 from herd.api.protocol import LoadReport
 from herd.worker.engine_protocol import ServingEngine
 
-__all__ = ["ModelInfo", "RankLoad", "Route", "SchedulerLoad", "ServerInfo", "WorkerLoads", "peer_routes"]
+__all__ = [
+    "ModelInfo",
+    "RankLoad",
+    "RenderedPrompt",
+    "Route",
+    "SchedulerLoad",
+    "ServerInfo",
+    "WorkerLoads",
+    "peer_routes",
+]
 
 
 class RankLoad(BaseModel):
@@ -70,6 +80,17 @@ class ServerInfo(BaseModel):
     page_size: int
     max_total_num_tokens: int
     dtype: str
+
+
+class RenderedPrompt(BaseModel):
+    """A prompt as vLLM's ``/v1/chat/completions/render`` and ``/v1/completions/render`` give it:
+    the token ids the worker would run, rendered and tokenized as for generation. vLLM's router
+    asks every worker for them before it routes a request by cache affinity (then ``/tokenize``
+    if this route is missing). vLLM's sampling parameters are not echoed."""
+
+    request_id: str
+    token_ids: list[int]
+    model: str
 
 
 class ModelInfo(BaseModel):

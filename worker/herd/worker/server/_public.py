@@ -44,7 +44,7 @@ from herd.worker.server._params import (
     plan_choices,
     prompt_errors,
 )
-from herd.worker.server._peer_routes import Route, peer_routes
+from herd.worker.server._peer_routes import RenderedPrompt, Route, peer_routes
 from herd.worker.server._remote_prefill import RemotePrefill
 from herd.worker.server._request_id import RequestIdMiddleware, request_id
 from herd.worker.server._responses import ResponseContext
@@ -103,6 +103,8 @@ def build_public_app(engine: ServingEngine, options: PublicOptions) -> FastAPI:
     table: list[Route] = [
         ("/v1/chat/completions", "POST", routes.chat),
         ("/v1/completions", "POST", routes.completions),
+        ("/v1/chat/completions/render", "POST", routes.render_chat),
+        ("/v1/completions/render", "POST", routes.render_completions),
         ("/v1/models", "GET", routes.models),
         ("/tokenize", "POST", routes.tokenize),
         ("/detokenize", "POST", routes.detokenize),
@@ -142,6 +144,19 @@ class _PublicRoutes:
         renderer, max_model_len = self.engine.renderer, self.engine.info.max_model_len
         prompts = await self._prompts(handoff, lambda: completion_prompts(renderer, body, max_model_len))
         return await self._generate(request, body, prompts, _COMPLETIONS, handoff)
+
+    async def render_chat(self, request: Request) -> RenderedPrompt:
+        body = await self._read(request, ChatCompletionRequest)
+        renderer, max_model_len = self.engine.renderer, self.engine.info.max_model_len
+        prompt = await self._threads.run(lambda: chat_prompt(renderer, body, max_model_len))
+        return RenderedPrompt(request_id=request_id(request), token_ids=prompt, model=body.model)
+
+    async def render_completions(self, request: Request) -> list[RenderedPrompt]:
+        body = await self._read(request, CompletionRequest)
+        renderer, max_model_len = self.engine.renderer, self.engine.info.max_model_len
+        prompts = await self._threads.run(lambda: completion_prompts(renderer, body, max_model_len))
+        rid = request_id(request)
+        return [RenderedPrompt(request_id=rid, token_ids=prompt, model=body.model) for prompt in prompts]
 
     async def _generate(
         self,
