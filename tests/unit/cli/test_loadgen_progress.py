@@ -1,4 +1,5 @@
-"""``herd bench``'s progress line: drawn from the start, kept moving before any answer, stopped by close."""
+"""``herd bench``'s progress line: drawn from the start, counting what was sent, kept moving before any
+answer, stopped by close."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ def test_the_line_shows_and_ticks_before_the_first_answer() -> None:
     stream = io.StringIO()
     progress = Progress(total=10, duration_s=None, stream=stream)
     try:
-        assert drawn(stream) == [f"[{'.' * 30}] 0 done, 0 errors, 0.0 req/s, 0s"]
+        assert drawn(stream) == [f"[{'.' * 30}] 0 sent, 0 done, 0 errors, 0.0 req/s, 0s"]
+        progress.sent()
+        assert drawn(stream)[-1].startswith(f"[{'.' * 30}] 1 sent, 0 done"), "the first request sent shows"
         deadline = time.monotonic() + 5.0
         while len(drawn(stream)) < 3 and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -47,7 +50,7 @@ def test_the_bar_fills_by_requests_or_time(
     progress = Progress(total=total, duration_s=duration_s, enabled=False)
     for _ in range(num_done):
         progress.update(is_ok=True)
-    assert progress.line(time.monotonic() + elapsed).startswith(f"[{expected_bar}] {num_done} done")
+    assert progress.line(time.monotonic() + elapsed).startswith(f"[{expected_bar}] 0 sent, {num_done} done")
 
 
 def test_a_disabled_line_writes_nothing() -> None:

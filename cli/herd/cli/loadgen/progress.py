@@ -1,8 +1,8 @@
 """A one-line progress bar on stderr, redrawn at most ten times a second (no dependencies).
 
-It is drawn from the start and a ticker thread redraws it every half second, so a run whose first
-answers take long still shows its clock (and, for a timed run, its bar) moving from the first request
-sent; ``close`` stops the ticker.
+It counts requests sent as well as answered, is drawn from the start, and a ticker thread redraws it
+every half second, so a run whose first answers take long still shows what it sent and its clock (and,
+for a timed run, its bar) moving; ``close`` stops the ticker.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ _TICK_S = 0.5
 
 
 class Progress:
-    """Counts finished requests against ``total`` requests or ``duration_s`` seconds."""
+    """Counts sent and finished requests; the bar fills by finished against ``total`` requests or by
+    time against ``duration_s`` seconds."""
 
     def __init__(
         self,
@@ -34,6 +35,7 @@ class Progress:
         self.duration_s = duration_s
         self.stream = stream or sys.stderr
         self.enabled = enabled
+        self.num_sent = 0
         self.num_done = 0
         self.num_errors = 0
         self._start = time.monotonic()
@@ -45,9 +47,16 @@ class Progress:
             self._draw(self._start)
             self._ticker.start()
 
+    def sent(self) -> None:
+        self.num_sent += 1
+        self._maybe_draw()
+
     def update(self, *, is_ok: bool) -> None:
         self.num_done += 1
         self.num_errors += not is_ok
+        self._maybe_draw()
+
+    def _maybe_draw(self) -> None:
         now = time.monotonic()
         if now - self._last_draw >= _REDRAW_S:
             self._last_draw = now
@@ -67,7 +76,8 @@ class Progress:
         filled = round(fraction * _WIDTH)
         rate = self.num_done / elapsed if elapsed > 0 else 0.0
         bar = "#" * filled + "." * (_WIDTH - filled)
-        return f"[{bar}] {self.num_done} done, {self.num_errors} errors, {rate:.1f} req/s, {elapsed:.0f}s"
+        counts = f"{self.num_sent} sent, {self.num_done} done, {self.num_errors} errors"
+        return f"[{bar}] {counts}, {rate:.1f} req/s, {elapsed:.0f}s"
 
     def _fraction(self, elapsed: float) -> float:
         fractions = []

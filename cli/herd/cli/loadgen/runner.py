@@ -114,6 +114,7 @@ class _Run:
 
     async def _one(self) -> None:
         spec = self.workload.next_request()
+        self.progress.sent()
         result = await send(self.client, spec, self.config, self.model)
         self.workload.complete(spec, result.text if result.is_ok else None)
         self.results.append(result)
