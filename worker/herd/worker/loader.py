@@ -8,8 +8,10 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from herd.worker.layers.attention import AttentionBackend
+from herd.worker.layers.linear import Linear
 from herd.worker.models import SUPPORTED_ARCHITECTURES, LlamaForCausalLM, ModelArgs
 
 __all__ = ["load_model", "read_model_args", "safetensors_files"]
@@ -49,33 +51,50 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
 ) -> LlamaForCausalLM:
-    """Build the model without initializing it, then fill every parameter from the checkpoint."""
+    """Build the model without initializing it, fill every parameter from the checkpoint, then pack
+    the linear layers for the device (``Linear.pack``)."""
     with torch.device("meta"):
         model = LlamaForCausalLM(args, backend, max_positions)
     model.to_empty(device=device).to(dtype)
-    loaded = _copy_weights(model, safetensors_files(folder))
+    targets = _checkpoint_targets(model)
+    loaded = _copy_weights(targets, safetensors_files(folder))
     if args.tie_word_embeddings or "lm_head.weight" not in loaded:
         model.tie_weights()
         loaded.add("lm_head.weight")
-    missing = set(dict(model.named_parameters(remove_duplicate=False))) - loaded
+    missing = set(targets) - loaded
     if missing:
         raise ValueError(
             f"{folder} lacks weights {sorted(missing)[:5]}: the checkpoint does not match its config"
         )
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.pack()
     return model.eval()
 
 
-def _copy_weights(model: LlamaForCausalLM, files: list[Path]) -> set[str]:
-    params = dict(model.named_parameters())
+def _checkpoint_targets(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Each checkpoint tensor's name -> the parameter (or the rows of a stacked one) it loads into."""
+    targets: dict[str, torch.Tensor] = {}
+    for module_name, module in model.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        if isinstance(module, Linear):
+            parent = module_name.rpartition(".")[0]
+            targets.update(module.checkpoint_shards(f"{parent}." if parent else ""))
+            continue
+        targets.update((prefix + name, param) for name, param in module.named_parameters(recurse=False))
+    return targets
+
+
+def _copy_weights(targets: dict[str, torch.Tensor], files: list[Path]) -> set[str]:
     loaded: set[str] = set()
     for file in files:
         with safe_open(str(file), framework="pt") as shard:
             for name in shard.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 if name.endswith(_IGNORED_SUFFIXES):
                     continue
-                if name not in params:
+                if name not in targets:
                     raise ValueError(f"{file.name} has an unexpected tensor {name!r}: is config.json right?")
                 with torch.no_grad():
-                    params[name].copy_(shard.get_tensor(name))
+                    targets[name].copy_(shard.get_tensor(name))
                 loaded.add(name)
     return loaded

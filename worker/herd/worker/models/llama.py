@@ -11,6 +11,7 @@ from torch import nn
 from torch.nn import functional
 
 from herd.worker.layers.attention import AttentionBackend, AttentionMetadata
+from herd.worker.layers.linear import Linear
 from herd.worker.layers.rotary import RotaryEmbedding, apply_rotary
 from herd.worker.models.args import ModelArgs
 
@@ -32,10 +33,13 @@ class LlamaAttention(nn.Module):
     def __init__(self, args: ModelArgs, backend: AttentionBackend) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
-        self.q_proj = nn.Linear(args.hidden_size, args.num_heads * args.head_dim, bias=args.qkv_bias)
-        self.k_proj = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=args.qkv_bias)
-        self.v_proj = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=args.qkv_bias)
-        self.o_proj = nn.Linear(args.num_heads * args.head_dim, args.hidden_size, bias=args.o_bias)
+        self.q_size, self.kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+        self.qkv_proj = Linear(
+            args.hidden_size,
+            {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size},
+            bias=args.qkv_bias,
+        )
+        self.o_proj = Linear(self.q_size, {"o_proj": args.hidden_size}, bias=args.o_bias)
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.backend = backend
@@ -45,9 +49,10 @@ class LlamaAttention(nn.Module):
     def forward(
         self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], metadata: AttentionMetadata
     ) -> torch.Tensor:
-        query = self.q_proj(x).view(-1, self.num_heads, self.head_dim)
-        key = self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim)
-        value = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
+        query, key, value = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        query = query.view(-1, self.num_heads, self.head_dim)
+        key = key.view(-1, self.num_kv_heads, self.head_dim)
+        value = value.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             query, key = self.q_norm(query), self.k_norm(key)
         query, key = apply_rotary(query, *rotary), apply_rotary(key, *rotary)
@@ -58,12 +63,17 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
-        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+        self.intermediate_size = args.intermediate_size
+        self.gate_up_proj = Linear(
+            args.hidden_size,
+            {"gate_proj": args.intermediate_size, "up_proj": args.intermediate_size},
+            bias=args.mlp_bias,
+        )
+        self.down_proj = Linear(args.intermediate_size, {"down_proj": args.hidden_size}, bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(functional.silu(self.gate_proj(x)) * self.up_proj(x))  # type: ignore[no-any-return]
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(functional.silu(gate) * up)  # type: ignore[no-any-return]
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -106,7 +116,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.args = args
         self.model = LlamaModel(args, backend, max_positions)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = Linear(args.hidden_size, {"lm_head": args.vocab_size}, bias=False)
 
     def tie_weights(self) -> None:
         self.lm_head.weight = self.model.embed_tokens.weight
