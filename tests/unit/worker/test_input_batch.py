@@ -32,15 +32,37 @@ def decode(context: int, request_id: str) -> ScheduledChunk:
     ],
 )
 def test_decodes_group_by_context_length(contexts: list[int], expected: list[list[int]]) -> None:
-    spans = [(row, decode(context, f"r{row}")) for row, context in enumerate(contexts)]
-    groups = decode_groups(spans, BLOCK)
-    assert [[chunk.start for _, chunk in group] for group in groups] == expected
+    chunks = [decode(context, f"r{row}") for row, context in enumerate(contexts)]
+    groups = decode_groups(chunks, BLOCK)
+    assert [[chunk.start for chunk in group] for group in groups] == expected
 
 
-def test_every_decode_lands_in_exactly_one_group_with_its_own_row() -> None:
-    chunks = [decode(context, f"r{index}") for index, context in enumerate([1130, 100, 120, 700])]
+def prefill(length: int, request_id: str) -> ScheduledChunk:
+    seq = make_seq(list(range(3, 3 + length)), request_id=request_id)
+    seq.block_table = list(range(100, 100 + -(-length // BLOCK)))
+    return ScheduledChunk(seq, length)
+
+
+def test_groups_are_contiguous_rows_in_group_order_and_samples_keep_chunk_order() -> None:
+    chunks = [decode(1130, "long"), prefill(5, "p"), decode(100, "a"), decode(120, "b"), decode(700, "c")]
     inputs = prepare_inputs(chunks, BLOCK, torch.device("cpu"))
-    rows = sorted(row for group in inputs.metadata.groups for row in group.token_index.tolist())
-    assert rows == [0, 1, 2, 3]
-    assert [group.batch_size for group in inputs.metadata.groups] == [2, 2]
-    assert [group.block_tables.shape[1] for group in inputs.metadata.groups] == [8, 71]
+    groups = inputs.metadata.groups
+    assert [(g.first_row, g.batch_size, g.query_len) for g in groups] == [(0, 2, 1), (2, 2, 1), (4, 1, 5)]
+    assert [g.block_tables.shape[1] for g in groups] == [8, 71, 1]
+    # rows: a, b, c (context 100, 120, 700), long, then p's five tokens
+    assert inputs.positions.tolist() == [100, 120, 700, 1130, 0, 1, 2, 3, 4]
+    assert inputs.sample_index.tolist() == [3, 8, 0, 1, 2]
+    assert inputs.metadata.slot_mapping[4:].tolist() == [100 * BLOCK + offset for offset in range(5)]
+
+
+@pytest.mark.parametrize(
+    ("chunk", "expected_allowed"),
+    [(decode(20, "d"), [[21]]), (prefill(3, "p"), [[1, 2, 3]])],
+    ids=["decode-sees-its-context-and-itself", "prefill-is-causal"],
+)
+def test_the_mask_allows_each_query_its_positions_so_far(
+    chunk: ScheduledChunk, expected_allowed: list[list[int]]
+) -> None:
+    [group] = prepare_inputs([chunk], BLOCK, torch.device("cpu")).metadata.groups
+    allowed = group.attn_mask.sum(dim=-1).squeeze(1)  # [batch, query_len]
+    assert allowed.tolist() == expected_allowed

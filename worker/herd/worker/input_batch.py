@@ -11,8 +11,6 @@ from herd.worker.scheduler import ScheduledChunk
 
 __all__ = ["StepInputs", "prepare_inputs"]
 
-_Span = tuple[int, ScheduledChunk]  # (first row in the flat step, chunk)
-
 
 @dataclass(frozen=True)
 class StepInputs:
@@ -23,30 +21,30 @@ class StepInputs:
 
 
 def prepare_inputs(chunks: list[ScheduledChunk], block_size: int, device: torch.device) -> StepInputs:
-    """Flatten every chunk's tokens; decodes form groups of similar context length (``decode_groups``),
-    each prefill chunk a group of its own."""
+    """Lay the chunks' tokens out group by group: decodes in groups of similar context length
+    (``decode_groups``), then each prefill chunk alone. Every group is then a contiguous run of
+    rows and no query is padded; ``sample_index`` keeps the chunks' own order for the sampler."""
+    decodes = [chunk for chunk in chunks if chunk.num_tokens == 1]
+    prefills = [[chunk] for chunk in chunks if chunk.num_tokens > 1]
     token_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
-    sample_rows: list[int] = []
-    spans: list[_Span] = []
-    for chunk in chunks:
-        start, end = chunk.start, chunk.start + chunk.num_tokens
-        spans.append((len(token_ids), chunk))
-        token_ids.extend(chunk.seq.tokens_between(start, end))
-        positions.extend(range(start, end))
-        table = chunk.seq.block_table
-        slots.extend(table[pos // block_size] * block_size + pos % block_size for pos in range(start, end))
-        if chunk.is_sampled:
-            sample_rows.append(len(token_ids) - 1)
-    decodes = [span for span in spans if span[1].num_tokens == 1]
-    prefills = [[span] for span in spans if span[1].num_tokens > 1]
-    groups = tuple(
-        _group(group, len(token_ids), block_size, device)
-        for group in [*decode_groups(decodes, block_size), *prefills]
-    )
+    last_rows: dict[ScheduledChunk, int] = {}
+    groups: list[AttentionGroup] = []
+    for group in [*decode_groups(decodes, block_size), *prefills]:
+        groups.append(_group(group, len(token_ids), block_size, device))
+        for chunk in group:
+            start, end = chunk.start, chunk.start + chunk.num_tokens
+            token_ids.extend(chunk.seq.tokens_between(start, end))
+            positions.extend(range(start, end))
+            table = chunk.seq.block_table
+            slots.extend(
+                table[pos // block_size] * block_size + pos % block_size for pos in range(start, end)
+            )
+            last_rows[chunk] = len(token_ids) - 1
+    sample_rows = [last_rows[chunk] for chunk in chunks if chunk.is_sampled]
     metadata = AttentionMetadata(
-        slot_mapping=_tensor(slots, device), groups=groups, num_tokens=len(token_ids)
+        slot_mapping=_tensor(slots, device), groups=tuple(groups), num_tokens=len(token_ids)
     )
     return StepInputs(
         _tensor(token_ids, device), _tensor(positions, device), metadata, _tensor(sample_rows, device)
@@ -58,7 +56,7 @@ MIN_SPLIT_BLOCKS = 16
 costs more gathers and SDPA calls per layer than padding a few blocks does."""
 
 
-def decode_groups(decodes: list[_Span], block_size: int) -> list[list[_Span]]:
+def decode_groups(decodes: list[ScheduledChunk], block_size: int) -> list[list[ScheduledChunk]]:
     """The decodes in groups of similar context length, shortest first.
 
     A group pads every context to its longest, so one long context in a batch of short ones would
@@ -66,38 +64,38 @@ def decode_groups(decodes: list[_Span], block_size: int) -> list[list[_Span]]:
     twice as long as the group's shortest and at least ``MIN_SPLIT_BLOCKS`` blocks longer: padding
     stays under half of each group's work, and the number of groups under log2 of the longest.
     """
-    ordered = sorted(decodes, key=lambda span: span[1].start)
-    groups: list[list[_Span]] = []
+    ordered = sorted(decodes, key=lambda chunk: chunk.start)
+    groups: list[list[ScheduledChunk]] = []
     first_blocks = 0
-    for span in ordered:
-        blocks = span[1].start // block_size + 1
+    for chunk in ordered:
+        blocks = chunk.start // block_size + 1
         if not groups or (blocks > 2 * first_blocks and blocks - first_blocks >= MIN_SPLIT_BLOCKS):
             groups.append([])
             first_blocks = blocks
-        groups[-1].append(span)
+        groups[-1].append(chunk)
     return groups
 
 
-def _group(spans: list[_Span], num_tokens: int, block_size: int, device: torch.device) -> AttentionGroup:
-    max_query_len = max(chunk.num_tokens for _, chunk in spans)
-    max_blocks = max(-(-(chunk.start + chunk.num_tokens) // block_size) for _, chunk in spans)
-    token_index: list[int] = []
+def _group(
+    chunks: list[ScheduledChunk], first_row: int, block_size: int, device: torch.device
+) -> AttentionGroup:
+    """Decodes (one token each) or a single prefill chunk: ``len(chunks) * query_len`` rows either way."""
+    query_len = chunks[0].num_tokens
+    max_blocks = max(-(-(chunk.start + chunk.num_tokens) // block_size) for chunk in chunks)
     query_positions: list[int] = []
     block_tables: list[int] = []
-    for offset, chunk in spans:
-        padding = max_query_len - chunk.num_tokens
-        token_index.extend([*range(offset, offset + chunk.num_tokens), *[num_tokens] * padding])
-        query_positions.extend([*range(chunk.start, chunk.start + chunk.num_tokens), *[0] * padding])
+    for chunk in chunks:
+        query_positions.extend(range(chunk.start, chunk.start + chunk.num_tokens))
         table = chunk.seq.block_table[:max_blocks]
         block_tables.extend([*table, *[0] * (max_blocks - len(table))])
-    positions = _tensor(query_positions, device).view(len(spans), max_query_len, 1)
+    positions = _tensor(query_positions, device).view(len(chunks), query_len, 1)
     key_positions = torch.arange(max_blocks * block_size, device=device)
     return AttentionGroup(
-        token_index=_tensor(token_index, device),
-        block_tables=_tensor(block_tables, device).view(len(spans), max_blocks),
+        first_row=first_row,
+        block_tables=_tensor(block_tables, device).view(len(chunks), max_blocks),
         attn_mask=(key_positions <= positions).unsqueeze(1),
-        batch_size=len(spans),
-        max_query_len=max_query_len,
+        batch_size=len(chunks),
+        query_len=query_len,
     )
 
 

@@ -1,11 +1,12 @@
 """The attention-backend interface and the per-step metadata every backend reads.
 
 A step's tokens come flattened (``[num_tokens, heads, head_dim]``) from sequences at different
-positions. Each backend stores the new keys and values into the paged pool at ``slot_mapping`` and
-attends each query to its sequence's cached context through ``block_tables``. The reference
-backend pads sequences into groups of similar shape (decodes of similar context length together;
-each prefill chunk alone), so neither a long prefill nor a long context inflates the padding of a
-batch of short decodes.
+positions, laid out group by group: decodes of similar context length together, each prefill chunk
+alone, so neither a long prefill nor a long context inflates the padding of a batch of short
+decodes, and no query is padded. Each backend stores all the step's new keys and values into the
+paged pool at ``slot_mapping`` before any query attends (the scheduler relies on it: a sequence
+may attend to blocks that another sequence of the same step fills), then attends each query to its
+sequence's cached context through ``block_tables``.
 """
 
 from __future__ import annotations
@@ -20,18 +21,21 @@ __all__ = ["AttentionBackend", "AttentionGroup", "AttentionMetadata"]
 
 @dataclass(frozen=True)
 class AttentionGroup:
-    """Sequences attended together as a padded batch of ``[batch, max_query_len]`` queries.
-
-    ``token_index`` maps each padded query to its row in the flat step (padding maps to the extra
-    row ``num_tokens``); ``attn_mask`` allows key ``j`` for a query at position ``p`` iff ``j <= p``
-    (padding queries sit at position 0, so no row is fully masked).
+    """Sequences attended together as a batch of ``[batch, query_len]`` queries: decodes
+    (``query_len`` 1) or a single prefill chunk (``batch`` 1), at the flat step's rows
+    ``first_row`` to ``first_row + num_tokens``; ``attn_mask`` allows key ``j`` for a query at
+    position ``p`` iff ``j <= p`` (it also masks the padding of shorter contexts' block tables).
     """
 
-    token_index: torch.Tensor  # [batch * max_query_len]
+    first_row: int
     block_tables: torch.Tensor  # [batch, max_blocks]
-    attn_mask: torch.Tensor  # [batch, 1, max_query_len, max_blocks * block_size]
+    attn_mask: torch.Tensor  # [batch, 1, query_len, max_blocks * block_size]
     batch_size: int
-    max_query_len: int
+    query_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.batch_size * self.query_len
 
 
 @dataclass(frozen=True)

@@ -25,37 +25,43 @@ class TorchAttentionBackend:
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         key_cache.view(-1, *key.shape[1:]).index_copy_(0, metadata.slot_mapping, key)
         value_cache.view(-1, *value.shape[1:]).index_copy_(0, metadata.slot_mapping, value)
-        padded_query = torch.cat([query, query.new_zeros(1, *query.shape[1:])])
-        output = torch.empty_like(padded_query)
-        for group in metadata.groups:
-            result = self._attend(padded_query, key_cache, value_cache, group, scale)
-            output.index_copy_(0, group.token_index, result)
-        return output[: metadata.num_tokens]
+        results = [
+            self._attend(
+                query[group.first_row : group.first_row + group.num_tokens],
+                key_cache,
+                value_cache,
+                group,
+                scale,
+            )
+            for group in metadata.groups
+        ]
+        return results[0] if len(results) == 1 else torch.cat(results)
 
     @staticmethod
     def _attend(
-        padded_query: torch.Tensor,
+        query: torch.Tensor,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         group: AttentionGroup,
         scale: float,
     ) -> torch.Tensor:
-        num_heads, head_dim = padded_query.shape[1:]
-        batch, query_len, num_kv_heads = group.batch_size, group.max_query_len, key_cache.shape[2]
+        num_heads, head_dim = query.shape[1:]
+        batch, query_len, num_kv_heads = group.batch_size, group.query_len, key_cache.shape[2]
         per_kv = num_heads // num_kv_heads
         # GQA without copying K/V per query head: the query heads that share a KV head become extra
-        # query rows of that head, [B, Hkv, per_kv * q, D], and the mask repeats for each of them.
-        query = padded_query.index_select(0, group.token_index)
+        # query rows of that head, [B, Hkv, per_kv * q, D]; the mask repeats for each of them (a
+        # decode's single row broadcasts instead).
         query = query.view(batch, query_len, num_kv_heads, per_kv, head_dim).permute(0, 2, 3, 1, 4)
         blocks = group.block_tables.flatten()
         context_shape = (batch, -1, *key_cache.shape[2:])
         keys = key_cache.index_select(0, blocks).view(context_shape).transpose(1, 2)
         values = value_cache.index_select(0, blocks).view(context_shape).transpose(1, 2)
+        mask = group.attn_mask if query_len == 1 else group.attn_mask.repeat(1, 1, per_kv, 1)
         attended = functional.scaled_dot_product_attention(
             query.reshape(batch, num_kv_heads, per_kv * query_len, head_dim),
             keys,
             values,
-            attn_mask=group.attn_mask.repeat(1, 1, per_kv, 1),
+            attn_mask=mask,
             scale=scale,
         )
         attended = attended.view(batch, num_kv_heads, per_kv, query_len, head_dim).permute(0, 3, 1, 2, 4)
