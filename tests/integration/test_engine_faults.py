@@ -154,6 +154,29 @@ def test_a_failed_forward_fails_its_batch_and_the_engine_serves_on(
     _assert_engine_sound(engine, expected)
 
 
+def test_a_failed_forward_leaves_none_of_its_blocks_in_the_prefix_cache(
+    engine: LLMEngine, expected: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The step's full blocks entered the cache when planned; its failure takes them out again."""
+    [prompt] = random_prompts([3 * engine.block_manager.block_size + 5], vocab_size=384, seed=11)
+    cached_before = set(engine.block_manager.cached)
+    engine.drain_kv_events()
+
+    def fails(chunks: Any) -> Any:
+        raise InjectedError("injected forward fault")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(engine.runner, "execute", fails)
+        engine.add_request("lost", prompt, GOOD)
+        [output] = engine.step()
+    assert output.error is not None
+    assert set(engine.block_manager.cached) == cached_before
+    stored, removed = engine.drain_kv_events()
+    assert (stored.kind, removed.kind, len(stored.block_hashes)) == ("stored", "removed", 3)
+    assert removed.block_hashes == stored.block_hashes
+    _assert_engine_sound(engine, expected)
+
+
 def test_a_reset_that_fails_raises_for_the_worker_to_exit(
     tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -19,7 +19,7 @@ def run_prefill(manager: BlockManager, seq: Sequence) -> None:
     assert manager.can_allocate(seq, hits, num_new)
     manager.allocate(seq, hits, num_new)
     seq.num_computed_tokens += num_new
-    manager.commit(seq)
+    manager.commit(seq, seq.num_computed_tokens)
 
 
 @pytest.mark.parametrize(
@@ -175,3 +175,24 @@ def test_disabled_prefix_caching_never_hits_or_stores() -> None:
     assert again.num_cached_tokens == 0
     assert manager.cached_hashes() == []
     assert manager.events.drain() == []
+
+
+def test_forget_drops_the_hashes_of_a_failed_step_and_reuses_those_blocks_first() -> None:
+    manager = BlockManager(4, BS)
+    kept = make_seq([1, 2, 3, 4], request_id="kept")
+    run_prefill(manager, kept)
+    manager.free(kept)
+    lost = make_seq([9, 9, 9, 9, 8], request_id="lost")
+    manager.allocate(lost, [], lost.num_tokens)
+    cached = manager.commit(lost, lost.num_tokens)
+    manager.events.drain()
+    manager.free(lost)
+    manager.forget(cached)
+    [removed] = manager.events.drain()
+    assert removed.kind == "removed" and removed.block_hashes == block_hashes(
+        [9, 9, 9, 9], BS, model_id=MODEL_ID
+    )
+    assert manager.computed_blocks(make_seq([9, 9, 9, 9, 7])) == []
+    fresh = make_seq([5] * 12, request_id="fresh")
+    manager.allocate(fresh, [], 12)
+    assert cached[0] in fresh.block_table and manager.computed_blocks(make_seq([1, 2, 3, 4, 5])) != []

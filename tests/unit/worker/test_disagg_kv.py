@@ -108,7 +108,7 @@ def prefilled(manager: BlockManager, tokens: list[int]) -> list[int]:
     seq = make_seq(tokens)
     manager.allocate(seq, [], seq.num_tokens)
     seq.num_computed_tokens = seq.num_tokens
-    manager.commit(seq)
+    manager.commit(seq, seq.num_computed_tokens)
     manager.free(seq)
     return block_hashes(tokens, BS, model_id=MODEL_ID)
 

@@ -118,6 +118,45 @@ def test_waiting_sequence_starts_after_its_cache_hit() -> None:
     assert (output.num_cache_queries, output.num_cache_hits) == (11, 8)
 
 
+@pytest.mark.parametrize(
+    ("prompt_len", "budget", "steps_before_twin", "expected_twin_plan", "expected_hits"),
+    [
+        (9, 64, 0, ("twin", 3), 8),
+        (12, 8, 1, ("twin", 2), 12),
+        (12, 8, 0, None, 0),
+    ],
+    ids=["admitted-in-the-same-step", "while-the-prompt-prefills", "no-budget-left-this-step"],
+)
+def test_a_twin_shares_blocks_planned_before_it(
+    prompt_len: int,
+    budget: int,
+    steps_before_twin: int,
+    expected_twin_plan: tuple[str, int] | None,
+    expected_hits: int,
+) -> None:
+    """A prompt's full blocks are cached when planned, not when computed: a twin planned after them
+    (in the same step, or while the prompt's later chunks run) starts after them."""
+    scheduler = make_scheduler(num_blocks=16, budget=budget)
+    add(scheduler, "a", prompt_len, max_tokens=1)
+    for _ in range(steps_before_twin):
+        run_step(scheduler)
+    scheduler.add(make_seq([1000 + i for i in range(prompt_len)] + [5, 6], request_id="twin"))
+    output = run_step(scheduler)
+    twin_plans = [chunk for chunk in plan(output) if chunk[0] == "twin"]
+    assert twin_plans == ([expected_twin_plan] if expected_twin_plan else [])
+    assert output.num_cache_hits == expected_hits
+
+
+def test_a_step_lists_the_blocks_it_cached() -> None:
+    scheduler = make_scheduler(num_blocks=16, budget=6)
+    a = add(scheduler, "a", 10, max_tokens=1)
+    first = scheduler.schedule()
+    scheduler.update(first)
+    second = scheduler.schedule()
+    assert first.cached_block_ids == a.block_table[:1]
+    assert second.cached_block_ids == a.block_table[1:2]
+
+
 def test_finish_removes_a_waiting_sequence() -> None:
     scheduler = make_scheduler(num_blocks=16, budget=64)
     seq = add(scheduler, "a", 4)

@@ -1,7 +1,10 @@
 """Paged KV blocks with a prefix cache, in the nano-vllm manner.
 
-Every full block of computed tokens is registered under its chained ``herd.api.kv_hash`` hash in a
-``hash -> block`` dict. A new sequence walks its prompt's hashes and takes every leading block whose
+Every full block is registered under its chained ``herd.api.kv_hash`` hash in a ``hash -> block``
+dict as soon as a step is planned to compute it (vLLM v1 caches at the same moment): a request
+admitted in that same step, or while a long prompt's later chunks still run, shares the block
+instead of computing it again, which works because a forward stores every new key and value before
+any attention reads them. Should that step fail, ``forget`` drops those hashes. A new sequence walks its prompt's hashes and takes every leading block whose
 hash is present and whose tokens match (the token comparison guards against hash collisions),
 bumping reference counts. A block whose count drops to zero keeps its hash and joins the free list
 (an LRU queue: eviction takes the head); the blocks of a sequence are freed in reverse so the tail
@@ -161,21 +164,38 @@ class BlockManager:
         self.events.record("stored", [block_hash])
         return block_id
 
-    def commit(self, seq: Sequence) -> None:
-        """Register ``seq``'s newly computed full blocks in the prefix cache."""
-        num_full = seq.num_computed_tokens // self.block_size
+    def commit(self, seq: Sequence, num_tokens: int) -> list[int]:
+        """Register the full blocks among ``seq``'s first ``num_tokens`` tokens (those computed, or
+        planned in this step) in the prefix cache; the ids of the blocks newly registered."""
+        num_full = num_tokens // self.block_size
         if not self.enable_prefix_caching or num_full <= seq.num_committed_blocks:
-            return
-        stored: list[BlockHash] = []
+            return []
+        stored: list[int] = []
         hashes = self._hashes(seq, num_full)
         for index in range(seq.num_committed_blocks, num_full):
             block = self.blocks[seq.block_table[index]]
             if block.block_hash is None and hashes[index] not in self.cached:
                 block.block_hash, block.token_ids = hashes[index], seq.block_tokens(index, self.block_size)
                 self.cached[hashes[index]] = block.block_id
-                stored.append(hashes[index])
+                stored.append(index)
         seq.num_committed_blocks = num_full
-        self.events.record("stored", stored)
+        self.events.record("stored", [hashes[index] for index in stored])
+        return [seq.block_table[index] for index in stored]
+
+    def forget(self, block_ids: list[int]) -> None:
+        """Drop the hashes of ``block_ids`` (registered by a step that failed, so their KV is not
+        what the hash says); free ones go to the head of the free list, as unhashed blocks do."""
+        removed: list[BlockHash] = []
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.block_hash is None:
+                continue
+            del self.cached[block.block_hash]
+            removed.append(block.block_hash)
+            block.block_hash, block.token_ids = None, []
+            if block.ref_count == 0:
+                self._free.move_to_end(block_id, last=False)
+        self.events.record("removed", removed)
 
     def _hashes(self, seq: Sequence, num_blocks: int) -> list[BlockHash]:
         """The chained hashes of ``seq``'s first ``num_blocks`` full blocks, extended lazily."""

@@ -4,7 +4,8 @@ A step is three calls and touches no tensor: the scheduler plans which tokens of
 run (decodes first, then new or partly prefilled prompts, under the token budget, preempting on a
 full KV pool); the runner (``herd.worker.runner``, given to the engine, never built by it) executes
 the whole plan and returns one sampled token for each sequence whose chunk reached its last token;
-the scheduler advances the computed counts and publishes newly full blocks to the prefix cache.
+the scheduler advances the computed counts (it put the step's full blocks in the prefix cache
+when it planned them, so that requests of the same step share them).
 Then each sampled sequence is checked for stop tokens, stop strings, ``max_tokens`` and
 ``max_model_len``, and finished ones free their blocks at once. ``step`` returns a
 ``RequestOutput`` for every sequence that got a token.
@@ -251,6 +252,7 @@ class LLMEngine:
             f"{type(error).__name__}: {error}; the request may succeed if sent again"
         )
         outputs = [self._end_with_error(seq, message) for seq in seqs]
+        self.block_manager.forget(decision.cached_block_ids)  # their KV was never computed
         self._reset()
         return outputs
 

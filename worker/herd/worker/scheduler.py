@@ -7,8 +7,10 @@ freed and it returns to the head of the queue to be recomputed later), until the
 Then waiting sequences are admitted in order while budget, blocks and ``max_batch_size`` allow,
 each starting after its prefix-cache hit; a long prompt takes what budget is left and continues in
 later steps. No admission happens in a step that preempted, so a preempted sequence cannot bounce
-straight back. The plan is a ``SchedulerOutput``; the engine's runner executes it and ``update`` then
-advances every scheduled sequence. Cost: linear in the number of running and admitted sequences.
+straight back. Each chunk's full blocks enter the prefix cache as it is planned, so a prompt admitted
+later in the same step already starts after them. The plan is a ``SchedulerOutput``; the engine's
+runner executes it and ``update`` then advances every scheduled sequence. Cost: linear in the number
+of running and admitted sequences.
 """
 
 from __future__ import annotations
@@ -44,11 +46,14 @@ class SchedulerOutput:
 
     ``block_copies`` lists ``(src, dst)`` block ids; nothing plans one yet: it is where KV tiers
     will plan their swaps, so that a runner copies and computes in the same step.
+    ``cached_block_ids`` are the blocks this step's chunks fill, already in the prefix cache: should
+    the step fail, the engine makes the block manager ``forget`` them.
     """
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    cached_block_ids: list[int] = field(default_factory=list)
     num_cache_queries: int = 0
     num_cache_hits: int = 0
 
@@ -93,7 +98,7 @@ class Scheduler:
             if not self._make_room(seq, num_tokens, output):
                 break
             self.block_manager.append_slots(seq, num_tokens)
-            output.chunks.append(ScheduledChunk(seq, num_tokens))
+            self._plan_chunk(seq, num_tokens, output)
             budget -= num_tokens
             index += 1
         return budget
@@ -119,10 +124,15 @@ class Scheduler:
             self.block_manager.allocate(seq, hits, num_tokens)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            output.chunks.append(ScheduledChunk(seq, num_tokens))
+            self._plan_chunk(seq, num_tokens, output)
             output.num_cache_queries += seq.num_tokens
             output.num_cache_hits += seq.num_computed_tokens
             budget -= num_tokens
+
+    def _plan_chunk(self, seq: Sequence, num_tokens: int, output: SchedulerOutput) -> None:
+        output.chunks.append(ScheduledChunk(seq, num_tokens))
+        cached = self.block_manager.commit(seq, seq.num_computed_tokens + num_tokens)
+        output.cached_block_ids.extend(cached)
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
@@ -130,10 +140,9 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def update(self, output: SchedulerOutput) -> None:
-        """After the model ran: advance computed counts and publish newly full blocks to the cache."""
+        """After the model ran: advance every scheduled sequence's computed count."""
         for chunk in output.chunks:
             chunk.seq.num_computed_tokens += chunk.num_tokens
-            self.block_manager.commit(chunk.seq)
 
     def finish(self, seq: Sequence) -> None:
         """Retire ``seq`` (done or aborted) wherever it is, freeing its blocks at once."""
