@@ -12,6 +12,9 @@
 
 ``--herd-only`` runs herd's part of 1 alone: on a tiny model its ``step_ms`` (wall time over steps)
 is the engine's own overhead per step, the figure to compare before and after an engine change.
+``--decode-batches 4,16`` times herd's decode steps alone instead: at each batch size, prompts of
+about ``--decode-context`` tokens are prefilled, then ``--decode-steps`` steps that only decode are
+timed one by one (median and p90); compare trees with ``bench/ab.py``.
 
     .venv/bin/python bench/engine_throughput.py --model .cache/models/smollm2-135m-instruct
 """
@@ -139,6 +142,30 @@ def run_transformers(model: Any, workload: Workload, batch_size: int, pad_id: in
     }
 
 
+def decode_steps(engine: LLMEngine, batch_size: int, context_len: int, num_steps: int) -> dict[str, Any]:
+    """Per-step wall time of ``num_steps`` steps where ``batch_size`` sequences decode, and no prefill."""
+    rng = random.Random(batch_size)
+    params = SamplingParams(max_tokens=num_steps + 2, temperature=0.0, ignore_eos=True)
+    for index in range(batch_size):
+        prompt = [rng.randrange(100, engine.vocab_size) for _ in range(context_len + rng.randint(-16, 16))]
+        engine.add_request(f"decode-{batch_size}-{index}", prompt, params)
+    scheduler = engine.scheduler
+    while scheduler.waiting or any(seq.num_output_tokens == 0 for seq in scheduler.running):
+        engine.step()
+    times: list[float] = []
+    for _ in range(num_steps):
+        started = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - started)
+    while engine.has_unfinished_requests():
+        engine.step()
+    ordered = sorted(times)
+    return {
+        "p50": round(statistics.median(times) * 1000, 2),
+        "p90": round(ordered[int(0.9 * (len(ordered) - 1))] * 1000, 2),
+    }
+
+
 def prefix_ttft(engine: LLMEngine, vocab_size: int, seed: int, repeats: int) -> dict[str, Any]:
     """TTFT of ``prefix + suffix`` right after the same prefix was served, vs. a never-seen prompt."""
     rng = random.Random(seed)
@@ -184,9 +211,15 @@ def main() -> None:
     parser.add_argument(
         "--herd-only", action="store_true", help="herd's throughput run alone (step overhead)"
     )
+    parser.add_argument("--decode-batches", default="", help="comma-separated batch sizes: decode steps only")
+    parser.add_argument("--decode-context", type=int, default=300, help="prompt tokens of the decode run")
+    parser.add_argument("--decode-steps", type=int, default=24, help="decode steps timed per batch size")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "engine.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.decode_batches:
+        run_decode_only(args)
+        return
     from transformers import AutoModelForCausalLM
 
     config = EngineConfig(
@@ -226,6 +259,23 @@ def main() -> None:
         f"ratio {report['throughput_ratio']}x (target 1.5x), per computed token "
         f"{report['throughput_ratio_per_computed_token']}x; wrote {args.out}"
     )
+
+
+def run_decode_only(args: argparse.Namespace) -> None:
+    """``--decode-batches``: herd's decode step time at each batch size, nothing else."""
+    batches = [int(value) for value in args.decode_batches.split(",")]
+    config = EngineConfig(
+        model_path=args.model, served_name="bench", engine={"device": "cpu", "maxBatchSize": max(batches)}
+    )  # type: ignore[arg-type]
+    engine = torch_engine(config)
+    decode_steps(engine, batches[0], args.decode_context, 4)  # warms up
+    report: dict[str, Any] = {"machine": machine_info(), "args": {k: str(v) for k, v in vars(args).items()}}
+    report["decode_step_ms"] = {
+        str(batch): decode_steps(engine, batch, args.decode_context, args.decode_steps) for batch in batches
+    }
+    report["machine_after"] = machine_info()["load_average"]
+    print("decode step ms", report["decode_step_ms"], flush=True)
+    write_json(args.out, report)
 
 
 if __name__ == "__main__":
