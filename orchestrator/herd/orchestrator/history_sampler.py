@@ -14,7 +14,7 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import httpx
@@ -22,11 +22,18 @@ from prometheus_client import Counter, Histogram
 from prometheus_client.samples import Sample
 
 from herd.api import metrics as names
+from herd.orchestrator.discovery import WorkerEndpoint
 from herd.orchestrator.history import History, Series, Snapshot
 from herd.orchestrator.registry import Registry, WorkerState
 from herd.orchestrator.telemetry import Telemetry
 
-__all__ = ["HistorySampler", "HistorySettings", "counter_totals", "parse_worker_metrics"]
+__all__ = [
+    "HistorySampler",
+    "HistorySettings",
+    "counter_totals",
+    "parse_worker_metrics",
+    "requests_by_worker",
+]
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +87,9 @@ class HistorySampler:
 
     async def snapshot(self) -> Snapshot:
         at, wall = time.monotonic(), time.time()
-        requests = self._requests()
+        counted = counter_totals(self.telemetry.requests, "model", "worker")
+        endpoints = [worker.endpoint for worker in self.registry.workers.values()]
+        requests = requests_by_worker(counted, endpoints)
         ttft = {
             (model, ""): buckets
             for (model,), buckets in histogram_buckets(self.telemetry.ttft, "model").items()
@@ -101,15 +110,6 @@ class HistorySampler:
             ttft=ttft,
             itl={key: found.itl for key, found in figures.items()},
         )
-
-    def _requests(self) -> dict[Series, float]:
-        """Requests answered per (model, worker); a known worker without any counts zero, so its first
-        requests fall inside a window."""
-        counted = counter_totals(self.telemetry.requests, "model", "worker")
-        known = {
-            (worker.endpoint.model, worker.endpoint.id): 0.0 for worker in self.registry.workers.values()
-        }
-        return known | {(model, worker): count for (model, worker), count in counted.items()}
 
     async def _scrape(self, worker: WorkerState) -> WorkerFigures | None:
         worker_id = worker.endpoint.id
@@ -164,6 +164,16 @@ def _sample(line: str) -> tuple[str, float]:
     name = line.split("{", 1)[0].split(" ", 1)[0]
     rest = line[line.rindex("}") + 1 :] if "{" in line else line[len(name) :]
     return name, float(rest.split()[0])
+
+
+def requests_by_worker(
+    counted: Mapping[tuple[str, ...], float], endpoints: Iterable[WorkerEndpoint]
+) -> dict[Series, float]:
+    """Requests answered per (model, worker). A known worker that has answered none counts zero, so
+    its first requests fall inside a window and its share shows as zero; a prefill worker is left out,
+    since its requests are counted on the decode worker that answers them."""
+    known = {(endpoint.model, endpoint.id): 0.0 for endpoint in endpoints if endpoint.role != "prefill"}
+    return known | {(model, worker): count for (model, worker), count in counted.items()}
 
 
 def counter_totals(counter: Counter, *labels: str) -> dict[tuple[str, ...], float]:

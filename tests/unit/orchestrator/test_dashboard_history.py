@@ -15,6 +15,7 @@ from support.engine_metrics import EngineMetrics
 from support.gateway_fakes import FAST_REGISTRY, FakeCluster, FakeWorker, running_gateway
 
 from herd.orchestrator.app import AppSettings
+from herd.orchestrator.discovery import WorkerEndpoint
 from herd.orchestrator.history import (
     Buckets,
     History,
@@ -25,7 +26,12 @@ from herd.orchestrator.history import (
     point_between,
     quantile,
 )
-from herd.orchestrator.history_sampler import HistorySettings, WorkerFigures, parse_worker_metrics
+from herd.orchestrator.history_sampler import (
+    HistorySettings,
+    WorkerFigures,
+    parse_worker_metrics,
+    requests_by_worker,
+)
 
 INF = math.inf
 MODEL = "m"
@@ -245,6 +251,33 @@ def test_worker_metric_lines(text: str, expected: WorkerFigures) -> None:
 def test_a_malformed_value_is_an_error() -> None:
     with pytest.raises(ValueError, match="could not convert"):
         parse_worker_metrics('vllm:prefix_cache_hits_total{model_name="m"} many\n')
+
+
+def endpoint(worker_id: str, role: str = "unified") -> WorkerEndpoint:
+    return WorkerEndpoint(worker_id, MODEL, f"http://{worker_id}.test", f"http://{worker_id}.internal", role)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("counted", "endpoints", "expected"),
+    [
+        ({}, [endpoint("w0"), endpoint("w1")], {(MODEL, "w0"): 0.0, (MODEL, "w1"): 0.0}),
+        ({(MODEL, "w0"): 4.0}, [endpoint("w0"), endpoint("w1")], {(MODEL, "w0"): 4.0, (MODEL, "w1"): 0.0}),
+        ({(MODEL, "gone"): 2.0}, [], {(MODEL, "gone"): 2.0}),
+        ({(MODEL, "d0"): 3.0}, [endpoint("p0", "prefill"), endpoint("d0", "decode")], {(MODEL, "d0"): 3.0}),
+    ],
+    ids=[
+        "known workers without requests count zero",
+        "counted requests over the zeros",
+        "a worker that left keeps its counter",
+        "prefill workers answer no request of their own",
+    ],
+)
+def test_requests_by_worker(
+    counted: dict[tuple[str, ...], float],
+    endpoints: list[WorkerEndpoint],
+    expected: dict[tuple[str, str], float],
+) -> None:
+    assert requests_by_worker(counted, endpoints) == expected
 
 
 HISTORY = HistorySettings(interval_seconds=0.02, window_seconds=0.1, span_seconds=60.0)
