@@ -11,6 +11,7 @@ from support.engine import make_config
 
 from herd.api.prompt import PromptRenderer
 from herd.cli.loadgen.oracle import (
+    BestIdeal,
     OracleRequest,
     WorkerPool,
     best_ideal_hit_rate,
@@ -109,7 +110,7 @@ def test_a_block_every_prompt_shares_is_not_worth_following(follow_share: float,
     requests = [first, second, first, second]
     fleet = {"num_workers": 2, "blocks_per_worker": 3, "block_size": BLOCK}
     assert ideal_hit_rate(requests, **fleet, follow_share=follow_share) == pytest.approx(expected)
-    assert best_ideal_hit_rate(requests, **fleet) == (pytest.approx(16 / 36), 0.5)
+    assert best_ideal_hit_rate(requests, **fleet) == BestIdeal(pytest.approx(16 / 36), 0.5, 2)
 
 
 def test_capacity_pressure_lowers_the_oracle_down_from_the_ceiling() -> None:
@@ -124,6 +125,18 @@ def test_capacity_pressure_lowers_the_oracle_down_from_the_ceiling() -> None:
     assert rates == sorted(rates)
     assert rates[0] < ceiling
     assert rates[-1] == pytest.approx(ceiling)
+
+
+def test_a_fleet_twice_as_large_never_scores_lower() -> None:
+    rng = random.Random(11)
+    requests = [_request(name, "q", tail=rng.randint(1, 9)) for name in rng.choices("abcdefghijkl", k=300)]
+    best = [
+        best_ideal_hit_rate(requests, num_workers=size, blocks_per_worker=9, block_size=BLOCK)
+        for size in (1, 2, 4, 8)
+    ]
+    assert [b.hit_rate for b in best] == sorted(b.hit_rate for b in best)
+    assert best[0].hit_rate < best[-1].hit_rate
+    assert all(b.num_workers <= size for b, size in zip(best, (1, 2, 4, 8), strict=True))
 
 
 def test_a_request_larger_than_a_worker_names_the_fix() -> None:
@@ -141,6 +154,7 @@ def test_the_report_carries_the_fleet_and_both_rates() -> None:
         "block_size": BLOCK,
         "oracle_hit_rate": 0.0,
         "oracle_follow_share": 0.0,
+        "oracle_workers_used": 1,
         "ceiling_hit_rate": 0.4444,
     }
 

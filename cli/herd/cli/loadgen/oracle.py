@@ -20,12 +20,14 @@ when that hit covers at least ``follow_share`` of the prompt; a request with no 
 goes to the emptiest worker (most empty blocks). Ties go to the least recently used worker (one never
 used first), then to the first. Following every hit (``follow_share = 0``) crowds every new chat onto
 the worker that holds the chat template's default system prompt, a block every prompt shares, and
-thrashes it while others idle; following only long hits loses short real ones. The oracle is the best
-of the family ``FOLLOW_SHARES`` on each trace and fleet. It is greedy, not an offline optimum, and
-with no concurrency no running request pins blocks another one needs. The ceiling is one pool of
-unbounded size: every full prompt block seen before hits.
+thrashes it while others idle; following only long hits loses short real ones. The oracle is the
+best of the family ``FOLLOW_SHARES`` on each trace, on the fleet and on its halves (an ideal router
+may leave workers idle, and greedy placement does not always gain from more workers). It is greedy,
+not an offline optimum, and with no concurrency no running request pins blocks another one needs.
+The ceiling is one pool of unbounded size: every full prompt block seen before hits.
 
-Cost: per request, one dict lookup per leading hit block per worker, plus the pool updates.
+Cost: per request and router, one dict lookup per leading hit block per worker, plus the pool
+updates; the oracle runs ``len(FOLLOW_SHARES)`` routers on each of ``log2(n) + 1`` fleet sizes.
 Hit rate = cached prompt tokens / prompt tokens, over the whole trace.
 """
 
@@ -40,6 +42,7 @@ from herd.api.kv_hash import BlockHash, block_hashes
 
 __all__ = [
     "FOLLOW_SHARES",
+    "BestIdeal",
     "OracleRequest",
     "WorkerPool",
     "best_ideal_hit_rate",
@@ -173,14 +176,39 @@ def _choose(
     return max(range(len(pools)), key=lambda w: (pools[w].num_empty or 0, -last_used[w], -w))
 
 
+@dataclass(frozen=True, slots=True)
+class BestIdeal:
+    """The ideal router that did best: its hit rate, its follow share, the workers it used."""
+
+    hit_rate: float
+    follow_share: float
+    num_workers: int
+
+
 def best_ideal_hit_rate(
     requests: Sequence[OracleRequest], *, num_workers: int, blocks_per_worker: int, block_size: int
-) -> tuple[float, float]:
-    """The best ideal router of ``FOLLOW_SHARES``: its hit rate and its follow share (the lowest on a tie)."""
-    fleet = {"num_workers": num_workers, "blocks_per_worker": blocks_per_worker, "block_size": block_size}
-    rates = {share: ideal_hit_rate(requests, **fleet, follow_share=share) for share in FOLLOW_SHARES}
-    share = max(rates, key=lambda share: (rates[share], -share))
-    return rates[share], share
+) -> BestIdeal:
+    """The best ideal router of ``FOLLOW_SHARES`` on the fleet and on its halves (``n``, ``n // 2``, ...
+    ``1`` workers: an ideal router may leave workers idle), so a fleet twice as large never scores lower.
+    Ties go to more workers, then to the lower share."""
+    # With no worker at all, the one size left is 0: ideal_hit_rate refuses it, naming the fix.
+    fleet_sizes = [num_workers >> halving for halving in range(num_workers.bit_length())] or [num_workers]
+    candidates = [
+        BestIdeal(
+            ideal_hit_rate(
+                requests,
+                num_workers=size,
+                blocks_per_worker=blocks_per_worker,
+                block_size=block_size,
+                follow_share=share,
+            ),
+            share,
+            size,
+        )
+        for size in fleet_sizes
+        for share in FOLLOW_SHARES
+    ]
+    return max(candidates, key=lambda best: (best.hit_rate, best.num_workers, -best.follow_share))
 
 
 def ceiling_hit_rate(requests: Sequence[OracleRequest], *, block_size: int) -> float:
@@ -193,7 +221,7 @@ def oracle_report(
     requests: Sequence[OracleRequest], *, num_workers: int, blocks_per_worker: int, block_size: int
 ) -> dict[str, int | float]:
     """Both figures with what they were computed for (``herd bench oracle`` prints it as JSON)."""
-    ideal, follow_share = best_ideal_hit_rate(
+    best = best_ideal_hit_rate(
         requests, num_workers=num_workers, blocks_per_worker=blocks_per_worker, block_size=block_size
     )
     return {
@@ -202,7 +230,8 @@ def oracle_report(
         "workers": num_workers,
         "blocks_per_worker": blocks_per_worker,
         "block_size": block_size,
-        "oracle_hit_rate": round(ideal, 4),
-        "oracle_follow_share": follow_share,
+        "oracle_hit_rate": round(best.hit_rate, 4),
+        "oracle_follow_share": best.follow_share,
+        "oracle_workers_used": best.num_workers,
         "ceiling_hit_rate": round(ceiling_hit_rate(requests, block_size=block_size), 4),
     }
