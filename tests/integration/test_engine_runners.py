@@ -81,7 +81,7 @@ def _run(engine: LLMEngine) -> tuple[dict[str, RequestOutput], list[KVEvent]]:
 
 
 def test_the_cost_model_schedules_as_the_torch_runner_does(tiny_llama: Path) -> None:
-    config = make_config(tiny_llama, num_blocks=14, maxBatchSize=3)
+    config = make_config(tiny_llama, num_blocks=10, maxBatchSize=3)
     renderer = PromptRenderer.from_pretrained(tiny_llama)
     torch_runner = RecordingRunner(TorchRunner(config, renderer.eos_token_ids))
     clock = VirtualClock()
