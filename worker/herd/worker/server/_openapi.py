@@ -24,6 +24,12 @@ from herd.api.openai import (
     ErrorResponse,
     ModelList,
 )
+from herd.worker.server._peer_routes import (
+    FlushCacheRequest,
+    FlushCacheResponse,
+    RenderedPrompt,
+    RenderedPrompts,
+)
 from herd.worker.server._tokenize import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -39,7 +45,11 @@ _BODIES: dict[str, tuple[type[BaseModel], type[BaseModel]]] = {
     "/v1/completions": (CompletionRequest, CompletionResponse),
     "/tokenize": (TokenizeRequest, TokenizeResponse),
     "/detokenize": (DetokenizeRequest, DetokenizeResponse),
+    "/v1/chat/completions/render": (ChatCompletionRequest, RenderedPrompt),
+    "/v1/completions/render": (CompletionRequest, RenderedPrompts),
+    "/flush_cache": (FlushCacheRequest, FlushCacheResponse),
 }
+_OPTIONAL_BODIES = frozenset({"/flush_cache"})
 _ERRORS = {
     400: "A field is invalid for this model (``param`` names it)",
     404: "The model is not served here",
@@ -61,7 +71,10 @@ def route_docs(path: str) -> dict[str, Any]:
     if path in _STREAMED:
         ok["text/event-stream"] = {"schema": {"type": "string", "description": "stream=true: SSE chunks"}}
     return {
-        "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
+        "requestBody": {
+            "required": path not in _OPTIONAL_BODIES,
+            "content": {"application/json": {"schema": _ref(request)}},
+        },
         "responses": {
             "200": {"description": "OK", "content": ok},
             **{str(status): _error(text) for status, text in _ERRORS.items()},

@@ -17,16 +17,19 @@ from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, RootModel
 
 from herd.api.errors import HttpError
 from herd.api.protocol import LoadReport
 from herd.worker.engine_protocol import ServingEngine
 
 __all__ = [
+    "FlushCacheRequest",
+    "FlushCacheResponse",
     "ModelInfo",
     "RankLoad",
     "RenderedPrompt",
+    "RenderedPrompts",
     "Route",
     "SchedulerLoad",
     "ServerInfo",
@@ -91,6 +94,20 @@ class RenderedPrompt(BaseModel):
     request_id: str
     token_ids: list[int]
     model: str
+
+
+class RenderedPrompts(RootModel[list[RenderedPrompt]]):
+    """``/v1/completions/render``'s answer: one rendered prompt per prompt of the request."""
+
+
+class FlushCacheRequest(BaseModel):
+    """``/flush_cache`` takes no fields; the routers send no body, and any body is ignored."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class FlushCacheResponse(BaseModel):
+    message: str
 
 
 class ModelInfo(BaseModel):
@@ -165,7 +182,7 @@ class _PeerRoutes:
         name = self.engine.info.model
         return ModelInfo(model_path=name, tokenizer_path=name)
 
-    async def flush_cache(self) -> dict[str, str]:
+    async def flush_cache(self) -> FlushCacheResponse:
         self._check_loaded()
         if not await self.engine.call(lambda core: core.reset_prefix_cache()):
             raise HttpError(
@@ -173,7 +190,7 @@ class _PeerRoutes:
                 "the prefix cache was not flushed: requests are running or hold KV blocks; "
                 "flush it again when the worker is idle",
             )
-        return {"message": "the prefix cache was flushed"}
+        return FlushCacheResponse(message="the prefix cache was flushed")
 
     async def _load(self) -> LoadReport:
         """The engine's load now, between two steps: the last step's report is empty until the

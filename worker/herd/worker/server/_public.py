@@ -44,7 +44,7 @@ from herd.worker.server._params import (
     plan_choices,
     prompt_errors,
 )
-from herd.worker.server._peer_routes import RenderedPrompt, Route, peer_routes
+from herd.worker.server._peer_routes import RenderedPrompt, RenderedPrompts, Route, peer_routes
 from herd.worker.server._remote_prefill import RemotePrefill
 from herd.worker.server._request_id import RequestIdMiddleware, request_id
 from herd.worker.server._responses import ResponseContext
@@ -151,12 +151,14 @@ class _PublicRoutes:
         prompt = await self._threads.run(lambda: chat_prompt(renderer, body, max_model_len))
         return RenderedPrompt(request_id=request_id(request), token_ids=prompt, model=body.model)
 
-    async def render_completions(self, request: Request) -> list[RenderedPrompt]:
+    async def render_completions(self, request: Request) -> RenderedPrompts:
         body = await self._read(request, CompletionRequest)
         renderer, max_model_len = self.engine.renderer, self.engine.info.max_model_len
         prompts = await self._threads.run(lambda: completion_prompts(renderer, body, max_model_len))
         rid = request_id(request)
-        return [RenderedPrompt(request_id=rid, token_ids=prompt, model=body.model) for prompt in prompts]
+        return RenderedPrompts(
+            [RenderedPrompt(request_id=rid, token_ids=ids, model=body.model) for ids in prompts]
+        )
 
     async def _generate(
         self,
