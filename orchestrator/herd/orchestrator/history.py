@@ -7,9 +7,11 @@ the oldest kept, while the window fills) and appends one ``Point``: per model th
 each worker's share of requests, TTFT and ITL p50/p99, and the prefix-cache hit rate over that window.
 Points live in a ring buffer of ``num_points``; snapshots only as long as the window needs them.
 
-Counters follow Prometheus' rules, so workers may come, go and restart: a series absent from the older
-snapshot (a worker that just came, or whose scrape failed) is left out of that window; a value that
-went down (a restarted worker) counts from zero. Percentiles interpolate within histogram buckets as
+Counters follow Prometheus' rules, so workers may come, go and restart: a value that went down (a
+restarted worker) counts from zero. A series absent from the older snapshot counts from zero if it is
+the orchestrator's own (its counters are created at zero on their first use, often mid-window), and is
+left out of that window if it is a worker's (cumulative since the worker started: a worker that just
+came, or whose scrape failed). Percentiles interpolate within histogram buckets as
 Prometheus' ``histogram_quantile`` does. The cost is one pass over the series per sample.
 """
 
@@ -93,10 +95,10 @@ class History:
 
 def point_between(old: Snapshot, new: Snapshot) -> Point:
     seconds = new.at - old.at
-    requests = counter_increases(new.requests, old.requests)
+    requests = counter_increases(new.requests, old.requests, starts_at_zero=True)
     hits = counter_increases(new.cache_hits, old.cache_hits)
     queries = counter_increases(new.cache_queries, old.cache_queries)
-    ttft = histogram_increases(new.ttft, old.ttft)
+    ttft = histogram_increases(new.ttft, old.ttft, starts_at_zero=True)
     itl = histogram_increases(new.itl, old.itl)
     models = sorted({model for model, _ in (*new.requests, *new.ttft, *new.itl, *new.cache_queries)})
     return Point(
@@ -115,14 +117,27 @@ def point_between(old: Snapshot, new: Snapshot) -> Point:
     )
 
 
-def counter_increases(new: Mapping[_Key, float], old: Mapping[_Key, float]) -> dict[_Key, float]:
-    """How much each counter grew; a series new since ``old`` is left out, a reset counts from zero."""
-    return {key: value if value < old[key] else value - old[key] for key, value in new.items() if key in old}
+def counter_increases(
+    new: Mapping[_Key, float], old: Mapping[_Key, float], *, starts_at_zero: bool = False
+) -> dict[_Key, float]:
+    """How much each counter grew; a reset counts from zero. A series missing from ``old`` counts from
+    zero if series ``starts_at_zero`` where they appear, else it is left out."""
+    baselines = {key: old.get(key, 0.0) for key in new} if starts_at_zero else old
+    return {
+        key: value if value < baselines[key] else value - baselines[key]
+        for key, value in new.items()
+        if key in baselines
+    }
 
 
-def histogram_increases(new: Mapping[_Key, Buckets], old: Mapping[_Key, Buckets]) -> dict[_Key, Buckets]:
+def histogram_increases(
+    new: Mapping[_Key, Buckets], old: Mapping[_Key, Buckets], *, starts_at_zero: bool = False
+) -> dict[_Key, Buckets]:
     """Each histogram's observations since ``old``, with the same rules as ``counter_increases``."""
-    return {key: _bucket_increases(buckets, old[key]) for key, buckets in new.items() if key in old}
+    baselines = {key: old.get(key, {}) for key in new} if starts_at_zero else old
+    return {
+        key: _bucket_increases(buckets, baselines[key]) for key, buckets in new.items() if key in baselines
+    }
 
 
 def _bucket_increases(new: Buckets, old: Buckets) -> Buckets:

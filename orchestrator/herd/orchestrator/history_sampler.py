@@ -170,8 +170,8 @@ def requests_by_worker(
     counted: Mapping[tuple[str, ...], float], endpoints: Iterable[WorkerEndpoint]
 ) -> dict[Series, float]:
     """Requests answered per (model, worker). A known worker that has answered none counts zero, so
-    its first requests fall inside a window and its share shows as zero; a prefill worker is left out,
-    since its requests are counted on the decode worker that answers them."""
+    its share shows as zero; a prefill worker is left out, since its requests are counted on the
+    decode worker that answers them."""
     known = {(endpoint.model, endpoint.id): 0.0 for endpoint in endpoints if endpoint.role != "prefill"}
     return known | {(model, worker): count for (model, worker), count in counted.items()}
 

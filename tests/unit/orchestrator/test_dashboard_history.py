@@ -89,22 +89,26 @@ def test_quantile_interpolates_like_prometheus(q: float, buckets: Buckets, expec
 
 
 @pytest.mark.parametrize(
-    ("new", "old", "expected"),
+    ("new", "old", "starts_at_zero", "expected"),
     [
-        ({"a": 7.0}, {"a": 3.0}, {"a": 4.0}),
-        ({"a": 2.0}, {"a": 30.0}, {"a": 2.0}),
-        ({"a": 5.0, "b": 9.0}, {"a": 5.0}, {"a": 0.0}),
-        ({"a": 5.0}, {"a": 1.0, "b": 9.0}, {"a": 4.0}),
+        ({"a": 7.0}, {"a": 3.0}, False, {"a": 4.0}),
+        ({"a": 2.0}, {"a": 30.0}, False, {"a": 2.0}),
+        ({"a": 5.0, "b": 9.0}, {"a": 5.0}, False, {"a": 0.0}),
+        ({"a": 5.0, "b": 9.0}, {"a": 5.0}, True, {"a": 0.0, "b": 9.0}),
+        ({"a": 5.0}, {"a": 1.0, "b": 9.0}, True, {"a": 4.0}),
     ],
     ids=[
         "grew",
         "reset (a restarted worker) counts from zero",
-        "a new series waits a sample",
+        "a worker's new series waits a sample",
+        "the orchestrator's new series counts from zero",
         "a gone one drops",
     ],
 )
-def test_counter_increases(new: dict[str, float], old: dict[str, float], expected: dict[str, float]) -> None:
-    assert counter_increases(new, old) == expected
+def test_counter_increases(
+    new: dict[str, float], old: dict[str, float], starts_at_zero: bool, expected: dict[str, float]
+) -> None:
+    assert counter_increases(new, old, starts_at_zero=starts_at_zero) == expected
 
 
 @pytest.mark.parametrize(
@@ -119,6 +123,12 @@ def test_histogram_increases(new: Buckets, old: Buckets, expected: Buckets) -> N
     assert histogram_increases({"w": new}, {"w": old}) == {"w": expected}
 
 
+def test_a_new_histogram_counts_from_zero_only_if_series_start_there() -> None:
+    new = {"w": {0.1: 2.0, INF: 3.0}}
+    assert histogram_increases(new, {}, starts_at_zero=True) == new
+    assert histogram_increases(new, {}) == {}
+
+
 NO_TRAFFIC = ModelPoint(0.0, None, None, None, None, None, {})
 
 
@@ -131,9 +141,14 @@ NO_TRAFFIC = ModelPoint(0.0, None, None, None, None, None, {})
             replace(NO_TRAFFIC, request_rate=4.0, shares={"w0": 0.75, "w1": 0.25}),
         ),
         (
-            snap(0, requests={"w0": 0}),
-            snap(5, requests={"w0": 5, "w2": 100}),
-            replace(NO_TRAFFIC, request_rate=1.0, shares={"w0": 1.0}),
+            snap(0, queries={"w0": 0}, hits={"w0": 0}),
+            snap(5, queries={"w0": 10, "w2": 1000}, hits={"w0": 5, "w2": 1000}),
+            replace(NO_TRAFFIC, hit_rate=0.5),
+        ),
+        (
+            snap(0),
+            snap(5, requests={"w0": 5}, ttft={0.1: 5, INF: 5}),
+            replace(NO_TRAFFIC, request_rate=1.0, ttft_p50_ms=50.0, ttft_p99_ms=99.0, shares={"w0": 1.0}),
         ),
         (
             snap(0, requests={"w0": 0, "w1": 3}),
@@ -162,7 +177,8 @@ NO_TRAFFIC = ModelPoint(0.0, None, None, None, None, None, {})
     ],
     ids=[
         "request rate and each worker's share from the request counter",
-        "a worker that came counts from its second sample",
+        "a worker's counters that came (since it started) wait for its second sample",
+        "the orchestrator's series count from zero where they first appear",
         "a worker that left drops out",
         "hit rate over the workers' counters, a restarted one from zero",
         "no traffic: no percentiles, no hit rate, no shares",
