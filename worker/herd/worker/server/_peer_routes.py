@@ -125,7 +125,8 @@ Route = tuple[str, str, Callable[..., Coroutine[Any, Any, Any]]]
 
 
 def peer_routes(engine: ServingEngine) -> list[Route]:
-    """The routes above; the worker is known to peers by its served name (``info.model``)."""
+    """This module's routes (the render routes are ``_public``'s); a peer knows the worker by its
+    served name (``info.model``), which stands for its model and tokenizer paths too."""
     routes = _PeerRoutes(engine)
     return [
         ("/get_load", "GET", routes.get_load),
