@@ -13,6 +13,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from herd.api.openai import ChatCompletionRequest
 from herd.api.prompt import PromptRenderer
 from herd.cli import calibrate
 from herd.cli.loadgen import BenchConfig, Progress, format_table, run_benchmark
@@ -233,14 +234,17 @@ def run_oracle(args: argparse.Namespace) -> int:
 
 
 def _oracle_requests(trace: list[TraceRequest], model: Path, block_size: int) -> list[OracleRequest]:
-    """The trace's prompts rendered and tokenized as the model's workers do."""
+    """The trace's prompts as token ids, through the very call a worker makes on a chat request."""
     renderer = PromptRenderer.from_pretrained(model)
-    return [
-        oracle_request(
-            renderer.encode_chat([message.model_dump() for message in request.messages]),
-            request.output_length,
-            block_size=block_size,
-            model_id=model.name,
+    requests = []
+    for request in trace:
+        body = {
+            "model": model.name,
+            "max_tokens": request.output_length,
+            **request.model_dump(include={"messages"}),
+        }
+        token_ids = renderer.chat_request_ids(ChatCompletionRequest.model_validate(body))
+        requests.append(
+            oracle_request(token_ids, request.output_length, block_size=block_size, model_id=model.name)
         )
-        for request in trace
-    ]
+    return requests
