@@ -61,7 +61,7 @@ def make_workers(num_workers: int, rng: random.Random) -> list[WorkerView]:
             num_running=rng.randrange(16),
             num_waiting=rng.randrange(4),
             num_waiting_prefill_tokens=rng.randrange(4096),
-            kv_usage=rng.random(),
+            num_total_blocks=rng.randrange(64, 256),
             is_healthy=rng.random() > 0.02,
         )
         for i in range(num_workers)
@@ -132,7 +132,7 @@ def percentile(samples: list[float], q: float) -> float:
 def measure(name: str, num_workers: int, num_decisions: int, seed: int) -> dict[str, object]:
     fleet = make_fleet(num_workers, num_decisions + 200, seed)
     spec = TypeAdapter(RoutingSpec).validate_python({"strategy": name})
-    strategy = build_strategy(spec, kv_index=fleet.kv_index, rng=random.Random(seed))
+    strategy = build_strategy(spec, kv_index=fleet.kv_index, block_size=BLOCK_SIZE, rng=random.Random(seed))
     wall, cpu = time_decisions(strategy, fleet, num_warmup=200, seed=seed)
     target = TARGET_P99_US[num_workers]
     return {

@@ -1,4 +1,5 @@
-"""Issue 4's routing benchmark as a fast, deterministic simulation built from the real pieces.
+"""Issue 4's routing benchmark (and issue 14's deployment) as a fast, deterministic simulation built
+from the real pieces.
 
 What is real: each simulated worker is herd's own ``LLMEngine`` (its scheduler, its block manager
 with the LRU prefix cache that frees a sequence's blocks tail first, its KV events and load report)
@@ -9,9 +10,9 @@ decision as the gateway does, in one step: its in-flight count per worker, ``KVI
 the pin. The worker's ``stored`` / ``removed`` events and load reports reach the orchestrator only
 at the registry's next poll (every 250 ms). The two reference routers below are strategies too.
 
-What is modelled: there is no model. A worker step costs ``step_ms + token_ms x tokens`` of
-simulated time (the runner's ``CostModel``; defaults near SmolLM2 fp32 on one CPU thread: a
-300-token prefill about 0.5 s, a decode step 60 ms) on the worker's own ``VirtualClock``, and the two
+What is modelled: there is no model. A worker step costs ``step_ms + seq_ms x sequences +
+token_ms x tokens`` of simulated time (the runner's ``CostModel``; defaults near SmolLM2 fp32 on one
+CPU thread: a 300-token prefill about 0.5 s, a decode step 60 ms) on the worker's own ``VirtualClock``, and the two
 workers step independently (no contention for the CPU). A step's effects on the cache (committed
 blocks, their events) happen when it runs, one step before its simulated end. The workers read the
 demo model's ``config.json`` and tokenizer (``make run`` or the tests prepare it in
@@ -20,7 +21,10 @@ requests in flight, each finished request immediately replaced by the next one. 
 i.i.d. uniformly by ``herd.cli.loadgen``'s own shared-prefix workload (the tenant and user-turn
 length of every request are its draws); every tenant's system prompt is ``prefix_blocks`` full
 blocks plus 3 tokens, the user turn its 16-32 words plus 9 template tokens (the real run averaged
-308 prompt tokens; here about 308 too), and 8 output tokens. ``--replay`` replays the benchmark's
+308 prompt tokens; here about 308 too), and 8 output tokens. ``--shape issue14`` is issue 14's
+deployment instead: 34-block prefixes (~550-token prompts), 16 output tokens, 8 in flight, pools of
+436 blocks (0.3 GiB: every prefix fits on both workers) and the calibrated cost model of
+``examples/smollm2-simulated.yaml``. ``--replay`` replays the benchmark's
 exact sequences (12 warm-up requests drawn with seed + 1, the warm-up drained, then 36 measured
 with the seed), to show how much a 36-request run varies from one seed to the next.
 
@@ -34,7 +38,8 @@ Two reference routers that exist only here bound what routing can do:
 Hit rate = cached prompt tokens over prompt tokens (what the benchmark reads from
 ``usage.prompt_tokens_details.cached_tokens``), over the measured requests after a warm-up.
 ``ceiling`` is the share of prompt tokens in full prefix blocks (the user turn and the partial
-block never hit). Also reported: TTFT p50 in simulated ms; the spill rate (requests sent to a
+block never hit). Also reported: TTFT p50 and p99 in simulated ms, requests per simulated second,
+the mean over decisions of the busiest worker's in-flight count over the mean; the spill rate (requests sent to a
 worker other than one holding the longest run of their prefix, by the index, when they were
 routed) and the forced part of it (every such worker was at the bounded-load cap); and the mean
 number of tenants whose whole prefix every worker's cache holds (duplication), sampled at each poll.
@@ -42,6 +47,7 @@ number of tenants whose whole prefix every worker's cache holds (duplication), s
     .venv/bin/python bench/routing_sim.py                 # the benchmark's shape, several seeds
     .venv/bin/python bench/routing_sim.py --sweep         # plus tenants, pool share, in-flight count
     .venv/bin/python bench/routing_sim.py --out bench/results/routing_sim.json
+    .venv/bin/python bench/routing_sim.py --shape issue14 --routers round_robin,kv_cache_aware
 """
 
 from __future__ import annotations
@@ -93,8 +99,22 @@ MODEL_ID = "smollm2"
 PREFIX_EXTRA_TOKENS = 3
 USER_WORDS = "16:32"
 TEMPLATE_TOKENS = 9
-OUTPUT_TOKENS = 8
 DEMO_MODEL = Path(__file__).resolve().parent.parent / ".cache" / "models" / "smollm2-135m-instruct"
+
+
+ISSUE14_COST = {"step_ms": 39.2, "seq_ms": 23.1, "token_ms": 2.08}
+"""The cost model examples/smollm2-simulated.yaml carries (``herd bench calibrate`` on the demo model)."""
+SHAPES: dict[str, dict[str, Any]] = {
+    "issue4": {},
+    "issue14": {
+        "prefix_blocks": 34,  # ~500-word system prompts: ~550-token prompts
+        "pool_blocks": 436,  # 0.3 GiB of the demo model's fp32 KV: every prefix fits on both workers
+        "output_tokens": 16,
+        "concurrency": 8,
+        **ISSUE14_COST,
+    },
+}
+"""``--shape``: issue 4's benchmark (each pool holds half of the prefixes) and issue 14's deployment."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +124,9 @@ class Shape:
     num_tenants: int = 8
     prefix_blocks: int = 17
     cache_share: float = 0.5
+    pool_blocks: int | None = None
+    """Every worker's KV pool in blocks; ``None``: sized by ``cache_share`` (``num_kv_blocks``)."""
+    output_tokens: int = 8
     concurrency: int = 4
     num_workers: int = 2
     warmup: int = 200
@@ -112,6 +135,7 @@ class Shape:
     """The benchmark's own request sequence: ``warmup`` drawn with seed + 1, then ``measured`` with seed."""
     poll_ms: float = 250.0
     step_ms: float = 60.0
+    seq_ms: float = 0.0
     token_ms: float = 1.5
     load_factor: float = 1.25
     """``spec.routing.loadFactor`` of prefix_hash, kv_cache_aware and affine_bounded (1.25: the default)."""
@@ -120,8 +144,10 @@ class Shape:
 
     def num_kv_blocks(self) -> int:
         """As ``bench/routing_strategies.py`` sizes a pool: the share of all prefixes, plus the private
-        blocks of the worker's share of the requests in flight."""
-        per_request = math.ceil((LengthRange.parse(USER_WORDS).high + OUTPUT_TOKENS) / BLOCK_SIZE) + 1
+        blocks of the worker's share of the requests in flight; ``pool_blocks`` if given."""
+        if self.pool_blocks is not None:
+            return self.pool_blocks
+        per_request = math.ceil((LengthRange.parse(USER_WORDS).high + self.output_tokens) / BLOCK_SIZE) + 1
         private = math.ceil(self.concurrency / self.num_workers) * per_request
         return math.ceil(self.num_tenants * self.prefix_blocks * self.cache_share) + private
 
@@ -134,6 +160,7 @@ class Request:
     hashes: list[int]
     sent_ms: float
     first_token_ms: float | None = None
+    finished_ms: float = 0.0
     num_cached_tokens: int = 0
 
 
@@ -185,7 +212,7 @@ def routed_model(name: str, index: KVIndex, seed: int, shape: Shape) -> SimModel
     if name == "kv_cache_aware":
         settings["loadWeight"] = shape.load_weight
     spec = TypeAdapter(RoutingSpec).validate_python(settings)
-    strategy = build_strategy(spec, kv_index=index, rng=random.Random(seed))
+    strategy = build_strategy(spec, kv_index=index, block_size=BLOCK_SIZE, rng=random.Random(seed))
     return SimModel(ModelConfig(MODEL_ID, spec, block_size=BLOCK_SIZE), strategy, index)
 
 
@@ -212,6 +239,7 @@ class Simulation:
         self.num_spilled = 0
         self.num_forced = 0
         self.duplication: list[int] = []
+        self.imbalance: list[float] = []
 
     def _prefix_len(self) -> int:
         return self.shape.prefix_blocks * BLOCK_SIZE + PREFIX_EXTRA_TOKENS
@@ -223,7 +251,7 @@ class Simulation:
             served_name=MODEL_ID,
             engine={"maxBatchTokens": 1024, "maxBatchSize": 64, "kvCache": {"blockSize": BLOCK_SIZE}},
         )
-        cost = CostModel(step_ms=shape.step_ms, token_ms=shape.token_ms)
+        cost = CostModel(step_ms=shape.step_ms, seq_ms=shape.seq_ms, token_ms=shape.token_ms)
         engine = simulated_engine(
             config, num_blocks=shape.num_kv_blocks(), cost=cost, clock=clock, renderer=renderer
         )
@@ -259,7 +287,7 @@ class Simulation:
                 num_tenants=self.shape.num_tenants,
                 prefix_len=1,
                 input_len=LengthRange.parse(USER_WORDS),
-                output_len=LengthRange.parse(str(OUTPUT_TOKENS)),
+                output_len=LengthRange.parse(str(self.shape.output_tokens)),
                 seed=seed,
             )
             specs = [workload.next_request() for _ in range(count)]
@@ -308,6 +336,8 @@ class Simulation:
     def _apply(self, decision: Decision) -> None:
         """The gateway's one step: count the worker in flight, expect its blocks, write the pin."""
         self.in_flight[decision.worker.id] += 1
+        counts = self.in_flight.values()
+        self.imbalance.append(max(counts) * len(counts) / sum(counts))
         if decision.expected_blocks:
             self.index.expect(decision.worker.id, decision.expected_blocks)
         if decision.pin is not None:
@@ -322,14 +352,16 @@ class Simulation:
             num_running=report.num_running,
             num_waiting=report.num_waiting,
             num_waiting_prefill_tokens=report.num_waiting_prefill_tokens,
-            kv_usage=report.kv_usage,
+            num_total_blocks=report.num_total_blocks,
         )
 
     def _admit(self, worker: SimWorker, request: Request) -> None:
         request_id = str(request.number)
         worker.requests[request_id] = request
         worker.engine.add_request(
-            request_id, request.token_ids, SamplingParams(max_tokens=OUTPUT_TOKENS, ignore_eos=True)
+            request_id,
+            request.token_ids,
+            SamplingParams(max_tokens=self.shape.output_tokens, ignore_eos=True),
         )
         if not worker.busy:
             worker.busy = True
@@ -359,6 +391,7 @@ class Simulation:
 
     def _finish(self, worker: SimWorker, request: Request) -> None:
         del worker.requests[str(request.number)]
+        request.finished_ms = self.now
         self.in_flight[worker.id] -= 1
         self.done.append(request)
         is_warmup_over = self.shape.replay and len(self.done) == self.shape.warmup
@@ -387,11 +420,15 @@ class Simulation:
     def _summary(self, measured: list[Request]) -> dict[str, Any]:
         prompt = sum(len(request.token_ids) for request in measured)
         cached = sum(request.num_cached_tokens for request in measured)
-        ttft = [(request.first_token_ms or 0.0) - request.sent_ms for request in measured]
+        ttft = sorted((request.first_token_ms or 0.0) - request.sent_ms for request in measured)
+        span_ms = max(r.finished_ms for r in measured) - min(r.sent_ms for r in measured)
         return {
             "hit_rate": cached / prompt,
             "ceiling": len(measured) * self.shape.prefix_blocks * BLOCK_SIZE / prompt,
             "ttft_p50_ms": statistics.median(ttft),
+            "ttft_p99_ms": ttft[min(len(ttft) - 1, round(0.99 * (len(ttft) - 1)))],
+            "requests_per_s": 1000 * len(measured) / span_ms,
+            "in_flight_max_over_mean": statistics.fmean(self.imbalance),
             "spill_rate": self.num_spilled / self.num_sent,
             "forced_spill_rate": self.num_forced / self.num_sent,
             "duplicated_tenants": statistics.fmean(self.duplication) if self.duplication else 0.0,
@@ -428,14 +465,16 @@ def print_table(label: str, shape: Shape, table: dict[str, dict[str, float]]) ->
         f"\n{label}: {shape.num_tenants} tenants x {shape.prefix_blocks} blocks, pool {shape.num_kv_blocks()}"
     )
     print(
-        "| router | hit rate (min-max) | vs round robin | of ceiling | TTFT p50 (sim ms) | spill (forced) | dup tenants |"
+        "| router | hit rate (min-max) | vs round robin | of ceiling | TTFT p50 / p99 (sim ms) | req/s "
+        "| in flight max/mean | spill (forced) | dup tenants |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, row in table.items():
         print(
             f"| {name} | {row['hit_rate']:.1%} ({row['hit_rate_min']:.1%}-{row['hit_rate_max']:.1%}) | "
             f"{row['vs_round_robin']:.2f}x | {row['hit_rate'] / row['ceiling']:.0%} | "
-            f"{row['ttft_p50_ms']:.0f} | {row['spill_rate']:.1%} ({row['forced_spill_rate']:.1%}) | {row['duplicated_tenants']:.2f} |"
+            f"{row['ttft_p50_ms']:.0f} / {row['ttft_p99_ms']:.0f} | {row['requests_per_s']:.2f} | "
+            f"{row['in_flight_max_over_mean']:.2f} | {row['spill_rate']:.1%} ({row['forced_spill_rate']:.1%}) | {row['duplicated_tenants']:.2f} |"
         )
 
 
@@ -452,6 +491,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--load-factor", type=float, default=1.25, help="spec.routing.loadFactor")
     parser.add_argument("--load-weight", type=float, default=1.0, help="kv_cache_aware's loadWeight")
+    parser.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default="issue4",
+        help="issue 4's benchmark or issue 14's deployment",
+    )
     parser.add_argument("--sweep", action="store_true", help="also vary tenants, pool share, in-flight")
     parser.add_argument("--out", type=Path, default=None, help="write the tables as JSON here")
     return parser.parse_args(argv)
@@ -467,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     knobs = {"load_factor": args.load_factor, "load_weight": args.load_weight}
-    base = Shape(warmup=args.warmup, measured=args.measured, **knobs)
+    base = Shape(**SHAPES[args.shape], warmup=args.warmup, measured=args.measured, **knobs)
     if args.replay:
         base = Shape(warmup=12, measured=36, replay=True, **knobs)
     shapes = sweep_shapes(base) if args.sweep else [("benchmark", base)]

@@ -17,7 +17,7 @@ own events take over, a ``removed`` event or resync drops them, or ``expected_tt
 
 Cost: ``apply`` is O(blocks in the batch), ``reset`` and ``remove_worker`` O(blocks the worker holds),
 ``match`` O(k x w) for the leading run of k matched blocks over the w workers still matching (it
-stops at the first block no worker holds), ``num_blocks`` O(1). Memory: one dict entry per distinct
+stops at the first block no worker holds), ``num_blocks`` and ``held_blocks`` O(1). Memory: one dict entry per distinct
 block plus one set entry per (block, worker).
 """
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from herd.api.kv_hash import BlockHash
@@ -47,6 +47,8 @@ class KVIndex:
     def __init__(self, *, expected_ttl_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
         self._holders: dict[BlockHash, set[str]] = {}
         self._workers: dict[str, _WorkerState] = {}
+        self._num_held: dict[str, int] = {}
+        """``len(blocks)`` of every worker's state, kept for the routing score's read of every worker."""
         self._expected: dict[BlockHash, dict[str, float]] = {}
         self._expiries: deque[tuple[float, str, Sequence[BlockHash]]] = deque()
         self._expected_ttl_s = expected_ttl_s
@@ -87,6 +89,7 @@ class KVIndex:
         state = self._workers.pop(worker_id, None)
         if state is not None:
             self._remove(worker_id, state, list(state.blocks))
+        self._num_held.pop(worker_id, None)
         self._unexpect_worker(worker_id)
 
     def match(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
@@ -110,8 +113,11 @@ class KVIndex:
         return run
 
     def num_blocks(self, worker_id: str) -> int:
-        state = self._workers.get(worker_id)
-        return 0 if state is None else len(state.blocks)
+        return self._num_held.get(worker_id, 0)
+
+    def held_blocks(self) -> Mapping[str, int]:
+        """Blocks held per worker (workers with none may be absent): a live view, to read, not to keep."""
+        return self._num_held
 
     def workers(self) -> list[str]:
         return sorted(self._workers)
@@ -134,6 +140,7 @@ class KVIndex:
         for block in blocks:
             state.blocks.add(block)
             self._holders.setdefault(block, set()).add(worker_id)
+        self._num_held[worker_id] = len(state.blocks)
 
     def _remove(self, worker_id: str, state: _WorkerState, blocks: Iterable[BlockHash]) -> None:
         for block in blocks:
@@ -145,6 +152,7 @@ class KVIndex:
             holders.discard(worker_id)
             if not holders:
                 del self._holders[block]
+        self._num_held[worker_id] = len(state.blocks)
 
     def _unexpect(self, worker_id: str, block: BlockHash) -> None:
         expected = self._expected.get(block)

@@ -76,7 +76,7 @@ class WorkerState:
             num_running=report.num_running,
             num_waiting=report.num_waiting,
             num_waiting_prefill_tokens=report.num_waiting_prefill_tokens,
-            kv_usage=report.kv_usage,
+            num_total_blocks=report.num_total_blocks,
             is_healthy=self.is_healthy and not report.is_draining and self.breaker.can_send(now),
         )
 

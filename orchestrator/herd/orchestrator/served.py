@@ -28,7 +28,9 @@ class ServedModel:
     _renderer: PromptRenderer | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.strategy = build_strategy(self.config.routing, kv_index=self.kv_index)
+        self.strategy = build_strategy(
+            self.config.routing, kv_index=self.kv_index, block_size=self.config.block_size
+        )
         self.session_header = getattr(self.config.routing, "session_header", "X-Session-ID").lower()
 
     @property

@@ -78,7 +78,7 @@ def test_the_workers_own_word_drops_expectations(index: KVIndex, forget: object)
 
 def test_kv_cache_aware_keeps_a_tenant_together_before_any_event(index: KVIndex) -> None:
     """A tenant's requests in quick succession stay on one worker, instead of spreading by load."""
-    strategy = build_strategy(KVCacheAwareRouting(strategy="kv_cache_aware"), kv_index=index)
+    strategy = build_strategy(KVCacheAwareRouting(strategy="kv_cache_aware"), kv_index=index, block_size=16)
     tenant = prompt_hashes(7000, shared=256)
     first = strategy.select(views("a", "b"), context(tenant))
     assert first is not None

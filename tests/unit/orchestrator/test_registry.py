@@ -75,11 +75,11 @@ async def test_not_ready_worker_is_ejected_and_draining_is_unhealthy() -> None:
     async with registry_for(cluster, RegistrySettings(poll_interval=0.02)) as registry:
         await wait_for(lambda: all(view.is_healthy for view in registry.views(MODEL)))
         cluster.workers[0].is_ready = False
-        cluster.workers[1].load = LoadReport(num_running=3, kv_usage=0.5, is_draining=True)
+        cluster.workers[1].load = LoadReport(num_running=3, num_total_blocks=500, is_draining=True)
         await wait_for(lambda: not registry.workers["w0"].is_healthy)
         await wait_for(lambda: registry.workers["w1"].report.num_running == 3)
         views = {view.id: view for view in registry.views(MODEL)}
-    assert not views["w1"].is_healthy and views["w1"].kv_usage == 0.5
+    assert not views["w1"].is_healthy and views["w1"].num_total_blocks == 500
 
 
 async def test_kv_events_snapshot_gap_epoch_and_leave() -> None:

@@ -29,7 +29,7 @@ from herd.orchestrator.routing import (
 
 def _build(strategy: str, **fields: object) -> RoutingStrategy:
     spec = TypeAdapter(RoutingSpec).validate_python({"strategy": strategy, **fields})
-    return build_strategy(spec, kv_index=KVIndex(), rng=random.Random(7))
+    return build_strategy(spec, kv_index=KVIndex(), block_size=16, rng=random.Random(7))
 
 
 def _ids(strategy: RoutingStrategy, workers: list[WorkerView], count: int) -> list[str]:

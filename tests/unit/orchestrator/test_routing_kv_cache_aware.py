@@ -1,16 +1,18 @@
-"""kv_cache_aware: the longest cached run wins unless its worker is overloaded."""
+"""kv_cache_aware: the worker where the request costs the least work, in prompt tokens (prefill, evicted
+cache, queued prefill and requests in flight), under the bounded-load cap."""
 
 from __future__ import annotations
 
 import random
 from collections import Counter
+from collections.abc import Mapping
 
 import pytest
 from support.routing_views import context, prompt_hashes, views
 
 from herd.api.protocol import KVSnapshot
 from herd.orchestrator.kv_index import KVIndex
-from herd.orchestrator.routing import KVCacheAware, WorkerView
+from herd.orchestrator.routing import KVCacheAware, RequestContext, WorkerView
 
 PROMPT = prompt_hashes(42, 512)
 """32 blocks: "a" caches the first 8, "b" the first 16, "c" none."""
@@ -25,11 +27,12 @@ def _strategy(*, cache_weight: float = 1.0, load_weight: float = 1.0) -> KVCache
         load_factor=1.25,
         cache_weight=cache_weight,
         load_weight=load_weight,
+        block_size=16,
         rng=random.Random(2),
     )
 
 
-def _workers(**loads: dict[str, float]) -> list[WorkerView]:
+def _workers(**loads: Mapping[str, float]) -> list[WorkerView]:
     workers = views("a", "b", "c")
     for worker in workers:
         for field, value in loads.get(worker.id, {}).items():
@@ -37,7 +40,10 @@ def _workers(**loads: dict[str, float]) -> list[WorkerView]:
     return workers
 
 
-BUSY = {"num_running": 6, "num_waiting": 4, "num_waiting_prefill_tokens": 4000, "kv_usage": 0.95}
+BUSY = {"num_running": 6, "num_waiting": 4, "num_waiting_prefill_tokens": 4000}
+ONE_RUNNING = {"num_running": 1}
+"""One request in flight: a third of the 512-token prompt (171 tokens), more than a's 128 cached tokens
+less than b's."""
 
 
 @pytest.mark.parametrize(
@@ -45,22 +51,30 @@ BUSY = {"num_running": 6, "num_waiting": 4, "num_waiting_prefill_tokens": 4000, 
     [
         (_workers(), {}, PROMPT, "b"),
         (_workers(b={"num_in_flight": 3}), {}, PROMPT, "a"),
+        (_workers(b=ONE_RUNNING), {}, PROMPT, "a"),
+        (_workers(a=ONE_RUNNING, b=ONE_RUNNING), {}, PROMPT, "b"),
+        (_workers(b={"num_waiting_prefill_tokens": 200}), {}, PROMPT, "a"),
+        (_workers(b={"num_waiting_prefill_tokens": 100}), {}, PROMPT, "b"),
         (_workers(b=BUSY), {}, PROMPT, "a"),
-        (_workers(b={"num_running": 1}, c={"num_running": 1}), {}, PROMPT, "b"),
         (_workers(b=BUSY), {"load_weight": 0.0}, PROMPT, "b"),
         (_workers(a=BUSY, b=BUSY), {}, PROMPT, "c"),
-        (_workers(a={"kv_usage": 0.5}, b={"kv_usage": 0.2}), {}, [], "c"),
-        (_workers(a={"kv_usage": 0.5}, b={"kv_usage": 0.2}), {"cache_weight": 0.0}, PROMPT, "c"),
+        (_workers(a=ONE_RUNNING, b=ONE_RUNNING), {"cache_weight": 0.0}, PROMPT, "c"),
+        (_workers(a={"num_total_blocks": 8}, b=BUSY), {}, PROMPT, "c"),
+        (_workers(a={"num_total_blocks": 32}, b=BUSY), {}, PROMPT, "a"),
     ],
     ids=[
         "longest-run-wins",
         "longest-run-over-the-in-flight-cap",
+        "a-request-in-flight-outweighs-128-cached-tokens",
+        "equal-loads-longest-run",
+        "queued-prefill-tokens-outweigh-the-gain",
+        "queued-prefill-tokens-below-the-gain",
         "longest-run-but-saturated",
-        "longest-run-with-light-load",
         "load-ignored",
         "both-cached-workers-saturated",
-        "no-full-block-least-loaded",
         "cache-ignored",
+        "full-pool-counts-the-evicted-tokens",
+        "pool-with-room-evicts-nothing",
     ],
 )
 def test_kv_cache_aware_rule(
@@ -69,6 +83,13 @@ def test_kv_cache_aware_rule(
     chosen = _strategy(**weights).select(workers, context(prompt))
     assert chosen is not None
     assert chosen.id == expected
+
+
+def test_a_prompt_without_a_full_block_goes_by_load() -> None:
+    workers = _workers(a={"num_running": 1}, b={"num_running": 2})
+    chosen = _strategy().select(workers, RequestContext(model="m", token_ids=range(10)))
+    assert chosen is not None
+    assert chosen.id == "c"
 
 
 def test_ties_go_to_the_fewest_in_flight_then_at_random() -> None:

@@ -26,7 +26,12 @@ def _kv_cache_aware(hot: list[int]) -> KVCacheAware:
     index = KVIndex()
     index.reset("w3", _snapshot(hot))
     return KVCacheAware(
-        kv_index=index, load_factor=LOAD_FACTOR, cache_weight=1.0, load_weight=1.0, rng=random.Random(5)
+        kv_index=index,
+        load_factor=LOAD_FACTOR,
+        cache_weight=1.0,
+        load_weight=1.0,
+        block_size=16,
+        rng=random.Random(5),
     )
 
 

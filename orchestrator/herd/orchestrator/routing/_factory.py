@@ -27,9 +27,9 @@ __all__ = ["build_strategy"]
 
 
 def build_strategy(
-    spec: RoutingSpec, *, kv_index: KVIndex, rng: random.Random | None = None
+    spec: RoutingSpec, *, kv_index: KVIndex, block_size: int, rng: random.Random | None = None
 ) -> RoutingStrategy:
-    """A fresh strategy for one model, from its ``spec.routing``."""
+    """A fresh strategy for one model, from its ``spec.routing`` and the block size its workers hash."""
     rng = rng or random.Random()
     match spec:
         case RoundRobinRouting():
@@ -48,6 +48,7 @@ def build_strategy(
                 load_factor=spec.load_factor,
                 cache_weight=spec.cache_weight,
                 load_weight=spec.load_weight,
+                block_size=block_size,
                 rng=rng,
             )
         case _:

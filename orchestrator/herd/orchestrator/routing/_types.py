@@ -39,7 +39,8 @@ class WorkerView:
     num_running: int = 0
     num_waiting: int = 0
     num_waiting_prefill_tokens: int = 0
-    kv_usage: float = 0.0
+    num_total_blocks: int = 0
+    """Its KV pool's size in blocks, from its load report (0 until one arrives)."""
     is_healthy: bool = True
     num_prefill_tokens_in_flight: int = 0
     """Uncached prompt tokens of the prefills this orchestrator has in flight on the worker."""

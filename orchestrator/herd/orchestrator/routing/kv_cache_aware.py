@@ -1,26 +1,31 @@
-"""KV-cache aware: the worker that already holds the longest leading run of the prompt's blocks,
-weighed against how busy it is, among the workers under the bounded-load cap.
+"""KV-cache aware: the worker where the request costs the least work, every term counted in prompt tokens.
 
-For each candidate ``w`` (``num_in_flight`` under the cap of ``_load``) out of ``n`` workers:
+For each candidate ``w`` under the bounded-load cap of ``_load``, with ``n`` the prompt's tokens:
 
-    score(w) = cache_weight * matched(w) / num_blocks  -  load_weight * load(w)
-    load(w)  = ( min(1, requests(w) / scale)  +  min(1, queued(w) / (scale * prompt_tokens))
-                 + kv_usage(w) ) / 3
-    scale    = ceil(load_factor * (sum of requests + 1) / n)
+    cost(w)  = cache_weight * (uncached(w) + evicted(w))  +  load_weight * (queued(w) + requests(w) * n / 3)
 
-``matched(w)`` is the leading run the ``KVIndex`` says ``w`` holds (0 when the prompt has no full
-block); ``requests(w)`` the larger of its reported running + waiting requests and this
-orchestrator's own in-flight count (the report covers other orchestrator replicas, the in-flight
-count what the report has not seen yet); ``queued(w)`` the uncached prompt tokens waiting on it.
-``scale`` is the bounded-load cap applied to ``requests``: a worker holding that many requests, or
-that many prompts like this one in its prefill queue, counts as fully loaded. Both sides of the
-score lie in [0, 1], so the weights read as plain trade-offs, and a light load (one request more
-than an idle peer) does not outweigh a long cached prefix. The best score wins; ties go to the
-fewest in flight, then at random.
+* ``uncached(w) = n - block_size * matched(w)``: the tokens ``w`` would prefill, ``matched(w)`` being the
+  leading run of the prompt's blocks the ``KVIndex`` says it holds (a hit saves the rest);
+* ``evicted(w)``: the cached tokens those new blocks push out of ``w``'s pool once it is full (its
+  total blocks less those the index holds for it): a later request misses them, so a prefix copied
+  onto a worker with no room costs twice, and onto one with room only its prefill;
+* ``queued(w)``: the prompt tokens waiting for a prefill on ``w`` (its load report);
+* ``requests(w)``: the larger of its reported running + waiting and this orchestrator's own in-flight
+  count (the report covers other replicas, the count what the report has not seen yet), each worth a
+  third of a prompt like this one: the decode work a request in flight still adds to ``w``'s steps.
 
-Cost: ``KVIndex.match`` (O(matched blocks x holders)) plus four comprehension passes over the
-workers. Comprehensions with inline conditionals beat ``map``/``attrgetter`` and per-worker calls;
-numpy does not help, as turning 1,000 views into arrays costs as much as scoring them in Python.
+Why one unit: the old score weighed a cached share in [0, 1] against a load in [0, 1], so a cached
+prefix outweighed any load below the cap, every tenant stayed on one worker until the cap forced a
+cold copy onto the other at a busy moment, and the loaded worker's steps slowed everyone on it
+(issue 14; docs/routing.md has the measurements). In tokens the trade-off reads directly: moving a
+request off its cached worker costs its prefix once (twice on a full pool); staying costs the queue.
+A third of a prompt per request is fitted in ``bench/routing_sim.py`` (a quarter to a whole prompt
+swept; at the issue's shape it is also about 16 output tokens times the engine's decode step cost per
+sequence, 12 prefill tokens). The lowest cost wins; ties go to the fewest in flight, then at random.
+
+Cost: ``KVIndex.match`` (O(matched blocks x holders)) plus two comprehension passes over the workers.
+Comprehensions with inline conditionals beat ``map``/``attrgetter`` and per-worker calls; numpy does
+not help, as turning 1,000 views into arrays costs as much as scoring them in Python.
 """
 
 from __future__ import annotations
@@ -34,7 +39,10 @@ from herd.orchestrator.kv_index import KVIndex
 from herd.orchestrator.routing._load import bounded_load_cap, least_in_flight
 from herd.orchestrator.routing._types import RequestContext, RoutingStrategy, WorkerView
 
-__all__ = ["KVCacheAware"]
+__all__ = ["REQUEST_SHARE", "KVCacheAware"]
+
+REQUEST_SHARE = 1 / 3
+"""What a request in flight on a worker counts for, as a share of the new prompt's tokens."""
 
 
 class KVCacheAware(RoutingStrategy):
@@ -48,46 +56,57 @@ class KVCacheAware(RoutingStrategy):
         load_factor: float,
         cache_weight: float,
         load_weight: float,
+        block_size: int,
         rng: random.Random,
     ) -> None:
         self._kv_index = kv_index
         self._load_factor = load_factor
         self._cache_weight = cache_weight
         self._load_weight = load_weight
+        self._block_size = block_size
         self._rng = rng
 
     def select(self, workers: Sequence[WorkerView], ctx: RequestContext) -> WorkerView | None:
-        scores = self._scores(workers, ctx)
-        best = max(scores)
-        tied = [worker for worker, score in zip(workers, scores, strict=True) if score == best]
+        costs = self._costs(workers, ctx)
+        best = min(costs)
+        tied = [worker for worker, cost in zip(workers, costs, strict=True) if cost == best]
         return tied[0] if len(tied) == 1 else least_in_flight(tied, self._rng)
 
-    def _scores(self, workers: Sequence[WorkerView], ctx: RequestContext) -> list[float]:
-        """Every worker's score; ``-inf`` for those at the bounded-load cap."""
+    def _costs(self, workers: Sequence[WorkerView], ctx: RequestContext) -> list[float]:
+        """Every worker's cost in prompt tokens; ``inf`` for those at the bounded-load cap."""
         cap = bounded_load_cap(workers, self._load_factor)
-        matched = self._kv_index.match(ctx.block_hashes) if ctx.block_hashes else {}
-        cache_unit = self._cache_weight / len(ctx.block_hashes) if ctx.block_hashes else 0.0
-        requests = [
-            r if (r := w.num_running + w.num_waiting) > w.num_in_flight else w.num_in_flight for w in workers
-        ]
-        scale = math.ceil(self._load_factor * (sum(requests) + 1) / len(workers))
-        queued_scale = scale * max(len(ctx.token_ids), 1)
-        load_unit = self._load_weight / 3
-        # Inline conditionals instead of min() or helper calls: a call per worker costs more than the
+        prefill = self._prefill_tokens(workers, ctx)
+        per_request = len(ctx.token_ids) * REQUEST_SHARE
+        cache, load = self._cache_weight, self._load_weight
+        # Inline conditionals instead of max() or helper calls: a call per worker costs more than the
         # arithmetic, and this runs for every worker on every request.
         return [
-            cache_unit * matched.get(w.id, 0)
-            - load_unit
+            cache * tokens
+            + load
             * (
-                (r / scale if r < scale else 1.0)
-                + (
-                    w.num_waiting_prefill_tokens / queued_scale
-                    if w.num_waiting_prefill_tokens < queued_scale
-                    else 1.0
-                )
-                + w.kv_usage
+                w.num_waiting_prefill_tokens
+                + per_request
+                * (r if (r := w.num_running + w.num_waiting) > w.num_in_flight else w.num_in_flight)
             )
             if w.num_in_flight < cap
-            else -math.inf
-            for w, r in zip(workers, requests, strict=True)
+            else math.inf
+            for w, tokens in zip(workers, prefill, strict=True)
+        ]
+
+    def _prefill_tokens(self, workers: Sequence[WorkerView], ctx: RequestContext) -> list[int]:
+        """Per worker: the prompt tokens it would compute, plus the cached ones the new blocks would
+        evict from its pool (a worker whose pool size is not reported yet evicts none)."""
+        num_tokens, num_blocks, block_size = len(ctx.token_ids), len(ctx.block_hashes), self._block_size
+        matched = self._kv_index.match(ctx.block_hashes) if num_blocks else {}
+        held = self._kv_index.held_blocks()
+        # The walrus binds m on the left of the sum, before the eviction term reads it.
+        return [
+            num_tokens
+            - block_size * (m := matched.get(w.id, 0))
+            + (
+                block_size * e
+                if w.num_total_blocks and (e := num_blocks - m - w.num_total_blocks + held.get(w.id, 0)) > 0
+                else 0
+            )
+            for w in workers
         ]
