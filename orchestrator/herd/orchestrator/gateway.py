@@ -5,7 +5,8 @@
    against maxModelLen and hashed, once: a disaggregated request carries those ids and hashes to its
    prefill and decode workers (``herd.orchestrator.disagg``). A body of ``inline_prepare_bytes`` or
    more is parsed and tokenized on a small thread pool, so a multi-MB prompt never stalls the event
-   loop (tokenization releases the GIL); a smaller one costs less inline than the hop to a thread.
+   loop (tokenization releases the GIL); a smaller one costs less inline than the hop to a thread,
+   whose lowered priority makes it wait behind every busy process on a contended host.
 2. The session's pin is read, then ``decide`` (``herd.orchestrator.routing.decision``) makes the
    whole choice and ``_route`` applies it in the same synchronous step: every chosen worker (decode
    and prefill) is counted in flight by a ``Hold`` before anything is awaited, and its blocks are
@@ -40,7 +41,7 @@ from starlette.responses import Response
 from herd.api.errors import HttpError, enveloped
 from herd.api.kv_hash import block_hashes
 from herd.api.openai import LengthError
-from herd.api.prompt import INLINE_BYTES, PromptError, PromptThreads
+from herd.api.prompt import PromptError, PromptThreads
 from herd.api.protocol import REQUEST_ID_HEADER, WORKER_HEADER, is_valid_request_id
 from herd.orchestrator.breaker import Outcome, answer_outcome
 from herd.orchestrator.disagg import Handoff, TwoPhase, handed_body
@@ -66,6 +67,11 @@ __all__ = ["Gateway", "GatewaySettings"]
 log = logging.getLogger(__name__)
 
 
+GATEWAY_INLINE_BYTES = 4096
+"""Bodies below this size are prepared inline: a chat prompt of up to ~1k tokens takes a few ms to
+parse, render, tokenize and hash, while the prompt threads' hop (niced 10 below the loop) waited 80 ms
+at p50 and up to 13 s with the host's cores busy (issue 14; docs/routing.md)."""
+
 _STREAM_ENDS: dict[StreamEnd, tuple[int, Outcome]] = {
     "complete": (200, "success"),
     "worker_failed": (502, "failure"),
@@ -80,7 +86,7 @@ class GatewaySettings:
     connect_timeout: float = 2.0
     max_attempts: int = 3
     retry_after_seconds: int = 1
-    inline_prepare_bytes: int = INLINE_BYTES
+    inline_prepare_bytes: int = GATEWAY_INLINE_BYTES
     """Bodies from this size on are parsed and tokenized on ``prepare_threads`` (``PromptThreads``)."""
     prepare_threads: int = 2
 
