@@ -142,8 +142,8 @@ def _add_workload_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--trace",
         type=Path,
-        help="trace: the JSONL file to replay in order (herd bench trace); with --request-rate its "
-        "arrival gaps are kept, scaled to that mean rate",
+        help="trace: the JSONL file to replay in order, a session's next request after its previous "
+        "one's answer (herd bench trace); with --request-rate its arrival gaps are kept, scaled to that mean rate",
     )
     parser.add_argument("--input-len", default="256", help="prompt words per request: N or LOW:HIGH")
     parser.add_argument("--output-len", default="64", help="max_tokens per request: N or LOW:HIGH")

@@ -88,6 +88,52 @@ def test_a_rate_keeps_the_traces_gaps_scaled_to_it(
     assert [workload.arrival_gap_s(random.Random(0), rate) for _ in gaps] == pytest.approx(gaps)
 
 
+def _specs(*sessions: str) -> list[RequestSpec]:
+    return [
+        RequestSpec(messages=[{"role": "user", "content": str(i)}], max_tokens=1, session_id=session)
+        for i, session in enumerate(sessions)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("sessions", "steps", "expected"),
+    [
+        (["a", "a", "b"], ["next", "next", "done 0", "next"], [0, 2, 1]),
+        (["a", "b", "a", "b"], ["next", "next", "done 1", "next", "done 0", "next"], [0, 1, 3, 2]),
+        (["a", "a"], ["next", "next"], [0, 1]),
+        (["a", "a", "b"], ["next", "done 0", "next", "next"], [0, 1, 2]),
+    ],
+    ids=[
+        "a-turn-waits-for-its-answer",
+        "sessions-take-turns",
+        "all-busy-sends-the-first",
+        "answered-in-order",
+    ],
+)
+def test_a_sessions_next_request_waits_for_its_answer(
+    sessions: list[str], steps: list[str], expected: list[int]
+) -> None:
+    specs = _specs(*sessions)
+    workload = TraceWorkload(specs, list(range(len(specs))))
+    sent = []
+    for step in steps:
+        if step == "next":
+            sent.append(specs.index(workload.next_request()))
+        else:
+            workload.complete(specs[int(step.split()[1])], "answer")
+    assert sent == expected
+
+
+async def test_a_closed_loop_keeps_each_sessions_turns_in_order(
+    trace: tuple[Path, list[TraceRequest]],
+) -> None:
+    path, requests = trace
+    server, _ = await _replay(path, concurrency=4, num_requests=len(requests))
+    sent, expected = _sent(server), _expected(requests)
+    for session in {r.session_id for r in requests}:
+        assert [s for s in sent if s[0] == session] == [e for e in expected if e[0] == session]
+
+
 def test_each_request_carries_its_session_header() -> None:
     [request] = generate(
         TRACE_SPEC.validate_python({"kind": "shared-prefix", "num_groups": 1, "prompts_per_group": 1}), 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 from abc import ABC, abstractmethod
+from collections import Counter
 from dataclasses import dataclass, field
 
 __all__ = [
@@ -195,24 +196,35 @@ class MultiTurnWorkload(_RandomWorkload):
 
 
 class TraceWorkload(Workload):
-    """Replays a trace's requests in order. Paced by a request rate, it keeps the trace's own
-    arrival gaps scaled so that their mean rate is the one asked for (bursts stay bursts)."""
+    """Replays a trace's requests in order, except that a request whose session has one in flight
+    waits (the next request of another session goes first), as a user waits for an answer before
+    the next turn; when every remaining request's session is busy, the first goes anyway. Paced by a
+    request rate, it keeps the trace's own arrival gaps scaled so that their mean rate is the one
+    asked for (bursts stay bursts)."""
 
     name = "trace"
 
     def __init__(self, specs: list[RequestSpec], timestamps_ms: list[int]) -> None:
         self.specs = specs
         self.timestamps_ms = timestamps_ms
-        self._num_sent = 0
+        self._unsent = list(range(len(specs)))
+        self._in_flight: Counter[str | None] = Counter()
         self._num_arrived = 0
 
     def next_request(self) -> RequestSpec:
-        if self._num_sent == len(self.specs):
+        if not self._unsent:
             raise RuntimeError(
                 f"the trace has only {len(self.specs)} requests: ask for at most that many (--num-requests)"
             )
-        self._num_sent += 1
-        return self.specs[self._num_sent - 1]
+        index = next(
+            (i for i in self._unsent if not self._in_flight[self.specs[i].session_id]), self._unsent[0]
+        )
+        self._unsent.remove(index)
+        self._in_flight[self.specs[index].session_id] += 1
+        return self.specs[index]
+
+    def complete(self, spec: RequestSpec, reply: str | None) -> None:
+        self._in_flight[spec.session_id] -= 1
 
     def arrival_gap_s(self, rng: random.Random, rate: float) -> float:
         span_ms = self.timestamps_ms[-1] - self.timestamps_ms[0]
