@@ -142,7 +142,7 @@ def _add_workload_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--trace",
         type=Path,
-        help="trace: the JSONL file to replay in order, a session's next request after its previous "
+        help="trace: the JSONL file to replay in order, a conversation's next turn after its previous "
         "one's answer (herd bench trace); with --request-rate its arrival gaps are kept, scaled to that mean rate",
     )
     parser.add_argument("--input-len", default="256", help="prompt words per request: N or LOW:HIGH")

@@ -14,7 +14,7 @@ from support.fake_openai import FakeOpenAI, serving
 
 from herd.cli.loadgen import BenchConfig, run_benchmark
 from herd.cli.loadgen.traces import TRACE_SPEC, TraceRequest, dump_trace, generate, trace_workload
-from herd.cli.loadgen.workloads import RequestSpec, TraceWorkload
+from herd.cli.loadgen.workloads import Message, RequestSpec, TraceWorkload
 from herd.cli.main import main
 
 SESSION_HEADER = "x-session-id"
@@ -89,10 +89,16 @@ def test_a_rate_keeps_the_traces_gaps_scaled_to_it(
 
 
 def _specs(*sessions: str) -> list[RequestSpec]:
-    return [
-        RequestSpec(messages=[{"role": "user", "content": str(i)}], max_tokens=1, session_id=session)
-        for i, session in enumerate(sessions)
-    ]
+    """A request per session name: a lower-case name's requests extend one conversation, an upper-case
+    name's are a tenant's independent questions."""
+    history: dict[str, list[Message]] = {}
+    specs = []
+    for number, session in enumerate(sessions):
+        turn: Message = {"role": "user", "content": str(number)}
+        messages = [*history.get(session, []), turn] if session.islower() else [turn]
+        history[session] = messages
+        specs.append(RequestSpec(messages=messages, max_tokens=1, session_id=session))
+    return specs
 
 
 @pytest.mark.parametrize(
@@ -102,15 +108,17 @@ def _specs(*sessions: str) -> list[RequestSpec]:
         (["a", "b", "a", "b"], ["next", "next", "done 1", "next", "done 0", "next"], [0, 1, 3, 2]),
         (["a", "a"], ["next", "next"], [0, 1]),
         (["a", "a", "b"], ["next", "done 0", "next", "next"], [0, 1, 2]),
+        (["T", "T", "T"], ["next", "next", "next"], [0, 1, 2]),
     ],
     ids=[
         "a-turn-waits-for-its-answer",
         "sessions-take-turns",
-        "all-busy-sends-the-first",
+        "none-ready-sends-the-first",
         "answered-in-order",
+        "a-tenants-questions-never-wait",
     ],
 )
-def test_a_sessions_next_request_waits_for_its_answer(
+def test_a_request_that_extends_another_waits_for_its_answer(
     sessions: list[str], steps: list[str], expected: list[int]
 ) -> None:
     specs = _specs(*sessions)

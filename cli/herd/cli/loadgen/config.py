@@ -24,8 +24,8 @@ class BenchConfig(BaseModel):
     """Where to send, what, and how hard. Rate mode (``request_rate``) sends Poisson arrivals,
     capped at ``concurrency`` in flight if both are given; otherwise ``concurrency`` requests are
     kept in flight. The run ends after ``num_requests`` or ``duration_s``, whichever comes first.
-    The ``trace`` workload replays a saved trace (``herd bench trace``) in order, a session's next
-    request after its previous one's answer; paced by ``request_rate`` it keeps the trace's arrival
+    The ``trace`` workload replays a saved trace (``herd bench trace``) in order, a conversation's next
+    turn after its previous one's answer; paced by ``request_rate`` it keeps the trace's arrival
     gaps, scaled to that mean rate."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import random
 from abc import ABC, abstractmethod
-from collections import Counter
 from dataclasses import dataclass, field
 
 __all__ = [
@@ -196,11 +195,12 @@ class MultiTurnWorkload(_RandomWorkload):
 
 
 class TraceWorkload(Workload):
-    """Replays a trace's requests in order, except that a request whose session has one in flight
-    waits (the next request of another session goes first), as a user waits for an answer before
-    the next turn; when every remaining request's session is busy, the first goes anyway. Paced by a
-    request rate, it keeps the trace's own arrival gaps scaled so that their mean rate is the one
-    asked for (bursts stay bursts)."""
+    """Replays a trace's requests in order, except that a request extending an earlier one of its
+    session (a later turn, an agent's next call) waits for that one's answer, as a user reads the
+    answer before the next turn: the next ready request goes first. A tenant's independent requests
+    never wait; when no remaining request is ready, the first goes anyway. Paced by a request rate, it
+    keeps the trace's own arrival gaps scaled so that their mean rate is the one asked for (bursts
+    stay bursts)."""
 
     name = "trace"
 
@@ -208,7 +208,9 @@ class TraceWorkload(Workload):
         self.specs = specs
         self.timestamps_ms = timestamps_ms
         self._unsent = list(range(len(specs)))
-        self._in_flight: Counter[str | None] = Counter()
+        self._extends = _extended_requests(specs)
+        self._answered: set[int] = set()
+        self._index = {id(spec): index for index, spec in enumerate(specs)}
         self._num_arrived = 0
 
     def next_request(self) -> RequestSpec:
@@ -216,15 +218,16 @@ class TraceWorkload(Workload):
             raise RuntimeError(
                 f"the trace has only {len(self.specs)} requests: ask for at most that many (--num-requests)"
             )
-        index = next(
-            (i for i in self._unsent if not self._in_flight[self.specs[i].session_id]), self._unsent[0]
-        )
+        index = next((i for i in self._unsent if self._is_ready(i)), self._unsent[0])
         self._unsent.remove(index)
-        self._in_flight[self.specs[index].session_id] += 1
         return self.specs[index]
 
     def complete(self, spec: RequestSpec, reply: str | None) -> None:
-        self._in_flight[spec.session_id] -= 1
+        self._answered.add(self._index[id(spec)])
+
+    def _is_ready(self, index: int) -> bool:
+        extended = self._extends[index]
+        return extended is None or extended in self._answered
 
     def arrival_gap_s(self, rng: random.Random, rate: float) -> float:
         span_ms = self.timestamps_ms[-1] - self.timestamps_ms[0]
@@ -235,3 +238,15 @@ class TraceWorkload(Workload):
         gap_ms = self.timestamps_ms[index] - self.timestamps_ms[index - 1]
         trace_rate = (len(self.timestamps_ms) - 1) / span_ms * 1000
         return gap_ms / 1000 * trace_rate / rate
+
+
+def _extended_requests(specs: list[RequestSpec]) -> list[int | None]:
+    """For each request, the previous request of its session if it extends that one's messages."""
+    latest: dict[str | None, int] = {}
+    extends: list[int | None] = []
+    for index, spec in enumerate(specs):
+        previous = latest.get(spec.session_id)
+        prior = [] if previous is None else specs[previous].messages
+        extends.append(previous if prior and spec.messages[: len(prior)] == prior else None)
+        latest[spec.session_id] = index
+    return extends
