@@ -187,11 +187,19 @@ def dilated(cost: dict[str, float], factor: float) -> dict[str, float]:
     return {key: round(value * factor, 6) for key, value in cost.items()}
 
 
-def fleet_dilation(num_workers: int, shape: Shape, args: argparse.Namespace) -> float:
-    """How much slower than the unit model each worker runs so that the fleet's capacity is
-    ``--capacity-rps`` whatever its size."""
+def fleet_dilation(shape: Shape, args: argparse.Namespace) -> float:
+    """How much slower than the unit model every worker runs: so that a fleet of ``--base-size``
+    workers has a capacity of ``--capacity-rps`` (the same worker at every fleet size)."""
     capacity_rps: float = args.capacity_rps
-    return num_workers * worker_capacity_rps(UNIT_COST, shape, args.batch) / capacity_rps
+    base_size: int = args.base_size
+    return base_size * worker_capacity_rps(UNIT_COST, shape, args.batch) / capacity_rps
+
+
+def poll_interval_s(fleet: Fleet) -> float:
+    """herd's poll period: the default dilated with the workers, and stretched beyond 32 workers so
+    that the registry polls about 32 workers a (dilated) 0.25 s: at 0.25 s, 256 workers would be
+    3,000 polls a second on this machine's 2 cores (see the notes in docs/routing-at-scale.md)."""
+    return BASE_POLL_S * fleet.dilation * max(1.0, len(fleet.public) / 32)
 
 
 # Each kind of trace scaled down from `herd bench trace`'s defaults to fit the simulated KV pools and
@@ -317,7 +325,7 @@ def fleet(
     """One ``herd worker --replicas N`` process on consecutive loopback ports; the unit cost model
     dilated for the fleet's size unless ``cost`` is given."""
     count = case.num_workers
-    factor = 1.0 if cost else fleet_dilation(count, case.shape, args)
+    factor = 1.0 if cost else fleet_dilation(case.shape, args)
     cost, num_blocks = cost or dilated(UNIT_COST, factor), blocks_per_worker(case.shape, args)
     engine = engine_block(cost, num_blocks, args)
     ports = free_port_block(2 * count)
@@ -351,7 +359,7 @@ def orchestrator_argv(manifest: Path, fleet: Fleet, port: int, redis_url: str | 
     for number, (public, internal) in enumerate(zip(fleet.public, fleet.internal, strict=True)):
         argv += ["--worker", f"{public},{internal},unified,w{number:03d}"]
     argv += [f"--internal-token={TOKEN}", "--host", HOST, "--port", str(port), "--log-level", "WARNING"]
-    argv += ["--poll-interval", f"{BASE_POLL_S * fleet.dilation:.3f}"]
+    argv += ["--poll-interval", f"{poll_interval_s(fleet):.3f}"]
     return argv + (["--redis", redis_url] if redis_url else [])
 
 
@@ -383,12 +391,12 @@ def herd_gateways(
 
 def wait_all_admitted(urls: Sequence[str], num_workers: int) -> None:
     """``/ready`` needs one healthy worker; the run waits until the gateway has admitted all."""
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300
     for url in urls:
         while admitted_workers(url) < num_workers:
             if time.monotonic() > deadline:
                 raise RuntimeError(
-                    f"{url} admitted {admitted_workers(url)} of {num_workers} workers in 120 s"
+                    f"{url} admitted {admitted_workers(url)} of {num_workers} workers in 300 s"
                 )
             time.sleep(0.5)
 
@@ -508,7 +516,8 @@ def cases_of(args: argparse.Namespace, out_dir: Path) -> list[Case]:
         for size in sorted({*args.sizes, args.sweep_size}):
             loads = {args.load} if size in args.sizes else set()
             loads |= set(args.loads) if size == args.sweep_size else set()
-            cases.append(Case(kind, trace, shape, size, tuple(sorted(loads))))
+            if loads:
+                cases.append(Case(kind, trace, shape, size, tuple(sorted(loads))))
     return cases
 
 
@@ -533,6 +542,8 @@ def new_cell(case: Case, running: Fleet, load: float, args: argparse.Namespace) 
         "num_workers": case.num_workers,
         "load": load,
         "request_rate": round(load * args.capacity_rps, 3),
+        "fleet_load": round(load * args.base_size / case.num_workers, 4),
+        "poll_interval_s": round(poll_interval_s(running), 3),
         "shape": asdict(case.shape),
         "dilation": round(running.dilation, 3),
         "blocks_per_worker": running.blocks_per_worker,
@@ -807,8 +818,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--capacity-rps",
         type=float,
         default=24.0,
-        help="every fleet's capacity, requests a second (see above)",
+        help="the capacity of a fleet of --base-size workers, requests a second (see above)",
     )
+    add("--base-size", type=int, default=8, help="the fleet size --capacity-rps and the loads refer to")
     add("--batch", type=int, default=2, help="maxBatchSize of a worker")
     add("--max-queue", type=int, default=32, help="maxQueueLen of a worker (more waiting: 429)")
     add(

@@ -144,9 +144,11 @@ def cell_table(cell: dict[str, Any]) -> str:
         "| ITL p99 (ms) | output tok/s | in-flight max/mean | requests max/mean | rejected | rounds |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    entries = cell.get("routers") or {
-        f"{count} gateway(s)": e for count, e in cell.get("gateways", {}).items()
-    }
+    entries = (
+        cell.get("routers")
+        or cell.get("harnesses")
+        or {f"{count} gateway(s)": e for count, e in cell.get("gateways", {}).items()}
+    )
     for name, entry in entries.items():
         m, r = entry.get("median", {}), entry.get("range", {})
         lines.append(
