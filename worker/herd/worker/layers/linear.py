@@ -49,9 +49,10 @@ class Linear(nn.Module):
             start += size
 
     def pack(self) -> None:
-        """Reorder the weight for oneDNN (CPU, float32 only) and drop the dense copy."""
+        """Reorder the weight for oneDNN (CPU, float32, a torch built with oneDNN) and drop the dense copy."""
         weight = self.weight.detach()
-        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        is_cpu_float32 = weight.device.type == "cpu" and weight.dtype == torch.float32
+        if not is_cpu_float32 or not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
             return
         self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
         # A new (empty) parameter, not a resized one: a tied lm_head shares its weight with the embedding.
