@@ -3,7 +3,8 @@
 A fleet is one ``herd worker --replicas N`` process (the simulated backend: herd's scheduler, block
 manager and prefix cache over a cost model, ``hostShare`` 0, so a worker's steps sleep as a GPU's
 leave the host idle). A router is ``herd orchestrator`` with one strategy over the fleet's static
-worker list, or a peer router (``bench/peers.py``) with one of its policies over the same workers.
+worker list, or a peer router (``tests/support/peer_routers.py``) with one of its policies over the
+same workers.
 Every run replays the same requests through ``herd bench``'s client (``herd.cli.loadgen``) and reads:
 
 * from the client: realized hit rate (``usage.prompt_tokens_details.cached_tokens``), TTFT p50/p99,
@@ -20,15 +21,13 @@ with no cache), so its capacity is ``batch / that`` requests a second. A good ro
 load it really puts on the fleet; "100 %" is the load a cache-blind router saturates the fleet with.
 
 **One machine, many workers.** All processes share 2 cores, which carry a few tens of requests a
-second however many workers there are. So every fleet size gets the same capacity in requests a
-second (``--capacity-rps``) by slowing its workers in proportion: the unit cost model (an accelerator
-of fixed shape) is multiplied by ``dilation = N x unit capacity / capacity-rps``, and so is the
-orchestrator's poll period. Queueing and caching then behave as on a fleet of unit-speed workers
-offered ``dilation`` times the rate; TTFT is also reported in cold prefills (TTFT over the time to
-prefill the mean prompt on an idle worker), which compares across fleet sizes. Runs are short: at
-128 and 256 workers a run is shorter than a worker's time to fill up, so those rows show the hit
-rate and first-touch latencies more than steady-state queueing (the load sweep at ``--sweep-size``
-shows that).
+second however many workers there are. So the workers are slowed (the unit cost model, an
+accelerator's shape, multiplied by ``dilation``) until a fleet of ``--base-size`` workers has a
+capacity of ``--capacity-rps``; herd's poll period is dilated with them (and stretched beyond 32
+workers). The same worker serves every fleet size, and the loads refer to the base fleet: the size
+sweep offers the same request rate to 8, 32, 128 and 256 workers (each cell records its share of
+that fleet's capacity), the load sweep at ``--sweep-size`` (the base fleet) goes past capacity. TTFT
+is also reported in cold prefills (TTFT over an idle worker's time to prefill the mean prompt).
 
 Every run starts from cold caches without restarting the fleet: each run sends its own
 ``cache_salt``, which both the workers and herd's gateway mix into the first block's hash (the
@@ -36,7 +35,12 @@ earlier runs' blocks are free and least recently used: evicted first). Routers a
 round (a fresh router process per run), ``--rounds`` rounds, median and range reported.
 
     .venv/bin/python bench/routing_scale.py --quick --out /tmp/routing_scale_quick.json
-    .venv/bin/python bench/routing_scale.py            # the full matrix, about 35 minutes
+    .venv/bin/python bench/routing_scale.py --sizes 8,32,128 --loads '' \
+        --routers herd:round_robin,herd:least_request,herd:random,herd:prefix_hash,herd:sticky_session,\
+herd:kv_cache_aware,sglang-router:cache_aware,smg:cache_aware,vllm-router:cache_aware
+    .venv/bin/python bench/routing_scale.py --sizes '' --gateways 1,2,4 --gateway-size 32 \
+        --out bench/results/routing_scale_gateways.json
+    .venv/bin/python bench/routing_scale.py --replot bench/results/routing_scale*.json --plots-dir docs/routing-at-scale
 """
 
 from __future__ import annotations
@@ -73,7 +77,7 @@ from _common import (
     write_json,
 )
 from prometheus_client.parser import text_string_to_metric_families
-from routing_scale_report import cell_table, plot, summarize_cell, targets
+from routing_scale_report import cell_table, overhead_table, plot, summarize_cell, targets
 from support.peer_routers import PEERS, peer_router
 
 from herd.api.prompt import PromptRenderer
@@ -863,7 +867,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--out", type=Path, default=REPO / "bench" / "results" / "routing_scale.json")
     add("--plots-dir", type=Path, default=None, help="write the PNG plots here (needs matplotlib)")
     add(
-        "--replot", type=Path, default=None, help="only redo tables, targets and plots from this results JSON"
+        "--replot",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="only print the tables and targets and draw the plots of these results files (writes no JSON)",
     )
     args = parser.parse_args(argv)
     if args.quick:
@@ -901,9 +909,10 @@ def finish(document: dict[str, Any], args: argparse.Namespace) -> None:
     for cell in document["cells"]:
         summarize_cell(cell)
     document["targets"] = targets(document["cells"], args.load)
-    write_json(args.out, document)
     for cell in document["cells"]:
         print(cell_table(cell) + "\n")
+    if "overhead" in document:
+        print(overhead_table(document["overhead"]) + "\n")
     for check in document["targets"]:
         print(
             f"{'met   ' if check['met'] else 'MISSED'} {check['target']}: {check['where']}: {check['value']}"
@@ -916,7 +925,10 @@ def finish(document: dict[str, Any], args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.replot:
-        finish(json.loads(args.replot.read_text()), args)
+        documents = [json.loads(path.read_text()) for path in args.replot]
+        merged = {key: value for doc in reversed(documents) for key, value in doc.items()}
+        merged["cells"] = [cell for doc in documents for cell in doc["cells"]]
+        finish(merged, args)
         return 0
     out_dir = Path(tempfile.mkdtemp(prefix="herd-routing-scale-"))
     settings = {key: plain(value) for key, value in vars(args).items()}
@@ -940,8 +952,9 @@ def main(argv: list[str] | None = None) -> int:
         run_harnesses(args, out_dir, out_dir, record)
     if args.overhead:
         document["overhead"] = run_overhead(args, out_dir, out_dir)
-        write_json(args.out, document)
     finish(document, args)
+    document["machine_end"] = machine_info()
+    write_json(args.out, document)
     return 0
 
 
