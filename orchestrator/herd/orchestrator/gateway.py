@@ -220,8 +220,11 @@ class Gateway:
     ) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The prompt's token ids and block hashes; none (the strategy's load-only fallback) while no
         tokenizer is known."""
+        threads = self._prepare_threads
         try:
-            return await self._prepare_threads.run_sized(size, _tokenize, served, parsed)
+            if not served.has_renderer:  # the first prompt loads the tokenizer (~0.7 s): never on the loop
+                return await threads.run(_tokenize, served, parsed)
+            return await threads.run_sized(size, _tokenize, served, parsed)
         except RendererUnavailableError as error:
             if served not in self._untokenized:
                 self._untokenized.add(served)
@@ -291,6 +294,7 @@ class Gateway:
             for worker in (decision.worker, prefill):
                 if worker is not None:
                     served.kv_index.expect(worker.id, decision.expected_blocks)
+                    self.state.share_expected(worker.id, decision.expected_blocks)
         return _Route(decision, hold, prefill_hold)
 
     async def _pin(self, request: _Request, route: _Route, tried: set[str]) -> _Route:

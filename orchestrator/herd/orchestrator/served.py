@@ -48,6 +48,11 @@ class ServedModel:
         return self.needs_tokens and self._renderer is None and self.config.model_path is None
 
     @property
+    def has_renderer(self) -> bool:
+        """The tokenizer is loaded: ``renderer`` returns at once instead of reading the model folder."""
+        return self._renderer is not None
+
+    @property
     def renderer(self) -> PromptRenderer:
         """The model's tokenizer and chat template: its local folder first (loaded on first use),
         else the files fetched from a worker (``use_renderer``); raises ``RendererUnavailableError`` before.
