@@ -14,11 +14,14 @@ from support.gateway_fakes import MODEL, FakeCluster, FakeWorker, running_gatewa
 from support.procs import free_port, redis_argv, running
 
 from herd.api.crd import KVCacheAwareRouting, StickySessionRouting
+from herd.api.kv_hash import block_hashes
+from herd.api.openai import ChatCompletionRequest
 from herd.api.protocol import WORKER_HEADER, KVEvent
 from herd.orchestrator.app import AppSettings
 from herd.orchestrator.kv_index import KVIndex
 from herd.orchestrator.registry import RegistrySettings
 from herd.orchestrator.state import RedisState
+from herd.orchestrator.tokens import prompt_token_ids
 
 WITHIN_S = 30.0
 """Budget for what goes through a real redis-server: generous for a loaded machine, free when quick."""
@@ -27,11 +30,21 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 
 @contextlib.asynccontextmanager
 async def replica(
-    cluster: FakeCluster, redis_url: str, routing: object, poll_interval: float
+    cluster: FakeCluster,
+    redis_url: str,
+    routing: object,
+    poll_interval: float,
+    model_config: dict[str, object] | None = None,
 ) -> AsyncIterator[tuple[FastAPI, httpx.AsyncClient]]:
     settings = AppSettings(registry=RegistrySettings(poll_interval=poll_interval))
     state = RedisState(redis_url, retry_seconds=0.2)
-    async with running_gateway(cluster, routing=routing, settings=settings, state=state) as pair:  # type: ignore[arg-type]
+    async with running_gateway(
+        cluster,
+        routing=routing,  # type: ignore[arg-type]
+        settings=settings,
+        state=state,
+        model_config=model_config,
+    ) as pair:
         yield pair
 
 
@@ -75,6 +88,33 @@ async def test_replicas_hold_the_same_kv_index(redis_url: str) -> None:
             within=WITHIN_S,
         )
         assert [index.position("w0") for index in indexes] == [(worker.epoch, 2), (worker.epoch, 2)]
+
+
+async def test_replicas_share_the_blocks_a_decision_expects(redis_url: str, tiny_llama: Path) -> None:
+    """A prompt routed by one replica is expected on its worker by the other within a stream read,
+    long before any worker reports the blocks (the fake workers never do, and the second replica
+    polls once): the second replica's kv_cache_aware sends the same prompt to the same worker."""
+    cluster = FakeCluster(
+        [FakeWorker("w0", snapshot_blocks=[11]), *(FakeWorker(f"w{n}") for n in range(1, 4))]
+    )
+    routing = KVCacheAwareRouting(strategy="kv_cache_aware")
+    config = {"model_path": tiny_llama, "max_model_len": 512}
+    async with (
+        replica(cluster, redis_url, routing, 0.05, config) as (_, first),
+        replica(cluster, redis_url, routing, 600.0, config) as (listening, second),
+    ):
+        served = listening.state.registry.models[MODEL]
+        await until_listening(cluster.workers[0], served.kv_index)
+        for topic in ("rivers", "stars", "engines"):
+            body = {"model": MODEL, "messages": [{"role": "user", "content": f"{topic} " * 60}]}
+            ids = prompt_token_ids(
+                served.renderer, ChatCompletionRequest.model_validate(body), max_model_len=512
+            )
+            blocks = block_hashes(ids, served.config.block_size, model_id=MODEL)
+            chosen = (await first.post("/v1/chat/completions", json=body)).headers[WORKER_HEADER]
+            await wait_for(lambda: served.kv_index.match(blocks) == {chosen: len(blocks)}, within=WITHIN_S)  # noqa: B023
+            again = await second.post("/v1/chat/completions", json=body)
+            assert again.headers[WORKER_HEADER] == chosen, topic
 
 
 async def until_listening(worker: FakeWorker, index: KVIndex) -> None:

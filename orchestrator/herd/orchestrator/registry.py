@@ -32,7 +32,7 @@ from herd.orchestrator.breaker import BreakerSettings, CircuitBreaker, Outcome
 from herd.orchestrator.discovery import Membership, ModelConfig, WorkerEndpoint, WorkerSource
 from herd.orchestrator.routing import WorkerView
 from herd.orchestrator.served import ServedModel
-from herd.orchestrator.state import KVPayload, State
+from herd.orchestrator.state import ExpectedBlocks, KVPayload, State
 from herd.orchestrator.tokenizer_fetch import TokenizerFetcher
 from herd.orchestrator.worker_client import WorkerClient
 
@@ -167,13 +167,16 @@ class Registry:
             self._eject(worker, reason)
 
     def receive_kv(self, worker_id: str, payload: KVPayload) -> None:
-        """Apply a worker's KV batch or snapshot to its model's index (the ``State`` sink)."""
+        """Apply a worker's KV batch or snapshot, or the blocks another replica expects on it, to its
+        model's index (the ``State`` sink)."""
         worker = self.workers.get(worker_id)
         served = None if worker is None else self.models.get(worker.endpoint.model)
         if worker is None or served is None:
             return
         index = served.kv_index
-        if isinstance(payload, KVSnapshot):
+        if isinstance(payload, ExpectedBlocks):
+            index.expect(worker_id, payload.block_hashes)
+        elif isinstance(payload, KVSnapshot):
             position = index.position(worker_id)
             if position is None or position[0] != payload.epoch or position[1] < payload.seq:
                 index.reset(worker_id, payload)

@@ -6,6 +6,14 @@ agree), and every KV batch or snapshot a replica polls from a worker is applied 
 appended to one Redis stream that every replica tails into its own index. The index skips events it
 already holds (``seq``), so receiving a batch twice is harmless.
 
+The same stream carries each routing decision's expected blocks (``share_expected``): the blocks a
+request is about to compute on the worker it went to. A worker publishes them only once it has
+computed them, and a replica learns that at its next poll; until then the other replicas would see
+a new prefix as cached nowhere and spread its next requests over other workers. With the
+expectations shared, every replica's index counts them as the deciding replica's does, within a
+stream read (milliseconds) rather than a poll. Sharing is fire-and-forget: the decision never waits
+on Redis; a small task writes what queued up since its last write in one round trip.
+
 Redis going away never stops routing. Every call has a short socket timeout and no client-side
 retries, so a request waits at most one timeout on a dead Redis; the first failure switches the
 replica to its local ``MemoryState`` (logged once), and requests stop touching Redis until the KV
@@ -24,28 +32,39 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
 import redis.asyncio as aioredis
+from pydantic import BaseModel
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from herd.api.protocol import KVEventBatch, KVSnapshot
 
-__all__ = ["KVPayload", "KVSink", "MemoryState", "RedisState", "State", "build_state"]
+__all__ = ["ExpectedBlocks", "KVPayload", "KVSink", "MemoryState", "RedisState", "State", "build_state"]
 
 log = logging.getLogger(__name__)
 
-KVPayload = KVEventBatch | KVSnapshot
+
+class ExpectedBlocks(BaseModel):
+    """Blocks a replica just routed a request for to a worker (``KVIndex.expect`` on every replica)."""
+
+    block_hashes: list[int]
+
+
+KVPayload = KVEventBatch | KVSnapshot | ExpectedBlocks
 KVSink = Callable[[str, KVPayload], None]
-"""Receives ``(worker_id, batch or snapshot)`` for the local KV index."""
+"""Receives ``(worker_id, batch, snapshot or expected blocks)`` for the local KV index."""
 
 _T = TypeVar("_T")
 _STREAM = "herd:kv"
 _PIN_PREFIX = "herd:pin:"
 _STREAM_MAXLEN = 100_000
+_MAX_EXPECTED_QUEUED = 10_000
+"""Expectations waiting for the writer beyond this are dropped: they age out within seconds anyway."""
 _CLOSE_TIMEOUT_S = 3.0
 """How long close() waits for the KV consumer to finish its current read (250 ms) or retry pause."""
 
@@ -61,6 +80,8 @@ class State(Protocol):
     async def claim_pin(self, key: str, worker_id: str, ttl_seconds: int) -> str: ...
     async def set_pin(self, key: str, worker_id: str, ttl_seconds: int) -> None: ...
     async def publish_kv(self, worker_id: str, payload: KVPayload) -> None: ...
+    def share_expected(self, worker_id: str, block_hashes: Sequence[int]) -> None:
+        """Tell the other replicas (not this one's own index) what a decision expects on a worker."""
 
 
 class MemoryState:
@@ -107,6 +128,9 @@ class MemoryState:
         if self._sink is not None:
             self._sink(worker_id, payload)
 
+    def share_expected(self, worker_id: str, block_hashes: Sequence[int]) -> None:
+        """One replica: its own index is the only one."""
+
 
 class RedisState:
     """Pins and KV events in Redis, degrading to a local ``MemoryState`` while Redis is away."""
@@ -128,6 +152,11 @@ class RedisState:
         self._is_degraded = False
         self._consumer: asyncio.Task[None] | None = None
         self._is_closing = False
+        self._origin = uuid.uuid4().hex
+        """Names this replica's expectations on the stream, so that its consumer skips them."""
+        self._expected: list[tuple[str, Sequence[int]]] = []
+        self._expected_ready = asyncio.Event()
+        self._writer: asyncio.Task[None] | None = None
 
     @property
     def is_degraded(self) -> bool:
@@ -136,11 +165,16 @@ class RedisState:
     async def start(self, sink: KVSink) -> None:
         await self._local.start(sink)
         self._consumer = asyncio.create_task(self._consume(sink), name="herd-redis-kv-consumer")
+        self._writer = asyncio.create_task(self._write_expected(), name="herd-redis-expected-writer")
 
     async def close(self) -> None:
         # The consumer stops on its own after its current read (block=250 ms): cancelling redis-py
         # in the middle of a blocking XREAD can leave the task hanging in its connection cleanup.
         self._is_closing = True
+        self._expected_ready.set()
+        if self._writer is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._writer, timeout=_CLOSE_TIMEOUT_S)
         if self._consumer is not None:
             try:
                 await asyncio.wait_for(asyncio.shield(self._consumer), timeout=_CLOSE_TIMEOUT_S)
@@ -189,6 +223,34 @@ class RedisState:
             await self._redis.xadd(_STREAM, fields, maxlen=_STREAM_MAXLEN, approximate=True)
 
         await self._either(remote, _nothing)
+
+    def share_expected(self, worker_id: str, block_hashes: Sequence[int]) -> None:
+        if self._is_degraded or self._is_closing or len(self._expected) >= _MAX_EXPECTED_QUEUED:
+            return
+        self._expected.append((worker_id, block_hashes))
+        self._expected_ready.set()
+
+    async def _write_expected(self) -> None:
+        """Write the queued expectations, all in one pipeline, whenever there are some."""
+        while not self._is_closing:
+            await self._expected_ready.wait()
+            self._expected_ready.clear()
+            batch, self._expected = self._expected, []
+            if not batch or self._is_degraded:
+                continue
+            try:
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    for worker_id, hashes in batch:
+                        fields = {
+                            "worker": worker_id,
+                            "kind": "expected",
+                            "origin": self._origin,
+                            "data": ExpectedBlocks(block_hashes=list(hashes)).model_dump_json(),
+                        }
+                        pipe.xadd(_STREAM, fields, maxlen=_STREAM_MAXLEN, approximate=True)  # type: ignore[arg-type]
+                    await pipe.execute()
+            except (RedisError, OSError) as error:
+                self._mark_degraded(error)
 
     async def _either(self, remote: Callable[[], Awaitable[_T]], local: Callable[[], Awaitable[_T]]) -> _T:
         """Run ``remote`` unless Redis is known to be away; fall back to ``local`` on failure."""
@@ -249,7 +311,8 @@ class RedisState:
             for _stream, entries in replies or []:
                 for entry_id, fields in entries:
                     last_id = _text(entry_id)
-                    _deliver(sink, fields)
+                    if fields.get(b"origin") != self._origin.encode():
+                        _deliver(sink, fields)
 
 
 async def _nothing() -> None:
@@ -260,15 +323,21 @@ def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+_MODELS: dict[bytes, type[KVEventBatch | KVSnapshot | ExpectedBlocks]] = {
+    b"batch": KVEventBatch,
+    b"snapshot": KVSnapshot,
+    b"expected": ExpectedBlocks,
+}
+
+
 def _kind(payload: KVPayload) -> str:
-    return "snapshot" if isinstance(payload, KVSnapshot) else "batch"
+    return next(kind.decode() for kind, model in _MODELS.items() if isinstance(payload, model))
 
 
 def _deliver(sink: KVSink, fields: dict[bytes, bytes]) -> None:
     try:
         worker_id, data = fields[b"worker"].decode(), fields[b"data"]
-        model = KVSnapshot if fields[b"kind"] == b"snapshot" else KVEventBatch
-        payload: KVPayload = model.model_validate_json(data)
+        payload: KVPayload = _MODELS[fields[b"kind"]].model_validate_json(data)
     except (KeyError, ValueError) as error:
         log.warning("skipping a malformed KV stream entry", extra={"error": str(error)})
         return
