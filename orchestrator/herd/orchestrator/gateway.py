@@ -220,8 +220,11 @@ class Gateway:
     ) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The prompt's token ids and block hashes; none (the strategy's load-only fallback) while no
         tokenizer is known."""
+        threads = self._prepare_threads
         try:
-            return await self._prepare_threads.run_sized(size, _tokenize, served, parsed)
+            if not served.has_renderer:  # the first prompt loads the tokenizer (~0.7 s): never on the loop
+                return await threads.run(_tokenize, served, parsed)
+            return await threads.run_sized(size, _tokenize, served, parsed)
         except RendererUnavailableError as error:
             if served not in self._untokenized:
                 self._untokenized.add(served)
