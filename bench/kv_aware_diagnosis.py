@@ -14,27 +14,38 @@ alternate the order of the strategies. Besides the client's report, each run rec
   sampled every ``--sample-ms`` from ``/dashboard/data``: the mean of max/mean in flight over the
   samples with any in flight, and the share of samples where a worker had requests waiting.
 
+``--prepare-busy 0,4`` starts no server: it times the gateway's prepare step (parse, render, tokenize,
+hash) on the workload's bodies inline, on a plain thread and on ``PromptThreads`` (niced 10 below its
+caller), while that many processes spin at normal priority, as CPU-bound workers on the same host do.
+
     .venv/bin/python bench/kv_aware_diagnosis.py --backend simulated --rounds 3 \\
         --out bench/results/kv_aware_diagnosis_simulated.json
     .venv/bin/python bench/kv_aware_diagnosis.py --backend herd --rounds 3 \\
         --out bench/results/kv_aware_diagnosis_herd.json
+    .venv/bin/python bench/kv_aware_diagnosis.py --prepare-busy 0,2,4 \\
+        --out bench/results/kv_aware_diagnosis_prepare.json
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import json
 import statistics
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 from _common import (
+    DEMO_MODEL,
     HOST,
     REPO,
     free_port,
@@ -42,22 +53,30 @@ from _common import (
     metric_sums,
     run_load,
     running,
+    thread_env,
     wait_until,
     write_json,
 )
 
+from herd.api.kv_hash import block_hashes
 from herd.api.metrics import HERD_ROUTER_TTFT_SECONDS, TIME_TO_FIRST_TOKEN_SECONDS
+from herd.api.openai import ChatCompletionRequest
+from herd.api.prompt import PromptRenderer, PromptThreads
 from herd.cli.loadgen import BenchConfig
 
 __all__ = ["main"]
 
 SERVED_NAME = "smollm2"
+BLOCK_SIZE = 16
 # The calibrated cost model of examples/smollm2-simulated.yaml.
 SIMULATED_ENGINE = {
     "backend": "simulated",
     "simulation": {"costModel": {"stepMs": 39.2, "seqMs": 23.1, "tokenMs": 2.08}},
 }
 HERD_ENGINE = {"dtype": "float32"}
+THREADS = thread_env(1)
+"""One torch thread per real worker: with torch's default (one per core), the two workers' OpenMP
+threads spin against each other and the host's other processes (36 s per engine step seen here)."""
 
 
 def manifest(backend: str, strategy: str, kv_gib: float) -> dict[str, Any]:
@@ -68,7 +87,7 @@ def manifest(backend: str, strategy: str, kv_gib: float) -> dict[str, Any]:
         "maxModelLen": 2048,
         "maxBatchSize": 32,
         "maxBatchTokens": 1024,
-        "kvCache": {"blockSize": 16, "memoryGiB": kv_gib, "prefixCaching": True},
+        "kvCache": {"blockSize": BLOCK_SIZE, "memoryGiB": kv_gib, "prefixCaching": True},
     }
     return {
         "apiVersion": "herd.dev/v1alpha1",
@@ -77,7 +96,11 @@ def manifest(backend: str, strategy: str, kv_gib: float) -> dict[str, Any]:
         "spec": {
             "model": {"source": "file://.cache/models/smollm2-135m-instruct", "servedName": SERVED_NAME},
             "engine": engine,
-            "workers": {"replicas": 2, "resources": {"accelerator": {"vendor": "none"}}},
+            "workers": {
+                "replicas": 2,
+                "resources": {"accelerator": {"vendor": "none"}},
+                "env": THREADS if backend == "herd" else {},
+            },
             "routing": {"strategy": strategy},
         },
     }
@@ -222,12 +245,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--num-requests", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0, help="round r draws its requests with seed + r")
     parser.add_argument("--sample-ms", type=float, default=100.0)
+    parser.add_argument(
+        "--prepare-busy",
+        default=None,
+        help="instead: time the gateway's prepare step with N,M,... busy processes (no servers)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def serving_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
     strategies = [name.strip() for name in args.strategies.split(",")]
     runs = []
     for number in range(args.rounds):
@@ -235,6 +262,90 @@ def main(argv: list[str] | None = None) -> int:
         for strategy in order:
             runs.append({"round": number, **one_run(args, strategy, seed=args.seed + number)})
             print(json.dumps(runs[-1]), flush=True)
+    return runs
+
+
+def prepare_bodies(args: argparse.Namespace) -> list[bytes]:
+    """Chat bodies of the run's workload, as the gateway receives them."""
+    config = BenchConfig(
+        url="http://unused",
+        workload="shared-prefix",
+        num_tenants=args.num_tenants,
+        prefix_len=args.prefix_len,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        concurrency=1,
+        num_requests=1,
+    )
+    workload = config.build_workload()
+    specs = [workload.next_request() for _ in range(40)]
+    return [
+        json.dumps({"model": SERVED_NAME, "messages": s.messages, "max_tokens": 16}).encode() for s in specs
+    ]
+
+
+async def prepare_latency_ms(
+    bodies: list[bytes], run: Callable[[bytes], Awaitable[object]]
+) -> dict[str, float]:
+    """p50, p90 and max of ``run`` over the bodies, one at a time, 50 ms apart (a request's own wait)."""
+    latencies = []
+    for body in bodies:
+        started = time.perf_counter()
+        await run(body)
+        latencies.append(1000 * (time.perf_counter() - started))
+        await asyncio.sleep(0.05)
+    latencies.sort()
+    return {
+        "p50": round(statistics.median(latencies), 1),
+        "p90": round(latencies[int(0.9 * len(latencies))], 1),
+        "max": round(latencies[-1], 1),
+    }
+
+
+async def prepare_paths(bodies: list[bytes]) -> dict[str, dict[str, float]]:
+    """The gateway's prepare step (parse, render, tokenize, hash) inline, on a plain thread and on
+    ``PromptThreads`` (niced 10 below the caller)."""
+    renderer = PromptRenderer.from_pretrained(DEMO_MODEL)
+
+    def prepare(body: bytes) -> list[int]:
+        ids = renderer.chat_request_ids(ChatCompletionRequest.model_validate_json(body))
+        return block_hashes(ids, BLOCK_SIZE, model_id=SERVED_NAME)
+
+    niced, plain = PromptThreads("diag-prepare", 2), ThreadPoolExecutor(2)
+    loop = asyncio.get_running_loop()
+
+    async def inline(body: bytes) -> object:
+        return prepare(body)
+
+    try:
+        return {
+            "inline": await prepare_latency_ms(bodies, inline),
+            "thread": await prepare_latency_ms(bodies, lambda b: loop.run_in_executor(plain, prepare, b)),
+            "niced_thread": await prepare_latency_ms(bodies, lambda b: niced.run(prepare, b)),
+        }
+    finally:
+        niced.close()
+        plain.shutdown()
+
+
+def prepare_under_contention(args: argparse.Namespace, num_busy: int) -> dict[str, Any]:
+    """``prepare_paths`` while ``num_busy`` processes spin at normal priority (as CPU-bound workers do)."""
+    spin = [sys.executable, "-c", "while True: pass"]
+    with tempfile.TemporaryDirectory(prefix="kv-diag-busy-") as folder, contextlib.ExitStack() as stack:
+        for number in range(num_busy):
+            stack.enter_context(running(spin, log=Path(folder) / f"busy-{number}.log", grace=2.0))
+        return {"num_busy": num_busy, **asyncio.run(prepare_paths(prepare_bodies(args)))}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    runs = []
+    if args.prepare_busy is not None:
+        for num_busy in (int(n) for n in args.prepare_busy.split(",")):
+            runs.append(prepare_under_contention(args, num_busy))
+            print(json.dumps(runs[-1]), flush=True)
+    else:
+        runs = serving_runs(args)
     if args.out is not None:
         command = ["python", "bench/kv_aware_diagnosis.py", *(argv if argv is not None else sys.argv[1:])]
         write_json(
