@@ -148,7 +148,8 @@ def cell_table(cell: dict[str, Any]) -> str:
     oracle_line = cell["oracle"]
     lines = [
         f"**{cell['trace']}, {cell['num_workers']} workers, load {cell['load']:.0%}** "
-        f"(oracle {oracle_line['oracle_hit_rate']}, ceiling {oracle_line['ceiling_hit_rate']}, "
+        f"({cell.get('request_rate', '-')} requests/s, {cell.get('fleet_load', cell['load']):.1%} of this fleet's capacity; "
+        f"oracle {oracle_line['oracle_hit_rate']}, ceiling {oracle_line['ceiling_hit_rate']}, "
         f"cold prefill {cell['cold_prefill_ms']} ms)",
         "",
         "| router | hit rate | workers' hit rate | of oracle | TTFT p50 / p99 (ms) | TTFT p99 (cold prefills) "
