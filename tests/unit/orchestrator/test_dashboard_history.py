@@ -296,7 +296,8 @@ def test_requests_by_worker(
     assert requests_by_worker(counted, endpoints) == expected
 
 
-HISTORY = HistorySettings(interval_seconds=0.02, window_seconds=0.1, span_seconds=60.0)
+HISTORY = HistorySettings(interval_seconds=0.02, window_seconds=5.0, span_seconds=60.0)
+"""A window longer than the test: its four requests fall in one whatever the machine's load."""
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}]}
 
 
