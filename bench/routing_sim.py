@@ -6,8 +6,8 @@ with the LRU prefix cache that frees a sequence's blocks tail first, its KV even
 on the cost-model runner (``herd.worker.simulated_runner``), and every request is routed by the
 orchestrator's own ``decide`` (``herd.orchestrator.routing.decision``: capacity filter, the model's
 strategy, the blocks to expect, the session pin) over a real ``KVIndex``. The simulator applies each
-decision as the gateway does, in one step: its in-flight count per worker, ``KVIndex.expect`` and
-the pin. The worker's ``stored`` / ``removed`` events and load reports reach the orchestrator only
+decision as the gateway does, in one step: its in-flight count per worker (with the request's
+uncached prompt tokens until its first token), ``KVIndex.expect`` and the pin. The worker's ``stored`` / ``removed`` events and load reports reach the orchestrator only
 at the registry's next poll (every 250 ms). The two reference routers below are strategies too.
 
 What is modelled: there is no model. A worker step costs ``step_ms + seq_ms x sequences +
@@ -162,6 +162,8 @@ class Request:
     first_token_ms: float | None = None
     finished_ms: float = 0.0
     num_cached_tokens: int = 0
+    num_prefill_tokens: int = 0
+    """The uncached tokens its decision counted on the worker until its first token."""
 
 
 @dataclass
@@ -226,6 +228,7 @@ class Simulation:
         self.model = routed_model(router_name, self.index, seed, shape)
         self.workers = [self._worker(number, renderer) for number in range(shape.num_workers)]
         self.in_flight = {worker.id: 0 for worker in self.workers}
+        self.prefill_in_flight = {worker.id: 0 for worker in self.workers}
         self.pins: dict[str, str] = {}
         self.turns = self._turns(seed)
         self.prefixes = [
@@ -268,6 +271,9 @@ class Simulation:
             self.now, _, kind, payload = heapq.heappop(self.events)
             if kind == "step":
                 self._step(payload)
+            elif kind == "first_token":
+                worker, request = payload
+                self.prefill_in_flight[worker.id] -= request.num_prefill_tokens
             elif kind == "finish":
                 self._finish(*payload)
             elif kind == "poll":
@@ -313,6 +319,7 @@ class Simulation:
         matched = self.index.match(hashes)
         decision = decide(self.model, views, self._context(request))
         self._apply(decision)
+        request.num_prefill_tokens = decision.num_prefill_tokens
         choice = decision.worker
         if matched and matched.get(choice.id, 0) < max(matched.values()):
             self.num_spilled += 1
@@ -334,8 +341,10 @@ class Simulation:
         )
 
     def _apply(self, decision: Decision) -> None:
-        """The gateway's one step: count the worker in flight, expect its blocks, write the pin."""
+        """The gateway's one step: count the worker in flight with its prefill tokens, expect its
+        blocks, write the pin."""
         self.in_flight[decision.worker.id] += 1
+        self.prefill_in_flight[decision.worker.id] += decision.num_prefill_tokens
         counts = self.in_flight.values()
         self.imbalance.append(max(counts) * len(counts) / sum(counts))
         if decision.expected_blocks:
@@ -349,6 +358,7 @@ class Simulation:
             id=worker.id,
             url=f"http://{worker.id}",
             num_in_flight=self.in_flight[worker.id],
+            num_prefill_tokens_in_flight=self.prefill_in_flight[worker.id],
             num_running=report.num_running,
             num_waiting=report.num_waiting,
             num_waiting_prefill_tokens=report.num_waiting_prefill_tokens,
@@ -385,6 +395,7 @@ class Simulation:
         request = worker.requests[output.request_id]
         if output.new_token_ids and request.first_token_ms is None:
             request.first_token_ms = finish_ms
+            self._at(finish_ms, "first_token", (worker, request))
         if output.finished:
             request.num_cached_tokens = output.num_cached_tokens
             self._at(finish_ms, "finish", (worker, request))

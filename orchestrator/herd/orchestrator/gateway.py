@@ -282,8 +282,9 @@ class Gateway:
         started = time.perf_counter()
         decision = decide(served, self.registry.all_views(served.name), ctx)
         request.metrics.decision.observe(time.perf_counter() - started)
-        hold = self.registry.hold(decision.worker.id)
         prefill = decision.prefill
+        local_prefill_tokens = decision.num_prefill_tokens if prefill is None else 0
+        hold = self.registry.hold(decision.worker.id, num_prefill_tokens=local_prefill_tokens)
         prefill_hold = (
             None
             if prefill is None
@@ -353,6 +354,7 @@ class Gateway:
         upstream = await self._open(request, worker)
         headers = {WORKER_HEADER: worker.id}
         if request.is_stream and upstream.status_code == httpx.codes.OK:
+            hold.prefilled()  # the first chunk is out: the worker's prefill is no longer queued work
             ttft = time.perf_counter() - request.started
             request.metrics.ttft.observe(ttft)
             if request.prefill_seconds is not None:

@@ -145,11 +145,17 @@ class Registry:
             worker.breaker.on_send(time.monotonic())
         return Hold(self, worker_id, num_prefill_tokens)
 
+    def _prefilled(self, worker_id: str, num_prefill_tokens: int) -> None:
+        if (worker := self.workers.get(worker_id)) is not None:
+            worker.num_prefill_tokens_in_flight = max(
+                0, worker.num_prefill_tokens_in_flight - num_prefill_tokens
+            )
+
     def _release(self, worker_id: str, num_prefill_tokens: int, outcome: Outcome) -> None:
         if (worker := self.workers.get(worker_id)) is None:
             return
         worker.num_in_flight = max(0, worker.num_in_flight - 1)
-        worker.num_prefill_tokens_in_flight = max(0, worker.num_prefill_tokens_in_flight - num_prefill_tokens)
+        self._prefilled(worker_id, num_prefill_tokens)
         breaker = worker.breaker
         was_closed = breaker.state(now := time.monotonic()) == "closed"
         breaker.record(outcome, now)
@@ -300,7 +306,7 @@ class Hold:
     """One request's count on one worker, taken by ``Registry.hold`` at the moment of choice.
 
     ``release`` ends it exactly once (later calls do nothing) and feeds the outcome to the worker's
-    breaker. As a context manager it releases with ``"none"`` whatever was not released in the block,
+    breaker; ``prefilled`` drops its prefill tokens earlier, once the worker has computed the prompt. As a context manager it releases with ``"none"`` whatever was not released in the block,
     so no path out of a request, a cancellation included, leaves a worker counted.
     """
 
@@ -312,6 +318,12 @@ class Hold:
     @property
     def is_held(self) -> bool:
         return self._registry is not None
+
+    def prefilled(self) -> None:
+        """The worker has computed the prompt (its first token is out): stop counting its prefill."""
+        if self._registry is not None and self._num_prefill_tokens:
+            self._registry._prefilled(self.worker_id, self._num_prefill_tokens)
+            self._num_prefill_tokens = 0
 
     def release(self, outcome: Outcome) -> None:
         registry, self._registry = self._registry, None

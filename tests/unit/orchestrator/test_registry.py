@@ -110,6 +110,20 @@ async def test_in_flight_counts_feed_the_views() -> None:
         assert registry.views(MODEL)[0].num_in_flight == 1
 
 
+async def test_a_hold_counts_its_prefill_tokens_until_the_worker_has_computed_them() -> None:
+    cluster = FakeCluster([FakeWorker("w0")])
+    async with registry_for(cluster) as registry:
+        held = [registry.hold("w0", num_prefill_tokens=300), registry.hold("w0", num_prefill_tokens=50)]
+        counted = [registry.views(MODEL)[0].num_prefill_tokens_in_flight]
+        held[0].prefilled()
+        held[0].prefilled()  # once only
+        counted.append(registry.views(MODEL)[0].num_prefill_tokens_in_flight)
+        held[0].release("success")  # its tokens are already off
+        held[1].release("success")  # released before a first token: its tokens go with it
+        view = registry.views(MODEL)[0]
+        assert [*counted, view.num_prefill_tokens_in_flight, view.num_in_flight] == [350, 50, 0, 0]
+
+
 async def test_a_broken_kv_feed_does_not_eject_the_worker() -> None:
     worker = FakeWorker("w0", snapshot_blocks=[5], is_kv_broken=True)
     async with registry_for(FakeCluster([worker]), RegistrySettings(poll_interval=0.02)) as registry:

@@ -86,7 +86,9 @@ CASES = {
     "unhealthy-left-out": Case([view("a", is_healthy=False), view("b")], worker="b"),
     "full-ones-left-out": Case([view("a", num_in_flight=2), view("b")], limit=2, worker="b"),
     "other-roles-left-out": Case([view("d0", "decode"), view("b")], worker="b"),
-    "cached-blocks-counted": Case(UNIFIED, request(6), cached={"a": 4}, worker="a", num_cached_blocks=4),
+    "cached-blocks-counted": Case(
+        UNIFIED, request(6), cached={"a": 4}, worker="a", num_prefill_tokens=2 * BLOCK, num_cached_blocks=4
+    ),
     "long-prompt-prefills-on-the-least-queued": Case(
         POOLS, request(20), mode="disaggregated", worker="d0", prefill="p0", num_prefill_tokens=20 * BLOCK
     ),
@@ -100,19 +102,30 @@ CASES = {
         num_prefill_tokens=15 * BLOCK,
     ),
     "short-prompt-prefills-locally": Case(
-        POOLS, request(MIN_REMOTE_BLOCKS - 1), mode="disaggregated", worker="d0"
+        POOLS,
+        request(MIN_REMOTE_BLOCKS - 1),
+        mode="disaggregated",
+        worker="d0",
+        num_prefill_tokens=(MIN_REMOTE_BLOCKS - 1) * BLOCK,
     ),
     "prompt-cached-on-the-decode-worker-prefills-locally": Case(
-        POOLS, request(20), mode="disaggregated", cached={"d0": 18}, worker="d0", num_cached_blocks=18
+        POOLS,
+        request(20),
+        mode="disaggregated",
+        cached={"d0": 18},
+        worker="d0",
+        num_prefill_tokens=2 * BLOCK,
+        num_cached_blocks=18,
     ),
     "short-prompt-beside-a-long-queue-prefills-locally": Case(
         [view("p0", "prefill", num_prefill_tokens_in_flight=250), view("d0", "decode")],
         request(MIN_REMOTE_BLOCKS),
         mode="disaggregated",
         worker="d0",
+        num_prefill_tokens=MIN_REMOTE_BLOCKS * BLOCK,
     ),
     "no-prefill-pool-prefills-locally": Case(
-        [view("d0", "decode")], request(20), mode="disaggregated", worker="d0"
+        [view("d0", "decode")], request(20), mode="disaggregated", worker="d0", num_prefill_tokens=20 * BLOCK
     ),
     "a-retry-after-the-prefill-chooses-a-decode-worker-only": Case(
         POOLS, request(20, is_prefilled=True), mode="disaggregated", worker="d0"
@@ -179,4 +192,4 @@ def test_decide_prefill_replaces_a_failed_prefill_worker() -> None:
 def test_a_decision_is_a_plain_value() -> None:
     """Edges apply it; nothing in it refers back to the gateway."""
     decision = decide(model(), UNIFIED, request(2))
-    assert decision == Decision(UNIFIED[0], expected_blocks=HASHES[:2])
+    assert decision == Decision(UNIFIED[0], num_prefill_tokens=2 * BLOCK, expected_blocks=HASHES[:2])

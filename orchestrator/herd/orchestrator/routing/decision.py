@@ -76,7 +76,8 @@ class Decision:
     prefill: WorkerView | None = None
     """The prefill worker of a remote prefill; ``None`` when ``worker`` prefills the prompt itself."""
     num_prefill_tokens: int = 0
-    """The uncached prompt tokens ``prefill`` computes (counted on it while it does)."""
+    """The uncached prompt tokens the prefilling worker computes (``prefill``, else ``worker``),
+    counted on it until it has (``Hold.prefilled``), so that the next decision sees that work queued."""
     num_cached_blocks: int = 0
     """The prompt's leading blocks ``worker`` holds, by the KV index."""
     expected_blocks: Sequence[BlockHash] = ()
@@ -99,9 +100,13 @@ def decide(model: RoutedModel, views: Sequence[WorkerView], request: RequestCont
     if choice is None:
         raise UnroutableError("at_capacity")
     matched = model.kv_index.match(request.block_hashes) if request.block_hashes else {}
+    num_cached = matched.get(choice.id, 0)
+    # A prefilled request's decode worker imports the prompt's KV blocks; it computes none of them.
+    num_local = 0 if request.is_prefilled else len(request.token_ids)
     decision = Decision(
         choice,
-        num_cached_blocks=matched.get(choice.id, 0),
+        num_prefill_tokens=num_uncached_tokens(num_local, num_cached, config.block_size),
+        num_cached_blocks=num_cached,
         expected_blocks=request.block_hashes,
         pin=_pin(model, request, choice),
     )
@@ -145,11 +150,11 @@ def _paired(
     """
     config = model.config
     prefill, num_tokens = _prefill_of(model, views, request, matched)
-    if prefill is not None and request.token_ids:
-        num_cached = matched.get(decision.worker.id, 0)
-        uncached = num_uncached_tokens(len(request.token_ids), num_cached, config.block_size)
+    if prefill is None:
+        return decision
+    if request.token_ids:
         path = choose_path(
-            uncached,
+            decision.num_prefill_tokens,
             prefill,
             queued_tokens=queued_prefill_tokens(prefill),
             threshold_tokens=config.prefill_threshold_tokens,

@@ -9,7 +9,9 @@ For each candidate ``w`` under the bounded-load cap of ``_load``, with ``n`` the
 * ``evicted(w)``: the cached tokens those new blocks push out of ``w``'s pool once it is full (its
   total blocks less those the index holds for it): a later request misses them, so a prefix copied
   onto a worker with no room costs twice, and onto one with room only its prefill;
-* ``queued(w)``: the prompt tokens waiting for a prefill on ``w`` (its load report);
+* ``queued(w)``: the prompt tokens waiting for a prefill on ``w``: the uncached tokens of the requests
+  this orchestrator sent it that have no first token yet, or its load report's waiting ones if more
+  (the report lags a poll behind, and a burst routed within one poll would otherwise all look idle);
 * ``requests(w)``: the larger of its reported running + waiting and this orchestrator's own in-flight
   count (the report covers other replicas, the count what the report has not seen yet), each worth a
   third of a prompt like this one: the decode work a request in flight still adds to ``w``'s steps.
@@ -84,7 +86,11 @@ class KVCacheAware(RoutingStrategy):
             cache * tokens
             + load
             * (
-                w.num_waiting_prefill_tokens
+                (
+                    q
+                    if (q := w.num_prefill_tokens_in_flight) > w.num_waiting_prefill_tokens
+                    else w.num_waiting_prefill_tokens
+                )
                 + per_request
                 * (r if (r := w.num_running + w.num_waiting) > w.num_in_flight else w.num_in_flight)
             )
