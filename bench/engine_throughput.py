@@ -14,7 +14,9 @@
 is the engine's own overhead per step, the figure to compare before and after an engine change.
 ``--decode-batches 4,16`` times herd's decode steps alone instead: at each batch size, prompts of
 about ``--decode-context`` tokens are prefilled, then ``--decode-steps`` steps that only decode are
-timed one by one (median and p90); compare trees with ``bench/ab.py``.
+timed one by one (median and p90 of the wall time, and the median of the process's CPU time, which
+on a shared machine with ``--threads 1`` counts the work without the waits); compare trees with
+``bench/ab.py``.
 
     .venv/bin/python bench/engine_throughput.py --model .cache/models/smollm2-135m-instruct
 """
@@ -153,16 +155,19 @@ def decode_steps(engine: LLMEngine, batch_size: int, context_len: int, num_steps
     while scheduler.waiting or any(seq.num_output_tokens == 0 for seq in scheduler.running):
         engine.step()
     times: list[float] = []
+    cpu_times: list[float] = []
     for _ in range(num_steps):
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         engine.step()
         times.append(time.perf_counter() - started)
+        cpu_times.append(time.process_time() - cpu_started)
     while engine.has_unfinished_requests():
         engine.step()
     ordered = sorted(times)
     return {
         "p50": round(statistics.median(times) * 1000, 2),
         "p90": round(ordered[int(0.9 * (len(ordered) - 1))] * 1000, 2),
+        "cpu_p50": round(statistics.median(cpu_times) * 1000, 2),
     }
 
 
