@@ -66,3 +66,21 @@ def test_the_mask_allows_each_query_its_positions_so_far(
     [group] = prepare_inputs([chunk], BLOCK, torch.device("cpu")).metadata.groups
     allowed = group.attn_mask.sum(dim=-1).squeeze(1)  # [batch, query_len]
     assert allowed.tolist() == expected_allowed
+
+
+@pytest.mark.parametrize(
+    ("chunk", "window", "expected_keys"),
+    [
+        (decode(40, "d"), 20, [list(range(21, 41))]),
+        (decode(10, "d"), 20, [list(range(11))]),  # a context shorter than the window: all of it
+        (prefill(4, "p"), 2, [[0], [0, 1], [1, 2], [2, 3]]),
+    ],
+    ids=["decode-sees-its-window", "short-decode-sees-all", "prefill-rows-slide"],
+)
+def test_a_window_mask_allows_each_query_the_window_ending_at_its_position(
+    chunk: ScheduledChunk, window: int, expected_keys: list[list[int]]
+) -> None:
+    [group] = prepare_inputs([chunk], BLOCK, torch.device("cpu"), window_sizes=[window]).metadata.groups
+    allowed = group.mask(window)[0, 0]  # [query_len, keys]
+    assert [row.nonzero().flatten().tolist() for row in allowed] == expected_keys
+    assert group.mask(None) is group.attn_mask

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -20,10 +21,16 @@ class StepInputs:
     sample_index: torch.Tensor  # rows whose hidden state is projected to logits, in chunk order
 
 
-def prepare_inputs(chunks: list[ScheduledChunk], block_size: int, device: torch.device) -> StepInputs:
+def prepare_inputs(
+    chunks: list[ScheduledChunk],
+    block_size: int,
+    device: torch.device,
+    window_sizes: Collection[int] = (),
+) -> StepInputs:
     """Lay the chunks' tokens out group by group: decodes in groups of similar context length
     (``decode_groups``), then each prefill chunk alone. Every group is then a contiguous run of
-    rows and no query is padded; ``sample_index`` keeps the chunks' own order for the sampler."""
+    rows and no query is padded; ``sample_index`` keeps the chunks' own order for the sampler.
+    Each group carries a mask for each of the model's sliding ``window_sizes``."""
     decodes = [chunk for chunk in chunks if chunk.num_tokens == 1]
     prefills = [[chunk] for chunk in chunks if chunk.num_tokens > 1]
     token_ids: list[int] = []
@@ -32,7 +39,7 @@ def prepare_inputs(chunks: list[ScheduledChunk], block_size: int, device: torch.
     last_rows: dict[ScheduledChunk, int] = {}
     groups: list[AttentionGroup] = []
     for group in [*decode_groups(decodes, block_size), *prefills]:
-        groups.append(_group(group, len(token_ids), block_size, device))
+        groups.append(_group(group, len(token_ids), block_size, device, window_sizes))
         for chunk in group:
             start, end = chunk.start, chunk.start + chunk.num_tokens
             token_ids.extend(chunk.seq.tokens_between(start, end))
@@ -77,7 +84,11 @@ def decode_groups(decodes: list[ScheduledChunk], block_size: int) -> list[list[S
 
 
 def _group(
-    chunks: list[ScheduledChunk], first_row: int, block_size: int, device: torch.device
+    chunks: list[ScheduledChunk],
+    first_row: int,
+    block_size: int,
+    device: torch.device,
+    window_sizes: Collection[int],
 ) -> AttentionGroup:
     """Decodes (one token each) or a single prefill chunk: ``len(chunks) * query_len`` rows either way."""
     query_len = chunks[0].num_tokens
@@ -90,12 +101,16 @@ def _group(
         block_tables.extend([*table, *[0] * (max_blocks - len(table))])
     positions = _tensor(query_positions, device).view(len(chunks), query_len, 1)
     key_positions = torch.arange(max_blocks * block_size, device=device)
+    causal = key_positions <= positions
     return AttentionGroup(
         first_row=first_row,
         block_tables=_tensor(block_tables, device).view(len(chunks), max_blocks),
-        attn_mask=(key_positions <= positions).unsqueeze(1),
+        attn_mask=causal.unsqueeze(1),
         batch_size=len(chunks),
         query_len=query_len,
+        window_masks={
+            window: (causal & (key_positions > positions - window)).unsqueeze(1) for window in window_sizes
+        },
     )
 
 

@@ -7,11 +7,16 @@ decodes, and no query is padded. Each backend stores all the step's new keys and
 paged pool at ``slot_mapping`` before any query attends (the scheduler relies on it: a sequence
 may attend to blocks that another sequence of the same step fills), then attends each query to its
 sequence's cached context through ``block_tables``.
+
+A layer with a sliding window attends only to the keys within the window of each query's own
+position; every block stays in the pool (prefix caching and chunked prefill see the same blocks
+as for a global layer), and the window is a narrower mask over the same gathered context.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -24,7 +29,9 @@ class AttentionGroup:
     """Sequences attended together as a batch of ``[batch, query_len]`` queries: decodes
     (``query_len`` 1) or a single prefill chunk (``batch`` 1), at the flat step's rows
     ``first_row`` to ``first_row + num_tokens``; ``attn_mask`` allows key ``j`` for a query at
-    position ``p`` iff ``j <= p`` (it also masks the padding of shorter contexts' block tables).
+    position ``p`` iff ``j <= p`` (it also masks the padding of shorter contexts' block tables);
+    ``window_masks[w]``, for each sliding window ``w`` of the model, iff ``p - w < j <= p`` (the
+    query and the ``w - 1`` keys before it, as ``transformers`` masks a sliding layer).
     """
 
     first_row: int
@@ -32,6 +39,11 @@ class AttentionGroup:
     attn_mask: torch.Tensor  # [batch, 1, query_len, max_blocks * block_size]
     batch_size: int
     query_len: int
+    window_masks: Mapping[int, torch.Tensor] = field(default_factory=dict)  # each like attn_mask
+
+    def mask(self, sliding_window: int | None) -> torch.Tensor:
+        """The mask of a layer with that window (``None``: a global layer)."""
+        return self.attn_mask if sliding_window is None else self.window_masks[sliding_window]
 
     @property
     def num_tokens(self) -> int:
@@ -54,7 +66,12 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Attend ``query`` ``[T, H, D]`` after storing ``key``/``value`` ``[T, Hkv, D]`` into
-        ``kv_cache`` ``[2, num_blocks, block_size, Hkv, D]``; returns ``[T, H, D]``."""
+        ``kv_cache`` ``[2, num_blocks, block_size, Hkv, D]``; returns ``[T, H, D]``. A layer with a
+        ``sliding_window`` attends through ``AttentionGroup.mask(sliding_window)``; ``softcap``
+        caps the scaled scores at ``softcap * tanh(score / softcap)`` before the mask (Gemma 2)."""
         ...
