@@ -11,26 +11,22 @@ from herd.worker.layers.moe import FusedExperts, grouped_linear, route
 NUM_EXPERTS, HIDDEN, INTERMEDIATE = 6, 16, 8
 
 
-def make_experts() -> FusedExperts:
+def make_experts(hidden: int = HIDDEN, intermediate: int = INTERMEDIATE) -> FusedExperts:
     torch.manual_seed(0)
-    experts = FusedExperts(NUM_EXPERTS, HIDDEN, INTERMEDIATE, functional.silu)
+    experts = FusedExperts(NUM_EXPERTS, hidden, intermediate, functional.silu)
     with torch.no_grad():
         experts.gate_up_proj.normal_()
         experts.down_proj.normal_()
     return experts
 
 
-def token_by_token(
+def reference(
     experts: FusedExperts, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor
 ) -> torch.Tensor:
-    rows = []
-    for token, picks, token_weights in zip(x, chosen.tolist(), weights, strict=True):
-        total = torch.zeros(HIDDEN)
-        for expert, weight in zip(picks, token_weights, strict=True):
-            gate, up = (experts.gate_up_proj[expert] @ token).chunk(2)
-            total += weight * (experts.down_proj[expert] @ (functional.silu(gate) * up))
-        rows.append(total)
-    return torch.stack(rows)
+    """Each (token, pick) through a copy of its own expert's weights: no sorting, no grouping."""
+    gate, up = torch.einsum("tkoh,th->tko", experts.gate_up_proj[chosen], x).chunk(2, dim=-1)
+    down = torch.einsum("tkhi,tki->tkh", experts.down_proj[chosen], functional.silu(gate) * up)
+    return (down * weights.unsqueeze(-1)).sum(dim=1)
 
 
 @pytest.mark.parametrize("normalize", [True, False])
@@ -52,7 +48,7 @@ def test_dispatch_equals_each_token_through_its_experts(num_tokens: int, top_k: 
     x = torch.randn(num_tokens, HIDDEN)
     weights, chosen = route(torch.randn(num_tokens, NUM_EXPERTS), top_k, normalize=False)
     with torch.no_grad():
-        torch.testing.assert_close(experts(x, weights, chosen), token_by_token(experts, x, weights, chosen))
+        torch.testing.assert_close(experts(x, weights, chosen), reference(experts, x, weights, chosen))
 
 
 def test_grouped_gemm_and_per_expert_gemms_agree() -> None:
@@ -80,3 +76,11 @@ def test_checkpoint_names_fill_each_experts_rows() -> None:
 def _runs(counts: torch.Tensor) -> list[tuple[int, int]]:
     ends = counts.cumsum(0).tolist()
     return [(end - count, end) for end, count in zip(ends, counts.tolist(), strict=True)]
+
+
+def test_sizes_the_grouped_kernel_cannot_take_run_per_expert() -> None:
+    experts = make_experts(hidden=6, intermediate=5)  # 24- and 20-byte rows: not 16-byte aligned
+    x = torch.randn(7, 6)
+    weights, chosen = route(torch.randn(7, NUM_EXPERTS), 2, normalize=True)
+    with torch.no_grad():
+        torch.testing.assert_close(experts(x, weights, chosen), reference(experts, x, weights, chosen))

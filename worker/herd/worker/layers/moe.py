@@ -47,8 +47,10 @@ def grouped_linear(
     return out
 
 
-def _has_grouped_kernel(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" or (x.device.type == "cuda" and x.dtype == torch.bfloat16)
+def _has_grouped_kernel(x: torch.Tensor, intermediate_size: int) -> bool:
+    """Whether ``grouped_mm`` runs here: on CPU, or CUDA in bfloat16, with rows of a multiple of 16 bytes."""
+    is_aligned = all(size * x.element_size() % 16 == 0 for size in (x.shape[-1], intermediate_size))
+    return is_aligned and (x.device.type == "cpu" or (x.device.type == "cuda" and x.dtype == torch.bfloat16))
 
 
 class FusedExperts(nn.Module):
@@ -83,7 +85,7 @@ class FusedExperts(nn.Module):
         flat = experts.flatten()
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts)
-        grouped = _has_grouped_kernel(x)
+        grouped = _has_grouped_kernel(x, self.intermediate_size)
         rows = x[order // top_k]
         gate, up = grouped_linear(rows, self.gate_up_proj, counts, grouped=grouped).chunk(2, dim=-1)
         out = grouped_linear(self.activation(gate) * up, self.down_proj, counts, grouped=grouped)
