@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from herd.worker.layers.attention import AttentionGroup, AttentionMetadata
+from herd.worker.layers.attention import AttentionGroup, AttentionMetadata, WindowView
 from herd.worker.scheduler import ScheduledChunk
 
 __all__ = ["StepInputs", "prepare_inputs"]
@@ -101,17 +101,33 @@ def _group(
         block_tables.extend([*table, *[0] * (max_blocks - len(table))])
     positions = _tensor(query_positions, device).view(len(chunks), query_len, 1)
     key_positions = torch.arange(max_blocks * block_size, device=device)
-    causal = key_positions <= positions
     return AttentionGroup(
         first_row=first_row,
         block_tables=_tensor(block_tables, device).view(len(chunks), max_blocks),
-        attn_mask=causal.unsqueeze(1),
+        attn_mask=(key_positions <= positions).unsqueeze(1),
         batch_size=len(chunks),
         query_len=query_len,
-        window_masks={
-            window: (causal & (key_positions > positions - window)).unsqueeze(1) for window in window_sizes
-        },
+        windows={window: _window(chunks, positions, block_size, window) for window in window_sizes},
     )
+
+
+def _window(
+    chunks: list[ScheduledChunk], positions: torch.Tensor, block_size: int, window: int
+) -> WindowView:
+    """The blocks from each sequence's first block in reach (its first query's position - window + 1),
+    as many as the group's widest reach, and the mask over their key positions."""
+    first_blocks = [max(0, chunk.start - window + 1) // block_size for chunk in chunks]
+    ends = [-(-(chunk.start + chunk.num_tokens) // block_size) for chunk in chunks]
+    num_blocks = max(end - first for first, end in zip(first_blocks, ends, strict=True))
+    block_tables: list[int] = []
+    for chunk, first in zip(chunks, first_blocks, strict=True):
+        table = chunk.seq.block_table[first : first + num_blocks]
+        block_tables.extend([*table, *[0] * (num_blocks - len(table))])
+    device = positions.device
+    offsets = _tensor(first_blocks, device).view(-1, 1, 1) * block_size
+    key_positions = offsets + torch.arange(num_blocks * block_size, device=device)
+    allowed = (key_positions <= positions) & (key_positions > positions - window)
+    return WindowView(_tensor(block_tables, device).view(len(chunks), num_blocks), allowed.unsqueeze(1))
 
 
 def _tensor(values: list[int], device: torch.device) -> torch.Tensor:

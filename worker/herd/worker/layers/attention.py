@@ -10,7 +10,7 @@ sequence's cached context through ``block_tables``.
 
 A layer with a sliding window attends only to the keys within the window of each query's own
 position; every block stays in the pool (prefix caching and chunked prefill see the same blocks
-as for a global layer), and the window is a narrower mask over the same gathered context.
+as for a global layer), and the layer gathers only the blocks its queries' windows reach.
 """
 
 from __future__ import annotations
@@ -21,7 +21,18 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["AttentionBackend", "AttentionGroup", "AttentionMetadata"]
+__all__ = ["AttentionBackend", "AttentionGroup", "AttentionMetadata", "WindowView"]
+
+
+@dataclass(frozen=True)
+class WindowView:
+    """What a sliding layer with window ``w`` reads of a group: each sequence's blocks from the one
+    holding its first query's position ``- w + 1`` (``block_tables``), and ``attn_mask`` over them,
+    allowing key ``j`` for a query at ``p`` iff ``p - w < j <= p`` (the query and the ``w - 1`` keys
+    before it, as ``transformers`` masks a sliding layer)."""
+
+    block_tables: torch.Tensor  # [batch, window_blocks]
+    attn_mask: torch.Tensor  # [batch, 1, query_len, window_blocks * block_size]
 
 
 @dataclass(frozen=True)
@@ -30,8 +41,7 @@ class AttentionGroup:
     (``query_len`` 1) or a single prefill chunk (``batch`` 1), at the flat step's rows
     ``first_row`` to ``first_row + num_tokens``; ``attn_mask`` allows key ``j`` for a query at
     position ``p`` iff ``j <= p`` (it also masks the padding of shorter contexts' block tables);
-    ``window_masks[w]``, for each sliding window ``w`` of the model, iff ``p - w < j <= p`` (the
-    query and the ``w - 1`` keys before it, as ``transformers`` masks a sliding layer).
+    ``windows`` holds a ``WindowView`` for each sliding window of the model.
     """
 
     first_row: int
@@ -39,11 +49,14 @@ class AttentionGroup:
     attn_mask: torch.Tensor  # [batch, 1, query_len, max_blocks * block_size]
     batch_size: int
     query_len: int
-    window_masks: Mapping[int, torch.Tensor] = field(default_factory=dict)  # each like attn_mask
+    windows: Mapping[int, WindowView] = field(default_factory=dict)
 
-    def mask(self, sliding_window: int | None) -> torch.Tensor:
-        """The mask of a layer with that window (``None``: a global layer)."""
-        return self.attn_mask if sliding_window is None else self.window_masks[sliding_window]
+    def view(self, sliding_window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block tables and mask of a layer with that window (``None``: a global layer)."""
+        if sliding_window is None:
+            return self.block_tables, self.attn_mask
+        window = self.windows[sliding_window]
+        return window.block_tables, window.attn_mask
 
     @property
     def num_tokens(self) -> int:
@@ -72,6 +85,6 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor:
         """Attend ``query`` ``[T, H, D]`` after storing ``key``/``value`` ``[T, Hkv, D]`` into
         ``kv_cache`` ``[2, num_blocks, block_size, Hkv, D]``; returns ``[T, H, D]``. A layer with a
-        ``sliding_window`` attends through ``AttentionGroup.mask(sliding_window)``; ``softcap``
+        ``sliding_window`` attends through ``AttentionGroup.view(sliding_window)``; ``softcap``
         caps the scaled scores at ``softcap * tanh(score / softcap)`` before the mask (Gemma 2)."""
         ...

@@ -38,7 +38,7 @@ class TorchAttentionBackend:
                 key_cache,
                 value_cache,
                 group,
-                group.mask(sliding_window),
+                *group.view(sliding_window),
                 scale,
                 softcap,
             )
@@ -52,6 +52,7 @@ class TorchAttentionBackend:
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         group: AttentionGroup,
+        block_tables: torch.Tensor,
         mask: torch.Tensor,
         scale: float,
         softcap: float | None,
@@ -63,7 +64,7 @@ class TorchAttentionBackend:
         # query rows of that head, [B, Hkv, per_kv * q, D]; the mask repeats for each of them (a
         # decode's single row broadcasts instead).
         query = query.view(batch, query_len, num_kv_heads, per_kv, head_dim).permute(0, 2, 3, 1, 4)
-        blocks = group.block_tables.flatten()
+        blocks = block_tables.flatten()
         context_shape = (batch, -1, *key_cache.shape[2:])
         keys = key_cache.index_select(0, blocks).view(context_shape).transpose(1, 2)
         values = value_cache.index_select(0, blocks).view(context_shape).transpose(1, 2)
