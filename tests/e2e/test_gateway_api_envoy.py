@@ -283,3 +283,14 @@ def test_the_envoy_under_test_is_the_pinned_one() -> None:
         [str(envoy_binary()), "--version"], capture_output=True, text=True, check=True
     ).stdout
     assert f"/{ENVOY_VERSION}/" in version
+
+
+def test_workers_export_the_metrics_the_model_server_protocol_names(fleet: Fleet) -> None:
+    """The extension's model-server protocol: queued and running requests, KV cache utilization, and
+    the optional block size and block count as labels of ``vllm:cache_config_info``."""
+    page = httpx.get(f"{fleet.urls[0]}/metrics", timeout=5).text
+    samples = [line for line in page.splitlines() if not line.startswith("#")]
+    for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"):
+        assert any(line.startswith(name) for line in samples), name
+    info = next(line for line in samples if line.startswith("vllm:cache_config_info{"))
+    assert 'block_size="16"' in info and "num_gpu_blocks=" in info
