@@ -164,3 +164,129 @@ def test_a_constraint_that_does_not_compile_is_a_400_naming_it(
     )
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+WEATHER_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city now",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Rome"]}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+    },
+}
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _call_turn(
+    client: openai.OpenAI, tool_choice: Any, *, stream: bool
+) -> tuple[str | None, list[dict[str, Any]]]:
+    """One assistant turn with tools: its finish reason and its tool calls (streamed deltas joined)."""
+    fields: dict[str, Any] = {"model": MODEL, "messages": ASK_WEATHER, "tools": [WEATHER_TOOL, TIME_TOOL],
+                              "tool_choice": tool_choice, "max_tokens": 200, "temperature": 0.7, "seed": 2}  # fmt: skip
+    if not stream:
+        choice = client.chat.completions.create(**fields).choices[0]
+        assert choice.message.content is None
+        calls = [call.model_dump() for call in choice.message.tool_calls or []]
+        return choice.finish_reason, calls
+    joined: dict[int, dict[str, Any]] = {}
+    finish_reason = None
+    for chunk in client.chat.completions.create(**fields, stream=True):
+        for choice in chunk.choices:
+            finish_reason = choice.finish_reason or finish_reason
+            assert not choice.delta.content
+            for delta in choice.delta.tool_calls or []:
+                if delta.index not in joined:  # a call's first delta carries its id, type and name
+                    assert delta.id and delta.type == "function" and delta.function and delta.function.name
+                    joined[delta.index] = {
+                        "id": delta.id,
+                        "type": "function",
+                        "function": {"name": delta.function.name, "arguments": ""},
+                    }
+                joined[delta.index]["function"]["arguments"] += (
+                    delta.function and delta.function.arguments
+                ) or ""
+    return finish_reason, [joined[index] for index in sorted(joined)]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize(
+    "tool_choice",
+    ["required", {"type": "function", "function": {"name": "get_weather"}}],
+    ids=["required", "named"],
+)
+@pytest.mark.parametrize("through", ["worker", "gateway"])
+def test_a_tool_round_trip_call_result_answer(
+    worker: WorkerPorts, gateway: str, through: str, tool_choice: Any, stream: bool
+) -> None:
+    client = _client(worker.url if through == "worker" else gateway)
+    finish_reason, calls = _call_turn(client, tool_choice, stream=stream)
+    assert finish_reason == "tool_calls"
+    assert calls and (len(calls) == 1 or tool_choice == "required")
+    schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in (WEATHER_TOOL, TIME_TOOL)}
+    for call in calls:
+        assert call["id"].startswith("call_")
+        jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[call["function"]["name"]])
+    if isinstance(tool_choice, dict):
+        assert calls[0]["function"]["name"] == "get_weather"
+    history = [
+        *ASK_WEATHER,
+        {"role": "assistant", "content": None, "tool_calls": calls},
+        *({"role": "tool", "tool_call_id": call["id"], "content": "22 degrees, sunny"} for call in calls),
+    ]
+    answer = client.chat.completions.create(
+        model=MODEL,
+        messages=history,
+        tools=[WEATHER_TOOL, TIME_TOOL],
+        tool_choice="none",
+        max_tokens=12,
+        stream=stream,
+    )
+    if stream:
+        chunks = [chunk.choices[0] for chunk in answer if chunk.choices]
+        assert "".join(c.delta.content or "" for c in chunks) and not any(c.delta.tool_calls for c in chunks)
+        assert chunks[-1].finish_reason in {"stop", "length"}
+    else:
+        message = answer.choices[0].message
+        assert message.content and not message.tool_calls
+        assert answer.choices[0].finish_reason in {"stop", "length"}
+
+
+def test_auto_parses_the_models_hermes_calls(worker: WorkerPorts) -> None:
+    """With ``auto`` the model's own text is parsed; a grammar makes the random model write a call."""
+    call = (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "unit": "celsius"}}\n</tool_call>'
+    )
+    choice = _client(worker.url).chat.completions.create(
+        model=MODEL, messages=ASK_WEATHER, tools=[WEATHER_TOOL], tool_choice="auto", max_tokens=200,
+        extra_body={"structured_outputs": {"choice": [call]}},
+    ).choices[0]  # fmt: skip
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.tool_calls and choice.message.tool_calls[0].function.name == "get_weather"
+    assert json.loads(choice.message.tool_calls[0].function.arguments) == {"city": "Rome", "unit": "celsius"}
+
+
+def test_the_gateway_and_the_worker_render_tools_alike(worker: WorkerPorts, tiny_llama: Path) -> None:
+    from herd.api.openai import ChatCompletionRequest
+    from herd.api.prompt import PromptRenderer
+
+    body = {"model": MODEL, "messages": ASK_WEATHER, "tools": [WEATHER_TOOL]}
+    rendered = httpx.post(f"{worker.url}/v1/chat/completions/render", json=body, timeout=30).json()[
+        "token_ids"
+    ]
+    ours = PromptRenderer.from_pretrained(tiny_llama).chat_request_ids(
+        ChatCompletionRequest.model_validate(body)
+    )
+    assert rendered == ours
+    assert "get_weather" in PromptRenderer.from_pretrained(tiny_llama).decode(ours)

@@ -223,12 +223,14 @@ class _PublicRoutes:
         rid = request_id(request)
         generation = Generation(self.engine, self._metrics, rid, choices, body.cache_salt)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
+        tool_choice = body.effective_tool_choice if isinstance(body, ChatCompletionRequest) else "none"
         return ResponseContext(
             id=f"{prefix}-{rid}",
             model=self.options.served_name,
             renderer=self.engine.renderer,
             generation=generation,
             include_usage=include_usage,
+            tool_choice=tool_choice,
         )
 
     async def models(self) -> ModelList:
