@@ -21,6 +21,27 @@ from support.schemas import varied_schemas
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 QUESTION = [{"role": "user", "content": "Which city is the capital of France?"}]
+WEATHER_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city now",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Rome"]}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+    },
+}
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 class City(BaseModel):
@@ -149,8 +170,21 @@ def test_a_streamed_constrained_answer_joins_to_valid_json(worker: WorkerPorts) 
         ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs.regex"),
         ({"structured_outputs": {"grammar": "start: nowhere"}}, "structured_outputs.grammar"),
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+        ({"audio": {"voice": "alloy", "format": "mp3"}}, "audio"),
+        (
+            {"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+        ),
     ],
-    ids=["bad-schema", "no-schema", "bad-regex", "bad-grammar", "two-constraints"],
+    ids=[
+        "bad-schema",
+        "no-schema",
+        "bad-regex",
+        "bad-grammar",
+        "two-constraints",
+        "refused-audio",
+        "unknown-tool",
+    ],
 )
 @pytest.mark.parametrize("through", ["worker", "gateway"])
 def test_a_constraint_that_does_not_compile_is_a_400_naming_it(
@@ -164,29 +198,6 @@ def test_a_constraint_that_does_not_compile_is_a_400_naming_it(
     )
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
-
-
-WEATHER_TOOL: dict[str, Any] = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city now",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"enum": ["Paris", "Rome"]}, "unit": {"enum": ["celsius", "fahrenheit"]}},
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
-TIME_TOOL: dict[str, Any] = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
-    },
-}
-ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 def _call_turn(

@@ -271,7 +271,7 @@ class _Hints(_Tolerant):
     prompt_cache_retention: str | None = None
     prompt_cache_options: dict[str, Any] | None = None
     safety_identifier: str | None = None
-    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    service_tier: str | None = None
     prediction: dict[str, Any] | None = None
 
 
