@@ -31,7 +31,7 @@ LONG_SYSTEM = "You are a careful assistant. " * 6
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def worker(tiny_llama: Path) -> AsyncIterator[tuple[httpx.AsyncClient, httpx.AsyncClient]]:
-    engine = AsyncEngine(lambda: torch_engine(engine_config(tiny_llama)))
+    engine = AsyncEngine(lambda: torch_engine(engine_config(tiny_llama, maxModelLen=1024)))  # room for tools
     engine.start()
     await engine.wait_loaded()
     public = httpx.ASGITransport(app=build_public_app(engine, PublicOptions("tiny", max_body_bytes=1 << 20)))
@@ -60,8 +60,28 @@ async def worker(tiny_llama: Path) -> AsyncIterator[tuple[httpx.AsyncClient, htt
             "cache_salt": "tenant-7",
         },
         {"prompt": LONG_SYSTEM + "Once upon a time"},
+        {
+            "messages": [
+                {"role": "user", "content": "Weather in Paris?"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "call_1",
+                            "type": "function",
+                            "function": {"name": "weather", "arguments": '{"city": "Paris"}'},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+            ],
+            "tools": [
+                {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+            ],
+        },
     ],
-    ids=["chat", "chat-parts-salted", "completion"],
+    ids=["chat", "chat-parts-salted", "completion", "chat-tools"],
 )
 async def test_orchestrator_hashes_equal_the_workers(
     worker: tuple[httpx.AsyncClient, httpx.AsyncClient], tiny_llama: Path, body: dict[str, Any]

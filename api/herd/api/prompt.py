@@ -27,6 +27,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from herd.api.openai import ChatCompletionRequest, CompletionRequest, prompt_too_long
+from herd.api.tools import ToolFormat, chat_messages, knows_tools, tool_format
 
 __all__ = [
     "TOKENIZER_FILES",
@@ -133,6 +134,10 @@ class PromptRenderer:
         self.eos_token = eos_token
         self.eos_token_ids = frozenset(eos_token_ids)
         self._template: jinja2.Template | None = None
+        self.knows_tools = knows_tools(chat_template)
+        """Whether the chat template renders ``tools`` itself (``herd.api.tools``)."""
+        self.tool_format: ToolFormat = tool_format(chat_template)
+        """The format this model writes tool calls in."""
         if chat_template:
             env = ImmutableSandboxedEnvironment(
                 trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
@@ -246,12 +251,18 @@ class PromptRenderer:
 
         With ``max_model_len``, a prompt that leaves no room for output raises ``LengthError``.
         """
-        messages = [{"role": message.role, "content": message.text} for message in request.messages]
-        return self.encode_chat(
-            messages,
-            add_generation_prompt=request.add_generation_prompt,
-            template_kwargs=request.chat_template_kwargs,
-            limit=None if max_model_len is None else PromptLimit(max_model_len, "messages"),
+        text = self.render_chat_request(request)
+        limit = None if max_model_len is None else PromptLimit(max_model_len, "messages")
+        return self.encode(text, add_special_tokens=False, limit=limit)
+
+    def render_chat_request(self, request: ChatCompletionRequest) -> str:
+        """A chat request's prompt text; tools and tool calls reach the template as ``herd.api.tools`` says."""
+        messages = chat_messages(request, template_knows_tools=self.knows_tools)
+        template_kwargs = dict(request.chat_template_kwargs or {})
+        if request.tools and self.knows_tools:
+            template_kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in request.tools]
+        return self.render_chat(
+            messages, add_generation_prompt=request.add_generation_prompt, template_kwargs=template_kwargs
         )
 
     def completion_request_ids(

@@ -129,7 +129,14 @@ class LLMEngine:
             prompt_token_ids=list(prompt_token_ids),
             params=params,
             root_hash=root_hash(self.config.served_name, cache_salt),
+            grammar=None if params.grammar is None else params.grammar.matcher(),
         )
+        if first_token_id is not None and seq.grammar is not None and not seq.grammar.accepts(first_token_id):
+            log.warning(
+                "the handed first token breaks the grammar; sampling it here",
+                extra={"request_id": request_id},
+            )
+            first_token_id = None
         detokenizer = IncrementalDetokenizer(self.renderer, prompt_token_ids, params.stop)
         self._requests[request_id] = _Request(seq, detokenizer)
         self.scheduler.add(seq)
@@ -202,6 +209,8 @@ class LLMEngine:
             return self._fail_request(seq, error, stage="stop checks and detokenization")
 
     def _append(self, seq: Sequence, sampled: SampledToken) -> RequestOutput:
+        if seq.grammar is not None:
+            seq.grammar.advance(sampled.token_id)
         seq.append_token(sampled.token_id, sampled.logprob)
         self.stats.generation_tokens += 1
         request = self._requests[seq.request_id]
@@ -294,6 +303,8 @@ class LLMEngine:
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
         params = seq.params
+        if seq.grammar is not None and seq.grammar.is_finished:
+            return "stop"
         is_eos = not params.ignore_eos and token_id in self.renderer.eos_token_ids
         if (is_eos or token_id in params.stop_token_ids) and seq.num_output_tokens >= params.min_tokens:
             return "stop"

@@ -3,8 +3,9 @@
 The pool's size is measured here and returned as a ``CacheGeometry`` (the block manager is built
 from it): an explicit ``kvCache.memoryGiB``, else on CUDA the free memory above the share
 ``1 - memoryUtilization`` of the device left for activations, else 1 GiB on CPU. A step copies
-the plan's blocks, runs one batched forward over every chunk, and samples the rows whose chunk
-reached its sequence's end (``herd.worker.sampler``). ``torch_engine`` builds herd's engine on it.
+the plan's blocks, starts the grammar masks of its constrained sequences on a side thread, runs one
+batched forward over every chunk, and samples the rows whose chunk reached its sequence's end
+(``herd.worker.sampler``). ``torch_engine`` builds herd's engine on it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from herd.api.prompt import PromptRenderer
 from herd.worker.cache_geometry import CacheGeometry, bytes_per_block
 from herd.worker.config import EngineConfig
 from herd.worker.engine import LLMEngine
+from herd.worker.grammar import MaskFiller
 from herd.worker.input_batch import prepare_inputs
 from herd.worker.layers.attention import AttentionBackend
 from herd.worker.layers.torch_attention import TorchAttentionBackend
@@ -59,6 +61,7 @@ class TorchRunner:
         self.kv_cache = torch.zeros(self.geometry.shape, dtype=self.dtype, device=self.device)
         self.model.bind_kv_cache(self.kv_cache)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed), eos_token_ids)
+        self.masks = MaskFiller()
 
     @property
     def vocab_size(self) -> int:
@@ -103,10 +106,12 @@ class TorchRunner:
         if plan.block_copies:
             sources, targets = zip(*plan.block_copies, strict=True)
             self.kv_cache[:, :, list(targets)] = self.kv_cache[:, :, list(sources)]
+        sampled = [chunk.seq for chunk in plan.chunks if chunk.is_sampled]
+        masks = self.masks.start([seq.grammar for seq in sampled])  # computed while the forward runs
         inputs = prepare_inputs(plan.chunks, self.config.block_size, self.device, self.args.window_sizes)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
         logits = self.model.compute_logits(hidden[inputs.sample_index])
-        return self.sampler.sample(logits, [chunk.seq for chunk in plan.chunks if chunk.is_sampled])
+        return self.sampler.sample(logits, sampled, masks)
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         return self.kv_cache[:, :, block_ids].cpu()

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from herd.api.kv_hash import BlockHash
 from herd.worker.outputs import FinishReason, TokenLogprob
 from herd.worker.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from herd.worker.grammar import GrammarMatcher
 
 __all__ = ["Sequence", "SequenceStatus"]
 
@@ -42,6 +46,9 @@ class Sequence:
     num_committed_blocks: int = 0
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
+    grammar: GrammarMatcher | None = None
+    """Where the output stands in ``params.grammar``; advanced with every appended token, kept
+    across preemption (the tokens are)."""
 
     @property
     def token_ids(self) -> list[int]:

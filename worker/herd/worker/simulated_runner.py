@@ -9,7 +9,9 @@ the cost model's ``hostShare`` of it busy on the CPU, the rest asleep. The sampl
 token of a sequence is a hash of the runner's seed, its prompt (with the cache salt and model that
 its root hash carries) and its position, so equal prompts continue alike, as under greedy decoding;
 never one of ``avoid_token_ids`` (the stop tokens), unless ``eos_after`` asks for a stop token after that many
-output tokens. The KV pool is block ids only: the block manager hands them out as for a real pool;
+output tokens. A constrained sequence (``response_format``, tools) draws the same hash over the tokens
+its grammar allows at that step (``herd.worker.grammar``), a stop token only when nothing else is
+allowed, so its output matches its grammar as a real model's does. The KV pool is block ids only: the block manager hands them out as for a real pool;
 ``read_blocks`` answers zeros of the geometry's shape (a placeholder of the right layout, so a KV
 frame encodes) and ``write_blocks`` checks that shape and keeps nothing; block copies are no-ops.
 """
@@ -31,6 +33,7 @@ from herd.api.prompt import PromptRenderer
 from herd.worker.cache_geometry import CacheGeometry, bytes_per_block
 from herd.worker.config import EngineConfig
 from herd.worker.engine import LLMEngine
+from herd.worker.grammar import MaskFiller, allowed_token_ids
 from herd.worker.loader import read_model_args
 from herd.worker.model_runner import DEFAULT_CPU_KV_GIB
 from herd.worker.outputs import TokenLogprob
@@ -116,17 +119,41 @@ class SimulatedRunner:
         """Spend the plan's cost on the clock; one token per sampled chunk. ``block_copies`` move
         no data: the pool holds none."""
         self.clock.advance(step_seconds(self.cost, plan), self.cost.host_share)
-        return [self._sample(chunk.seq) for chunk in plan.chunks if chunk.is_sampled]
+        sampled = [chunk.seq for chunk in plan.chunks if chunk.is_sampled]
+        allowed = self._grammar_allowed(sampled)
+        return [self._sample(seq, allowed.get(row)) for row, seq in enumerate(sampled)]
 
-    def _sample(self, seq: Sequence) -> SampledToken:
+    def _grammar_allowed(self, seqs: list[Sequence]) -> dict[int, list[int]]:
+        """The tokens each constrained sequence's grammar allows now, by its row."""
+        rows = [row for row, seq in enumerate(seqs) if seq.grammar is not None]
+        matchers = [grammar for seq in seqs if (grammar := seq.grammar) is not None]
+        if not matchers:
+            return {}
+        bitmask = MaskFiller.fill_now(matchers)
+        return {row: allowed_token_ids(bitmask[i], self.vocab_size) for i, row in enumerate(rows)}
+
+    def _sample(self, seq: Sequence, grammar_allowed: list[int] | None = None) -> StepResult:
         position = seq.num_output_tokens
-        if self.eos_after is not None and position >= self.eos_after and self._avoid:
+        candidates = self._allowed
+        if grammar_allowed is not None:
+            avoided = set(self._avoid)
+            candidates = [
+                token_id for token_id in grammar_allowed if token_id not in avoided
+            ] or grammar_allowed
+            if not candidates:
+                return ValueError("the output's grammar allows no token here")
+        if (
+            self.eos_after is not None
+            and position >= self.eos_after
+            and self._avoid
+            and grammar_allowed is None
+        ):
             token_id = self._avoid[0]
         else:
             digest = hashlib.blake2b(
                 self._prompt_key(seq), digest_size=8, salt=position.to_bytes(16, "little")
             ).digest()
-            token_id = self._allowed[int.from_bytes(digest, "little") % len(self._allowed)]
+            token_id = candidates[int.from_bytes(digest, "little") % len(candidates)]
         num_top = seq.params.logprobs
         logprob = None if num_top is None else TokenLogprob(token_id, 0.0, ((token_id, 0.0),)[:num_top])
         return SampledToken(token_id, logprob)

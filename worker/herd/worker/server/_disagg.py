@@ -54,6 +54,7 @@ from herd.worker.server._params import (
     handoff_params,
     plan_choices,
 )
+from herd.worker.server._structured import Grammars
 
 __all__ = ["DisaggMetrics", "PrefillService"]
 
@@ -123,12 +124,18 @@ class PrefillService:
     """The prefill side: the lease table, its expiry sweep and the three internal routes."""
 
     def __init__(
-        self, engine: ServingEngine, metrics: DisaggMetrics, requests: WorkerMetrics, threads: PromptThreads
+        self,
+        engine: ServingEngine,
+        metrics: DisaggMetrics,
+        requests: WorkerMetrics,
+        threads: PromptThreads,
+        grammars: Grammars,
     ) -> None:
         self.engine = engine
         self.metrics = metrics
         self.requests = requests
         self._threads = threads
+        self._grammars = grammars
         self.leases = LeaseTable()
         self._sweeper: asyncio.Task[None] | None = None
 
@@ -148,6 +155,7 @@ class PrefillService:
         if prompt is None:
             prompt = await self._threads.run(_prompt, self.engine, body)
         is_handed = asked.prompt_token_ids is not None
+        grammar = await self._grammars.compile_for(body)  # the first token obeys it too
         choice = plan_choices(
             body,
             [prompt],
@@ -156,6 +164,7 @@ class PrefillService:
             num_logprobs=None,
             prompt_param=_prompt_param(body, is_handed=is_handed),
             handoff=asked,
+            grammar=grammar,
         )[0]
         request_id = f"prefill-{uuid.uuid4().hex}"
         params = first_token_params(choice.params)

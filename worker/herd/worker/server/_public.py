@@ -49,6 +49,7 @@ from herd.worker.server._remote_prefill import RemotePrefill
 from herd.worker.server._request_id import RequestIdMiddleware, request_id
 from herd.worker.server._responses import ResponseContext
 from herd.worker.server._sse import primed, with_error_event
+from herd.worker.server._structured import Grammars
 from herd.worker.server._tokenize import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -98,8 +99,9 @@ def build_public_app(engine: ServingEngine, options: PublicOptions) -> FastAPI:
     app.state.metrics = metrics  # disaggregation registers its transfer metrics here
     app.state.remote_prefill = None  # and its KV puller (attach_disaggregation)
     app.state.prompt_threads = PromptThreads("herd-prompt")  # the prefill route renders there too
+    app.state.grammars = Grammars(engine, app.state.prompt_threads)  # and compiles there too
     install_error_handlers(app, metrics.observe_rejected)
-    routes = _PublicRoutes(engine, options, metrics, app.state.prompt_threads)
+    routes = _PublicRoutes(engine, options, metrics, app.state.prompt_threads, app.state.grammars)
     table: list[Route] = [
         ("/v1/chat/completions", "POST", routes.chat),
         ("/v1/completions", "POST", routes.completions),
@@ -121,12 +123,18 @@ def build_public_app(engine: ServingEngine, options: PublicOptions) -> FastAPI:
 
 class _PublicRoutes:
     def __init__(
-        self, engine: ServingEngine, options: PublicOptions, metrics: WorkerMetrics, threads: PromptThreads
+        self,
+        engine: ServingEngine,
+        options: PublicOptions,
+        metrics: WorkerMetrics,
+        threads: PromptThreads,
+        grammars: Grammars,
     ) -> None:
         self.engine = engine
         self.options = options
         self._metrics = metrics
         self._threads = threads
+        self._grammars = grammars
 
     async def chat(self, request: Request) -> Response:
         body = await self._read(request, ChatCompletionRequest)
@@ -137,9 +145,6 @@ class _PublicRoutes:
 
     async def completions(self, request: Request) -> Response:
         body = await self._read(request, CompletionRequest)
-        if body.echo or body.suffix is not None:
-            param = "echo" if body.echo else "suffix"
-            raise HttpError(400, f"{param} is not supported by herd; leave it out", param=param)
         handoff = handoff_params(body)
         renderer, max_model_len = self.engine.renderer, self.engine.info.max_model_len
         prompts = await self._prompts(handoff, lambda: completion_prompts(renderer, body, max_model_len))
@@ -169,6 +174,7 @@ class _PublicRoutes:
         handoff: KVTransferParams | None,
     ) -> Response:
         is_handed = handed_prompt(handoff) is not None
+        grammar = await self._grammars.compile_for(body)
         choices = plan_choices(
             body,
             prompts,
@@ -177,6 +183,7 @@ class _PublicRoutes:
             num_logprobs=body.num_logprobs,
             prompt_param=HANDED_PROMPT_PARAM if is_handed else endpoint.prompt_param,
             handoff=handoff,
+            grammar=grammar,
         )
         await self._pull(request, handoff, prompts, body.cache_salt)
         context = self._context(request, body, choices, prefix=endpoint.id_prefix)
@@ -216,12 +223,14 @@ class _PublicRoutes:
         rid = request_id(request)
         generation = Generation(self.engine, self._metrics, rid, choices, body.cache_salt)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
+        tool_choice = body.effective_tool_choice if isinstance(body, ChatCompletionRequest) else "none"
         return ResponseContext(
             id=f"{prefix}-{rid}",
             model=self.options.served_name,
             renderer=self.engine.renderer,
             generation=generation,
             include_usage=include_usage,
+            tool_choice=tool_choice,
         )
 
     async def models(self) -> ModelList:
