@@ -24,7 +24,7 @@ from starlette.requests import ClientDisconnect
 from herd.api.body import BodyError, check_content_type, read_limited
 from herd.api.errors import HttpError
 from herd.api.openai import ModelCard, ModelList
-from herd.orchestrator.auth import ApiKeys, RequireApiKey
+from herd.orchestrator.auth import ApiKeys, RequireApiKey, tenant_of
 from herd.orchestrator.dashboard import DASHBOARD_HTML, dashboard_data
 from herd.orchestrator.discovery import WorkerSource
 from herd.orchestrator.errors import install_error_handlers
@@ -152,12 +152,14 @@ def _add_openai_routes(app: FastAPI, gateway: Gateway, settings: AppSettings) ->
     async def proxy(request: Request) -> Response:
         body = await _read_body(request, settings)
         # The scope's path, not request.url.path: building the full URL per request costs more.
-        return await gateway.forward(request.scope["path"], body, request.headers)
+        return await gateway.forward(request.scope["path"], body, request.headers, tenant_of(request.scope))
 
-    async def models() -> Response:
+    async def models(request: Request) -> Response:
+        tenant = tenant_of(request.scope)
         cards = [
             ModelCard(id=name, max_model_len=served.config.max_model_len)
             for name, served in sorted(gateway.registry.models.items())
+            if tenant.may_use(name)
         ]
         return JSONResponse(ModelList(data=cards).model_dump())
 

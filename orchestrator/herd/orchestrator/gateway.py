@@ -28,6 +28,7 @@ with ``Retry-After``.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 import weakref
@@ -43,6 +44,10 @@ from herd.api.kv_hash import block_hashes
 from herd.api.openai import LengthError
 from herd.api.prompt import PromptError, PromptThreads
 from herd.api.protocol import REQUEST_ID_HEADER, WORKER_HEADER, is_valid_request_id
+from herd.orchestrator.admission.gate import DEFAULT_EXPECTED_OUTPUT, Admission, Ticket
+from herd.orchestrator.admission.tenants import ANONYMOUS, PRIORITY_HEADER, Tenant, effective_priority
+from herd.orchestrator.admission.usage import StreamTally, usage_of
+from herd.orchestrator.admission.waiting import QueueSettings
 from herd.orchestrator.breaker import Outcome, answer_outcome
 from herd.orchestrator.disagg import Handoff, TwoPhase, handed_body
 from herd.orchestrator.model_metrics import ModelMetrics
@@ -89,6 +94,8 @@ class GatewaySettings:
     inline_prepare_bytes: int = GATEWAY_INLINE_BYTES
     """Bodies from this size on are parsed and tokenized on ``prepare_threads`` (``PromptThreads``)."""
     prepare_threads: int = 2
+    queue: QueueSettings = field(default_factory=QueueSettings)
+    """Each model's queue of requests waiting for a worker (``herd.orchestrator.admission``)."""
 
 
 @dataclass(eq=False)
@@ -100,6 +107,7 @@ class _Request:
     is_stream: bool
     ctx: RequestContext
     payload: dict[str, Any]
+    ticket: Ticket
     started: float = field(default_factory=time.perf_counter)
     prefill_seconds: float | None = None
     handoff: Handoff | None = None
@@ -161,17 +169,27 @@ class Gateway:
         self._prepare_threads = PromptThreads(
             "herd-prepare", self.settings.prepare_threads, inline_bytes=self.settings.inline_prepare_bytes
         )
+        self.admission = Admission(self.settings.queue, retry_after_seconds=self.settings.retry_after_seconds)
+        registry.on_room = self.admission.wake
 
     def close(self) -> None:
         self._prepare_threads.close()
 
-    async def forward(self, path: str, body: bytes, headers: Mapping[str, str]) -> Response:
-        """Validate, route and proxy one OpenAI request; ``path`` is its route (``WIRE_MODELS``)."""
+    async def forward(
+        self, path: str, body: bytes, headers: Mapping[str, str], tenant: Tenant = ANONYMOUS
+    ) -> Response:
+        """Validate, admit, route and proxy one OpenAI request of ``tenant``; ``path`` is its route
+        (``WIRE_MODELS``)."""
         parsed = await self._prepare_threads.run_sized(len(body), parse_request, path, body)
         served = self._served(parsed.request.model)
+        tenant.check_model(served.name)
+        ticket = _ticket(tenant, parsed, headers, len(body))
+        body = _with_priority(parsed, body, ticket.priority)
         ctx = await self._context(served, parsed, headers, len(body))
+        if ctx.token_ids:
+            ticket = dataclasses.replace(ticket, num_prompt_tokens=len(ctx.token_ids))
         metrics = self._metrics_of(served)
-        request = _Request(served, metrics, path, body, parsed.request.stream, ctx, parsed.payload)
+        request = _Request(served, metrics, path, body, parsed.request.stream, ctx, parsed.payload, ticket)
         request.metrics.in_flight.inc()
         try:
             return await self._attempt(request)
@@ -243,7 +261,9 @@ class Gateway:
         error: HttpError | None = None
         for _ in range(self.settings.max_attempts):
             try:
-                route = await self._routed(request, tried)
+                route = await self.admission.route(
+                    request.served.name, request.ticket, lambda: self._routed(request, tried)
+                )
             except UnroutableError as refusal:
                 if error is not None and refusal.reason == "no_healthy_worker":
                     raise error from None  # every worker was tried: the last one's answer stands
@@ -359,10 +379,12 @@ class Gateway:
             request.metrics.ttft.observe(ttft)
             if request.prefill_seconds is not None:
                 self.disagg.observe_decode(request.served, ttft - request.prefill_seconds)
+            tally = StreamTally()
             return RelayResponse(
                 upstream,
                 headers=headers,
-                on_done=lambda ending: self._stream_done(request, hold, ending, ttft),
+                on_done=lambda ending: self._stream_done(request, hold, ending, ttft, tally.output_tokens()),
+                on_chunk=tally.observe,
             )
         try:
             content = await upstream.read_rest()
@@ -378,7 +400,8 @@ class Gateway:
                 "application/json",
             )
         outcome = answer_outcome(status, has_retry_after="retry-after" in upstream.headers)
-        self._finish(request, hold, status, None, outcome)
+        usage = usage_of(content) if status == httpx.codes.OK else None
+        self._finish(request, hold, status, None, outcome, 0 if usage is None else usage.completion_tokens)
         return Response(content, status, headers=headers)
 
     async def _open(self, request: _Request, worker: WorkerView) -> Upstream:
@@ -414,14 +437,23 @@ class Gateway:
         message = f"worker {worker.id} is draining or not ready; retry after {retry_after}s"
         return HttpError(503, message, headers={"Retry-After": retry_after})
 
-    def _stream_done(self, request: _Request, hold: Hold, ending: StreamEnd, ttft: float) -> None:
+    def _stream_done(
+        self, request: _Request, hold: Hold, ending: StreamEnd, ttft: float, num_output_tokens: int
+    ) -> None:
         status, outcome = _STREAM_ENDS[ending]
-        self._finish(request, hold, status, ttft, outcome)
+        self._finish(request, hold, status, ttft, outcome, num_output_tokens)
 
     def _finish(
-        self, request: _Request, hold: Hold, status: int, ttft: float | None, outcome: Outcome
+        self,
+        request: _Request,
+        hold: Hold,
+        status: int,
+        ttft: float | None,
+        outcome: Outcome,
+        num_output_tokens: int,
     ) -> None:
         hold.release(outcome)
+        self.admission.finished(request.served.name, request.ticket, num_output_tokens)
         self._count(request, hold.worker_id, status, ttft)
 
     def _count(self, request: _Request, worker_id: str, status: int, ttft: float | None) -> None:
@@ -441,6 +473,22 @@ def _tokenize(served: ServedModel, parsed: ParsedRequest) -> tuple[tuple[int, ..
         token_ids, config.block_size, model_id=served.name, cache_salt=parsed.request.cache_salt
     )
     return token_ids, tuple(hashes)
+
+
+def _ticket(tenant: Tenant, parsed: ParsedRequest, headers: Mapping[str, str], size: int) -> Ticket:
+    """The request's admission ticket; its prompt is counted as ``size / 4`` tokens until tokenized."""
+    request = parsed.request
+    priority = effective_priority(tenant, request.priority, headers.get(PRIORITY_HEADER))
+    num_output = request.output_limit or DEFAULT_EXPECTED_OUTPUT
+    return Ticket(tenant, priority, size // 4, num_output * request.n)
+
+
+def _with_priority(parsed: ParsedRequest, body: bytes, priority: int) -> bytes:
+    """The body the workers get: the client's own, unless its priority was lowered or capped."""
+    if (parsed.request.priority or 0) == priority:
+        return body
+    parsed.payload["priority"] = priority
+    return json.dumps(parsed.payload).encode()
 
 
 def _no_envelope(status: int, worker_id: str) -> Callable[[Any], str]:
