@@ -137,7 +137,8 @@ class FakeWorker:
             )
             return self._streamed(self.status, [json.dumps(error).encode()], "application/json", headers)
         if not payload.get("stream"):
-            body = json.dumps({"id": "x", "worker": self.id, "choices": []}).encode()
+            usage = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+            body = json.dumps({"id": "x", "worker": self.id, "choices": [], "usage": usage}).encode()
             return self._streamed(200, [body], "application/json")
         chunks = [f'data: {{"n": {n}, "worker": "{self.id}"}}\n\n'.encode() for n in range(self.num_chunks)]
         return self._streamed(200, [*chunks, b"data: [DONE]\n\n"], "text/event-stream")

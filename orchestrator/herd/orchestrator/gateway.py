@@ -45,8 +45,9 @@ from herd.api.openai import LengthError
 from herd.api.prompt import PromptError, PromptThreads
 from herd.api.protocol import REQUEST_ID_HEADER, WORKER_HEADER, is_valid_request_id
 from herd.orchestrator.admission.gate import DEFAULT_EXPECTED_OUTPUT, Admission, Ticket
+from herd.orchestrator.admission.quotas import Quotas
 from herd.orchestrator.admission.tenants import ANONYMOUS, PRIORITY_HEADER, Tenant, effective_priority
-from herd.orchestrator.admission.usage import StreamTally, usage_of
+from herd.orchestrator.admission.usage import StreamTally, Usage, usage_of
 from herd.orchestrator.admission.waiting import QueueSettings
 from herd.orchestrator.breaker import Outcome, answer_outcome
 from herd.orchestrator.disagg import Handoff, TwoPhase, handed_body
@@ -77,6 +78,7 @@ GATEWAY_INLINE_BYTES = 4096
 parse, render, tokenize and hash, while the prompt threads' hop (niced 10 below the loop) waited 80 ms
 at p50 and up to 13 s with the host's cores busy (issue 14; docs/routing.md)."""
 
+_NOTHING_USED = Usage(0, 0)
 _STREAM_ENDS: dict[StreamEnd, tuple[int, Outcome]] = {
     "complete": (200, "success"),
     "worker_failed": (502, "failure"),
@@ -108,6 +110,8 @@ class _Request:
     ctx: RequestContext
     payload: dict[str, Any]
     ticket: Ticket
+    quota_headers: dict[str, str]
+    """The tenant's ``x-ratelimit-*`` headers, for the answer."""
     started: float = field(default_factory=time.perf_counter)
     prefill_seconds: float | None = None
     handoff: Handoff | None = None
@@ -171,6 +175,7 @@ class Gateway:
         )
         self.admission = Admission(self.settings.queue, retry_after_seconds=self.settings.retry_after_seconds)
         registry.on_room = self.admission.wake
+        self.quotas = Quotas(state)
 
     def close(self) -> None:
         self._prepare_threads.close()
@@ -184,12 +189,23 @@ class Gateway:
         served = self._served(parsed.request.model)
         tenant.check_model(served.name)
         ticket = _ticket(tenant, parsed, headers, len(body))
+        use = await self.quotas.admit(tenant, time.time())
         body = _with_priority(parsed, body, ticket.priority)
         ctx = await self._context(served, parsed, headers, len(body))
         if ctx.token_ids:
             ticket = dataclasses.replace(ticket, num_prompt_tokens=len(ctx.token_ids))
         metrics = self._metrics_of(served)
-        request = _Request(served, metrics, path, body, parsed.request.stream, ctx, parsed.payload, ticket)
+        request = _Request(
+            served,
+            metrics,
+            path,
+            body,
+            parsed.request.stream,
+            ctx,
+            parsed.payload,
+            ticket,
+            {} if use is None else use.headers(),
+        )
         request.metrics.in_flight.inc()
         try:
             return await self._attempt(request)
@@ -372,7 +388,7 @@ class Gateway:
     async def _respond(self, request: _Request, worker: WorkerView, hold: Hold) -> Response:
         """The worker's answer; it releases the worker's ``hold`` exactly when the answer ends."""
         upstream = await self._open(request, worker)
-        headers = {WORKER_HEADER: worker.id}
+        headers = {**request.quota_headers, WORKER_HEADER: worker.id}
         if request.is_stream and upstream.status_code == httpx.codes.OK:
             hold.prefilled()  # the first chunk is out: the worker's prefill is no longer queued work
             ttft = time.perf_counter() - request.started
@@ -383,7 +399,9 @@ class Gateway:
             return RelayResponse(
                 upstream,
                 headers=headers,
-                on_done=lambda ending: self._stream_done(request, hold, ending, ttft, tally.output_tokens()),
+                on_done=lambda ending: self._stream_done(
+                    request, hold, ending, ttft, tally.total(request.ticket.num_prompt_tokens)
+                ),
                 on_chunk=tally.observe,
             )
         try:
@@ -400,8 +418,9 @@ class Gateway:
                 "application/json",
             )
         outcome = answer_outcome(status, has_retry_after="retry-after" in upstream.headers)
-        usage = usage_of(content) if status == httpx.codes.OK else None
-        self._finish(request, hold, status, None, outcome, 0 if usage is None else usage.completion_tokens)
+        usage = (usage_of(content) if status == httpx.codes.OK else None) or _NOTHING_USED
+        self._finish(request, hold, status, None, outcome, usage)
+        await self.quotas.spend(request.ticket.tenant, usage.total_tokens, time.time())
         return Response(content, status, headers=headers)
 
     async def _open(self, request: _Request, worker: WorkerView) -> Upstream:
@@ -438,10 +457,11 @@ class Gateway:
         return HttpError(503, message, headers={"Retry-After": retry_after})
 
     def _stream_done(
-        self, request: _Request, hold: Hold, ending: StreamEnd, ttft: float, num_output_tokens: int
+        self, request: _Request, hold: Hold, ending: StreamEnd, ttft: float, usage: Usage
     ) -> None:
         status, outcome = _STREAM_ENDS[ending]
-        self._finish(request, hold, status, ttft, outcome, num_output_tokens)
+        self._finish(request, hold, status, ttft, outcome, usage)
+        self.quotas.spend_soon(request.ticket.tenant, usage.total_tokens, time.time())
 
     def _finish(
         self,
@@ -450,10 +470,10 @@ class Gateway:
         status: int,
         ttft: float | None,
         outcome: Outcome,
-        num_output_tokens: int,
+        usage: Usage,
     ) -> None:
         hold.release(outcome)
-        self.admission.finished(request.served.name, request.ticket, num_output_tokens)
+        self.admission.finished(request.served.name, request.ticket, usage.completion_tokens)
         self._count(request, hold.worker_id, status, ttft)
 
     def _count(self, request: _Request, worker_id: str, status: int, ttft: float | None) -> None:

@@ -50,8 +50,9 @@ class StreamTally:
                 if _USAGE in line and line.startswith(b"data: "):
                     self.usage = usage_of(line[len(b"data: ") :]) or self.usage
 
-    def output_tokens(self) -> int:
-        """The usage's completion tokens, else the events seen (the first, the role, less)."""
+    def total(self, num_prompt_tokens: int) -> Usage:
+        """The stream's usage event, else ``num_prompt_tokens`` and the events seen less the first
+        (a chat stream's role event)."""
         if self.usage is not None:
-            return self.usage.completion_tokens
-        return max(self.num_events - 1, 0)
+            return self.usage
+        return Usage(num_prompt_tokens, max(self.num_events - 1, 0))
