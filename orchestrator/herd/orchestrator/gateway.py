@@ -46,7 +46,14 @@ from herd.api.prompt import PromptError, PromptThreads
 from herd.api.protocol import REQUEST_ID_HEADER, WORKER_HEADER, is_valid_request_id
 from herd.orchestrator.admission.gate import DEFAULT_EXPECTED_OUTPUT, Admission, Ticket
 from herd.orchestrator.admission.quotas import Quotas
-from herd.orchestrator.admission.tenants import ANONYMOUS, PRIORITY_HEADER, Tenant, effective_priority
+from herd.orchestrator.admission.targets import slo_target
+from herd.orchestrator.admission.tenants import (
+    ANONYMOUS,
+    LOWEST_PRIORITY,
+    PRIORITY_HEADER,
+    Tenant,
+    effective_priority,
+)
 from herd.orchestrator.admission.usage import StreamTally, Usage, usage_of
 from herd.orchestrator.admission.waiting import QueueSettings
 from herd.orchestrator.breaker import Outcome, answer_outcome
@@ -55,6 +62,8 @@ from herd.orchestrator.model_metrics import ModelMetrics
 from herd.orchestrator.proxy import RelayResponse, StreamEnd
 from herd.orchestrator.registry import Hold, Registry
 from herd.orchestrator.routing import Decision, RequestContext, UnroutableError, WorkerView, decide, pin_key
+from herd.orchestrator.routing._types import SloMiss
+from herd.orchestrator.routing.latency import LatencyFeatures
 from herd.orchestrator.served import RendererUnavailableError, ServedModel
 from herd.orchestrator.state import State
 from herd.orchestrator.telemetry import Telemetry
@@ -98,6 +107,9 @@ class GatewaySettings:
     prepare_threads: int = 2
     queue: QueueSettings = field(default_factory=QueueSettings)
     """Each model's queue of requests waiting for a worker (``herd.orchestrator.admission``)."""
+    slo_miss: SloMiss = "route"
+    """What happens to a request with latency targets no worker is predicted to meet, unless its
+    ``x-slo-policy`` header says (``herd.orchestrator.routing.SloTarget``)."""
 
 
 @dataclass(eq=False)
@@ -192,6 +204,8 @@ class Gateway:
         use = await self.quotas.admit(tenant, time.time())
         body = _with_priority(parsed, body, ticket.priority)
         ctx = await self._context(served, parsed, headers, len(body))
+        if (target := slo_target(headers, self.settings.slo_miss)) is not None:
+            ctx = dataclasses.replace(ctx, slo=target)
         if ctx.token_ids:
             ticket = dataclasses.replace(ticket, num_prompt_tokens=len(ctx.token_ids))
         metrics = self._metrics_of(served)
@@ -326,6 +340,9 @@ class Gateway:
             if prefill is None
             else self.registry.hold(prefill.id, num_prefill_tokens=decision.num_prefill_tokens)
         )
+        if decision.is_slo_missed and ctx.slo is not None and ctx.slo.on_miss == "lower":
+            request.payload["priority"] = LOWEST_PRIORITY
+            request.body = json.dumps(request.payload).encode()
         if decision.expected_blocks:
             request.metrics.cache_hit_blocks.observe(decision.num_cached_blocks)
             for worker in (decision.worker, prefill):
@@ -355,7 +372,7 @@ class Gateway:
         if request.served.config.mode == "disaggregated" and not request.ctx.is_prefilled:
             await self._hand_off(request, route.prefill_hold)
             request.ctx = dataclasses.replace(request.ctx, is_prefilled=True)
-        return await self._respond(request, route.worker, route.hold)
+        return await self._respond(request, route.worker, route.hold, route.decision.features)
 
     async def _hand_off(self, request: _Request, prefill: Hold | None) -> None:
         """Prefill on the decision's prefill worker, or hand the prompt ids to the decode worker."""
@@ -374,6 +391,12 @@ class Gateway:
     def _refused(self, served: ServedModel, refusal: UnroutableError) -> HttpError:
         if refusal.reason == "at_capacity":
             return self._busy(served)
+        if refusal.reason == "slo_unmet":
+            retry_after = str(self.settings.retry_after_seconds)
+            message = f"no worker of model {served.name!r} is predicted to meet the request's latency targets"
+            return HttpError(
+                429, f"{message}; retry after {retry_after}s", headers={"Retry-After": retry_after}
+            )
         return HttpError(
             503,
             f"model {served.name!r} has no healthy worker right now; retry shortly",
@@ -385,13 +408,20 @@ class Gateway:
         message = f"every worker of model {served.name!r} is at capacity; retry after {retry_after}s"
         return HttpError(429, message, headers={"Retry-After": retry_after})
 
-    async def _respond(self, request: _Request, worker: WorkerView, hold: Hold) -> Response:
-        """The worker's answer; it releases the worker's ``hold`` exactly when the answer ends."""
+    async def _respond(
+        self, request: _Request, worker: WorkerView, hold: Hold, features: LatencyFeatures | None
+    ) -> Response:
+        """The worker's answer; it releases the worker's ``hold`` exactly when the answer ends. A
+        stream's first-token time and pace, from the moment it was sent, fit the latency model."""
+        sent = time.perf_counter()
         upstream = await self._open(request, worker)
         headers = {**request.quota_headers, WORKER_HEADER: worker.id}
         if request.is_stream and upstream.status_code == httpx.codes.OK:
             hold.prefilled()  # the first chunk is out: the worker's prefill is no longer queued work
-            ttft = time.perf_counter() - request.started
+            first = time.perf_counter()
+            ttft = first - request.started
+            if features is not None:
+                request.served.latency.observe_ttft(worker.id, features, first - sent)
             request.metrics.ttft.observe(ttft)
             if request.prefill_seconds is not None:
                 self.disagg.observe_decode(request.served, ttft - request.prefill_seconds)
@@ -400,7 +430,12 @@ class Gateway:
                 upstream,
                 headers=headers,
                 on_done=lambda ending: self._stream_done(
-                    request, hold, ending, ttft, tally.total(request.ticket.num_prompt_tokens)
+                    request,
+                    hold,
+                    ending,
+                    ttft,
+                    tally.total(request.ticket.num_prompt_tokens),
+                    (features, first),
                 ),
                 on_chunk=tally.observe,
             )
@@ -457,8 +492,18 @@ class Gateway:
         return HttpError(503, message, headers={"Retry-After": retry_after})
 
     def _stream_done(
-        self, request: _Request, hold: Hold, ending: StreamEnd, ttft: float, usage: Usage
+        self,
+        request: _Request,
+        hold: Hold,
+        ending: StreamEnd,
+        ttft: float,
+        usage: Usage,
+        paced: tuple[LatencyFeatures | None, float],
     ) -> None:
+        features, first = paced
+        if ending == "complete" and features is not None and usage.completion_tokens > 1:
+            tpot = (time.perf_counter() - first) / (usage.completion_tokens - 1)
+            request.served.latency.observe_tpot(hold.worker_id, features, tpot)
         status, outcome = _STREAM_ENDS[ending]
         self._finish(request, hold, status, ttft, outcome, usage)
         self.quotas.spend_soon(request.ticket.tenant, usage.total_tokens, time.time())

@@ -223,6 +223,7 @@ class Registry:
         if served is not None:
             served.kv_index.remove_worker(worker_id)
             served.strategy.forget_worker(worker_id)
+            served.latency.forget_worker(worker_id)
             self.tokenizers.forget_source(served, worker_id)
         log.info("worker left", extra={"worker": worker_id, "model": worker.endpoint.model})
 
