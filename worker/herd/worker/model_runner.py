@@ -103,7 +103,7 @@ class TorchRunner:
         if plan.block_copies:
             sources, targets = zip(*plan.block_copies, strict=True)
             self.kv_cache[:, :, list(targets)] = self.kv_cache[:, :, list(sources)]
-        inputs = prepare_inputs(plan.chunks, self.config.block_size, self.device)
+        inputs = prepare_inputs(plan.chunks, self.config.block_size, self.device, self.args.window_sizes)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
         logits = self.model.compute_logits(hidden[inputs.sample_index])
         return self.sampler.sample(logits, [chunk.seq for chunk in plan.chunks if chunk.is_sampled])
