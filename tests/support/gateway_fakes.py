@@ -72,6 +72,8 @@ class FakeWorker:
     """How long ``/internal/prefill`` takes to answer (a prefill in progress)."""
     prefills: list[dict[str, object]] = field(default_factory=list)
     """The bodies ``/internal/prefill`` received."""
+    bodies: list[dict[str, object]] = field(default_factory=list)
+    """The OpenAI request bodies it received."""
     num_requests: int = 0
     num_snapshots: int = 0
     num_streams_closed: int = 0
@@ -99,7 +101,8 @@ class FakeWorker:
             raise httpx.RemoteProtocolError(
                 "Server disconnected without sending a response.", request=request
             )
-        return self._completion(json.loads(request.content))
+        self.bodies.append(json.loads(request.content))
+        return self._completion(self.bodies[-1])
 
     def _internal(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
@@ -134,7 +137,8 @@ class FakeWorker:
             )
             return self._streamed(self.status, [json.dumps(error).encode()], "application/json", headers)
         if not payload.get("stream"):
-            body = json.dumps({"id": "x", "worker": self.id, "choices": []}).encode()
+            usage = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+            body = json.dumps({"id": "x", "worker": self.id, "choices": [], "usage": usage}).encode()
             return self._streamed(200, [body], "application/json")
         chunks = [f'data: {{"n": {n}, "worker": "{self.id}"}}\n\n'.encode() for n in range(self.num_chunks)]
         return self._streamed(200, [*chunks, b"data: [DONE]\n\n"], "text/event-stream")

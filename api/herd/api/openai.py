@@ -159,6 +159,8 @@ class SamplingFields(_Tolerant):
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: str | None = None
+    priority: int | None = Field(default=None, ge=-(2**31), le=2**31 - 1)
+    """vLLM's field: smaller is served first. herd's gateway never lets it above the tenant's."""
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
 

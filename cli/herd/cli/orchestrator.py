@@ -105,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
         gateway=GatewaySettings(request_timeout=args.request_timeout),
         registry=RegistrySettings(poll_interval=args.poll_interval),
         ready_when_synced=args.kubernetes,
+        batch_dir=args.batch_dir,
     )
     app = build_app(source, settings=settings, state=build_state(args.redis), api_keys=api_keys)
     limits = ServerLimits(max_header_bytes=args.max_header_bytes, keep_alive_timeout=args.keep_alive_timeout)
@@ -148,7 +149,18 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     add_source_arguments(parser)
-    parser.add_argument("--api-keys-file", type=Path, default=None, help="accepted API keys, one per line")
+    parser.add_argument(
+        "--api-keys-file",
+        type=Path,
+        default=None,
+        help="accepted API keys: one per line, or a tenants YAML document (docs/admission.md)",
+    )
+    parser.add_argument(
+        "--batch-dir",
+        type=Path,
+        default=None,
+        help="serve the Batch API (/v1/files, /v1/batches), keeping its state in this folder",
+    )
     parser.add_argument(
         "--request-timeout", type=float, default=600.0, help="seconds to wait for a worker's next byte"
     )

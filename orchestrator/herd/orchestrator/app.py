@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 from fastapi import FastAPI, Request
@@ -24,7 +25,10 @@ from starlette.requests import ClientDisconnect
 from herd.api.body import BodyError, check_content_type, read_limited
 from herd.api.errors import HttpError
 from herd.api.openai import ModelCard, ModelList
-from herd.orchestrator.auth import ApiKeys, RequireApiKey
+from herd.orchestrator.auth import ApiKeys, RequireApiKey, tenant_of
+from herd.orchestrator.batch.routes import add_batch_routes
+from herd.orchestrator.batch.runner import BatchRunner
+from herd.orchestrator.batch.store import BatchStore
 from herd.orchestrator.dashboard import DASHBOARD_HTML, dashboard_data
 from herd.orchestrator.discovery import WorkerSource
 from herd.orchestrator.errors import install_error_handlers
@@ -52,6 +56,10 @@ class AppSettings:
     registry: RegistrySettings = field(default_factory=RegistrySettings)
     history: HistorySettings = field(default_factory=HistorySettings)
     """The dashboard's history: how often it samples, what each point covers, how far back it keeps."""
+    batch_dir: Path | None = None
+    """Where the Batch API keeps its files and batches (a volume, so they outlive the process);
+    ``None``: no ``/v1/files`` and ``/v1/batches`` routes."""
+    max_batch_file_bytes: int = 200 * 1024 * 1024
     ready_when_synced: bool = False
     """What ``/ready`` waits for. False (a fixed list of workers): every model has a healthy worker.
     True (discovered workers, as on Kubernetes): the discovery's first membership, models or none; a
@@ -90,12 +98,17 @@ def build_app(
         owned.append(client)
     if upstream is None:
         owned.append(pool)
-    lifespan = _lifespan(registry, gateway, sampler, source, owned)
+    runner = None
+    if settings.batch_dir is not None:
+        runner = BatchRunner(BatchStore(settings.batch_dir), gateway.forward)
+    lifespan = _lifespan(registry, gateway, sampler, source, owned, runner)
     app = FastAPI(
         title="herd orchestrator", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
     )
     app.state.registry, app.state.gateway, app.state.telemetry = registry, gateway, telemetry
     _add_openai_routes(app, gateway, settings)
+    if runner is not None:
+        add_batch_routes(app, runner.store, runner, max_file_bytes=settings.max_batch_file_bytes)
     _add_ops_routes(
         app,
         registry,
@@ -123,9 +136,10 @@ def _lifespan(
     sampler: HistorySampler,
     source: WorkerSource,
     owned_clients: list[httpx.AsyncClient | UpstreamClient],
+    runner: BatchRunner | None,
 ) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
-    """Follow the source and sample the dashboard's history while the app runs; close the clients the
-    app created."""
+    """Follow the source, sample the dashboard's history and run the batches while the app runs;
+    close the clients the app created."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -133,9 +147,13 @@ def _lifespan(
             asyncio.create_task(registry.run(source), name="herd-registry"),
             asyncio.create_task(sampler.run(), name="herd-history"),
         ]
+        if runner is not None:
+            runner.resume()
         try:
             yield
         finally:
+            if runner is not None:
+                await runner.close()
             for task in tasks:
                 task.cancel()
             for task in tasks:
@@ -152,12 +170,14 @@ def _add_openai_routes(app: FastAPI, gateway: Gateway, settings: AppSettings) ->
     async def proxy(request: Request) -> Response:
         body = await _read_body(request, settings)
         # The scope's path, not request.url.path: building the full URL per request costs more.
-        return await gateway.forward(request.scope["path"], body, request.headers)
+        return await gateway.forward(request.scope["path"], body, request.headers, tenant_of(request.scope))
 
-    async def models() -> Response:
+    async def models(request: Request) -> Response:
+        tenant = tenant_of(request.scope)
         cards = [
             ModelCard(id=name, max_model_len=served.config.max_model_len)
             for name, served in sorted(gateway.registry.models.items())
+            if tenant.may_use(name)
         ]
         return JSONResponse(ModelList(data=cards).model_dump())
 

@@ -101,6 +101,9 @@ class Registry:
         self.tokenizers = TokenizerFetcher(client)
         self.has_membership = False
         """The source has given its first membership (a discovery has synced)."""
+        self.on_room: Callable[[str], None] | None = None
+        """Told a model's name when one of its workers may have room: a request on it ended, or a
+        worker was admitted (the gateway's admission queue wakes its next request)."""
 
     async def run(self, source: WorkerSource) -> None:
         """Follow the source until cancelled; every worker task stops with it."""
@@ -156,6 +159,7 @@ class Registry:
             return
         worker.num_in_flight = max(0, worker.num_in_flight - 1)
         self._prefilled(worker_id, num_prefill_tokens)
+        self._room(worker)
         breaker = worker.breaker
         was_closed = breaker.state(now := time.monotonic()) == "closed"
         breaker.record(outcome, now)
@@ -164,6 +168,10 @@ class Registry:
                 "worker circuit opened" if was_closed else "worker circuit closed",
                 extra={"worker": worker_id, "num_failures": breaker.num_failures},
             )
+
+    def _room(self, worker: WorkerState) -> None:
+        if self.on_room is not None:
+            self.on_room(worker.endpoint.model)
 
     def report_failure(self, worker_id: str, reason: str) -> None:
         """Eject a worker the proxy could not reach; the poller re-admits it once it answers."""
@@ -215,6 +223,7 @@ class Registry:
         if served is not None:
             served.kv_index.remove_worker(worker_id)
             served.strategy.forget_worker(worker_id)
+            served.latency.forget_worker(worker_id)
             self.tokenizers.forget_source(served, worker_id)
         log.info("worker left", extra={"worker": worker_id, "model": worker.endpoint.model})
 
@@ -260,6 +269,7 @@ class Registry:
         if not worker.is_healthy:
             worker.is_healthy = True
             log.info("worker admitted", extra={"worker": worker.endpoint.id})
+            self._room(worker)
             if (served := self.models.get(worker.endpoint.model)) is not None:
                 self.tokenizers.forget_source(served, worker.endpoint.id)  # it may have restarted
 

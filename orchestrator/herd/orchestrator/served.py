@@ -8,6 +8,7 @@ from herd.api.prompt import PromptRenderer
 from herd.orchestrator.discovery import ModelConfig
 from herd.orchestrator.kv_index import KVIndex
 from herd.orchestrator.routing import RoutingStrategy, build_strategy
+from herd.orchestrator.routing.latency import LatencyModel
 
 __all__ = ["RendererUnavailableError", "ServedModel"]
 
@@ -22,6 +23,8 @@ class ServedModel:
 
     config: ModelConfig
     kv_index: KVIndex = field(default_factory=KVIndex)
+    latency: LatencyModel = field(default_factory=LatencyModel)
+    """Each worker's TTFT and time per output token, fitted from what it served (SLO-aware routing)."""
     strategy: RoutingStrategy = field(init=False)
     session_header: str = field(init=False)
     """The lower-cased header that carries a session key (``X-Session-ID`` unless the routing names one)."""

@@ -1,4 +1,4 @@
-"""State shared between orchestrator replicas: session pins and KV event distribution.
+"""State shared between orchestrator replicas: session pins, KV event distribution, quota windows.
 
 ``MemoryState`` keeps everything in this process (one replica). ``RedisState`` shares it: pins are
 Redis keys set with ``EX`` (first writer wins with ``NX``, so two replicas racing on a new session
@@ -13,6 +13,10 @@ a new prefix as cached nowhere and spread its next requests over other workers. 
 expectations shared, every replica's index counts them as the deciding replica's does, within a
 stream read (milliseconds) rather than a poll. Sharing is fire-and-forget: the decision never waits
 on Redis; a small task writes what queued up since its last write in one round trip.
+
+Quota windows (``add_to_window``) are counters with an expiry: a dict here, ``INCRBY`` and
+``EXPIRE`` in one round trip on Redis, so every replica counts a tenant's requests and tokens in
+the same minute.
 
 Redis going away never stops routing. Every call has a short socket timeout and no client-side
 retries, so a request waits at most one timeout on a dead Redis; the first failure switches the
@@ -65,6 +69,8 @@ _PIN_PREFIX = "herd:pin:"
 _STREAM_MAXLEN = 100_000
 _MAX_EXPECTED_QUEUED = 10_000
 """Expectations waiting for the writer beyond this are dropped: they age out within seconds anyway."""
+_MAX_LOCAL_WINDOWS = 10_000
+"""Quota counters kept in memory before the expired ones are dropped."""
 _CLOSE_TIMEOUT_S = 3.0
 """How long close() waits for the KV consumer to finish its current read (250 ms) or retry pause."""
 
@@ -83,12 +89,16 @@ class State(Protocol):
     def share_expected(self, worker_id: str, block_hashes: Sequence[int]) -> None:
         """Tell the other replicas (not this one's own index) what a decision expects on a worker."""
 
+    async def add_to_window(self, key: str, amount: int, ttl_seconds: int) -> int:
+        """Add ``amount`` to the counter ``key`` (made with ``ttl_seconds`` to live); its new value."""
+
 
 class MemoryState:
     """Pins in a dict with expiry times; KV payloads go straight to the sink."""
 
     def __init__(self) -> None:
         self._pins: dict[str, tuple[str, float]] = {}
+        self._windows: dict[str, tuple[int, float]] = {}
         self._sink: KVSink | None = None
 
     @property
@@ -130,6 +140,16 @@ class MemoryState:
 
     def share_expected(self, worker_id: str, block_hashes: Sequence[int]) -> None:
         """One replica: its own index is the only one."""
+
+    async def add_to_window(self, key: str, amount: int, ttl_seconds: int) -> int:
+        now = time.monotonic()
+        if len(self._windows) > _MAX_LOCAL_WINDOWS:
+            self._windows = {name: entry for name, entry in self._windows.items() if entry[1] > now}
+        value, expiry = self._windows.get(key, (0, now + ttl_seconds))
+        if expiry <= now:
+            value, expiry = 0, now + ttl_seconds
+        self._windows[key] = (value + amount, expiry)
+        return value + amount
 
 
 class RedisState:
@@ -223,6 +243,16 @@ class RedisState:
             await self._redis.xadd(_STREAM, fields, maxlen=_STREAM_MAXLEN, approximate=True)
 
         await self._either(remote, _nothing)
+
+    async def add_to_window(self, key: str, amount: int, ttl_seconds: int) -> int:
+        async def remote() -> int:
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.incrby(key, amount)
+                pipe.expire(key, ttl_seconds)
+                value, _ = await pipe.execute()
+            return int(value)
+
+        return await self._either(remote, lambda: self._local.add_to_window(key, amount, ttl_seconds))
 
     def share_expected(self, worker_id: str, block_hashes: Sequence[int]) -> None:
         if self._is_degraded or self._is_closing or len(self._expected) >= _MAX_EXPECTED_QUEUED:

@@ -78,6 +78,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    priority: int = 0
+    """Where the sequence waits: smaller first (vLLM's priority scheduling); it may also be preempted
+    for a more urgent one when the KV pool is full."""
     hold_prompt_blocks: bool = False
     """Disaggregated prefill: when the sequence finishes, keep its prompt's cached full blocks held
     (reported in the last output's ``held_block_ids``) until ``release_held`` or an abort."""

@@ -1,9 +1,13 @@
 """Continuous batching with chunked prefill: each step plans which tokens of which sequences to run.
 
-A step has a token budget (``max_batch_tokens``). Running sequences go first, in arrival order:
+A step has a token budget (``max_batch_tokens``). The waiting queue is ordered by priority (the
+request's ``priority``: smaller first, as vLLM's priority policy), then by arrival. When the most
+urgent waiting sequence cannot get its blocks while less urgent ones run, the least urgent of those
+(the newest among equals) are preempted until it can. Running sequences go first, in arrival order:
 a decoding one needs one token, a partly prefilled one gets the next chunk of its prompt. When the
-pool has no block for a running sequence, the newest running sequence is preempted (its blocks are
-freed and it returns to the head of the queue to be recomputed later), until the older one fits.
+pool has no block for a running sequence, the least urgent sequence not yet planned this step (the
+newest among equals) is preempted (its blocks are freed and it returns to the head of its priority in
+the queue, to be recomputed later), until the older one fits.
 Then waiting sequences are admitted in order while budget, blocks and ``max_batch_size`` allow,
 each starting after its prefix-cache hit; a long prompt takes what budget is left and continues in
 later steps. No admission happens in a step that preempted, so a preempted sequence cannot bounce
@@ -77,13 +81,20 @@ class Scheduler:
         self.running: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        """Queue ``seq`` behind every waiting sequence of its priority or a more urgent one."""
+        priority = seq.params.priority
+        if not self.waiting or self.waiting[-1].params.priority <= priority:
+            self.waiting.append(seq)
+            return
+        index = next(i for i, other in enumerate(self.waiting) if other.params.priority > priority)
+        self.waiting.insert(index, seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
+        self._preempt_for_urgent(output)
         budget = self._schedule_running(output)
         if not output.preempted:
             self._schedule_waiting(output, budget)
@@ -95,23 +106,50 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             num_tokens = min(seq.num_uncomputed_tokens, budget)
-            if not self._make_room(seq, num_tokens, output):
-                break
+            if not self._make_room(index, num_tokens, output):
+                continue  # it was the least urgent and went: running[index] is the next one now
             self.block_manager.append_slots(seq, num_tokens)
             self._plan_chunk(seq, num_tokens, output)
             budget -= num_tokens
             index += 1
         return budget
 
-    def _make_room(self, seq: Sequence, num_tokens: int, output: SchedulerOutput) -> bool:
-        """Preempt the newest running sequences until ``seq`` fits; False if ``seq`` itself went."""
+    def _make_room(self, index: int, num_tokens: int, output: SchedulerOutput) -> bool:
+        """Preempt the least urgent sequences not yet planned this step (``running[index:]``) until
+        ``running[index]`` fits; False if it went itself."""
+        seq = self.running[index]
         while not self.block_manager.can_append(seq, num_tokens):
-            victim = self.running.pop()
+            victim = self._victim(index)
             self._preempt(victim)
             output.preempted.append(victim)
             if victim is seq:
                 return False
         return True
+
+    def _victim(self, start: int) -> Sequence:
+        """The least urgent running sequence from ``start`` on, the newest among equals; removed."""
+        candidates = range(len(self.running) - 1, start - 1, -1)
+        index = max(candidates, key=lambda i: (self.running[i].params.priority, i))
+        return self.running.pop(index)
+
+    def _preempt_for_urgent(self, output: SchedulerOutput) -> None:
+        """Preempt less urgent running sequences while the head of the queue lacks the blocks to start."""
+        if not self.waiting:
+            return
+        head = self.waiting[0]
+        while self.running:
+            victim_index = max(range(len(self.running)), key=lambda i: (self.running[i].params.priority, i))
+            if self.running[victim_index].params.priority <= head.params.priority:
+                return
+            hits = self.block_manager.computed_blocks(head)
+            num_tokens = min(
+                head.num_tokens - len(hits) * self.block_manager.block_size, self.max_batch_tokens
+            )
+            if self.block_manager.can_allocate(head, hits, num_tokens):
+                return
+            victim = self.running.pop(victim_index)
+            self._preempt(victim)
+            output.preempted.append(victim)
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
@@ -135,9 +173,15 @@ class Scheduler:
         output.cached_block_ids.extend(cached)
 
     def _preempt(self, seq: Sequence) -> None:
+        """Free ``seq``'s blocks and queue it first among the waiting sequences of its priority."""
         self.block_manager.free(seq)
         seq.reset_for_recompute()
-        self.waiting.appendleft(seq)
+        priority = seq.params.priority
+        index = next((i for i, other in enumerate(self.waiting) if other.params.priority >= priority), None)
+        if index is None:
+            self.waiting.append(seq)
+        else:
+            self.waiting.insert(index, seq)
 
     def update(self, output: SchedulerOutput) -> None:
         """After the model ran: advance every scheduled sequence's computed count."""

@@ -20,11 +20,26 @@ __all__ = [
     "Phase",
     "RequestContext",
     "RoutingStrategy",
+    "SloMiss",
+    "SloTarget",
     "WorkerView",
     "healthy",
 ]
 
 Phase = Literal["unified", "prefill", "decode"]
+SloMiss = Literal["route", "queue", "lower", "refuse"]
+"""What happens to a request whose latency targets no worker is predicted to meet: it goes to the
+worker predicted closest to them, waits in the gateway's queue for one that meets them, goes to the
+closest at the lowest priority, or is refused (429)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SloTarget:
+    """A request's latency targets (``None``: no target for that one) and its policy on a miss."""
+
+    ttft_seconds: float | None = None
+    tpot_seconds: float | None = None
+    on_miss: SloMiss = "route"
 
 
 @dataclass(slots=True)
@@ -64,6 +79,8 @@ class RequestContext:
     """Workers this request already tried: ``decide`` leaves them out before any strategy runs."""
     is_prefilled: bool = False
     """The prefill phase already ran (a retry of a disaggregated request): a decode worker only."""
+    slo: SloTarget | None = None
+    """Latency targets: ``decide`` then picks by predicted latency rather than by the strategy."""
 
 
 class RoutingStrategy(ABC):

@@ -4,7 +4,12 @@
 
 1. the capacity filter: the serving pool (the decode pool of a disaggregated model) less the workers
    the request already tried, healthy ones only, then those under ``max_in_flight_per_worker``;
-2. the model's strategy over what is left (``phase="decode"`` for a disaggregated model);
+2. the model's strategy over what is left (``phase="decode"`` for a disaggregated model), unless
+   the request carries latency targets (``RequestContext.slo``, unified models): then the worker
+   predicted to meet them with the most headroom (``routing.slo``); when none is, the target's
+   policy routes to the closest one anyway (``route``, ``lower``: the decision says it missed), waits
+   (``UnroutableError("at_capacity")``: the gateway queues it) or refuses it
+   (``UnroutableError("slo_unmet")``);
 3. for a disaggregated request not yet prefilled, the prefill worker paired with that decode worker
    by the queue-bounded rule of ``pairing.choose_path`` (none: the decode worker prefills locally);
 4. the blocks to expect on the chosen workers, and the session pin to write.
@@ -27,12 +32,14 @@ from herd.api.kv_hash import BlockHash
 from herd.orchestrator.discovery import ModelConfig
 from herd.orchestrator.kv_index import KVIndex
 from herd.orchestrator.routing._types import RequestContext, RoutingStrategy, WorkerView, healthy
+from herd.orchestrator.routing.latency import LatencyFeatures, LatencyModel
 from herd.orchestrator.routing.pairing import (
     choose_path,
     choose_prefill,
     num_uncached_tokens,
     queued_prefill_tokens,
 )
+from herd.orchestrator.routing.slo import choose_by_slo, features_of
 
 __all__ = ["Decision", "Pin", "RoutedModel", "UnroutableError", "decide", "decide_prefill", "pin_key"]
 
@@ -48,12 +55,14 @@ class RoutedModel(Protocol):
     def strategy(self) -> RoutingStrategy: ...
     @property
     def kv_index(self) -> KVIndex: ...
+    @property
+    def latency(self) -> LatencyModel: ...
 
 
 class UnroutableError(Exception):
     """No worker can take the request now: none is healthy and untried, or every open one is full."""
 
-    def __init__(self, reason: Literal["no_healthy_worker", "at_capacity"]) -> None:
+    def __init__(self, reason: Literal["no_healthy_worker", "at_capacity", "slo_unmet"]) -> None:
         super().__init__(reason)
         self.reason = reason
 
@@ -83,6 +92,10 @@ class Decision:
     expected_blocks: Sequence[BlockHash] = ()
     """Blocks about to exist on ``worker`` and on ``prefill`` (``KVIndex.expect``)."""
     pin: Pin | None = None
+    features: LatencyFeatures | None = None
+    """The chosen worker's state as the latency model sees it, to fit it with what follows."""
+    is_slo_missed: bool = False
+    """The request's latency targets are predicted to be missed on ``worker`` (the best there was)."""
 
 
 def decide(model: RoutedModel, views: Sequence[WorkerView], request: RequestContext) -> Decision:
@@ -96,10 +109,12 @@ def decide(model: RoutedModel, views: Sequence[WorkerView], request: RequestCont
     limit = config.max_in_flight_per_worker
     open_pool = [view for view in pool if not limit or view.num_in_flight < limit]
     ctx = dataclasses.replace(request, phase="decode") if is_disaggregated else request
-    choice = model.strategy.select(open_pool, ctx) if open_pool else None
+    matched = model.kv_index.match(request.block_hashes) if request.block_hashes else {}
+    choice, is_slo_missed = _by_slo(model, open_pool, request, matched)
+    if choice is None:
+        choice = model.strategy.select(open_pool, ctx) if open_pool else None
     if choice is None:
         raise UnroutableError("at_capacity")
-    matched = model.kv_index.match(request.block_hashes) if request.block_hashes else {}
     num_cached = matched.get(choice.id, 0)
     # A prefilled request's decode worker imports the prompt's KV blocks; it computes none of them.
     num_local = 0 if request.is_prefilled else len(request.token_ids)
@@ -109,10 +124,37 @@ def decide(model: RoutedModel, views: Sequence[WorkerView], request: RequestCont
         num_cached_blocks=num_cached,
         expected_blocks=request.block_hashes,
         pin=_pin(model, request, choice),
+        features=features_of(choice, len(request.token_ids), num_cached, config.block_size),
+        is_slo_missed=is_slo_missed,
     )
     if is_disaggregated and not request.is_prefilled:
         return _paired(model, views, request, decision, matched)
     return decision
+
+
+def _by_slo(
+    model: RoutedModel, workers: Sequence[WorkerView], request: RequestContext, matched: Mapping[str, int]
+) -> tuple[WorkerView | None, bool]:
+    """The SLO choice and whether it misses the targets; ``(None, False)`` without one (no targets,
+    a disaggregated model, nothing to predict with yet): the strategy chooses."""
+    target = request.slo
+    if target is None or not workers or model.config.mode == "disaggregated":
+        return None, False
+    choice = choose_by_slo(
+        model.latency,
+        workers,
+        target,
+        num_prompt_tokens=len(request.token_ids),
+        matched=matched,
+        block_size=model.config.block_size,
+    )
+    if choice is None:
+        return None, False
+    if not choice.is_met and target.on_miss == "queue":
+        raise UnroutableError("at_capacity")
+    if not choice.is_met and target.on_miss == "refuse":
+        raise UnroutableError("slo_unmet")
+    return choice.worker, not choice.is_met
 
 
 def decide_prefill(
