@@ -38,6 +38,7 @@ __all__ = [
     "EngineSpec",
     "KVCacheAwareRouting",
     "KVCacheSpec",
+    "KVDiskSpec",
     "LeastRequestRouting",
     "ModelDeployment",
     "ModelDeploymentSpec",
@@ -121,6 +122,14 @@ class ModelSpec(_Spec):
         return self.source.split("://", 1)[1]
 
 
+class KVDiskSpec(_Spec):
+    """The local-disk KV tier: one preallocated file of ``sizeGiB`` in ``path`` (a fast local disk, an
+    emptyDir or a hostPath). A full or failing disk turns the tier off with one log line."""
+
+    path: str = Field(min_length=1, description="Folder for the tier's file; created if missing.")
+    size_gib: float = Field(alias="sizeGiB", gt=0.0, description="Size of the tier's file in GiB.")
+
+
 class KVCacheSpec(_Spec):
     block_size: int = Field(default=16, ge=1, le=1024, description="Tokens per KV block (a power of two).")
     memory_utilization: float = Field(
@@ -133,6 +142,24 @@ class KVCacheSpec(_Spec):
         description="KV pool size in GiB; overrides memoryUtilization (CPU default 1).",
     )
     prefix_caching: bool = True
+    host_memory_gib: float = Field(
+        default=0.0,
+        alias="hostMemoryGiB",
+        ge=0.0,
+        description="Host-memory tier in GiB: blocks evicted from the KV pool move here and are restored "
+        "on a prefix hit instead of recomputed; 0 turns it off.",
+    )
+    disk: KVDiskSpec | None = Field(
+        default=None, description="A local-disk tier below the host tier (needs hostMemoryGiB > 0)."
+    )
+
+    @model_validator(mode="after")
+    def _check_tiers(self) -> KVCacheSpec:
+        if self.disk is not None and self.host_memory_gib == 0:
+            raise ValueError(
+                "engine.kvCache.disk takes the blocks the host tier evicts: set engine.kvCache.hostMemoryGiB > 0"
+            )
+        return self
 
     @field_validator("block_size")
     @classmethod
@@ -165,6 +192,20 @@ class CostModel(_Spec):
         "step's wall time); a simulated worker spins for that share, holding a core and the GIL as the "
         "real step does, and sleeps the rest. 0 models an accelerator that leaves the host idle.",
     )
+
+    host_gbps: float = Field(
+        default=8.0,
+        alias="hostGBps",
+        gt=0.0,
+        description="GB a second moved between the KV pool and the host tier (either way).",
+    )
+    disk_gbps: float = Field(
+        default=2.0, alias="diskGBps", gt=0.0, description="GB a second moved to or from the disk tier."
+    )
+
+    def move_seconds(self, num_bytes: int, *, disk: bool) -> float:
+        """The modelled time of moving ``num_bytes`` of KV between tiers (through the disk or not)."""
+        return num_bytes / ((self.disk_gbps if disk else self.host_gbps) * 1e9)
 
     def step_seconds(self, num_tokens: int, num_seqs: int = 0, num_context_tokens: int = 0) -> float:
         """The modelled duration of a step, in seconds."""
