@@ -59,6 +59,7 @@ __all__ = [
     "SimulationSpec",
     "StickySessionRouting",
     "StrategyName",
+    "TierWeights",
     "VLLMSpec",
 ]
 
@@ -386,10 +387,25 @@ class StickySessionRouting(_Routing):
     session_ttl_seconds: int = Field(default=3600, ge=1)
 
 
+class TierWeights(_Spec):
+    """What a block held in a tier below the device counts for, as a share of a device hit
+    (``tierCost: weights``; llm-d's scorer weighs the host tier 0.8)."""
+
+    host: float = Field(default=0.8, ge=0.0, le=1.0)
+    disk: float = Field(default=0.8, ge=0.0, le=1.0)
+
+
 class KVCacheAwareRouting(_BoundedLoad):
     strategy: Literal["kv_cache_aware"]
     cache_weight: float = Field(default=1.0, ge=0.0, description="Weight of the cached-prefix share.")
     load_weight: float = Field(default=1.0, ge=0.0, description="Weight of the worker's load.")
+    tier_cost: Literal["measured", "weights", "device"] = Field(
+        default="measured",
+        description="How a prefix held in a worker's host or disk tier counts: its restore time from the "
+        "worker's measured bandwidths (measured), a fixed share of a device hit (weights, tierWeights), "
+        "or not at all (device: tier-blind).",
+    )
+    tier_weights: TierWeights = Field(default_factory=TierWeights)
 
 
 RoutingSpec = Annotated[
