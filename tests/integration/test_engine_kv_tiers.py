@@ -7,14 +7,17 @@ import os
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
-from support.engine import GREEDY, make_engine, random_prompts
+from support.engine import GREEDY, make_config, make_engine, random_prompts
 
 from herd.api.kv_hash import block_hashes
+from herd.worker.async_engine import AsyncEngine
 from herd.worker.engine import LLMEngine
 from herd.worker.loader import read_model_args
-from herd.worker.model_runner import TorchRunner
+from herd.worker.model_runner import TorchRunner, torch_engine
+from herd.worker.server import PublicOptions, build_public_app
 
 POOL_BLOCKS = 12
 """Each prompt below needs 5-6 blocks: a pool of 12 holds two, so cycling four evicts every time."""
@@ -126,3 +129,37 @@ def test_a_disk_tier_that_cannot_be_made_is_off(tiny_llama: Path, tmp_path: Path
     engine = tiered_engine(tiny_llama, 6, {"path": str(not_a_folder / "kv"), "sizeGiB": 0.01})
     assert engine.block_manager.disk is None
     assert engine.block_manager.host is not None
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(120)
+async def test_the_worker_reports_each_tier_in_its_metrics(
+    tiny_llama: Path, prompts: list[list[int]]
+) -> None:
+    config = make_config(
+        tiny_llama, num_blocks=POOL_BLOCKS, kvCache={"hostMemoryGiB": tier_gib(tiny_llama, 64)}
+    )
+    front = AsyncEngine(lambda: torch_engine(config))
+    front.start()
+    await front.wait_loaded()
+    try:
+        app = build_public_app(front, PublicOptions("test-model", max_body_bytes=100_000))
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://worker"
+        ) as client:
+            for prompt in [*prompts, prompts[0]]:
+                body = {"model": "test-model", "prompt": prompt, "max_tokens": 2, "temperature": 0}
+                assert (await client.post("/v1/completions", json=body)).status_code == 200
+            text = (await client.get("/metrics")).text
+    finally:
+        await front.stop()
+    for name in (
+        'herd_kv_tier_usage_perc{medium="host",model_name="test-model"}',
+        'herd_kv_tier_blocks{medium="host",model_name="test-model"} 64.0',
+        'herd_kv_tier_stored_blocks_total{medium="host",model_name="test-model"}',
+        'herd_kv_tier_restored_blocks_total{medium="host",model_name="test-model"}',
+        'herd_kv_tier_evicted_blocks_total{medium="device",model_name="test-model"}',
+        'herd_kv_tier_restore_bytes_per_second{medium="host",model_name="test-model"}',
+        'herd_prefill_tokens_per_second{model_name="test-model"}',
+    ):
+        assert f"\n{name}" in text, name

@@ -90,7 +90,8 @@ class LLMEngine:
             max_batch_tokens=config.engine.max_batch_tokens,
             max_batch_size=config.engine.max_batch_size,
         )
-        self.stats = EngineStats()
+        self.stats = EngineStats(kv_tiers=self.block_manager.counters)
+        self._count_tier_blocks()
         self.vocab_size = runner.vocab_size
         self.info = WorkerInfo(
             model=config.served_name,
@@ -201,10 +202,17 @@ class LLMEngine:
         return [self._advance(seq, result) for seq, result in zip(sampled, results, strict=True)]
 
     def _count(self, decision: SchedulerOutput) -> None:
+        if decision.kv_moves:
+            self._count_tier_blocks()
         self.stats.num_steps += 1
         self.stats.num_preemptions += len(decision.preempted)
         self.stats.prefix_cache_queries += decision.num_cache_queries
         self.stats.prefix_cache_hits += decision.num_cache_hits
+
+    def _count_tier_blocks(self) -> None:
+        self.stats.kv_tier_blocks = {
+            tier.medium: (tier.num_used, tier.num_slots) for tier in self.block_manager.tiers()
+        }
 
     def _advance(self, seq: Sequence, sampled: StepResult) -> RequestOutput:
         """Take ``seq``'s new token; a failure here (or in its sampling) ends ``seq`` alone."""
