@@ -1,15 +1,16 @@
 """The bytes of the KV tiers below the device pool, and the copies a plan's ``KVMove``s make.
 
-The host tier is one tensor laid out as the pool is (``[layers, 2, slots, block_size, kv_heads,
-head_dim]``), pinned on CUDA so that a restore is a ``non_blocking`` copy queued ahead of the forward
-on the same stream: the host goes on preparing the step's inputs while the copy runs, and the forward
-reads the restored blocks after it, in stream order. The disk tier is one preallocated file (unlinked
+The host tier is one tensor of contiguous slots (``[slots, layers, 2, block_size, kv_heads,
+head_dim]``: a slot is one block's bytes, so a copy is one strided-to-contiguous copy per block, about
+8x faster on a CPU than an indexed gather over the pool's layout, and a disk write needs no staging),
+pinned on CUDA so that a restore is a ``non_blocking`` copy queued ahead of the forward on the same
+stream: the host goes on preparing the step's inputs while the copy runs, and the forward reads the
+restored blocks after it, in stream order. The disk tier is one preallocated file (unlinked
 at once, so it vanishes with the process) of one block per slot, written and read with ``pwrite`` /
 ``preadv``. A step's moves run in three phases, which the pins of ``herd.worker.kv_tiers`` make
 equal to running them in order: every disk write, then every disk read (into a staging tensor), both
 before anything else changed, so a failing disk raises ``KVTierError`` with nothing moved; then the
-device <-> host copies and the staged disk reads in plan order, consecutive moves of one kind as one
-indexed copy.
+device <-> host copies and the staged disk reads in plan order.
 
 Restores are timed per tier (the router weighs a tier hit by it): every one on the CPU, where each
 copy is synchronous; on CUDA, where timing a copy would stall it, a probe at start measures them.
@@ -94,12 +95,10 @@ class TierStore:
     def create(
         cls, pool: torch.Tensor, num_host_blocks: int, disk: KVDiskSpec | None, measured: Measured
     ) -> TierStore:
-        layers, kv, _, *block = pool.shape
         host = None
         if num_host_blocks:
-            host = torch.zeros(
-                (layers, kv, num_host_blocks, *block), dtype=pool.dtype, pin_memory=pool.is_cuda
-            )
+            shape = (num_host_blocks, *pool[:, :, 0].shape)
+            host = torch.zeros(shape, dtype=pool.dtype, pin_memory=pool.is_cuda)
         slot_bytes = pool[:, :, 0].numel() * pool.element_size()
         disk_file = DiskFile.open(disk, slot_bytes) if disk is not None and host is not None else None
         store = cls(pool, host, disk_file, measured)
@@ -109,7 +108,7 @@ class TierStore:
 
     @property
     def num_host_blocks(self) -> int:
-        return 0 if self.host is None else self.host.shape[2]
+        return 0 if self.host is None else self.host.shape[0]
 
     @property
     def num_disk_blocks(self) -> int:
@@ -150,7 +149,7 @@ class TierStore:
             media.append(("disk", min(num, self.num_disk_blocks)))
         for medium, count in media:
             moves = [KVMove(medium, slot, "device", slot) for slot in range(count)]
-            saved = self.pool[:, :, :num].clone()
+            saved = self.pool[:, :, :num].clone()  # the probe writes pool blocks: give them back
             started = time.perf_counter()
             staged = self._disk_phase(moves)
             self._copy(medium, "device", moves, staged)
@@ -172,42 +171,38 @@ class TierStore:
         if self.disk is None or self.host is None:
             raise KVTierError("disk", "a plan moves blocks through a disk tier that is not there")
         try:
-            if writes:
-                blocks = self.host[:, :, [move.src_slot for move in writes]].movedim(2, 0).contiguous()
-                for move, block in zip(writes, blocks, strict=True):
-                    self.disk.write(move.dst_slot, _bytes(block))
+            for move in writes:
+                self.disk.write(move.dst_slot, _bytes(self.host[move.src_slot]))
             started = time.perf_counter()
-            staging = torch.empty((len(reads), *self.pool[:, :, 0].shape), dtype=self.pool.dtype)
+            staging = torch.empty((len(reads), *self.host.shape[1:]), dtype=self.pool.dtype)
             for move, block in zip(reads, staging, strict=True):
                 self.disk.read_into(move.src_slot, _bytes(block))
         except OSError as error:
             self.drop_disk()
             raise KVTierError("disk", f"the KV disk tier failed: {error}") from error
         rows = {move.src_slot: row for row, move in enumerate(reads)}
-        return _Staged(staging.movedim(0, 2), rows, time.perf_counter() - started)
+        return _Staged(staging, rows, time.perf_counter() - started)
 
     def _copy(self, src: Medium, dst: Medium, moves: list[KVMove], staged: _Staged) -> None:
-        sources = [move.src_slot for move in moves]
-        targets = [move.dst_slot for move in moves]
-        if src == "device" and dst == "host":
-            assert self.host is not None
-            self.host[:, :, targets] = self.pool[:, :, sources].to("cpu")
-        elif src == "host" and dst == "device":
-            assert self.host is not None
-            blocks = self.host[:, :, sources]
-            if self.pool.is_cuda:
-                blocks = blocks.pin_memory()
-            self.pool[:, :, targets] = blocks.to(self.pool.device, non_blocking=True)
-        elif src == "disk" and dst == "device":
-            rows = [staged.rows[slot] for slot in sources]
-            self.pool[:, :, targets] = staged.blocks[:, :, rows].to(self.pool.device, non_blocking=True)
-        else:
-            raise ValueError(f"no KV move from {src} to {dst}")
+        host, pool = self.host, self.pool
+        assert host is not None
+        for move in moves:
+            if src == "device" and dst == "host":
+                # Queued on CUDA too: a restore from the slot follows it on the same stream, and the
+                # slot reaches the disk in a later step only (pinned), after that step's sampling synced.
+                host[move.dst_slot].copy_(pool[:, :, move.src_slot], non_blocking=pool.is_cuda)
+            elif src == "host" and dst == "device":
+                pool[:, :, move.dst_slot].copy_(host[move.src_slot], non_blocking=True)
+            elif src == "disk" and dst == "device":
+                pool[:, :, move.dst_slot].copy_(staged.blocks[staged.rows[move.src_slot]], non_blocking=True)
+            else:
+                raise ValueError(f"no KV move from {src} to {dst}")
 
 
 @dataclass
 class _Staged:
-    """A step's disk reads: ``blocks`` laid out as the pool, the row of each disk slot, their time."""
+    """A step's disk reads: ``blocks`` one per row (a host slot's layout), the row of each disk
+    slot, and the reads' time."""
 
     blocks: torch.Tensor
     rows: dict[int, int]
