@@ -12,8 +12,9 @@ equal to running them in order: every disk write, then every disk read (into a s
 before anything else changed, so a failing disk raises ``KVTierError`` with nothing moved; then the
 device <-> host copies and the staged disk reads in plan order.
 
-Restores are timed per tier (the router weighs a tier hit by it): every one on the CPU, where each
-copy is synchronous; on CUDA, where timing a copy would stall it, a probe at start measures them.
+Restores are timed per tier (the router weighs a tier hit by it): a probe at start measures them, so
+that the router can price a tier before its first restore; then, on the CPU, where each copy is
+synchronous, every restore; on CUDA, where timing a copy would stall it, the probe alone.
 """
 
 from __future__ import annotations
@@ -102,8 +103,7 @@ class TierStore:
         slot_bytes = pool[:, :, 0].numel() * pool.element_size()
         disk_file = DiskFile.open(disk, slot_bytes) if disk is not None and host is not None else None
         store = cls(pool, host, disk_file, measured)
-        if pool.is_cuda:
-            store.probe()
+        store.probe()  # so that the router can price this worker's tiers before its first restore
         return store
 
     @property

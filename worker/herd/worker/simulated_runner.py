@@ -31,6 +31,7 @@ import torch
 
 from herd.api.crd import CostModel
 from herd.api.prompt import PromptRenderer
+from herd.api.protocol import Medium
 from herd.worker.cache_geometry import CacheGeometry, bytes_per_block, tier_blocks
 from herd.worker.config import EngineConfig
 from herd.worker.engine import LLMEngine
@@ -110,6 +111,14 @@ class SimulatedRunner:
         self.cost = cost or CostModel()
         self.clock = clock or VirtualClock()
         self.measured = Measured()
+        tiers: tuple[tuple[Medium, int], ...] = (
+            ("host", geometry.num_host_blocks),
+            ("disk", geometry.num_disk_blocks),
+        )
+        for medium, count in tiers:
+            if count:  # the real runner's probe at start, as the cost model has it
+                seconds = self.cost.move_seconds(geometry.bytes_per_block, disk=medium == "disk")
+                self.measured.add_restore(medium, geometry.bytes_per_block, seconds)
         self.eos_after = eos_after
         self._seed = seed.to_bytes(8, "little", signed=True)
         self._prompt_keys: weakref.WeakKeyDictionary[Sequence, bytes] = weakref.WeakKeyDictionary()
