@@ -123,7 +123,7 @@ class TorchRunner:
             sources, targets = zip(*plan.block_copies, strict=True)
             self.kv_cache[:, :, list(targets)] = self.kv_cache[:, :, list(sources)]
         started = time.perf_counter()
-        inputs = prepare_inputs(plan.chunks, self.config.block_size, self.device)
+        inputs = prepare_inputs(plan.chunks, self.config.block_size, self.device, self.args.window_sizes)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
         logits = self.model.compute_logits(hidden[inputs.sample_index])
         results = self.sampler.sample(logits, [chunk.seq for chunk in plan.chunks if chunk.is_sampled])
