@@ -30,6 +30,13 @@ HERD_KV_TRANSFER_SECONDS = "herd_kv_transfer_seconds"
 HERD_KV_LEASES_EXPIRED_TOTAL = "herd_kv_leases_expired_total"
 HERD_ENGINE_STEP_SECONDS = "herd_engine_step_seconds"
 HERD_REQUESTS_REJECTED_TOTAL = "herd_requests_rejected_total"
+HERD_KV_TIER_USAGE_PERC = "herd_kv_tier_usage_perc"
+HERD_KV_TIER_BLOCKS = "herd_kv_tier_blocks"
+HERD_KV_TIER_STORED_TOTAL = "herd_kv_tier_stored_blocks_total"
+HERD_KV_TIER_RESTORED_TOTAL = "herd_kv_tier_restored_blocks_total"
+HERD_KV_TIER_EVICTED_TOTAL = "herd_kv_tier_evicted_blocks_total"
+HERD_KV_TIER_RESTORE_BYTES_PER_SECOND = "herd_kv_tier_restore_bytes_per_second"
+HERD_PREFILL_TOKENS_PER_SECOND = "herd_prefill_tokens_per_second"
 
 # Orchestrator.
 HERD_ROUTER_REQUESTS_TOTAL = "herd_router_requests_total"
@@ -66,6 +73,13 @@ WORKER_METRICS = (
     HERD_KV_LEASES_EXPIRED_TOTAL,
     HERD_ENGINE_STEP_SECONDS,
     HERD_REQUESTS_REJECTED_TOTAL,
+    HERD_KV_TIER_USAGE_PERC,
+    HERD_KV_TIER_BLOCKS,
+    HERD_KV_TIER_STORED_TOTAL,
+    HERD_KV_TIER_RESTORED_TOTAL,
+    HERD_KV_TIER_EVICTED_TOTAL,
+    HERD_KV_TIER_RESTORE_BYTES_PER_SECOND,
+    HERD_PREFILL_TOKENS_PER_SECOND,
 )
 ORCHESTRATOR_METRICS = (
     HERD_ROUTER_REQUESTS_TOTAL,

@@ -18,6 +18,7 @@ __all__ = [
     "LABEL_MANAGED_BY",
     "LABEL_ROLE",
     "MANAGED_BY",
+    "MEDIA",
     "REQUEST_ID_HEADER",
     "TOKEN_ENV",
     "TOKEN_HEADER",
@@ -27,6 +28,7 @@ __all__ = [
     "KVSnapshot",
     "KVTransferParams",
     "LoadReport",
+    "Medium",
     "Role",
     "TokenizerFiles",
     "WorkerInfo",
@@ -34,6 +36,11 @@ __all__ = [
 ]
 
 Role = Literal["unified", "prefill", "decode"]
+Medium = Literal["device", "host", "disk"]
+"""Where a KV block lives: the accelerator's pool, the host-memory tier, or the local disk tier
+(vLLM's KV events call the same field ``medium``: its ``GPU`` is herd's ``device``, ``CPU`` is ``host``)."""
+MEDIA: tuple[Medium, ...] = ("device", "host", "disk")
+"""Every medium, fastest first."""
 
 TOKEN_HEADER = "X-Herd-Token"
 """Carries the shared internal token on every internal request."""
@@ -110,12 +117,28 @@ class LoadReport(BaseModel):
     num_free_blocks: int = 0
     num_total_blocks: int = 0
     is_draining: bool = False
+    bytes_per_block: int = Field(default=0, ge=0, description="One KV block's size; 0 if not reported.")
+    prefill_tokens_per_s: float | None = Field(
+        default=None, gt=0.0, description="Measured prefill rate (tokens a second); None until measured."
+    )
+    restore_bytes_per_s: dict[Medium, float] = Field(
+        default_factory=dict,
+        description="Measured bandwidth of restoring blocks onto the device, per tier it restores from.",
+    )
+    pull_bytes_per_s: float | None = Field(
+        default=None, gt=0.0, description="Measured bandwidth of pulling blocks from a peer worker."
+    )
 
 
 class KVEvent(BaseModel):
+    """Blocks entering (``stored``) or leaving (``removed``) one tier, ``medium``, of a worker's cache;
+    ``cleared`` empties every tier. A block may sit in several tiers at once (a restored block keeps
+    its host copy), so each tier's holdings are tracked apart."""
+
     seq: int
     kind: Literal["stored", "removed", "cleared"]
     block_hashes: list[int] = Field(default_factory=list)
+    medium: Medium = "device"
 
 
 class KVEventBatch(BaseModel):
@@ -130,6 +153,8 @@ class KVSnapshot(BaseModel):
     seq: int
     block_size: int
     block_hashes: list[int]
+    tier_block_hashes: dict[Medium, list[int]] = Field(default_factory=dict)
+    """The blocks each tier below the device holds (``host``, ``disk``); ``block_hashes`` is the device's."""
 
 
 class KVTransferParams(BaseModel):

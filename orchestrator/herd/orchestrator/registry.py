@@ -30,7 +30,7 @@ import httpx
 from herd.api.protocol import KVSnapshot, LoadReport
 from herd.orchestrator.breaker import BreakerSettings, CircuitBreaker, Outcome
 from herd.orchestrator.discovery import Membership, ModelConfig, WorkerEndpoint, WorkerSource
-from herd.orchestrator.routing import WorkerView
+from herd.orchestrator.routing import WorkerView, restore_block_tokens
 from herd.orchestrator.served import ServedModel
 from herd.orchestrator.state import ExpectedBlocks, KVPayload, State
 from herd.orchestrator.tokenizer_fetch import TokenizerFetcher
@@ -64,6 +64,15 @@ class WorkerState:
     epoch: str | None = None
     """The worker process's KV epoch as last seen; a new one means it restarted."""
     num_restarts: int = 0
+    host_block_tokens: float | None = None
+    disk_block_tokens: float | None = None
+
+    def take_report(self, report: LoadReport) -> None:
+        """A new load report, with the tier restore costs routing reads from it (worked out once here,
+        not for every decision)."""
+        self.report = report
+        self.host_block_tokens = restore_block_tokens(report, "host")
+        self.disk_block_tokens = restore_block_tokens(report, "disk")
 
     def view(self, now: float) -> WorkerView:
         report = self.report
@@ -78,6 +87,8 @@ class WorkerState:
             num_waiting_prefill_tokens=report.num_waiting_prefill_tokens,
             num_total_blocks=report.num_total_blocks,
             is_healthy=self.is_healthy and not report.is_draining and self.breaker.can_send(now),
+            host_block_tokens=self.host_block_tokens,
+            disk_block_tokens=self.disk_block_tokens,
         )
 
 
@@ -247,7 +258,7 @@ class Registry:
         try:
             is_ready = await self.client.is_ready(worker.endpoint)
             if is_ready:
-                worker.report = await self.client.load(worker.endpoint)
+                worker.take_report(await self.client.load(worker.endpoint))
         except (httpx.HTTPError, ValueError) as error:
             self._record_failure(worker, f"{type(error).__name__}: {error}")
             return

@@ -144,6 +144,7 @@ def test_the_routing_package_exports_the_shared_interface() -> None:
         "WorkerView",
         "build_strategy",
         "healthy",
+        "restore_block_tokens",
     }
     assert set(base.__all__) <= set(routing.__all__)
     assert all(getattr(routing, name) is getattr(base, name) for name in base.__all__)

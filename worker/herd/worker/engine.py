@@ -32,6 +32,7 @@ from herd.api.protocol import KVEvent, KVSnapshot, LoadReport, WorkerInfo
 from herd.worker.block_manager import BlockManager
 from herd.worker.config import EngineConfig
 from herd.worker.detokenizer import IncrementalDetokenizer
+from herd.worker.kv_tiers import KVTierError
 from herd.worker.outputs import FinishReason, RequestOutput
 from herd.worker.runner import Runner, SampledToken, StepResult
 from herd.worker.sampling_params import SamplingParams, check_token_ids
@@ -81,13 +82,16 @@ class LLMEngine:
             geometry.num_blocks,
             geometry.block_size,
             enable_prefix_caching=config.engine.kv_cache.prefix_caching,
+            num_host_blocks=geometry.num_host_blocks,
+            num_disk_blocks=geometry.num_disk_blocks,
         )
         self.scheduler = Scheduler(
             self.block_manager,
             max_batch_tokens=config.engine.max_batch_tokens,
             max_batch_size=config.engine.max_batch_size,
         )
-        self.stats = EngineStats()
+        self.stats = EngineStats(kv_tiers=self.block_manager.counters)
+        self._count_tier_blocks()
         self.vocab_size = runner.vocab_size
         self.info = WorkerInfo(
             model=config.served_name,
@@ -103,7 +107,15 @@ class LLMEngine:
         )
         self._requests: dict[str, _Request] = {}
         self._held: dict[str, list[int]] = {}
-        log.info("engine ready", extra={"model": config.served_name, "num_kv_blocks": geometry.num_blocks})
+        log.info(
+            "engine ready",
+            extra={
+                "model": config.served_name,
+                "num_kv_blocks": geometry.num_blocks,
+                "num_host_blocks": geometry.num_host_blocks,
+                "num_disk_blocks": geometry.num_disk_blocks,
+            },
+        )
 
     def add_request(
         self,
@@ -187,6 +199,9 @@ class LLMEngine:
             return []
         try:
             results = self.runner.execute(decision)  # a sequence's own failure comes back as data
+        except KVTierError as error:
+            self._drop_tier(decision, error)
+            return []
         except Exception as error:
             return self._fail_batch(decision, error)
         sampled = [chunk.seq for chunk in decision.chunks if chunk.is_sampled]  # before update moves them
@@ -194,10 +209,17 @@ class LLMEngine:
         return [self._advance(seq, result) for seq, result in zip(sampled, results, strict=True)]
 
     def _count(self, decision: SchedulerOutput) -> None:
+        if decision.kv_moves:
+            self._count_tier_blocks()
         self.stats.num_steps += 1
         self.stats.num_preemptions += len(decision.preempted)
         self.stats.prefix_cache_queries += decision.num_cache_queries
         self.stats.prefix_cache_hits += decision.num_cache_hits
+
+    def _count_tier_blocks(self) -> None:
+        self.stats.kv_tier_blocks = {
+            tier.medium: (tier.num_used, tier.num_slots) for tier in self.block_manager.tiers()
+        }
 
     def _advance(self, seq: Sequence, sampled: StepResult) -> RequestOutput:
         """Take ``seq``'s new token; a failure here (or in its sampling) ends ``seq`` alone."""
@@ -261,9 +283,23 @@ class LLMEngine:
             f"{type(error).__name__}: {error}; the request may succeed if sent again"
         )
         outputs = [self._end_with_error(seq, message) for seq in seqs]
+        self.block_manager.forget_moves(decision.kv_moves)  # what the step wrote may not be there
         self.block_manager.forget(decision.cached_block_ids)  # their KV was never computed
         self._reset()
         return outputs
+
+    def _drop_tier(self, decision: SchedulerOutput, error: KVTierError) -> None:
+        """A tier failed before the step ran anything: the engine goes on without it. The step's
+        plan is abandoned (what it wrote into the caches forgotten, its sequences queued again, to
+        be planned without the tier), so no request fails."""
+        log.error(
+            "KV tier failed; the engine goes on without it",
+            extra={"medium": error.medium, "error": str(error)},
+        )
+        self.block_manager.forget_moves(decision.kv_moves)
+        self.block_manager.forget(decision.cached_block_ids)
+        self.block_manager.disable_disk()
+        self.scheduler.requeue([chunk.seq for chunk in decision.chunks])
 
     def _end_with_error(self, seq: Sequence, message: str) -> RequestOutput:
         """Retire ``seq`` now (its blocks and any lease freed) with ``message`` for its client."""
@@ -321,6 +357,9 @@ class LLMEngine:
             kv_usage=min(1.0, max(0.0, self.block_manager.usage)),
             num_free_blocks=self.block_manager.num_free_blocks,
             num_total_blocks=self.block_manager.num_total_blocks,
+            bytes_per_block=self.runner.geometry.bytes_per_block,
+            prefill_tokens_per_s=self.runner.measured.prefill.per_second,
+            restore_bytes_per_s=self.runner.measured.restore_bytes_per_s(),
         )
 
     def reset_prefix_cache(self) -> bool:
@@ -339,6 +378,7 @@ class LLMEngine:
             seq=self.block_manager.events.last_seq,
             block_size=self.block_manager.block_size,
             block_hashes=self.block_manager.cached_hashes(),
+            tier_block_hashes={tier.medium: tier.hashes() for tier in self.block_manager.tiers()},
         )
 
     # Disaggregation: whole KV blocks leave a prefill engine and enter a decode engine's cache.
@@ -377,10 +417,22 @@ class LLMEngine:
             for block_hash, token_ids in zip(block_hashes, token_blocks, strict=True)
         ]
         imported = [block_id for block_id in targets if block_id is not None]
+        self._offload_evicted()
         if imported:
             self.runner.write_blocks(targets, kv)
         self.block_manager.release(imported)
         return len(imported)
+
+    def _offload_evicted(self) -> None:
+        """Make the moves that evictions outside a step planned (an import's), before the blocks
+        they leave are written; a failing tier is dropped as in a step."""
+        moves, _ = self.block_manager.end_plan()
+        try:
+            self.runner.move_blocks(moves)
+        except KVTierError as error:
+            log.error("KV tier failed; the engine goes on without it", extra={"medium": error.medium})
+            self.block_manager.forget_moves(moves)
+            self.block_manager.disable_disk()
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]

@@ -8,6 +8,7 @@ from herd.orchestrator.routing.base import (
     WorkerView,
     build_strategy,
     healthy,
+    restore_block_tokens,
 )
 from herd.orchestrator.routing.decision import Decision, Pin, UnroutableError, decide, decide_prefill, pin_key
 from herd.orchestrator.routing.kv_cache_aware import KVCacheAware
@@ -36,4 +37,5 @@ __all__ = [
     "decide_prefill",
     "healthy",
     "pin_key",
+    "restore_block_tokens",
 ]

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
-from herd.api.protocol import Role
+from herd.api.protocol import LoadReport, Medium, Role
 
 __all__ = [
     "Phase",
@@ -24,6 +24,7 @@ __all__ = [
     "SloTarget",
     "WorkerView",
     "healthy",
+    "restore_block_tokens",
 ]
 
 Phase = Literal["unified", "prefill", "decode"]
@@ -59,6 +60,11 @@ class WorkerView:
     is_healthy: bool = True
     num_prefill_tokens_in_flight: int = 0
     """Uncached prompt tokens of the prefills this orchestrator has in flight on the worker."""
+    host_block_tokens: float | None = None
+    """What restoring one block from its host tier costs the worker, in prompt tokens it could
+    prefill meanwhile (``restore_block_tokens``); None until it measured both rates."""
+    disk_block_tokens: float | None = None
+    """The same for its disk tier."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -101,6 +107,15 @@ class RoutingStrategy(ABC):
     def forget_worker(self, worker_id: str) -> None:
         """Drop any per-worker state when a worker leaves; stateless strategies need nothing."""
         return
+
+
+def restore_block_tokens(report: LoadReport, medium: Medium) -> float | None:
+    """A block restore from ``medium`` in prefill tokens: the worker's measured prefill rate times the
+    seconds its measured restore bandwidth takes for a block; None while either is unmeasured."""
+    bandwidth = report.restore_bytes_per_s.get(medium)
+    if not bandwidth or report.prefill_tokens_per_s is None or not report.bytes_per_block:
+        return None
+    return report.prefill_tokens_per_s * report.bytes_per_block / bandwidth
 
 
 def healthy(workers: Sequence[WorkerView]) -> list[WorkerView]:
