@@ -19,6 +19,7 @@ from herd.api.protocol import Role
 
 __all__ = [
     "API_VERSION",
+    "DEFAULT_MAX_LORAS",
     "GROUP",
     "KIND",
     "PLURAL",
@@ -190,6 +191,10 @@ class VLLMSpec(_Spec):
     )
 
 
+DEFAULT_MAX_LORAS = 4
+"""``engine.maxLoras`` when unset and the worker has adapters to serve."""
+
+
 class EngineSpec(_Spec):
     backend: BackendName = Field(
         default="herd",
@@ -204,6 +209,16 @@ class EngineSpec(_Spec):
         default=8192, ge=16, description="Chunked-prefill token budget per engine step."
     )
     max_queue_len: int = Field(default=1024, ge=1, description="Waiting requests before 429.")
+    max_loras: int | None = Field(
+        default=None,
+        ge=0,
+        le=256,
+        description="LoRA adapters one engine step may run (the adapter slots on the device); 0 turns "
+        f"LoRA off. Unset: {DEFAULT_MAX_LORAS} when the deployment lists adapters, else off.",
+    )
+    max_lora_rank: int = Field(
+        default=16, ge=1, le=512, description="The largest adapter rank a worker loads."
+    )
     kv_cache: KVCacheSpec = Field(default_factory=KVCacheSpec)
     simulation: SimulationSpec | None = Field(default=None, description="backend simulated only.")
     vllm: VLLMSpec | None = Field(default=None, description="backend vllm only.")

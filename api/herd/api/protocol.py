@@ -103,6 +103,10 @@ class TokenizerFiles(BaseModel):
 
 
 class LoadReport(BaseModel):
+    """A worker's load as of its last step. The LoRA fields follow the Gateway API Inference
+    Extension's ``vllm:lora_requests_info``: adapters loaded, running and waiting, and ``max_loras``,
+    the distinct adapters one step may run (0: LoRA is off)."""
+
     num_running: int = 0
     num_waiting: int = 0
     num_waiting_prefill_tokens: int = Field(default=0, description="Uncached prompt tokens queued.")
@@ -110,6 +114,10 @@ class LoadReport(BaseModel):
     num_free_blocks: int = 0
     num_total_blocks: int = 0
     is_draining: bool = False
+    max_loras: int = 0
+    lora_adapters: list[str] = Field(default_factory=list, description="LoRA adapters loaded.")
+    running_lora_adapters: list[str] = Field(default_factory=list)
+    waiting_lora_adapters: list[str] = Field(default_factory=list)
 
 
 class KVEvent(BaseModel):

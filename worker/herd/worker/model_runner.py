@@ -10,6 +10,7 @@ reached its sequence's end (``herd.worker.sampler``). ``torch_engine`` builds he
 from __future__ import annotations
 
 from collections.abc import Collection
+from pathlib import Path
 
 import torch
 
@@ -21,6 +22,7 @@ from herd.worker.input_batch import prepare_inputs
 from herd.worker.layers.attention import AttentionBackend
 from herd.worker.layers.torch_attention import TorchAttentionBackend
 from herd.worker.loader import load_model, read_model_args
+from herd.worker.lora_model import LoraModel
 from herd.worker.runner import StepResult
 from herd.worker.sampler import Sampler
 from herd.worker.scheduler import SchedulerOutput
@@ -58,11 +60,32 @@ class TorchRunner:
         self.geometry = self._measure_geometry()
         self.kv_cache = torch.zeros(self.geometry.shape, dtype=self.dtype, device=self.device)
         self.model.bind_kv_cache(self.kv_cache)
+        self.lora = self._lora_model()
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed), eos_token_ids)
 
     @property
     def vocab_size(self) -> int:
         return self.args.vocab_size
+
+    def _lora_model(self) -> LoraModel | None:
+        if self.config.max_loras == 0:
+            return None
+        return LoraModel(
+            self.model,
+            num_slots=self.config.max_loras,
+            max_rank=self.config.engine.max_lora_rank,
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+    def load_lora(self, name: str, path: Path) -> None:
+        if self.lora is None:
+            raise ValueError("this worker runs no LoRA adapters: start it with engine.maxLoras above 0")
+        self.lora.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        if self.lora is not None:
+            self.lora.unload(name)
 
     def _kv_budget_bytes(self) -> int:
         spec = self.config.engine.kv_cache
@@ -104,6 +127,8 @@ class TorchRunner:
             sources, targets = zip(*plan.block_copies, strict=True)
             self.kv_cache[:, :, list(targets)] = self.kv_cache[:, :, list(sources)]
         inputs = prepare_inputs(plan.chunks, self.config.block_size, self.device)
+        if self.lora is not None:
+            self.lora.prepare([(chunk.seq.lora_name, chunk.num_tokens) for chunk in inputs.row_chunks])
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
         logits = self.model.compute_logits(hidden[inputs.sample_index])
         return self.sampler.sample(logits, [chunk.seq for chunk in plan.chunks if chunk.is_sampled])

@@ -12,6 +12,8 @@ never one of ``avoid_token_ids`` (the stop tokens), unless ``eos_after`` asks fo
 output tokens. The KV pool is block ids only: the block manager hands them out as for a real pool;
 ``read_blocks`` answers zeros of the geometry's shape (a placeholder of the right layout, so a KV
 frame encodes) and ``write_blocks`` checks that shape and keeps nothing; block copies are no-ops.
+A LoRA adapter is a name and nothing more: its folder is not read, and a sequence's adapter
+changes its tokens only through the root hash, as it changes its blocks' hashes.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import weakref
 from array import array
 from collections.abc import Collection
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -142,6 +145,12 @@ class SimulatedRunner:
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         return torch.zeros(self._shape(len(block_ids)), dtype=self.geometry.dtype)
+
+    def load_lora(self, name: str, path: Path) -> None:
+        """Nothing to read: the cost model has no weights (the engine keeps the name)."""
+
+    def unload_lora(self, name: str) -> None:
+        """Nothing to drop."""
 
     def write_blocks(self, block_ids: list[int | None], kv: torch.Tensor) -> None:
         expected = self._shape(len(block_ids))

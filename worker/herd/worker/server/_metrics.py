@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from herd.api import metrics as names
+from herd.api.protocol import LoadReport
 from herd.worker.engine_protocol import ServingEngine
 
 __all__ = ["RequestTiming", "WorkerMetrics"]
@@ -111,6 +112,19 @@ class WorkerMetrics:
         return bytes(generate_latest(self.registry))
 
 
+def _lora_info(load: LoadReport) -> GaugeMetricFamily:
+    """vLLM's ``vllm:lora_requests_info``, as the Gateway API Inference Extension reads it: the
+    adapters as comma-separated labels, the value the time of the reading (a reader keeps the newest)."""
+    family = GaugeMetricFamily(
+        names.LORA_REQUESTS_INFO,
+        "Running and waiting LoRA adapters, and the most one step runs.",
+        labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+    )
+    running, waiting = ",".join(load.running_lora_adapters), ",".join(load.waiting_lora_adapters)
+    family.add_metric([str(load.max_loras), running, waiting], time.time())
+    return family
+
+
 class _EngineCollector(Collector):
     """Reads the engine's own counters and load at scrape time."""
 
@@ -150,6 +164,8 @@ class _EngineCollector(Collector):
             1.0,
         )
         yield config
+        if load.max_loras:
+            yield _lora_info(load)
 
     def _gauge(self, name: str, documentation: str, value: float) -> GaugeMetricFamily:
         family = GaugeMetricFamily(name, documentation, labels=list(_LABELS))
