@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
+from herd.api.openai import LORA_NAME_PATTERN
 from herd.api.protocol import Role
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "SHORT_NAME",
     "VERSION",
     "Accelerator",
+    "AdapterSpec",
     "AutoscalingObserved",
     "AutoscalingPoolStatus",
     "AutoscalingSpec",
@@ -92,6 +94,15 @@ class CacheSpec(_Spec):
     pvc: str = Field(description="A PersistentVolumeClaim shared by every pool as the model cache.")
 
 
+def _check_source(value: str, where: str) -> str:
+    if not value.startswith(SOURCE_SCHEMES) or value in SOURCE_SCHEMES:
+        raise ValueError(
+            f"{where} {value!r} has no known scheme: use one of "
+            + ", ".join(f"{scheme}..." for scheme in SOURCE_SCHEMES)
+        )
+    return value
+
+
 class ModelSpec(_Spec):
     source: str = Field(
         description="Where the weights are: hf://Org/Name, s3://bucket/prefix, pvc://claim/path or file:///path."
@@ -105,12 +116,7 @@ class ModelSpec(_Spec):
     @field_validator("source")
     @classmethod
     def _check_source(cls, value: str) -> str:
-        if not value.startswith(SOURCE_SCHEMES) or value in SOURCE_SCHEMES:
-            raise ValueError(
-                f"model.source {value!r} has no known scheme: use one of "
-                + ", ".join(f"{scheme}..." for scheme in SOURCE_SCHEMES)
-            )
-        return value
+        return _check_source(value, "model.source")
 
     @property
     def scheme(self) -> str:
@@ -120,6 +126,27 @@ class ModelSpec(_Spec):
     def location(self) -> str:
         """The source without its scheme: ``Org/Name``, ``bucket/prefix``, ``claim/path``, ``/path``."""
         return self.source.split("://", 1)[1]
+
+
+class AdapterSpec(_Spec):
+    """A LoRA adapter (PEFT format) of the base model, served under its own ``name``."""
+
+    name: str = Field(pattern=LORA_NAME_PATTERN, description="The OpenAI `model` that selects the adapter.")
+    source: str = Field(
+        description="Where the adapter is, with the model's schemes (hf://, s3://, pvc://, file://)."
+    )
+    rank: int | None = Field(
+        default=None, ge=1, description="Its LoRA rank, checked against engine.maxLoraRank."
+    )
+
+    @field_validator("source")
+    @classmethod
+    def _check_source(cls, value: str) -> str:
+        return _check_source(value, "adapters[].source")
+
+    def as_model(self) -> ModelSpec:
+        """The adapter's source as a ``ModelSpec``, to be fetched or mounted as a model is."""
+        return ModelSpec(source=self.source)
 
 
 class KVCacheSpec(_Spec):
@@ -222,6 +249,12 @@ class EngineSpec(_Spec):
     kv_cache: KVCacheSpec = Field(default_factory=KVCacheSpec)
     simulation: SimulationSpec | None = Field(default=None, description="backend simulated only.")
     vllm: VLLMSpec | None = Field(default=None, description="backend vllm only.")
+
+    def lora_slots(self, *, has_adapters: bool) -> int:
+        """``maxLoras`` resolved: as given, else the default when there are adapters, else 0 (off)."""
+        if self.max_loras is not None:
+            return self.max_loras
+        return DEFAULT_MAX_LORAS if has_adapters else 0
 
     @model_validator(mode="after")
     def _check_backend_blocks(self) -> EngineSpec:
@@ -417,6 +450,25 @@ class ModelDeploymentSpec(_Spec):
         json_schema_extra={"default": {"strategy": "kv_cache_aware"}},
     )
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
+    adapters: list[AdapterSpec] = Field(
+        default_factory=list,
+        description="LoRA adapters every worker of every pool loads at start (more load at runtime).",
+    )
+
+    @model_validator(mode="after")
+    def _check_adapters(self) -> ModelDeploymentSpec:
+        names = [adapter.name for adapter in self.adapters]
+        if len(set(names)) < len(names):
+            raise ValueError(f"adapters[].name must be unique, got {names}")
+        if self.engine.max_loras == 0 and self.adapters:
+            raise ValueError("adapters need LoRA slots: leave engine.maxLoras unset or set it above 0")
+        for adapter in self.adapters:
+            if adapter.rank is not None and adapter.rank > self.engine.max_lora_rank:
+                raise ValueError(
+                    f"adapter {adapter.name!r} has rank {adapter.rank}, above engine.maxLoraRank "
+                    f"{self.engine.max_lora_rank}: raise maxLoraRank"
+                )
+        return self
 
     @model_validator(mode="after")
     def _check_pools(self) -> ModelDeploymentSpec:
@@ -569,6 +621,12 @@ class ModelDeployment(BaseModel):
     @property
     def served_name(self) -> str:
         return self.spec.model.served_name or self.metadata.name
+
+    @model_validator(mode="after")
+    def _check_adapter_names(self) -> ModelDeployment:
+        if any(adapter.name == self.served_name for adapter in self.spec.adapters):
+            raise ValueError(f"an adapter is named {self.served_name!r}, the served model's name: rename it")
+        return self
 
 
 _SPEC_KEYS = ("apiVersion", "kind", "metadata", "spec")

@@ -30,7 +30,7 @@ from types import FrameType
 
 import httpx
 
-from herd.api.backends import LOOPBACK, sidecar_argv, vllm_server_argv
+from herd.api.backends import LOOPBACK, lora_module_args, sidecar_argv, vllm_server_argv
 from herd.api.crd import POOL_ROLES, ModelDeployment, PoolName
 from herd.api.logs import configure_logging
 from herd.api.manifest import ManifestError, load_manifest
@@ -124,6 +124,24 @@ def _model_folder(deployment: ModelDeployment) -> Path:
     return path
 
 
+def _adapter_folders(deployment: ModelDeployment) -> dict[str, str]:
+    """Each adapter's local folder (``file://`` sources only, as for the model)."""
+    folders: dict[str, str] = {}
+    for adapter in deployment.spec.adapters:
+        path = local_model_path(adapter.source)
+        if path is None:
+            raise UpError(
+                f"{deployment.metadata.name}: adapter {adapter.name!r} source {adapter.source!r} is not local; "
+                "herd up needs local adapters: use file://PATH"
+            )
+        if not (path / "adapter_config.json").exists():
+            raise UpError(
+                f"{deployment.metadata.name}: {path} holds no adapter_config.json; check its source"
+            )
+        folders[adapter.name] = str(path)
+    return folders
+
+
 def plan_workers(deployment: ModelDeployment, token: str) -> list[LocalWorker]:
     """Every worker process of every pool of the deployment, each on its own free ports: a process
     per worker for herd's engine, one per pool for the simulated backend (``herd worker --replicas``)."""
@@ -182,7 +200,16 @@ def _vllm_worker(
     engine = deployment.spec.engine_for("workers")
     name = f"{deployment.metadata.name}-workers-{number}"
     served_name = deployment.served_name
-    server = vllm_server_argv(engine, str(folder), served_name, vllm_port, events_port, replay_port, python)
+    server = vllm_server_argv(
+        engine,
+        str(folder),
+        served_name,
+        vllm_port,
+        events_port,
+        replay_port,
+        python,
+        _adapter_folders(deployment),
+    )
     sidecar = sidecar_argv(
         vllm_port=vllm_port,
         kv_events_port=events_port,
@@ -245,6 +272,7 @@ def _worker_argv(
         "herd.cli.main",
         "worker",
         *(part for item in flags.items() for part in item),
+        *lora_module_args(_adapter_folders(deployment)),
     )
 
 

@@ -8,7 +8,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from herd.api.crd import DEFAULT_MAX_LORAS, EngineSpec
+from herd.api.crd import EngineSpec
 
 __all__ = ["EngineConfig"]
 
@@ -73,9 +73,7 @@ class EngineConfig(BaseModel):
     @property
     def max_loras(self) -> int:
         """The adapter slots: ``engine.maxLoras``, else a default when adapters are given, else 0 (off)."""
-        if self.engine.max_loras is not None:
-            return self.engine.max_loras
-        return DEFAULT_MAX_LORAS if self.lora_modules else 0
+        return self.engine.lora_slots(has_adapters=bool(self.lora_modules))
 
     @property
     def block_size(self) -> int:
