@@ -13,7 +13,7 @@ from herd.api.logs import configure_logging
 from herd.api.manifest import ManifestError, load_manifest
 from herd.api.protocol import TOKEN_ENV, Role
 from herd.orchestrator.app import AppSettings, build_app
-from herd.orchestrator.auth import load_api_keys
+from herd.orchestrator.auth import ADMIN_API_KEYS_ENV, load_api_keys
 from herd.orchestrator.discovery import ModelConfig, StaticSource, WorkerEndpoint, WorkerSource
 from herd.orchestrator.gateway import GatewaySettings
 from herd.orchestrator.registry import RegistrySettings
@@ -82,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
         models = model_configs(args.manifest)
         source = _source(args, models)
         api_keys = load_api_keys(args.api_keys_file)
+        admin_keys = load_api_keys(args.admin_api_keys_file, ADMIN_API_KEYS_ENV)
     except (ManifestError, ValueError, OSError) as error:
         print(f"herd orchestrator: {error}", file=sys.stderr)
         return 2
@@ -98,7 +99,9 @@ def run(args: argparse.Namespace) -> int:
         registry=RegistrySettings(poll_interval=args.poll_interval),
         ready_when_synced=args.kubernetes,
     )
-    app = build_app(source, settings=settings, state=build_state(args.redis), api_keys=api_keys)
+    app = build_app(
+        source, settings=settings, state=build_state(args.redis), api_keys=api_keys, admin_keys=admin_keys
+    )
     limits = ServerLimits(max_header_bytes=args.max_header_bytes, keep_alive_timeout=args.keep_alive_timeout)
     run_server(app, host=args.host, port=args.port, limits=limits)
     return 0
@@ -126,6 +129,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     parser.add_argument("--redis", default=None, help="redis://HOST:PORT/DB to share sessions and KV events")
     parser.add_argument("--api-keys-file", type=Path, default=None, help="accepted API keys, one per line")
+    parser.add_argument(
+        "--admin-api-keys-file",
+        type=Path,
+        default=None,
+        help=f"admin API keys for runtime LoRA loading, one per line (or {ADMIN_API_KEYS_ENV})",
+    )
     parser.add_argument(
         "--internal-token", default=None, help=f"the workers' shared internal token (or {TOKEN_ENV})"
     )

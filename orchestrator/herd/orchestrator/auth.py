@@ -16,10 +16,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from herd.orchestrator.errors import error_response
 
-__all__ = ["API_KEYS_ENV", "OPEN_PATHS", "ApiKeys", "RequireApiKey", "load_api_keys"]
+__all__ = ["ADMIN_API_KEYS_ENV", "API_KEYS_ENV", "OPEN_PATHS", "ApiKeys", "RequireApiKey", "load_api_keys"]
 
 API_KEYS_ENV = "HERD_API_KEYS"
 """Comma-separated keys, used when no keys file is given."""
+ADMIN_API_KEYS_ENV = "HERD_ADMIN_API_KEYS"
+"""The same for the admin keys (runtime LoRA adapters)."""
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 """What probes and Prometheus read without a key."""
 UNAUTHORIZED = "missing or invalid API key: send `Authorization: Bearer <key>` with a key this server accepts"
@@ -45,23 +47,25 @@ class ApiKeys:
         return any(matches)
 
 
-def load_api_keys(path: Path | None = None) -> ApiKeys:
-    """Keys from ``path`` (blank lines and ``#`` comments skipped), else from the environment."""
+def load_api_keys(path: Path | None = None, env: str = API_KEYS_ENV) -> ApiKeys:
+    """Keys from ``path`` (blank lines and ``#`` comments skipped), else from the variable ``env``."""
     if path is not None:
         lines = (line.strip() for line in path.read_text().splitlines())
         return ApiKeys([line for line in lines if line and not line.startswith("#")])
-    return ApiKeys([key.strip() for key in os.environ.get(API_KEYS_ENV, "").split(",")])
+    return ApiKeys([key.strip() for key in os.environ.get(env, "").split(",")])
 
 
 class RequireApiKey:
-    """ASGI middleware: a request outside ``OPEN_PATHS`` without an accepted key gets 401."""
+    """ASGI middleware: a request outside ``OPEN_PATHS`` without an accepted key gets 401; the
+    ``exempt`` paths check keys of their own (the admin routes)."""
 
-    def __init__(self, app: ASGIApp, keys: ApiKeys) -> None:
+    def __init__(self, app: ASGIApp, keys: ApiKeys, exempt: frozenset[str] = frozenset()) -> None:
         self.app = app
         self.keys = keys
+        self.skipped = OPEN_PATHS | exempt
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+        if scope["type"] == "http" and scope["path"] not in self.skipped:
             authorization = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
             if not self.keys.allows(authorization.decode("latin-1")):
                 response = error_response(401, UNAUTHORIZED, headers={"WWW-Authenticate": "Bearer"})

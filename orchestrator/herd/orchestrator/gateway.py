@@ -168,8 +168,8 @@ class Gateway:
     async def forward(self, path: str, body: bytes, headers: Mapping[str, str]) -> Response:
         """Validate, route and proxy one OpenAI request; ``path`` is its route (``WIRE_MODELS``)."""
         parsed = await self._prepare_threads.run_sized(len(body), parse_request, path, body)
-        served = self._served(parsed.request.model)
-        ctx = await self._context(served, parsed, headers, len(body))
+        served, lora_name = self._served(parsed.request.model)
+        ctx = await self._context(served, parsed, headers, len(body), lora_name)
         metrics = self._metrics_of(served)
         request = _Request(served, metrics, path, body, parsed.request.stream, ctx, parsed.payload)
         request.metrics.in_flight.inc()
@@ -187,21 +187,30 @@ class Gateway:
             metrics = self._metrics[served.name] = ModelMetrics(self.telemetry, served.name)
         return metrics
 
-    def _served(self, model: str) -> ServedModel:
-        served = self.registry.models.get(model)
-        if served is None:
+    def _served(self, model: str) -> tuple[ServedModel, str | None]:
+        """The served model ``model`` names and its LoRA adapter, if it names one; 404 otherwise."""
+        resolved = self.registry.resolve(model)
+        if resolved is None:
             known = ", ".join(sorted(self.registry.models)) or "none"
             raise HttpError(
                 404,
-                f"model {model!r} is not served here (served: {known}); see GET /v1/models",
+                f"model {model!r} is not served here, neither a model nor a LoRA adapter (served: {known}); "
+                "see GET /v1/models",
                 param="model",
             )
-        return served
+        return resolved
 
     async def _context(
-        self, served: ServedModel, parsed: ParsedRequest, headers: Mapping[str, str], size: int
+        self,
+        served: ServedModel,
+        parsed: ParsedRequest,
+        headers: Mapping[str, str],
+        size: int,
+        lora_name: str | None,
     ) -> RequestContext:
-        token_ids, hashes = await self._tokens(served, parsed, size) if served.needs_tokens else ((), ())
+        token_ids, hashes = (
+            await self._tokens(served, parsed, size, lora_name) if served.needs_tokens else ((), ())
+        )
         session_key = headers.get(served.session_header)
         pinned = None
         if served.strategy.pins_sessions and session_key:
@@ -213,18 +222,19 @@ class Gateway:
             session_key=session_key,
             pinned_worker_id=pinned,
             headers=headers,  # the server's read-only mapping: no copy per request
+            lora_name=lora_name,
         )
 
     async def _tokens(
-        self, served: ServedModel, parsed: ParsedRequest, size: int
+        self, served: ServedModel, parsed: ParsedRequest, size: int, lora_name: str | None
     ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """The prompt's token ids and block hashes; none (the strategy's load-only fallback) while no
-        tokenizer is known."""
+        """The prompt's token ids and block hashes (with the adapter, as the worker hashes them);
+        none (the strategy's load-only fallback) while no tokenizer is known."""
         threads = self._prepare_threads
         try:
             if not served.has_renderer:  # the first prompt loads the tokenizer (~0.7 s): never on the loop
-                return await threads.run(_tokenize, served, parsed)
-            return await threads.run_sized(size, _tokenize, served, parsed)
+                return await threads.run(_tokenize, served, parsed, lora_name)
+            return await threads.run_sized(size, _tokenize, served, parsed, lora_name)
         except RendererUnavailableError as error:
             if served not in self._untokenized:
                 self._untokenized.add(served)
@@ -316,10 +326,22 @@ class Gateway:
 
     async def _serve(self, request: _Request, route: _Route) -> Response:
         """The prefill phase of a disaggregated request first (once), then the worker's answer."""
+        await self._load_lora(request, route)
         if request.served.config.mode == "disaggregated" and not request.ctx.is_prefilled:
             await self._hand_off(request, route.prefill_hold)
             request.ctx = dataclasses.replace(request.ctx, is_prefilled=True)
         return await self._respond(request, route.worker, route.hold)
+
+    async def _load_lora(self, request: _Request, route: _Route) -> None:
+        """Load the request's adapter on the chosen workers that lack it, when the gateway loaded it
+        at runtime and so knows its folder (a manifest's adapters are on every worker from its start)."""
+        name = request.ctx.lora_name
+        path = None if name is None else request.served.lora_paths.get(name)
+        if name is None or path is None:
+            return
+        for view in (route.worker, route.decision.prefill):
+            if view is not None and name not in view.lora_adapters:
+                await self.registry.change_lora(view.id, "load", {"lora_name": name, "lora_path": path})
 
     async def _hand_off(self, request: _Request, prefill: Hold | None) -> None:
         """Prefill on the decision's prefill worker, or hand the prompt ids to the decode worker."""
@@ -432,13 +454,19 @@ class Gateway:
         self.telemetry.recent.record(ttft)
 
 
-def _tokenize(served: ServedModel, parsed: ParsedRequest) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _tokenize(
+    served: ServedModel, parsed: ParsedRequest, lora_name: str | None
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The prompt's token ids, checked against maxModelLen, and its block hashes (may run on a thread)."""
     config = served.config
     token_ids = tuple(prompt_token_ids(served.renderer, parsed.request, max_model_len=config.max_model_len))
     check_length(parsed, len(token_ids), config.max_model_len)
     hashes = block_hashes(
-        token_ids, config.block_size, model_id=served.name, cache_salt=parsed.request.cache_salt
+        token_ids,
+        config.block_size,
+        model_id=served.name,
+        cache_salt=parsed.request.cache_salt,
+        lora_name=lora_name,
     )
     return token_ids, tuple(hashes)
 

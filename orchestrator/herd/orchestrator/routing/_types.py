@@ -44,6 +44,17 @@ class WorkerView:
     is_healthy: bool = True
     num_prefill_tokens_in_flight: int = 0
     """Uncached prompt tokens of the prefills this orchestrator has in flight on the worker."""
+    max_loras: int = 0
+    """Distinct LoRA adapters one of its steps runs (0: LoRA is off), from its load report."""
+    lora_adapters: frozenset[str] = frozenset()
+    """The LoRA adapters it has loaded."""
+    running_lora_adapters: frozenset[str] = frozenset()
+    """The adapters its running requests use: while they fill ``max_loras``, another waits."""
+
+    def has_lora_slot(self, lora_name: str) -> bool:
+        """A request with ``lora_name`` can run at once: it is running, or a slot is free."""
+        running = self.running_lora_adapters
+        return lora_name in running or len(running) < self.max_loras
 
 
 @dataclass(slots=True, frozen=True)
@@ -64,6 +75,8 @@ class RequestContext:
     """Workers this request already tried: ``decide`` leaves them out before any strategy runs."""
     is_prefilled: bool = False
     """The prefill phase already ran (a retry of a disaggregated request): a decode worker only."""
+    lora_name: str | None = None
+    """The LoRA adapter the request runs with (``None``: the base model); its hashes carry it."""
 
 
 class RoutingStrategy(ABC):
