@@ -59,8 +59,19 @@ def test_evicted_adapter_frees_its_slot() -> None:
     assert table.assign(["c"]) == ({"c": 0}, [(0, "c")])
 
 
-def test_stacked_weights_give_each_token_its_own_adapter() -> None:
-    """The fused layer's delta for each token equals its own adapter's ``B @ A`` on each shard's rows."""
+@pytest.mark.parametrize(
+    "runs",
+    [
+        [(2, 1), (-1, 1), (1, 1), (1, 1), (2, 1), (-1, 1)],
+        [(1, 1), (-1, 1), (2, 3), (-1, 2), (1, 4)],
+        [(-1, 1), (-1, 1), (2, 5)],
+        [(1, 6)],
+    ],
+    ids=["decodes-only", "decodes-then-prefill-chunks", "base-decodes-adapter-prefill", "one-prefill"],
+)
+def test_stacked_weights_give_each_row_its_own_adapter(runs: list[tuple[int, int]]) -> None:
+    """The fused layer's delta for each row equals its own adapter's ``B @ A`` on each shard's rows,
+    for decodes (masked) and prefill chunks (segments) alike."""
     generator = torch.Generator().manual_seed(0)
     shards = {"q_proj": 6, "k_proj": 2, "v_proj": 2}
     context = LoraContext()
@@ -78,11 +89,11 @@ def test_stacked_weights_give_each_token_its_own_adapter() -> None:
     adapters = {1: adapter(4, ("q_proj", "k_proj", "v_proj")), 2: adapter(2, ("v_proj",))}
     for slot, weights in adapters.items():
         layer.set_slot(slot, weights)
-    token_slots = torch.tensor([2, -1, 1, 1, 2, -1])
-    context.set(token_slots, torch.float64)
-    x = torch.randn(6, 4, generator=generator, dtype=torch.float64)
-    out = layer.add_to(torch.zeros(6, 10, dtype=torch.float64), x)
-    for row, slot in enumerate(token_slots.tolist()):
+    token_slots = [slot for slot, count in runs for _ in range(count)]
+    context.set(runs, torch.device("cpu"), torch.float64)
+    x = torch.randn(len(token_slots), 4, generator=generator, dtype=torch.float64)
+    out = layer.add_to(torch.zeros(len(token_slots), 10, dtype=torch.float64), x)
+    for row, slot in enumerate(token_slots):
         expected = torch.zeros(10, dtype=torch.float64)
         column = 0
         for name, size in shards.items():
@@ -99,7 +110,7 @@ def test_a_step_without_adapters_leaves_the_output_alone() -> None:
         4, {"o_proj": 4}, context, num_slots=2, max_rank=2, dtype=torch.float32, device=torch.device("cpu")
     )
     layer.set_slot(0, {"o_proj": (torch.ones(2, 4), torch.ones(4, 2))})
-    context.set(torch.tensor([-1, -1]), torch.float32)
+    context.set([(-1, 1), (-1, 3)], torch.device("cpu"), torch.float32)
     out = torch.full((2, 4), 3.0)
     assert layer.add_to(out, torch.ones(2, 4)) is out
     assert out.eq(3.0).all()

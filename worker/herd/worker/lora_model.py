@@ -68,7 +68,7 @@ class LoraModel:
         self.slots.evict(name)
 
     def prepare(self, token_adapters: Sequence[tuple[str | None, int]]) -> None:
-        """Set the mask for a step whose rows are runs of ``(adapter or None, num_tokens)``."""
+        """Set the context for a step whose rows are runs of ``(adapter or None, num_tokens)``."""
         names = [name for name, _ in token_adapters if name is not None]
         if not names:
             self.context.clear()
@@ -76,9 +76,8 @@ class LoraModel:
         slot_of, loads = self.slots.assign(names)
         for slot, name in loads:
             self._fill(slot, self.adapters[name])
-        slots = torch.tensor([-1 if name is None else slot_of[name] for name, _ in token_adapters])
-        counts = torch.tensor([count for _, count in token_adapters])
-        self.context.set(slots.repeat_interleave(counts).to(self.device), self.dtype)
+        runs = [(-1 if name is None else slot_of[name], count) for name, count in token_adapters]
+        self.context.set(runs, self.device, self.dtype)
 
     def _fill(self, slot: int, adapter: LoraAdapter) -> None:
         """Copy ``adapter`` from the host into ``slot`` of every layer (layers it skips get zeros)."""

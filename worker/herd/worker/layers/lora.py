@@ -1,20 +1,24 @@
-"""Batched multi-LoRA for the linear layers: every adapter of a step in two GEMMs per layer.
+"""Batched multi-LoRA for the linear layers: a step's adapters without a loop over its sequences.
 
 Each adapted ``Linear`` holds its adapters' weights stacked by slot: ``a`` is ``[in, slots * width]``
 and ``b`` is ``[slots * width, out]``, where a slot's ``width`` is ``shards * max_rank`` (a fused
 layer such as ``qkv_proj`` runs one LoRA per checkpoint projection: ``q_proj``'s ``A`` fills its
 slot's first ``max_rank`` columns, and its ``B`` only the rows of ``b`` that write ``q``'s output
-columns, so each shard's delta lands on its own rows of the fused output). A step's tokens carry the
-slot of their sequence's adapter (``LoraContext``, shared by every layer of the model):
+columns, so each shard's delta lands on its own rows of the fused output). A step's rows come in two
+kinds (``LoraContext``, shared by every layer of the model, set by the runner before the forward):
 
-    delta = ((x @ a[:, :m * width]) * mask) @ b[:m * width]
+* the leading rows of one-token chunks (the decodes, of many sequences and adapters): one shrink and
+  one expand GEMM over the slots in use, with a per-row mask keeping each row's own slot:
+  ``delta = ((x @ a[:, :m * width]) * mask) @ b[:m * width]``, ``m`` the highest slot used plus one;
+* the rows of each longer chunk (a prefill chunk: one sequence, so one adapter): a segment, run on
+  its own slot's columns alone, ``x[rows] @ a_slot @ b_slot`` (a loop over the step's prefill
+  chunks, never over its decodes).
 
-with ``m`` the highest slot in use plus one and ``mask[t]`` one on token ``t``'s own slot's columns
-(all zero for a base-model token), then ``out += delta``. No loop over adapters or sequences, no
-gather of weights: slots are views. The cost is that the shrink and expand GEMMs run every slot of
-the prefix for every token, ``m`` times the FLOPs of a per-token gather (punica's SGMV kernels on a
-GPU avoid it); with ranks of 8-64 and a handful of adapters the two GEMMs stay small beside the
-layer's own, and a step with no adapter skips them.
+Then ``out += delta`` in place. Slots are views, never gathered copies. The cost: the decodes' GEMMs
+run every slot of the prefix for every row, ``m`` times the FLOPs of a per-row gather (punica's SGMV
+kernels avoid it on a GPU), small beside the layer's own at decode batch sizes; a prefill segment pays
+only its own adapter's; a step with no adapter skips it all. Slots are padded to ``maxLoraRank``,
+so that setting is best the largest rank served.
 """
 
 from __future__ import annotations
@@ -27,23 +31,30 @@ __all__ = ["LoraContext", "LoraWeights"]
 
 
 class LoraContext:
-    """The step's token-to-slot mask, set by the runner before each forward."""
+    """The step's rows and their slots, set by the runner before each forward."""
 
     def __init__(self) -> None:
-        self.mask: torch.Tensor | None = None  # [num_tokens, m, 1]
-        self.num_slots = 0  # m; 0: no token of this step has an adapter
+        self.mask: torch.Tensor | None = None  # [num_masked_rows, m, 1]: the leading one-token rows
+        self.num_slots = 0  # m
+        self.segments: list[tuple[int, int, int]] = []  # (first row, end row, slot) of longer chunks
 
-    def set(self, token_slots: torch.Tensor, dtype: torch.dtype) -> None:
-        """``token_slots[t]`` is token ``t``'s slot, ``-1`` for the base model."""
-        self.num_slots = int(token_slots.max()) + 1 if token_slots.numel() else 0
-        if self.num_slots == 0:
-            self.mask = None
-            return
-        slots = torch.arange(self.num_slots, device=token_slots.device)
-        self.mask = (token_slots.unsqueeze(1) == slots).to(dtype).unsqueeze(2)
+    def set(self, runs: list[tuple[int, int]], device: torch.device, dtype: torch.dtype) -> None:
+        """``runs`` are the step's chunks in row order, ``(slot or -1 for the base model, num_tokens)``."""
+        self.clear()
+        num_masked = next((index for index, (_, count) in enumerate(runs) if count != 1), len(runs))
+        masked = [slot for slot, _ in runs[:num_masked]]
+        if masked and max(masked) >= 0:
+            self.num_slots = max(masked) + 1
+            token_slots = torch.tensor(masked, device=device).unsqueeze(1)
+            self.mask = (token_slots == torch.arange(self.num_slots, device=device)).to(dtype).unsqueeze(2)
+        row = num_masked
+        for slot, count in runs[num_masked:]:
+            if slot >= 0:
+                self.segments.append((row, row + count, slot))
+            row += count
 
     def clear(self) -> None:
-        self.mask, self.num_slots = None, 0
+        self.mask, self.num_slots, self.segments = None, 0, []
 
 
 class LoraWeights:
@@ -84,11 +95,14 @@ class LoraWeights:
             column += size
 
     def add_to(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """``out`` (the layer's output for ``x``) plus each token's own adapter delta, in place."""
-        mask, num_slots = self.context.mask, self.context.num_slots
-        if mask is None:
-            return out
-        span = num_slots * self.width
-        shrunk = x @ self.a[:, :span]
-        shrunk.view(-1, num_slots, self.width).mul_(mask)
-        return out.addmm_(shrunk, self.b[:span])
+        """``out`` (the layer's output for ``x``) plus each row's own adapter delta, in place."""
+        context = self.context
+        if context.mask is not None:
+            rows, span = context.mask.shape[0], context.num_slots * self.width
+            shrunk = x[:rows] @ self.a[:, :span]
+            shrunk.view(rows, context.num_slots, self.width).mul_(context.mask)
+            out[:rows].addmm_(shrunk, self.b[:span])
+        for start, end, slot in context.segments:
+            columns = slice(slot * self.width, (slot + 1) * self.width)
+            out[start:end].addmm_(x[start:end] @ self.a[:, columns], self.b[columns])
+        return out
