@@ -29,6 +29,7 @@ __all__ = [
     "VERSION",
     "Accelerator",
     "AdapterSpec",
+    "AdapterStatus",
     "AutoscalingObserved",
     "AutoscalingPoolStatus",
     "AutoscalingSpec",
@@ -591,6 +592,17 @@ class AutoscalingStatus(AutoscalingPoolStatus):
     )
 
 
+class AdapterStatus(BaseModel):
+    """Where one of ``spec.adapters`` is loaded: the Ready worker pods started with it (a worker
+    loads every adapter of its command line before it reports Ready). Adapters loaded or unloaded at
+    runtime through the gateway are not counted here; the gateway's ``/v1/models`` lists them."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True)
+    name: str
+    source: str
+    loaded_on: list[str] = Field(default_factory=list, description="Ready worker pods that loaded it.")
+
+
 class ModelDeploymentStatus(BaseModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True)
     observed_generation: int | None = None
@@ -600,6 +612,9 @@ class ModelDeploymentStatus(BaseModel):
     selector: str = ""
     endpoint: str | None = None
     autoscaling: AutoscalingStatus | None = None
+    adapters: list[AdapterStatus] | None = Field(
+        default=None, description="spec.adapters: where each is loaded."
+    )
 
 
 class ModelDeployment(BaseModel):

@@ -90,7 +90,7 @@ def test_stacked_weights_give_each_row_its_own_adapter(runs: list[tuple[int, int
     for slot, weights in adapters.items():
         layer.set_slot(slot, weights)
     token_slots = [slot for slot, count in runs for _ in range(count)]
-    context.set(runs, torch.device("cpu"), torch.float64)
+    context.set(runs, torch.device("cpu"))
     x = torch.randn(len(token_slots), 4, generator=generator, dtype=torch.float64)
     out = layer.add_to(torch.zeros(len(token_slots), 10, dtype=torch.float64), x)
     for row, slot in enumerate(token_slots):
@@ -110,7 +110,7 @@ def test_a_step_without_adapters_leaves_the_output_alone() -> None:
         4, {"o_proj": 4}, context, num_slots=2, max_rank=2, dtype=torch.float32, device=torch.device("cpu")
     )
     layer.set_slot(0, {"o_proj": (torch.ones(2, 4), torch.ones(4, 2))})
-    context.set([(-1, 1), (-1, 3)], torch.device("cpu"), torch.float32)
+    context.set([(-1, 1), (-1, 3)], torch.device("cpu"))
     out = torch.full((2, 4), 3.0)
     assert layer.add_to(out, torch.ones(2, 4)) is out
     assert out.eq(3.0).all()

@@ -77,7 +77,7 @@ class LoraModel:
         for slot, name in loads:
             self._fill(slot, self.adapters[name])
         runs = [(-1 if name is None else slot_of[name], count) for name, count in token_adapters]
-        self.context.set(runs, self.device, self.dtype)
+        self.context.set(runs, self.device)
 
     def _fill(self, slot: int, adapter: LoraAdapter) -> None:
         """Copy ``adapter`` from the host into ``slot`` of every layer (layers it skips get zeros)."""
