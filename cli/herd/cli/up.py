@@ -111,35 +111,35 @@ def _is_free(port: int) -> bool:
 
 
 def _model_folder(deployment: ModelDeployment) -> Path:
-    path = local_model_path(deployment.spec.model.source)
-    if path is None:
-        raise UpError(
-            f"{deployment.metadata.name}: model.source {deployment.spec.model.source!r} is not local; "
-            "herd up needs a local model: use file://PATH (e.g. `herd model prepare smollm2`)"
-        )
-    if not (path / "config.json").exists():
-        raise UpError(
-            f"{deployment.metadata.name}: {path} holds no model (no config.json); check model.source"
-        )
-    return path
+    hint = "a local model: use file://PATH (e.g. `herd model prepare smollm2`)"
+    return _local_folder(deployment, "model.source", deployment.spec.model.source, "config.json", hint)
 
 
 def _adapter_folders(deployment: ModelDeployment) -> dict[str, str]:
     """Each adapter's local folder (``file://`` sources only, as for the model)."""
-    folders: dict[str, str] = {}
-    for adapter in deployment.spec.adapters:
-        path = local_model_path(adapter.source)
-        if path is None:
-            raise UpError(
-                f"{deployment.metadata.name}: adapter {adapter.name!r} source {adapter.source!r} is not local; "
-                "herd up needs local adapters: use file://PATH"
+    return {
+        adapter.name: str(
+            _local_folder(
+                deployment,
+                f"adapter {adapter.name!r} source",
+                adapter.source,
+                "adapter_config.json",
+                "local adapters: use file://PATH",
             )
-        if not (path / "adapter_config.json").exists():
-            raise UpError(
-                f"{deployment.metadata.name}: {path} holds no adapter_config.json; check its source"
-            )
-        folders[adapter.name] = str(path)
-    return folders
+        )
+        for adapter in deployment.spec.adapters
+    }
+
+
+def _local_folder(deployment: ModelDeployment, what: str, source: str, marker: str, hint: str) -> Path:
+    """The local folder of ``source``, which must hold ``marker``; ``UpError`` naming ``what`` otherwise."""
+    name = deployment.metadata.name
+    path = local_model_path(source)
+    if path is None:
+        raise UpError(f"{name}: {what} {source!r} is not local; herd up needs {hint}")
+    if not (path / marker).exists():
+        raise UpError(f"{name}: {path} holds no {marker}; check {what}")
+    return path
 
 
 def plan_workers(deployment: ModelDeployment, token: str) -> list[LocalWorker]:
