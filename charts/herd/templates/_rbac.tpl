@@ -30,6 +30,17 @@ would let the operator mint a token Secret for any ServiceAccount.
 - apiGroups: [""]
   resources: [events]
   verbs: [create, patch]
+# spec.gateway.inferencePool: the InferencePool, and the endpoint picker's account, Role (pods and
+# ModelDeployments, read only: rights the operator holds itself) and binding.
+- apiGroups: [inference.networking.k8s.io]
+  resources: [inferencepools]
+  verbs: [get, list, watch, create, update, patch, delete]
+- apiGroups: [""]
+  resources: [serviceaccounts]
+  verbs: [get, create, update, delete]
+- apiGroups: [rbac.authorization.k8s.io]
+  resources: [roles, rolebindings]
+  verbs: [get, create, update, delete]
 {{- end }}
 
 {{/*

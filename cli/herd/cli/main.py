@@ -16,6 +16,7 @@ _COMMANDS = {
     "worker": "herd.cli.worker",
     "sidecar": "herd.cli.sidecar",
     "orchestrator": "herd.cli.orchestrator",
+    "epp": "herd.cli.epp",
     "operator": "herd.cli.operator",
     "bench": "herd.cli.bench",
     "model": "herd.cli.model",

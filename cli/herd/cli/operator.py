@@ -42,6 +42,7 @@ def operator_config(args: argparse.Namespace) -> OperatorConfig:
     plan = PlanSettings(
         worker_image=args.worker_image,
         vllm_image=args.vllm_image,
+        epp_image=args.epp_image,
         s3_image=args.s3_image,
         token_secret=args.token_secret,
         orchestrator_service=args.orchestrator_service,
@@ -69,6 +70,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--worker-image", default=defaults.worker_image, help="image of pools that name none")
     parser.add_argument(
         "--vllm-image", default=defaults.vllm_image, help="vLLM's image, for vllm pools that name none"
+    )
+    parser.add_argument(
+        "--epp-image",
+        default=defaults.epp_image,
+        help="image of the endpoint picker of spec.gateway.inferencePool",
     )
     parser.add_argument("--s3-image", default=defaults.s3_image, help="init image that syncs s3:// models")
     parser.add_argument(

@@ -20,7 +20,15 @@ from herd.orchestrator.registry import RegistrySettings
 from herd.orchestrator.server import ServerLimits, run_server
 from herd.orchestrator.state import build_state
 
-__all__ = ["local_model_path", "model_configs", "parse_worker", "register"]
+__all__ = [
+    "add_source_arguments",
+    "load_source",
+    "local_model_path",
+    "model_configs",
+    "parse_worker",
+    "register",
+    "worker_source",
+]
 
 _ROLES: tuple[Role, ...] = ("unified", "prefill", "decode")
 
@@ -59,7 +67,8 @@ def parse_worker(value: str, models: Sequence[ModelConfig], number: int) -> Work
     return WorkerEndpoint(name, model, parts[0].rstrip("/"), parts[1].rstrip("/"), role)
 
 
-def _source(args: argparse.Namespace, models: list[ModelConfig]) -> WorkerSource:
+def worker_source(args: argparse.Namespace, models: list[ModelConfig]) -> WorkerSource:
+    """The workers ``add_source_arguments`` name: discovered on Kubernetes, else the static list."""
     if args.kubernetes:
         # Imported only when asked for: static and local runs never touch the Kubernetes API.
         from herd.orchestrator.kube_discovery import KubeSource
@@ -69,28 +78,27 @@ def _source(args: argparse.Namespace, models: list[ModelConfig]) -> WorkerSource
     return StaticSource(models, endpoints)
 
 
-def run(args: argparse.Namespace) -> int:
+def load_source(args: argparse.Namespace) -> WorkerSource:
+    """The source ``add_source_arguments`` describe; ``ValueError``, ``ManifestError`` or ``OSError``
+    say what is wrong with them."""
     if args.poll_interval <= 0:
-        print(
-            f"herd orchestrator: --poll-interval must be above 0 seconds, got {args.poll_interval}",
-            file=sys.stderr,
-        )
-        return 2
-    configure_logging("orchestrator", args.log_level)
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health poll otherwise
+        raise ValueError(f"--poll-interval must be above 0 seconds, got {args.poll_interval}")
+    source = worker_source(args, model_configs(args.manifest))
+    if not args.kubernetes and not args.worker:
+        raise ValueError("give --worker URL,INTERNAL_URL (repeatable) or --kubernetes")
+    return source
+
+
+def run(args: argparse.Namespace) -> int:
     try:
-        models = model_configs(args.manifest)
-        source = _source(args, models)
+        source = load_source(args)
         api_keys = load_api_keys(args.api_keys_file)
         admin_keys = load_api_keys(args.admin_api_keys_file, ADMIN_API_KEYS_ENV)
     except (ManifestError, ValueError, OSError) as error:
         print(f"herd orchestrator: {error}", file=sys.stderr)
         return 2
-    if not args.kubernetes and not args.worker:
-        print(
-            "herd orchestrator: give --worker URL,INTERNAL_URL (repeatable) or --kubernetes", file=sys.stderr
-        )
-        return 2
+    configure_logging("orchestrator", args.log_level)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health poll otherwise
     settings = AppSettings(
         internal_token=args.internal_token or os.environ.get(TOKEN_ENV),
         max_body_bytes=args.max_body_bytes,
@@ -107,10 +115,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = subparsers.add_parser("orchestrator", help="run the OpenAI gateway and router")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+def add_source_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where the models and their workers come from, and how they are polled (the orchestrator's and
+    the endpoint picker's flags)."""
     parser.add_argument(
         "--manifest", type=Path, action="append", default=[], help="ModelDeployment YAML (repeatable)"
     )
@@ -128,7 +135,6 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--kubeconfig", default=None, help="with --kubernetes, outside a cluster: this kubeconfig"
     )
     parser.add_argument("--redis", default=None, help="redis://HOST:PORT/DB to share sessions and KV events")
-    parser.add_argument("--api-keys-file", type=Path, default=None, help="accepted API keys, one per line")
     parser.add_argument(
         "--admin-api-keys-file",
         type=Path,
@@ -139,13 +145,21 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--internal-token", default=None, help=f"the workers' shared internal token (or {TOKEN_ENV})"
     )
     parser.add_argument(
-        "--request-timeout", type=float, default=600.0, help="seconds to wait for a worker's next byte"
-    )
-    parser.add_argument(
         "--poll-interval",
         type=float,
         default=RegistrySettings().poll_interval,
         help="seconds between a worker's health, load and KV polls (raise it for fleets of hundreds)",
+    )
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser("orchestrator", help="run the OpenAI gateway and router")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    add_source_arguments(parser)
+    parser.add_argument("--api-keys-file", type=Path, default=None, help="accepted API keys, one per line")
+    parser.add_argument(
+        "--request-timeout", type=float, default=600.0, help="seconds to wait for a worker's next byte"
     )
     parser.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     parser.add_argument(

@@ -40,12 +40,17 @@ def is_drifted(observed: Object, desired: Object) -> bool:
         return True
     return not (
         is_subset(want["labels"], meta.get("labels") or {})
-        and is_subset(desired["spec"], observed.get("spec"))
+        and all(is_subset(value, observed.get(key)) for key, value in _content(desired).items())
     )
 
 
+def _content(body: Object) -> Object:
+    """What herd owns of a body besides its labels: ``spec``, or a Role's ``rules``, a binding's ``roleRef``."""
+    return {key: value for key, value in body.items() if key not in ("apiVersion", "kind", "metadata")}
+
+
 def replacement(observed: Object, desired: Object) -> Object:
-    """The body to PUT: the desired spec, with the observed metadata (resourceVersion included) kept."""
+    """The body to PUT: the desired content, with the observed metadata (resourceVersion included) kept."""
     meta = observed["metadata"]
     want = desired["metadata"]
     metadata = {
@@ -54,6 +59,8 @@ def replacement(observed: Object, desired: Object) -> Object:
         "annotations": {**(meta.get("annotations") or {}), **want["annotations"]},
         "ownerReferences": want.get("ownerReferences", meta.get("ownerReferences", [])),
     }
+    if "spec" not in desired:
+        return {**desired, "metadata": metadata}
     kept = {
         key: observed["spec"][key]
         for key in _SERVER_ASSIGNED_SPEC.get(desired["kind"], ())

@@ -1,7 +1,11 @@
 """The pure planner: a ModelDeployment becomes the Deployments and Services that should exist.
 
 For each pool (``workers``, or ``prefill`` and ``decode``) it plans a Deployment named
-``<md>-<pool>`` and a headless Service of the same name. Every object carries herd's labels, and
+``<md>-<pool>`` and a headless Service of the same name. With ``spec.gateway.inferencePool`` it also
+plans what an Envoy-based gateway needs (``component="gateway"``): herd's endpoint picker (``herd epp``
+watching the namespace's workers, as a ServiceAccount with a Role to read pods and ModelDeployments, a
+Deployment and a Service ``<md>-epp``) and an ``InferencePool`` ``<md>`` selecting the serving pool's
+pods with that picker as its ``endpointPickerRef``. Every object carries herd's labels, and
 an annotation with a hash of its desired content, so the applier can tell a changed spec from a
 manual edit without a field-by-field diff against server-defaulted objects. The pod template also
 carries a hash label of itself, from which status tells updated pods from old ones.
@@ -13,15 +17,17 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from herd.api.crd import POOL_ROLES, ModelDeployment, PoolName, PoolSpec
-from herd.api.protocol import LABEL_DEPLOYMENT, LABEL_MANAGED_BY, LABEL_ROLE, MANAGED_BY
+from herd.api.protocol import LABEL_DEPLOYMENT, LABEL_MANAGED_BY, LABEL_ROLE, MANAGED_BY, TOKEN_ENV
 from herd.operator.pod import HTTP_PORT, INTERNAL_PORT, plan_pod_spec
 from herd.operator.settings import PlanSettings
 
 __all__ = [
     "ANNOTATION_SPEC_HASH",
+    "EPP_PORT",
+    "INFERENCE_POOL_API",
     "LABEL_TEMPLATE_HASH",
     "DesiredObject",
     "Plan",
@@ -34,6 +40,10 @@ __all__ = [
 
 ANNOTATION_SPEC_HASH = "herd.dev/spec-hash"
 LABEL_TEMPLATE_HASH = "herd.dev/template-hash"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+EPP_PORT = 9002
+"""The ext_proc and gRPC health port of the endpoint picker, the extension's default."""
+INFERENCE_POOL_API = "inference.networking.k8s.io/v1"
 
 Object = dict[str, Any]
 
@@ -47,6 +57,9 @@ class DesiredObject:
     plural: str
     pool: PoolName
     body: Object
+    component: Literal["pool", "gateway"] = "pool"
+    """``pool``: a pool's Deployment or Service (status reads them); ``gateway``: the InferencePool and
+    the endpoint picker of ``spec.gateway.inferencePool``."""
 
     @property
     def name(self) -> str:
@@ -65,7 +78,8 @@ class Plan:
     def summary(self) -> str:
         """One line for the log: ``smollm2: Deployment/smollm2-workers x2, Service/smollm2-workers``."""
         parts = [
-            f"{obj.kind}/{obj.name}" + (f" x{self.replicas[obj.pool]}" if obj.kind == "Deployment" else "")
+            f"{obj.kind}/{obj.name}"
+            + (f" x{self.replicas[obj.pool]}" if obj.kind == "Deployment" and obj.component == "pool" else "")
             for obj in self.objects
         ]
         return ", ".join(parts)
@@ -94,6 +108,8 @@ def plan(md: ModelDeployment, settings: PlanSettings) -> Plan:
     for pool_name, pool in pools.items():
         objects.append(_deployment(md, pool_name, pool, settings))
         objects.append(_service(md, pool_name))
+    if md.spec.gateway.inference_pool:
+        objects += _gateway(md, settings)
     return Plan(objects, {name: pool.replicas for name, pool in pools.items()})
 
 
@@ -124,6 +140,90 @@ def _service(md: ModelDeployment, pool_name: PoolName) -> DesiredObject:
     return _desired("v1", "Service", "services", pool_name, md, labels, spec)
 
 
+def _gateway(md: ModelDeployment, settings: PlanSettings) -> list[DesiredObject]:
+    """The endpoint picker (its account, Role, binding, Deployment and Service) and the InferencePool."""
+    name, namespace, pool = f"{md.metadata.name}-epp", md.metadata.namespace, md.spec.serving_pool
+    labels = {LABEL_MANAGED_BY: MANAGED_BY, LABEL_DEPLOYMENT: md.metadata.name, LABEL_COMPONENT: "epp"}
+    rules = [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+        {"apiGroups": ["herd.dev"], "resources": ["modeldeployments"], "verbs": ["get", "list", "watch"]},
+    ]
+    binding = {
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
+    }
+    deployment = {
+        "replicas": 1,
+        "selector": {"matchLabels": dict(labels)},
+        "template": {"metadata": {"labels": dict(labels)}, "spec": _epp_pod(name, namespace, settings)},
+    }
+    service = {
+        "selector": dict(labels),
+        "ports": [
+            {
+                "name": "grpc",
+                "port": EPP_PORT,
+                "targetPort": "grpc",
+                "protocol": "TCP",
+                "appProtocol": "http2",
+            }
+        ],
+    }
+    inference_pool = {
+        "selector": {"matchLabels": pool_labels(md.metadata.name, pool)},
+        "targetPorts": [{"number": HTTP_PORT}],
+        "endpointPickerRef": {"name": name, "port": {"number": EPP_PORT}, "failureMode": "FailClose"},
+    }
+    rbac = "rbac.authorization.k8s.io/v1"
+    parts: list[tuple[str, str, str, str, Object]] = [
+        ("v1", "ServiceAccount", "serviceaccounts", name, {}),
+        (rbac, "Role", "roles", name, {"rules": rules}),
+        (rbac, "RoleBinding", "rolebindings", name, binding),
+        ("apps/v1", "Deployment", "deployments", name, {"spec": deployment}),
+        ("v1", "Service", "services", name, {"spec": service}),
+        (INFERENCE_POOL_API, "InferencePool", "inferencepools", md.metadata.name, {"spec": inference_pool}),
+    ]
+    return [
+        _desired(api, kind, plural, pool, md, labels, content, name=obj_name, component="gateway")
+        for api, kind, plural, obj_name, content in parts
+    ]
+
+
+def _epp_pod(name: str, namespace: str, settings: PlanSettings) -> Object:
+    """``herd epp`` watching this namespace's worker pods; probed over its gRPC health services."""
+    argv = [
+        "herd",
+        "epp",
+        "--kubernetes",
+        "--namespace",
+        namespace,
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(EPP_PORT),
+    ]
+    token = {
+        "name": TOKEN_ENV,
+        "valueFrom": {"secretKeyRef": {"name": settings.token_secret, "key": "token"}},
+    }
+    container = {
+        "name": "epp",
+        "image": settings.epp_image,
+        "args": argv[1:],
+        "env": [token],
+        "ports": [{"name": "grpc", "containerPort": EPP_PORT, "protocol": "TCP"}],
+        "livenessProbe": {"grpc": {"port": EPP_PORT, "service": "liveness"}, "periodSeconds": 10},
+        "readinessProbe": {"grpc": {"port": EPP_PORT, "service": "readiness"}, "periodSeconds": 2},
+        "securityContext": {
+            "runAsNonRoot": True,
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+    return {"serviceAccountName": name, "containers": [container]}
+
+
 def _desired(
     api_version: str,
     kind: str,
@@ -132,12 +232,22 @@ def _desired(
     md: ModelDeployment,
     labels: dict[str, str],
     spec: Object,
+    *,
+    name: str | None = None,
+    component: Literal["pool", "gateway"] = "pool",
 ) -> DesiredObject:
+    """A child named ``name`` (``<md>-<pool>``) whose content is ``spec`` (a pool's) or, for the
+    gateway's objects, the top-level fields besides the metadata (``spec``, ``rules``, ``roleRef``...)."""
+    content = {"spec": spec} if component == "pool" else spec
     metadata = {
-        "name": child_name(md.metadata.name, pool),
+        "name": name or child_name(md.metadata.name, pool),
         "namespace": md.metadata.namespace,
         "labels": dict(labels),
-        "annotations": {ANNOTATION_SPEC_HASH: spec_hash({"labels": labels, "spec": spec})},
+        "annotations": {ANNOTATION_SPEC_HASH: spec_hash({"labels": labels, **_hashed(content)})},
     }
-    body = {"apiVersion": api_version, "kind": kind, "metadata": metadata, "spec": spec}
-    return DesiredObject(api_version, kind, plural, pool, body)
+    body = {"apiVersion": api_version, "kind": kind, "metadata": metadata, **content}
+    return DesiredObject(api_version, kind, plural, pool, body, component)
+
+
+def _hashed(content: Object) -> Object:
+    return content if content else {"spec": {}}

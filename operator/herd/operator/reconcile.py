@@ -116,7 +116,11 @@ class Reconciler:
         applied = await self._apply_all(children, body, owner)
         done = [f"{obj.kind}/{obj.name} {change}" for obj, change, _ in applied if change != "unchanged"]
         (logger.info if done else logger.debug)(f"plan {desired.summary()}: {', '.join(done) or 'no change'}")
-        deployments = [current for obj, _, current in applied if obj.kind == "Deployment" and current]
+        deployments = [
+            current
+            for obj, _, current in applied
+            if obj.kind == "Deployment" and obj.component == "pool" and current
+        ]
         pods = await self.api.list("v1", "pods", md.metadata.namespace, _owned_by(md.metadata.name))
         previous = body.get("status") or {}
         status = plan_status(md, desired, (pods, deployments), previous, now=_now(), settings=self.settings)

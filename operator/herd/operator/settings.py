@@ -19,6 +19,10 @@ class PlanSettings(BaseModel):
     s3_image: str = Field(
         default="amazon/aws-cli:2.22.35", description="Init image that syncs s3:// sources."
     )
+    epp_image: str = Field(
+        default="herd-orchestrator:0.1.0",
+        description="Image of the endpoint picker (herd epp) of spec.gateway.inferencePool: the orchestrator's.",
+    )
     token_secret: str = Field(
         default="herd-internal-token", description="Secret whose key `token` guards the internal port."
     )

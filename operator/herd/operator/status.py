@@ -88,7 +88,7 @@ def plan_status(
     """The whole status body (camelCase) for ``md``, given its ``(pods, deployments)``."""
     pods, deployments = observed
     templates = {obj.pool: obj.body["spec"]["template"]["metadata"]["labels"][LABEL_TEMPLATE_HASH]
-                 for obj in plan.objects if obj.kind == "Deployment"}  # fmt: skip
+                 for obj in plan.objects if obj.kind == "Deployment" and obj.component == "pool"}  # fmt: skip
     pools = {
         name: pool_status(
             [p for p in pods if _labels(p).get(LABEL_ROLE) == POOL_ROLES[name]], desired, templates[name]

@@ -1,14 +1,12 @@
 """The request path: validate, tokenize, choose a worker, proxy, and retry only what no worker took.
 
-1. The body is parsed with its route's OpenAI wire model (``herd.orchestrator.validation``). A model
-   that routes by tokens, or serves disaggregated, has its prompt rendered, tokenized, length-checked
-   against maxModelLen and hashed, once: a disaggregated request carries those ids and hashes to its
-   prefill and decode workers (``herd.orchestrator.disagg``). A body of ``inline_prepare_bytes`` or
-   more is parsed and tokenized on a small thread pool, so a multi-MB prompt never stalls the event
-   loop (tokenization releases the GIL); a smaller one costs less inline than the hop to a thread,
-   whose lowered priority makes it wait behind every busy process on a contended host.
-2. The session's pin is read, then ``decide`` (``herd.orchestrator.routing.decision``) makes the
-   whole choice and ``_route`` applies it in the same synchronous step: every chosen worker (decode
+1. ``Preparer`` (``herd.orchestrator.prepare``) parses the body with its route's OpenAI wire model,
+   finds its model, and for a model that routes by tokens, or serves disaggregated, renders,
+   tokenizes, length-checks and hashes its prompt once (large bodies on a small thread pool): a
+   disaggregated request carries those ids and hashes to its prefill and decode workers
+   (``herd.orchestrator.disagg``). It reads the session's pin.
+2. ``decide`` (``herd.orchestrator.routing.decision``) makes the whole choice and ``apply_decision``
+   (``herd.orchestrator.apply``) applies it in the same synchronous step: every chosen worker (decode
    and prefill) is counted in flight by a ``Hold`` before anything is awaited, and its blocks are
    expected in the KV index. The pin is written after (a replica that claimed the session first
    wins: the request is then routed again with that pin).
@@ -28,9 +26,7 @@ with ``Retry-After``.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
-import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,20 +35,18 @@ import httpx
 from starlette.responses import Response
 
 from herd.api.errors import HttpError, enveloped
-from herd.api.kv_hash import block_hashes
-from herd.api.openai import LengthError
-from herd.api.prompt import PromptError, PromptThreads
 from herd.api.protocol import REQUEST_ID_HEADER, WORKER_HEADER, is_valid_request_id
+from herd.orchestrator.apply import Route, apply_decision, write_pin
 from herd.orchestrator.breaker import Outcome, answer_outcome
 from herd.orchestrator.disagg import Handoff, TwoPhase, handed_body
 from herd.orchestrator.model_metrics import ModelMetrics
+from herd.orchestrator.prepare import INLINE_PREPARE_BYTES, Preparer
 from herd.orchestrator.proxy import RelayResponse, StreamEnd
 from herd.orchestrator.registry import Hold, Registry
-from herd.orchestrator.routing import Decision, RequestContext, UnroutableError, WorkerView, decide, pin_key
-from herd.orchestrator.served import RendererUnavailableError, ServedModel
+from herd.orchestrator.routing import RequestContext, UnroutableError, WorkerView, decide
+from herd.orchestrator.served import ServedModel
 from herd.orchestrator.state import State
 from herd.orchestrator.telemetry import Telemetry
-from herd.orchestrator.tokens import prompt_token_ids
 from herd.orchestrator.upstream import (
     NotAnsweredError,
     Upstream,
@@ -60,17 +54,8 @@ from herd.orchestrator.upstream import (
     UpstreamError,
     UpstreamTimeoutError,
 )
-from herd.orchestrator.validation import ParsedRequest, check_length, parse_request
 
 __all__ = ["Gateway", "GatewaySettings"]
-
-log = logging.getLogger(__name__)
-
-
-GATEWAY_INLINE_BYTES = 4096
-"""Bodies below this size are prepared inline: a chat prompt of up to ~1k tokens takes a few ms to
-parse, render, tokenize and hash, while the prompt threads' hop (niced 10 below the loop) waited 80 ms
-at p50 and up to 13 s with the host's cores busy (issue 14; docs/routing.md)."""
 
 _STREAM_ENDS: dict[StreamEnd, tuple[int, Outcome]] = {
     "complete": (200, "success"),
@@ -86,7 +71,7 @@ class GatewaySettings:
     connect_timeout: float = 2.0
     max_attempts: int = 3
     retry_after_seconds: int = 1
-    inline_prepare_bytes: int = GATEWAY_INLINE_BYTES
+    inline_prepare_bytes: int = INLINE_PREPARE_BYTES
     """Bodies from this size on are parsed and tokenized on ``prepare_threads`` (``PromptThreads``)."""
     prepare_threads: int = 2
 
@@ -109,24 +94,6 @@ class _Request:
         """The client's ``X-Request-Id``, passed on when the worker would use it as given."""
         value = self.ctx.headers.get(REQUEST_ID_HEADER)
         return value if value is not None and is_valid_request_id(value) else None
-
-
-@dataclass(eq=False)
-class _Route:
-    """A decision applied: its workers counted in flight until their holds are released."""
-
-    decision: Decision
-    hold: Hold
-    prefill_hold: Hold | None
-
-    @property
-    def worker(self) -> WorkerView:
-        return self.decision.worker
-
-    def release(self, outcome: Outcome) -> None:
-        self.hold.release(outcome)
-        if self.prefill_hold is not None:
-            self.prefill_hold.release(outcome)
 
 
 class _NotServedError(Exception):
@@ -156,22 +123,22 @@ class Gateway:
         self.settings = settings or GatewaySettings()
         self._metrics: dict[str, ModelMetrics] = {}
         self.disagg = TwoPhase(registry, http, telemetry.registry, max_attempts=self.settings.max_attempts)
-        self._untokenized: weakref.WeakSet[ServedModel] = weakref.WeakSet()
-        """Models already logged as routed without tokens (once each)."""
-        self._prepare_threads = PromptThreads(
-            "herd-prepare", self.settings.prepare_threads, inline_bytes=self.settings.inline_prepare_bytes
+        self.preparer = Preparer(
+            registry,
+            state,
+            inline_bytes=self.settings.inline_prepare_bytes,
+            num_threads=self.settings.prepare_threads,
         )
 
     def close(self) -> None:
-        self._prepare_threads.close()
+        self.preparer.close()
 
     async def forward(self, path: str, body: bytes, headers: Mapping[str, str]) -> Response:
         """Validate, route and proxy one OpenAI request; ``path`` is its route (``WIRE_MODELS``)."""
-        parsed = await self._prepare_threads.run_sized(len(body), parse_request, path, body)
-        served, lora_name = self._served(parsed.request.model)
-        ctx = await self._context(served, parsed, headers, len(body), lora_name)
+        prepared = await self.preparer.prepare(path, body, headers)
+        served, parsed = prepared.served, prepared.parsed
         metrics = self._metrics_of(served)
-        request = _Request(served, metrics, path, body, parsed.request.stream, ctx, parsed.payload)
+        request = _Request(served, metrics, path, body, parsed.request.stream, prepared.ctx, parsed.payload)
         request.metrics.in_flight.inc()
         try:
             return await self._attempt(request)
@@ -186,67 +153,6 @@ class Gateway:
         if metrics is None:
             metrics = self._metrics[served.name] = ModelMetrics(self.telemetry, served.name)
         return metrics
-
-    def _served(self, model: str) -> tuple[ServedModel, str | None]:
-        """The served model ``model`` names and its LoRA adapter, if it names one; 404 otherwise."""
-        resolved = self.registry.resolve(model)
-        if resolved is None:
-            known = ", ".join(sorted(self.registry.models)) or "none"
-            raise HttpError(
-                404,
-                f"model {model!r} is not served here, neither a model nor a LoRA adapter (served: {known}); "
-                "see GET /v1/models",
-                param="model",
-            )
-        return resolved
-
-    async def _context(
-        self,
-        served: ServedModel,
-        parsed: ParsedRequest,
-        headers: Mapping[str, str],
-        size: int,
-        lora_name: str | None,
-    ) -> RequestContext:
-        token_ids, hashes = (
-            await self._tokens(served, parsed, size, lora_name) if served.needs_tokens else ((), ())
-        )
-        session_key = headers.get(served.session_header)
-        pinned = None
-        if served.strategy.pins_sessions and session_key:
-            pinned = await self.state.get_pin(pin_key(served.name, session_key))
-        return RequestContext(
-            model=served.name,
-            token_ids=token_ids,
-            block_hashes=hashes,
-            session_key=session_key,
-            pinned_worker_id=pinned,
-            headers=headers,  # the server's read-only mapping: no copy per request
-            lora_name=lora_name,
-        )
-
-    async def _tokens(
-        self, served: ServedModel, parsed: ParsedRequest, size: int, lora_name: str | None
-    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """The prompt's token ids and block hashes (with the adapter, as the worker hashes them);
-        none (the strategy's load-only fallback) while no tokenizer is known."""
-        threads = self._prepare_threads
-        try:
-            if not served.has_renderer:  # the first prompt loads the tokenizer (~0.7 s): never on the loop
-                return await threads.run(_tokenize, served, parsed, lora_name)
-            return await threads.run_sized(size, _tokenize, served, parsed, lora_name)
-        except RendererUnavailableError as error:
-            if served not in self._untokenized:
-                self._untokenized.add(served)
-                log.warning(
-                    "routing without tokens (least in-flight) until the tokenizer is fetched",
-                    extra={"model": served.name, "reason": str(error)},
-                )
-            return (), ()
-        except LengthError as error:
-            raise HttpError(400, str(error), param=error.param) from None
-        except PromptError as error:
-            raise HttpError(400, str(error), param=parsed.prompt_param) from None
 
     async def _attempt(self, request: _Request) -> Response:
         tried: set[str] = set()
@@ -274,7 +180,7 @@ class Gateway:
         assert error is not None
         raise error
 
-    async def _routed(self, request: _Request, tried: set[str]) -> _Route:
+    async def _routed(self, request: _Request, tried: set[str]) -> Route:
         """The request's route, counted (``_route``), then its session pin written."""
         route = self._route(request, tried)
         try:
@@ -283,7 +189,7 @@ class Gateway:
             route.release("none")
             raise
 
-    def _route(self, request: _Request, tried: set[str]) -> _Route:
+    def _route(self, request: _Request, tried: set[str]) -> Route:
         """Decide and apply the decision in one synchronous step: nothing awaits between the choice
         and the in-flight counts, so the next request's decision sees them."""
         served, ctx = request.served, request.ctx
@@ -292,39 +198,21 @@ class Gateway:
         started = time.perf_counter()
         decision = decide(served, self.registry.all_views(served.name), ctx)
         request.metrics.decision.observe(time.perf_counter() - started)
-        prefill = decision.prefill
-        local_prefill_tokens = decision.num_prefill_tokens if prefill is None else 0
-        hold = self.registry.hold(decision.worker.id, num_prefill_tokens=local_prefill_tokens)
-        prefill_hold = (
-            None
-            if prefill is None
-            else self.registry.hold(prefill.id, num_prefill_tokens=decision.num_prefill_tokens)
-        )
         if decision.expected_blocks:
             request.metrics.cache_hit_blocks.observe(decision.num_cached_blocks)
-            for worker in (decision.worker, prefill):
-                if worker is not None:
-                    served.kv_index.expect(worker.id, decision.expected_blocks)
-                    self.state.share_expected(worker.id, decision.expected_blocks)
-        return _Route(decision, hold, prefill_hold)
+        return apply_decision(self.registry, self.state, served, decision)
 
-    async def _pin(self, request: _Request, route: _Route, tried: set[str]) -> _Route:
+    async def _pin(self, request: _Request, route: Route, tried: set[str]) -> Route:
         """Write the session's pin; when another replica claimed the session first, route again to its
         worker (the claim's winner wins the race)."""
-        pin = route.decision.pin
-        if pin is None:
-            return route
-        if not pin.is_claim:
-            await self.state.set_pin(pin.key, pin.worker_id, pin.ttl_seconds)
-            return route
-        winner = await self.state.claim_pin(pin.key, pin.worker_id, pin.ttl_seconds)
-        if winner == pin.worker_id:
+        winner = await write_pin(self.state, route)
+        if winner is None:
             return route
         route.release("none")
         request.ctx = dataclasses.replace(request.ctx, pinned_worker_id=winner)
         return self._route(request, tried)
 
-    async def _serve(self, request: _Request, route: _Route) -> Response:
+    async def _serve(self, request: _Request, route: Route) -> Response:
         """The prefill phase of a disaggregated request first (once), then the worker's answer."""
         await self._load_lora(request, route)
         if request.served.config.mode == "disaggregated" and not request.ctx.is_prefilled:
@@ -332,7 +220,7 @@ class Gateway:
             request.ctx = dataclasses.replace(request.ctx, is_prefilled=True)
         return await self._respond(request, route.worker, route.hold)
 
-    async def _load_lora(self, request: _Request, route: _Route) -> None:
+    async def _load_lora(self, request: _Request, route: Route) -> None:
         """Load the request's adapter on the chosen workers that lack it, when the gateway loaded it
         at runtime and so knows its folder (a manifest's adapters are on every worker from its start)."""
         name = request.ctx.lora_name
@@ -452,23 +340,6 @@ class Gateway:
         metrics.e2e.observe(time.perf_counter() - request.started)
         metrics.in_flight.dec()
         self.telemetry.recent.record(ttft)
-
-
-def _tokenize(
-    served: ServedModel, parsed: ParsedRequest, lora_name: str | None
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The prompt's token ids, checked against maxModelLen, and its block hashes (may run on a thread)."""
-    config = served.config
-    token_ids = tuple(prompt_token_ids(served.renderer, parsed.request, max_model_len=config.max_model_len))
-    check_length(parsed, len(token_ids), config.max_model_len)
-    hashes = block_hashes(
-        token_ids,
-        config.block_size,
-        model_id=served.name,
-        cache_salt=parsed.request.cache_salt,
-        lora_name=lora_name,
-    )
-    return token_ids, tuple(hashes)
 
 
 def _no_envelope(status: int, worker_id: str) -> Callable[[Any], str]:

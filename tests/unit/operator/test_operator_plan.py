@@ -347,3 +347,46 @@ def test_every_example_plans(path: Path) -> None:
         result = plan(md, SETTINGS)
         assert len(result.objects) == 2 * len(md.spec.pools())
         assert result.summary().startswith("Deployment/")
+
+
+def test_gateway_inference_pool_plans_the_picker_and_the_pool_beside_the_pools() -> None:
+    planned = plan(make_md(gateway={"inferencePool": True}), SETTINGS)
+    gateway = {(obj.kind, obj.name): obj.body for obj in planned.objects if obj.component == "gateway"}
+    assert sorted(gateway) == [
+        ("Deployment", "chat-epp"),
+        ("InferencePool", "chat"),
+        ("Role", "chat-epp"),
+        ("RoleBinding", "chat-epp"),
+        ("Service", "chat-epp"),
+        ("ServiceAccount", "chat-epp"),
+    ]
+    pool = gateway[("InferencePool", "chat")]
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    assert pool["spec"] == {
+        "selector": {
+            "matchLabels": {
+                "app.kubernetes.io/managed-by": "herd",
+                "herd.dev/deployment": "chat",
+                "herd.dev/role": "unified",
+            }
+        },
+        "targetPorts": [{"number": 8000}],
+        "endpointPickerRef": {"name": "chat-epp", "port": {"number": 9002}, "failureMode": "FailClose"},
+    }
+    pod = gateway[("Deployment", "chat-epp")]["spec"]["template"]
+    assert "herd.dev/role" not in pod["metadata"]["labels"]  # never discovered as a worker
+    argv = pod["spec"]["containers"][0]["args"]
+    assert argv[:2] == ["epp", "--kubernetes"] and arg(argv, "--namespace") == "ml"
+    assert pod["spec"]["serviceAccountName"] == "chat-epp"
+    assert gateway[("RoleBinding", "chat-epp")]["subjects"] == [
+        {"kind": "ServiceAccount", "name": "chat-epp", "namespace": "ml"}
+    ]
+    assert planned.summary().count(" x") == 1  # only the pool's Deployment counts replicas
+    without = plan(make_md(), SETTINGS)
+    assert all(obj.component == "pool" for obj in without.objects)
+
+
+def test_gateway_inference_pool_refuses_a_disaggregated_model() -> None:
+    pools = {"prefill": {"replicas": 1}, "decode": {"replicas": 1}}
+    with pytest.raises(ValueError, match=r"gateway\.inferencePool needs serving\.mode aggregated"):
+        make_md(serving={"mode": "disaggregated"}, gateway={"inferencePool": True}, **pools)

@@ -66,3 +66,43 @@ def test_the_mask_allows_each_query_its_positions_so_far(
     [group] = prepare_inputs([chunk], BLOCK, torch.device("cpu")).metadata.groups
     allowed = group.attn_mask.sum(dim=-1).squeeze(1)  # [batch, query_len]
     assert allowed.tolist() == expected_allowed
+
+
+@pytest.mark.parametrize(
+    ("chunks", "window", "expected_blocks", "expected_keys"),
+    [
+        ([decode(40, "d")], 20, [[1, 2]], [[list(range(21, 41))]]),
+        ([decode(10, "d")], 20, [[0]], [[list(range(11))]]),  # a context shorter than the window: all of it
+        ([decode(47, "d")], 16, [[2]], [[list(range(32, 48))]]),  # the window is exactly block 2
+        # decodes of different reach in one group: as many blocks as the widest needs, padded with 0
+        (
+            [decode(40, "a"), decode(48, "b")],
+            20,
+            [[1, 2, 0], [1, 2, 3]],
+            [[list(range(21, 41))], [list(range(29, 49))]],
+        ),
+        ([prefill(4, "p")], 2, [[100]], [[[0], [0, 1], [1, 2], [2, 3]]]),
+    ],
+    ids=[
+        "decode-sees-its-window",
+        "short-decode-sees-all",
+        "decode-window-on-a-block-edge",
+        "decodes",
+        "prefill",
+    ],
+)
+def test_a_window_view_gathers_the_blocks_in_reach_and_allows_each_query_its_window(
+    chunks: list[ScheduledChunk],
+    window: int,
+    expected_blocks: list[list[int]],
+    expected_keys: list[list[list[int]]],
+) -> None:
+    [group] = prepare_inputs(chunks, BLOCK, torch.device("cpu"), window_sizes=[window]).metadata.groups
+    block_tables, mask = group.view(window)
+    assert block_tables.tolist() == expected_blocks
+    for chunk, table, rows, keys in zip(
+        chunks, block_tables.tolist(), mask[:, 0], expected_keys, strict=True
+    ):
+        first_position = chunk.seq.block_table.index(table[0]) * BLOCK  # the view's first key position
+        assert [[first_position + int(j) for j in row.nonzero().flatten()] for row in rows] == keys
+    assert group.view(None) == (group.block_tables, group.attn_mask)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
 
-from herd.worker.layers.attention import AttentionGroup, AttentionMetadata
+from herd.worker.layers.attention import AttentionGroup, AttentionMetadata, WindowView
 from herd.worker.scheduler import ScheduledChunk
 
 __all__ = ["StepInputs", "prepare_inputs"]
@@ -21,10 +22,16 @@ class StepInputs:
     row_chunks: list[ScheduledChunk]  # the chunks in row order, each a contiguous run of its num_tokens
 
 
-def prepare_inputs(chunks: list[ScheduledChunk], block_size: int, device: torch.device) -> StepInputs:
+def prepare_inputs(
+    chunks: list[ScheduledChunk],
+    block_size: int,
+    device: torch.device,
+    window_sizes: Collection[int] = (),
+) -> StepInputs:
     """Lay the chunks' tokens out group by group: decodes in groups of similar context length
     (``decode_groups``), then each prefill chunk alone. Every group is then a contiguous run of
-    rows and no query is padded; ``sample_index`` keeps the chunks' own order for the sampler."""
+    rows and no query is padded; ``sample_index`` keeps the chunks' own order for the sampler.
+    Each group carries a mask for each of the model's sliding ``window_sizes``."""
     decodes = [chunk for chunk in chunks if chunk.num_tokens == 1]
     prefills = [[chunk] for chunk in chunks if chunk.num_tokens > 1]
     token_ids: list[int] = []
@@ -34,7 +41,7 @@ def prepare_inputs(chunks: list[ScheduledChunk], block_size: int, device: torch.
     groups: list[AttentionGroup] = []
     row_chunks: list[ScheduledChunk] = []
     for group in [*decode_groups(decodes, block_size), *prefills]:
-        groups.append(_group(group, len(token_ids), block_size, device))
+        groups.append(_group(group, len(token_ids), block_size, device, window_sizes))
         row_chunks.extend(group)
         for chunk in group:
             start, end = chunk.start, chunk.start + chunk.num_tokens
@@ -84,7 +91,11 @@ def decode_groups(decodes: list[ScheduledChunk], block_size: int) -> list[list[S
 
 
 def _group(
-    chunks: list[ScheduledChunk], first_row: int, block_size: int, device: torch.device
+    chunks: list[ScheduledChunk],
+    first_row: int,
+    block_size: int,
+    device: torch.device,
+    window_sizes: Collection[int],
 ) -> AttentionGroup:
     """Decodes (one token each) or a single prefill chunk: ``len(chunks) * query_len`` rows either way."""
     query_len = chunks[0].num_tokens
@@ -103,7 +114,27 @@ def _group(
         attn_mask=(key_positions <= positions).unsqueeze(1),
         batch_size=len(chunks),
         query_len=query_len,
+        windows={window: _window(chunks, positions, block_size, window) for window in window_sizes},
     )
+
+
+def _window(
+    chunks: list[ScheduledChunk], positions: torch.Tensor, block_size: int, window: int
+) -> WindowView:
+    """The blocks from each sequence's first block in reach (its first query's position - window + 1),
+    as many as the group's widest reach, and the mask over their key positions."""
+    first_blocks = [max(0, chunk.start - window + 1) // block_size for chunk in chunks]
+    ends = [-(-(chunk.start + chunk.num_tokens) // block_size) for chunk in chunks]
+    num_blocks = max(end - first for first, end in zip(first_blocks, ends, strict=True))
+    block_tables: list[int] = []
+    for chunk, first in zip(chunks, first_blocks, strict=True):
+        table = chunk.seq.block_table[first : first + num_blocks]
+        block_tables.extend([*table, *[0] * (num_blocks - len(table))])
+    device = positions.device
+    offsets = _tensor(first_blocks, device).view(-1, 1, 1) * block_size
+    key_positions = offsets + torch.arange(num_blocks * block_size, device=device)
+    allowed = (key_positions <= positions) & (key_positions > positions - window)
+    return WindowView(_tensor(block_tables, device).view(len(chunks), num_blocks), allowed.unsqueeze(1))
 
 
 def _tensor(values: list[int], device: torch.device) -> torch.Tensor:

@@ -12,7 +12,8 @@ from torch import nn
 
 from herd.worker.layers.attention import AttentionBackend
 from herd.worker.layers.linear import Linear
-from herd.worker.models import SUPPORTED_ARCHITECTURES, LlamaForCausalLM, ModelArgs
+from herd.worker.layers.moe import FusedExperts
+from herd.worker.models import LlamaForCausalLM, ModelArgs, UnsupportedModelError, build_model
 
 __all__ = ["load_model", "read_model_args", "safetensors_files"]
 
@@ -20,14 +21,12 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def read_model_args(folder: Path) -> ModelArgs:
+    """The model's shape; ``UnsupportedModelError`` names what herd cannot run exactly."""
     config: dict[str, Any] = json.loads((folder / "config.json").read_text())
-    args = ModelArgs.from_hf_config(config)
-    if args.architecture not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"{folder} holds a {args.architecture}, which herd cannot run: "
-            f"use one of {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
-        )
-    return args
+    try:
+        return ModelArgs.from_hf_config(config)
+    except UnsupportedModelError as error:
+        raise UnsupportedModelError(f"{folder} holds {error}") from None
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -54,7 +53,7 @@ def load_model(
     """Build the model without initializing it, fill every parameter from the checkpoint, then pack
     the linear layers for the device (``Linear.pack``)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(args, backend, max_positions)
+        model = build_model(args, backend, max_positions)
     model.to_empty(device=device).to(dtype)
     targets = _checkpoint_targets(model)
     loaded = _copy_weights(targets, safetensors_files(folder))
@@ -80,6 +79,9 @@ def _checkpoint_targets(model: nn.Module) -> dict[str, torch.Tensor]:
         if isinstance(module, Linear):
             parent = module_name.rpartition(".")[0]
             targets.update(module.checkpoint_shards(f"{parent}." if parent else ""))
+            continue
+        if isinstance(module, FusedExperts):
+            targets.update(module.checkpoint_shards(prefix))
             continue
         targets.update((prefix + name, param) for name, param in module.named_parameters(recurse=False))
     return targets

@@ -126,7 +126,7 @@ class TorchRunner:
         if plan.block_copies:
             sources, targets = zip(*plan.block_copies, strict=True)
             self.kv_cache[:, :, list(targets)] = self.kv_cache[:, :, list(sources)]
-        inputs = prepare_inputs(plan.chunks, self.config.block_size, self.device)
+        inputs = prepare_inputs(plan.chunks, self.config.block_size, self.device, self.args.window_sizes)
         if self.lora is not None:
             self.lora.prepare([(chunk.seq.lora_name, chunk.num_tokens) for chunk in inputs.row_chunks])
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)

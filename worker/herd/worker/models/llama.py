@@ -2,9 +2,14 @@
 
 Module and parameter names follow ``transformers`` so checkpoints load by name. The forward takes
 one step's tokens flattened across sequences (``[num_tokens]``), so a whole batch is one call.
+The attention, MLP and causal-LM head here serve the other families too (``gemma``, ``qwen3_moe``):
+each layer reads its sliding window, scale and soft-cap from ``ModelArgs``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import nn
@@ -15,7 +20,13 @@ from herd.worker.layers.linear import Linear
 from herd.worker.layers.rotary import RotaryEmbedding, apply_rotary
 from herd.worker.models.args import ModelArgs
 
-__all__ = ["LlamaForCausalLM", "RMSNorm"]
+__all__ = ["ACTIVATIONS", "DecoderModel", "LlamaAttention", "LlamaForCausalLM", "LlamaMLP", "RMSNorm"]
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": functional.silu,
+    "gelu_pytorch_tanh": partial(functional.gelu, approximate="tanh"),
+}
+"""The MLP activations by their ``config.json`` name (``ModelArgs.hidden_act``)."""
 
 
 class RMSNorm(nn.Module):
@@ -30,7 +41,15 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, args: ModelArgs, backend: AttentionBackend) -> None:
+    """Layer ``layer_index``'s attention; ``norm`` builds the q/k norms of the families that have them."""
+
+    def __init__(
+        self,
+        args: ModelArgs,
+        backend: AttentionBackend,
+        layer_index: int,
+        norm: Callable[[int, float], nn.Module] = RMSNorm,
+    ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         self.q_size, self.kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
@@ -40,10 +59,12 @@ class LlamaAttention(nn.Module):
             bias=args.qkv_bias,
         )
         self.o_proj = Linear(self.q_size, {"o_proj": args.hidden_size}, bias=args.o_bias)
-        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
-        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.q_norm = norm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.k_norm = norm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.backend = backend
-        self.scale = args.head_dim**-0.5
+        self.scale = args.attention_scale
+        self.sliding_window = args.layer_windows[layer_index]
+        self.softcap = args.attn_softcap
         self.kv_cache = torch.empty(0)
 
     def forward(
@@ -56,7 +77,16 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             query, key = self.q_norm(query), self.k_norm(key)
         query, key = apply_rotary(query, *rotary), apply_rotary(key, *rotary)
-        attended = self.backend.forward(query, key, value, self.kv_cache, metadata, self.scale)
+        attended = self.backend.forward(
+            query,
+            key,
+            value,
+            self.kv_cache,
+            metadata,
+            self.scale,
+            sliding_window=self.sliding_window,
+            softcap=self.softcap,
+        )
         return self.o_proj(attended.flatten(1))  # type: ignore[no-any-return]
 
 
@@ -70,16 +100,17 @@ class LlamaMLP(nn.Module):
             bias=args.mlp_bias,
         )
         self.down_proj = Linear(args.intermediate_size, {"down_proj": args.hidden_size}, bias=args.mlp_bias)
+        self.activation = ACTIVATIONS[args.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(functional.silu(gate) * up)  # type: ignore[no-any-return]
+        return self.down_proj(self.activation(gate) * up)  # type: ignore[no-any-return]
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, backend: AttentionBackend) -> None:
+    def __init__(self, args: ModelArgs, backend: AttentionBackend, layer_index: int) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(args, backend)
+        self.self_attn = LlamaAttention(args, backend, layer_index)
         self.mlp = LlamaMLP(args)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -91,13 +122,23 @@ class LlamaDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))  # type: ignore[no-any-return]
 
 
-class LlamaModel(nn.Module):
+class DecoderModel(nn.Module):
+    """What the causal-LM head needs of a family's decoder: its embeddings (a tied ``lm_head``
+    shares their weight) and its layers, each attending through ``layer.self_attn``."""
+
+    embed_tokens: nn.Embedding
+    layers: nn.ModuleList
+
+
+class LlamaModel(DecoderModel):
     def __init__(self, args: ModelArgs, backend: AttentionBackend, max_positions: int) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(args, backend) for _ in range(args.num_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(args, backend, index) for index in range(args.num_layers)
+        )
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.rotary = RotaryEmbedding(args.head_dim, args.rope_theta, max_positions, args.rope_scaling)
+        self.rotary = RotaryEmbedding(args.head_dim, args.rope.theta, max_positions, args.rope.scaling)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
@@ -110,12 +151,19 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """``forward`` returns final hidden states; ``compute_logits`` projects only the rows sampled."""
+    """``forward`` returns final hidden states; ``compute_logits`` projects only the rows sampled
+    (and soft-caps them where the family does). Another family passes its own decoder ``model``."""
 
-    def __init__(self, args: ModelArgs, backend: AttentionBackend, max_positions: int) -> None:
+    def __init__(
+        self,
+        args: ModelArgs,
+        backend: AttentionBackend,
+        max_positions: int,
+        model: DecoderModel | None = None,
+    ) -> None:
         super().__init__()
         self.args = args
-        self.model = LlamaModel(args, backend, max_positions)
+        self.model = model or LlamaModel(args, backend, max_positions)
         self.lm_head = Linear(args.hidden_size, {"lm_head": args.vocab_size}, bias=False)
 
     def tie_weights(self) -> None:
@@ -124,7 +172,7 @@ class LlamaForCausalLM(nn.Module):
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         """Give layer ``i`` its slice ``kv_cache[i]`` of the pool ``[layers, 2, blocks, bs, Hkv, D]``."""
         for index, layer in enumerate(self.model.layers):
-            assert isinstance(layer, LlamaDecoderLayer)
+            assert isinstance(layer.self_attn, LlamaAttention)
             layer.self_attn.kv_cache = kv_cache[index]
 
     def forward(
@@ -133,4 +181,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, metadata)  # type: ignore[no-any-return]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # type: ignore[no-any-return]
+        logits: torch.Tensor = self.lm_head(hidden)
+        cap = self.args.final_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()

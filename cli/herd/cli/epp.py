@@ -1,0 +1,54 @@
+"""``herd epp``: herd's routing as a Gateway API Inference Extension Endpoint Picker (ext_proc gRPC)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+from herd.api.logs import configure_logging
+from herd.api.manifest import ManifestError
+from herd.api.protocol import TOKEN_ENV
+from herd.cli.orchestrator import add_source_arguments, load_source
+from herd.orchestrator.epp import EppSettings, PickerSettings, serve_epp
+from herd.orchestrator.registry import RegistrySettings
+from herd.orchestrator.state import build_state
+
+__all__ = ["register"]
+
+DEFAULT_PORT = 9002
+"""The port InferencePools name for their endpoint picker by default."""
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        source = load_source(args)
+    except (ManifestError, ValueError, OSError) as error:
+        print(f"herd epp: {error}", file=sys.stderr)
+        return 2
+    configure_logging("epp", args.log_level)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health poll otherwise
+    settings = EppSettings(
+        internal_token=args.internal_token or os.environ.get(TOKEN_ENV),
+        registry=RegistrySettings(poll_interval=args.poll_interval),
+        picker=PickerSettings(max_body_bytes=args.max_body_bytes),
+    )
+    serving = serve_epp(
+        source, host=args.host, port=args.port, state=build_state(args.redis), settings=settings
+    )
+    asyncio.run(serving)
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "epp", help="serve herd's routing to an Envoy-based gateway (Gateway API Inference Extension)"
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="the gRPC address (0.0.0.0 in a pod)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="ext_proc and gRPC health")
+    add_source_arguments(parser)
+    parser.add_argument("--max-body-bytes", type=int, default=PickerSettings().max_body_bytes)
+    parser.add_argument("--log-level", default="INFO")
+    parser.set_defaults(func=run)
