@@ -117,10 +117,12 @@ async def start_worker(
     dispatch: HostDispatch,
     http: httpx.AsyncClient,
     build: Callable[[EngineConfig], LLMEngine] = torch_engine,
+    lora_modules: dict[str, Path] | None = None,
 ) -> InProcessWorker:
-    """A loaded engine (``build``: on the torch runner by default) with both apps registered in
-    ``dispatch`` under the worker's two hosts."""
+    """A loaded engine (``build``: on the torch runner by default; with ``lora_modules`` loaded)
+    with both apps registered in ``dispatch`` under the worker's two hosts."""
     config = engine_config(model, maxModelLen=512, kvCache={"blockSize": 16, "memoryGiB": 0.02})
+    config = config.model_copy(update={"lora_modules": lora_modules or {}})
     engine = AsyncEngine(lambda: build(config))
     engine.start()
     await engine.wait_loaded()

@@ -21,6 +21,7 @@ GENERATION_TOKENS_TOTAL = "vllm:generation_tokens_total"
 CACHE_CONFIG_INFO = "vllm:cache_config_info"
 NUM_PREEMPTIONS_TOTAL = "vllm:num_preemptions_total"
 REQUEST_SUCCESS_TOTAL = "vllm:request_success_total"
+LORA_REQUESTS_INFO = "vllm:lora_requests_info"
 
 # Worker (herd's own).
 HERD_KV_EVENTS_TOTAL = "herd_kv_events_total"
@@ -66,6 +67,7 @@ WORKER_METRICS = (
     CACHE_CONFIG_INFO,
     NUM_PREEMPTIONS_TOTAL,
     REQUEST_SUCCESS_TOTAL,
+    LORA_REQUESTS_INFO,
     HERD_KV_EVENTS_TOTAL,
     HERD_KV_TRANSFER_BYTES_TOTAL,
     HERD_KV_TRANSFER_BLOCKS_TOTAL,

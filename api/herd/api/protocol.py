@@ -110,6 +110,10 @@ class TokenizerFiles(BaseModel):
 
 
 class LoadReport(BaseModel):
+    """A worker's load as of its last step. The LoRA fields follow the Gateway API Inference
+    Extension's ``vllm:lora_requests_info``: adapters loaded, running and waiting, and ``max_loras``,
+    the distinct adapters one step may run (0: LoRA is off)."""
+
     num_running: int = 0
     num_waiting: int = 0
     num_waiting_prefill_tokens: int = Field(default=0, description="Uncached prompt tokens queued.")
@@ -128,6 +132,10 @@ class LoadReport(BaseModel):
     pull_bytes_per_s: float | None = Field(
         default=None, gt=0.0, description="Measured bandwidth of pulling blocks from a peer worker."
     )
+    max_loras: int = 0
+    lora_adapters: list[str] = Field(default_factory=list, description="LoRA adapters loaded.")
+    running_lora_adapters: list[str] = Field(default_factory=list)
+    waiting_lora_adapters: list[str] = Field(default_factory=list)
 
 
 class KVEvent(BaseModel):

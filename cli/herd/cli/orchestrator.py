@@ -13,7 +13,7 @@ from herd.api.logs import configure_logging
 from herd.api.manifest import ManifestError, load_manifest
 from herd.api.protocol import TOKEN_ENV, Role
 from herd.orchestrator.app import AppSettings, build_app
-from herd.orchestrator.auth import load_api_keys
+from herd.orchestrator.auth import ADMIN_API_KEYS_ENV, load_api_keys
 from herd.orchestrator.discovery import ModelConfig, StaticSource, WorkerEndpoint, WorkerSource
 from herd.orchestrator.gateway import GatewaySettings
 from herd.orchestrator.registry import RegistrySettings
@@ -93,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         source = load_source(args)
         api_keys = load_api_keys(args.api_keys_file)
+        admin_keys = load_api_keys(args.admin_api_keys_file, ADMIN_API_KEYS_ENV)
     except (ManifestError, ValueError, OSError) as error:
         print(f"herd orchestrator: {error}", file=sys.stderr)
         return 2
@@ -107,7 +108,9 @@ def run(args: argparse.Namespace) -> int:
         ready_when_synced=args.kubernetes,
         batch_dir=args.batch_dir,
     )
-    app = build_app(source, settings=settings, state=build_state(args.redis), api_keys=api_keys)
+    app = build_app(
+        source, settings=settings, state=build_state(args.redis), api_keys=api_keys, admin_keys=admin_keys
+    )
     limits = ServerLimits(max_header_bytes=args.max_header_bytes, keep_alive_timeout=args.keep_alive_timeout)
     run_server(app, host=args.host, port=args.port, limits=limits)
     return 0
@@ -133,6 +136,12 @@ def add_source_arguments(parser: argparse.ArgumentParser) -> None:
         "--kubeconfig", default=None, help="with --kubernetes, outside a cluster: this kubeconfig"
     )
     parser.add_argument("--redis", default=None, help="redis://HOST:PORT/DB to share sessions and KV events")
+    parser.add_argument(
+        "--admin-api-keys-file",
+        type=Path,
+        default=None,
+        help=f"admin API keys for runtime LoRA loading, one per line (or {ADMIN_API_KEYS_ENV})",
+    )
     parser.add_argument(
         "--internal-token", default=None, help=f"the workers' shared internal token (or {TOKEN_ENV})"
     )

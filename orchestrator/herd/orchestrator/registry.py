@@ -27,6 +27,7 @@ from types import TracebackType
 
 import httpx
 
+from herd.api.errors import HttpError
 from herd.api.protocol import KVSnapshot, LoadReport
 from herd.orchestrator.breaker import BreakerSettings, CircuitBreaker, Outcome
 from herd.orchestrator.discovery import Membership, ModelConfig, WorkerEndpoint, WorkerSource
@@ -89,7 +90,18 @@ class WorkerState:
             is_healthy=self.is_healthy and not report.is_draining and self.breaker.can_send(now),
             host_block_tokens=self.host_block_tokens,
             disk_block_tokens=self.disk_block_tokens,
+            max_loras=report.max_loras,
+            lora_adapters=frozenset(report.lora_adapters),
+            running_lora_adapters=frozenset(report.running_lora_adapters),
         )
+
+
+def _message_of(answer: httpx.Response) -> str:
+    """The message of a worker's error answer (the OpenAI envelope's, else its text)."""
+    try:
+        return str(answer.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return answer.text[:300] or f"status {answer.status_code}"
 
 
 class Registry:
@@ -144,6 +156,46 @@ class Registry:
         """Views of the workers that answer the model's clients (a disaggregated model's decode pool)."""
         role = "decode" if self.models[model].config.mode == "disaggregated" else "unified"
         return [view for view in self.all_views(model) if view.role == role]
+
+    def adapters_of(self, model: str) -> set[str]:
+        """The LoRA adapters of ``model``: its manifest's, those loaded through the gateway, and
+        those its workers report loaded."""
+        served = self.models[model]
+        names = {*served.config.adapters, *served.lora_paths}
+        for worker in self.model_workers(model):
+            names.update(worker.report.lora_adapters)
+        return names
+
+    def resolve(self, name: str) -> tuple[ServedModel, str | None] | None:
+        """The served model a request's ``model`` names, and the LoRA adapter when it names one."""
+        if (served := self.models.get(name)) is not None:
+            return served, None
+        for model, served in self.models.items():
+            if name in self.adapters_of(model):
+                return served, name
+        return None
+
+    async def change_lora(self, worker_id: str, action: str, body: dict[str, str]) -> None:
+        """Load or unload (``action``) a LoRA adapter on a worker; ``HttpError`` with the worker's
+        status and message when it refuses, 502 when it cannot be reached. A load shows in the
+        worker's view at once, before its next load report."""
+        worker = self.workers.get(worker_id)
+        if worker is None:
+            raise HttpError(503, f"worker {worker_id} left before its LoRA adapter could change; retry")
+        try:
+            answer = await self.client.change_lora(worker.endpoint, action, body)
+        except httpx.HTTPError as error:
+            raise HttpError(502, f"worker {worker_id} could not {action} LoRA adapter: {error}") from None
+        if answer.status_code != httpx.codes.OK:
+            raise HttpError(
+                answer.status_code, f"worker {worker_id}: {_message_of(answer)}", param="lora_name"
+            )
+        loaded = worker.report.lora_adapters
+        name = body["lora_name"]
+        if action == "load" and name not in loaded:
+            loaded.append(name)
+        elif action == "unload" and name in loaded:
+            loaded.remove(name)
 
     def all_views(self, model: str) -> list[WorkerView]:
         """Views of every worker of the model, both pools of a disaggregated one (what ``decide`` takes)."""

@@ -22,9 +22,13 @@ from herd.api.protocol import (
 )
 from herd.orchestrator.discovery import WorkerEndpoint
 
-__all__ = ["WorkerClient"]
+__all__ = ["LORA_PATHS", "WorkerClient"]
 
 _TOKENIZER_TIMEOUT = httpx.Timeout(30.0, connect=2.0)
+_LORA_TIMEOUT = httpx.Timeout(60.0, connect=2.0)
+"""Loading an adapter reads its weights from disk, between two of the worker's steps."""
+LORA_PATHS = {"load": "/v1/load_lora_adapter", "unload": "/v1/unload_lora_adapter"}
+"""vLLM's runtime LoRA routes, on a worker's public port behind the internal token."""
 """``tokenizer.json`` runs to several MB: allow far longer than a poll's short timeout."""
 
 _M = TypeVar("_M", bound=BaseModel)
@@ -59,6 +63,13 @@ class WorkerClient:
         return await self._get(
             endpoint, INTERNAL_PATHS.tokenizer, TokenizerFiles, http_timeout=_TOKENIZER_TIMEOUT
         )
+
+    async def change_lora(
+        self, endpoint: WorkerEndpoint, action: str, body: dict[str, str]
+    ) -> httpx.Response:
+        """``action`` ("load" or "unload") a LoRA adapter on the worker; its answer, whatever the status."""
+        url = f"{endpoint.url}{LORA_PATHS[action]}"
+        return await self.http.post(url, json=body, headers=self.headers, timeout=_LORA_TIMEOUT)
 
     async def _get(
         self,

@@ -3,7 +3,7 @@
 vLLM names a block by its own hash (SHA-256 over its own encoding); herd's gateway names a prompt's
 blocks by herd's chained hash. ``BlockStored`` carries the blocks' token ids and the vLLM hash of the
 block before them, so the herd hash of each block is ``hash_block(herd hash of the parent, tokens)``,
-starting from ``root_hash(model, cache_salt)`` for a prompt's first block (vLLM publishes the salt
+starting from ``root_hash(model, cache_salt, lora_name)`` for a prompt's first block (vLLM publishes the salt
 among the first block's extra keys). The map from vLLM's hashes to herd's serves ``BlockRemoved``
 and ``AllBlocksCleared``, and its values are the snapshot.
 
@@ -128,7 +128,7 @@ class KVTranslator:
 
     def _parent(self, event: BlockStored) -> BlockHash | None:
         if event.parent_block_hash is None:
-            return root_hash(event.lora_name or self.model_id, _cache_salt(event))
+            return root_hash(self.model_id, _cache_salt(event), event.lora_name)
         return self._herd_of.get(event.parent_block_hash)
 
     def _removed(self, vllm_hashes: list[VLLMBlockHash]) -> list[BlockHash]:

@@ -83,8 +83,8 @@ CASES: list[tuple[str, list[VLLMEvent], list[Translated | None], list[int]]] = [
     (
         "salt-after-the-lora-name",
         [stored([1], None, PROMPT[:4], lora_name="ad", extra_keys=[["ad", "tenant-a"]])],
-        [("stored", [hash_block(root_hash("ad", "tenant-a"), PROMPT[:4])])],
-        [hash_block(root_hash("ad", "tenant-a"), PROMPT[:4])],
+        [("stored", [hash_block(root_hash(MODEL, "tenant-a", "ad"), PROMPT[:4])])],
+        [hash_block(root_hash(MODEL, "tenant-a", "ad"), PROMPT[:4])],
     ),
     (
         "cleared-forgets-everything",

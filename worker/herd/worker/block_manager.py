@@ -50,6 +50,7 @@ class Block:
     ref_count: int = 0
     block_hash: BlockHash | None = None
     token_ids: list[int] = field(default_factory=list)
+    lora_name: str | None = None  # the adapter whose KV it holds: unloading the adapter forgets it
 
 
 class BlockManager:
@@ -228,7 +229,9 @@ class BlockManager:
             held.append(block_id)
         return held
 
-    def import_block(self, block_hash: BlockHash, token_ids: list[int]) -> int | None:
+    def import_block(
+        self, block_hash: BlockHash, token_ids: list[int], lora_name: str | None = None
+    ) -> int | None:
         """Register a block received from a peer under ``block_hash``, held once; ``None`` if cached or full.
 
         The caller writes the block's KV, then ``release``s it: it stays cached, most recently used.
@@ -237,7 +240,7 @@ class BlockManager:
             return None
         block_id = self._take_fresh()
         block = self.blocks[block_id]
-        block.block_hash, block.token_ids = block_hash, list(token_ids)
+        block.block_hash, block.token_ids, block.lora_name = block_hash, list(token_ids), lora_name
         self.cached[block_hash] = block_id
         self.events.record("stored", [block_hash])
         return block_id
@@ -254,11 +257,20 @@ class BlockManager:
             block = self.blocks[seq.block_table[index]]
             if block.block_hash is None and hashes[index] not in self.cached:
                 block.block_hash, block.token_ids = hashes[index], seq.block_tokens(index, self.block_size)
+                block.lora_name = seq.lora_name
                 self.cached[hashes[index]] = block.block_id
                 stored.append(index)
         seq.num_committed_blocks = num_full
         self.events.record("stored", [hashes[index] for index in stored])
         return [seq.block_table[index] for index in stored]
+
+    def lora_blocks(self, lora_name: str) -> list[int]:
+        """The cached blocks holding ``lora_name``'s KV (to ``forget`` when the adapter goes)."""
+        return [
+            block.block_id
+            for block in self.blocks
+            if block.block_hash is not None and block.lora_name == lora_name
+        ]
 
     def forget(self, block_ids: list[int]) -> None:
         """Drop the hashes of ``block_ids`` (registered by a step that failed, so their KV is not

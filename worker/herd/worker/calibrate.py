@@ -25,6 +25,7 @@ import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -119,6 +120,12 @@ class TimedRunner:
 
     def write_blocks(self, block_ids: list[int | None], kv: torch.Tensor) -> None:
         self.inner.write_blocks(block_ids, kv)
+
+    def load_lora(self, name: str, path: Path) -> None:
+        self.inner.load_lora(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        self.inner.unload_lora(name)
 
     def check_health(self) -> None:
         self.inner.check_health()

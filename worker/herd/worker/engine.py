@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from herd.api.kv_hash import BlockHash, root_hash
@@ -43,7 +45,7 @@ from herd.worker.stats import EngineStats
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["EngineResetError", "LLMEngine", "PromptTooLongError", "QueueFullError"]
+__all__ = ["EngineResetError", "LLMEngine", "PromptTooLongError", "QueueFullError", "UnknownLoraError"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,10 @@ class QueueFullError(Exception):
 
 class PromptTooLongError(ValueError):
     """Prompt plus ``max_tokens`` exceed ``engine.maxModelLen`` (HTTP 400)."""
+
+
+class UnknownLoraError(LookupError):
+    """The request names a LoRA adapter this engine has not loaded (HTTP 404)."""
 
 
 class EngineResetError(RuntimeError):
@@ -89,6 +95,7 @@ class LLMEngine:
             self.block_manager,
             max_batch_tokens=config.engine.max_batch_tokens,
             max_batch_size=config.engine.max_batch_size,
+            max_loras=config.max_loras,
         )
         self.stats = EngineStats(kv_tiers=self.block_manager.counters)
         self._count_tier_blocks()
@@ -107,6 +114,10 @@ class LLMEngine:
         )
         self._requests: dict[str, _Request] = {}
         self._held: dict[str, list[int]] = {}
+        self.lora_adapters: dict[str, Path] = {}
+        """The LoRA adapters loaded, by name: the folder each was read from."""
+        for name, path in config.lora_modules.items():
+            self.load_lora(name, path)
         log.info(
             "engine ready",
             extra={
@@ -125,8 +136,10 @@ class LLMEngine:
         *,
         cache_salt: str | None = None,
         first_token_id: int | None = None,
+        lora_name: str | None = None,
     ) -> RequestOutput | None:
-        """Queue a request; raises ``QueueFullError``, ``PromptTooLongError`` or ``ValueError``.
+        """Queue a request; raises ``QueueFullError``, ``PromptTooLongError``, ``UnknownLoraError``
+        or ``ValueError``. ``lora_name`` runs it with that loaded adapter (``None``: the base model).
 
         ``first_token_id`` is a first output token sampled elsewhere (a prefill worker, with this
         request's settings): it is appended now, through the same stop checks and detokenizer as a
@@ -134,13 +147,16 @@ class LLMEngine:
         prompt's uncached tail with it and sample the second token. Without it, returns None.
         """
         self._check_request(request_id, prompt_token_ids, params)
+        if lora_name is not None and lora_name not in self.lora_adapters:
+            raise UnknownLoraError(self._unknown_lora(lora_name))
         if first_token_id is not None:
             check_token_ids([first_token_id], self.vocab_size, param="kv_transfer_params")
         seq = Sequence(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
             params=params,
-            root_hash=root_hash(self.config.served_name, cache_salt),
+            root_hash=root_hash(self.config.served_name, cache_salt, lora_name),
+            lora_name=lora_name,
             grammar=None if params.grammar is None else params.grammar.matcher(),
         )
         if first_token_id is not None and seq.grammar is not None and not seq.grammar.accepts(first_token_id):
@@ -181,6 +197,37 @@ class LLMEngine:
             raise QueueFullError(
                 f"{len(self.scheduler.waiting)} requests are waiting (engine.maxQueueLen): retry later"
             )
+
+    def _unknown_lora(self, name: str) -> str:
+        loaded = ", ".join(map(repr, self.lora_adapters)) or "none"
+        return f"LoRA adapter {name!r} is not loaded on this worker (loaded: {loaded}); load it first"
+
+    def load_lora(self, name: str, path: Path) -> None:
+        """Read the PEFT adapter at ``path`` into host memory as ``name``; raises ``ValueError`` if
+        LoRA is off, the name is taken, or the adapter does not fit the model or ``maxLoraRank``.
+        Loading the same folder under the same name again does nothing (an orchestrator may ask twice)."""
+        if self.lora_adapters.get(name) == path:
+            return
+        if self.config.max_loras == 0:
+            raise ValueError("this worker runs no LoRA adapters: start it with engine.maxLoras above 0")
+        if name == self.config.served_name or name in self.lora_adapters:
+            raise ValueError(f"the name {name!r} is taken on this worker: unload it first or pick another")
+        self.runner.load_lora(name, path)
+        self.lora_adapters[name] = path
+        log.info("LoRA adapter loaded", extra={"lora_name": name, "path": str(path)})
+
+    def unload_lora(self, name: str) -> None:
+        """Drop adapter ``name`` and forget its cached KV blocks; raises ``UnknownLoraError``, or
+        ``ValueError`` while requests still run with it."""
+        if name not in self.lora_adapters:
+            raise UnknownLoraError(self._unknown_lora(name))
+        num_using = sum(1 for request in self._requests.values() if request.seq.lora_name == name)
+        if num_using:
+            raise ValueError(f"LoRA adapter {name!r} serves {num_using} requests: unload it when they finish")
+        self.runner.unload_lora(name)
+        del self.lora_adapters[name]
+        self.block_manager.forget(self.block_manager.lora_blocks(name))
+        log.info("LoRA adapter unloaded", extra={"lora_name": name})
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request wherever it is and free its blocks now; unknown ids are ignored."""
@@ -351,6 +398,10 @@ class LLMEngine:
     def load_report(self) -> LoadReport:
         waiting = self.scheduler.waiting
         return LoadReport(
+            max_loras=self.config.max_loras,
+            lora_adapters=list(self.lora_adapters),
+            running_lora_adapters=_adapters(self.scheduler.running),
+            waiting_lora_adapters=_adapters(waiting),
             num_running=len(self.scheduler.running),
             num_waiting=len(waiting),
             num_waiting_prefill_tokens=sum(seq.num_uncomputed_tokens for seq in waiting),
@@ -406,14 +457,19 @@ class LLMEngine:
         return self.runner.read_blocks(block_ids)
 
     def write_blocks(
-        self, block_hashes: list[BlockHash], token_blocks: list[list[int]], kv: torch.Tensor
+        self,
+        block_hashes: list[BlockHash],
+        token_blocks: list[list[int]],
+        kv: torch.Tensor,
+        lora_name: str | None = None,
     ) -> int:
-        """Import peer blocks (KV laid out as ``read_blocks`` gives it) into the prefix cache.
+        """Import peer blocks (KV laid out as ``read_blocks`` gives it, computed with adapter
+        ``lora_name``, which their hashes carry) into the prefix cache.
 
         Blocks already cached here are skipped; returns how many were imported.
         """
         targets = [
-            self.block_manager.import_block(block_hash, token_ids)
+            self.block_manager.import_block(block_hash, token_ids, lora_name)
             for block_hash, token_ids in zip(block_hashes, token_blocks, strict=True)
         ]
         imported = [block_id for block_id in targets if block_id is not None]
@@ -448,6 +504,10 @@ class LLMEngine:
                 if output.request_id in results:
                     _merge(results[output.request_id], output)
         return [results[request_id] for request_id in ids]
+
+
+def _adapters(seqs: Iterable[Sequence]) -> list[str]:
+    return list(dict.fromkeys(seq.lora_name for seq in seqs if seq.lora_name is not None))
 
 
 def _empty_result(request_id: str) -> RequestOutput:

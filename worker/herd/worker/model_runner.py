@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Collection
+from pathlib import Path
 
 import torch
 
@@ -29,6 +30,7 @@ from herd.worker.kv_tiers import KVMove
 from herd.worker.layers.attention import AttentionBackend
 from herd.worker.layers.torch_attention import TorchAttentionBackend
 from herd.worker.loader import load_model, read_model_args
+from herd.worker.lora_model import LoraModel
 from herd.worker.runner import PREFILL_MIN_TOKENS, Measured, StepResult
 from herd.worker.sampler import Sampler
 from herd.worker.scheduler import SchedulerOutput
@@ -77,12 +79,33 @@ class TorchRunner:
         self.geometry = dataclasses.replace(
             geometry, num_host_blocks=self.tiers.num_host_blocks, num_disk_blocks=self.tiers.num_disk_blocks
         )
+        self.lora = self._lora_model()
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed), eos_token_ids)
         self.masks = MaskFiller()
 
     @property
     def vocab_size(self) -> int:
         return self.args.vocab_size
+
+    def _lora_model(self) -> LoraModel | None:
+        if self.config.max_loras == 0:
+            return None
+        return LoraModel(
+            self.model,
+            num_slots=self.config.max_loras,
+            max_rank=self.config.engine.max_lora_rank,
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+    def load_lora(self, name: str, path: Path) -> None:
+        if self.lora is None:
+            raise ValueError("this worker runs no LoRA adapters: start it with engine.maxLoras above 0")
+        self.lora.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        if self.lora is not None:
+            self.lora.unload(name)
 
     def _kv_budget_bytes(self) -> int:
         spec = self.config.engine.kv_cache
@@ -129,6 +152,8 @@ class TorchRunner:
         sampled = [chunk.seq for chunk in plan.chunks if chunk.is_sampled]
         masks = self.masks.start([seq.grammar for seq in sampled])  # computed while the forward runs
         inputs = prepare_inputs(plan.chunks, self.config.block_size, self.device, self.args.window_sizes)
+        if self.lora is not None:
+            self.lora.prepare([(chunk.seq.lora_name, chunk.num_tokens) for chunk in inputs.row_chunks])
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
         logits = self.model.compute_logits(hidden[inputs.sample_index])
         results = self.sampler.sample(logits, sampled, masks)

@@ -5,10 +5,11 @@ scheduler's whole plan and returns one sampled token per sequence whose chunk re
 engine never sees a logit, a tensor or a device. The runner owns everything behind that: the device
 and the cache geometry it measured there, sampling (per-request generators included) and the KV
 pool, whose blocks it copies as the plan lists (``block_copies``), exports (``read_blocks``) and
-imports (``write_blocks``) for disaggregation, and moves between the device and the tiers below it
-(``move_blocks``: the plan's ``kv_moves`` before its forward). Each runner measures what its work
-costs (``measured``: the prefill rate, the restore bandwidth per tier), which the worker reports to the
-router. Two runners implement it: the torch runner
+imports (``write_blocks``) for disaggregation, moves between the device and the tiers below it
+(``move_blocks``: the plan's ``kv_moves`` before its forward), and the LoRA adapters it reads
+(``load_lora``) and applies to each chunk's sequence's own adapter (``Sequence.lora_name``). Each
+runner measures what its work costs (``measured``: the prefill rate, the restore bandwidth per tier),
+which the worker reports to the router. Two runners implement it: the torch runner
 (``herd.worker.model_runner``) and the cost model (``herd.worker.simulated_runner``).
 
 Faults keep their owner: an error that belongs to one sequence (its logit edits, its draw, its
@@ -19,6 +20,7 @@ the whole batch, after which the engine asks ``check_health`` whether it may go 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from herd.api.protocol import Medium
@@ -113,6 +115,12 @@ class Runner(Protocol):
         """Write block ``i`` of ``kv`` (laid out as ``read_blocks`` gives it) into ``block_ids[i]``;
         ``None`` skips that block."""
         ...
+
+    def load_lora(self, name: str, path: Path) -> None:
+        """Read the PEFT adapter at ``path`` as ``name`` (``ValueError`` if it does not fit the model)."""
+        ...
+
+    def unload_lora(self, name: str) -> None: ...
 
     def check_health(self) -> None:
         """Raise if the runner can run no more work (after a failed batch)."""

@@ -12,8 +12,11 @@ Then waiting sequences are admitted in order while budget, blocks and ``max_batc
 each starting after its prefix-cache hit; a long prompt takes what budget is left and continues in
 later steps. A prompt's prefix found in a tier below the device (``BlockManager.tier_hits``) is
 restored, not computed: the plan lists the moves (``kv_moves``, made before the forward, as block
-copies are) and the sequence starts after it. No admission happens in a step that preempted, so a preempted sequence cannot bounce
-straight back. Each chunk's full blocks enter the prefix cache as it is planned, so a prompt admitted
+copies are) and the sequence starts after it. No admission happens in a step that preempted, so a
+preempted sequence cannot bounce straight back. With LoRA, the running sequences use at most
+``max_loras`` distinct adapters (the runner's slots): a waiting sequence whose adapter would be one
+too many is passed over, keeping its place, until a running adapter's last sequence finishes. Each
+chunk's full blocks enter the prefix cache as it is planned, so a prompt admitted
 later in the same step already starts after them. The plan is a ``SchedulerOutput``; the engine's
 runner executes it and ``update`` then advances every scheduled sequence. Cost: linear in the number
 of running and admitted sequences.
@@ -79,10 +82,13 @@ class SchedulerOutput:
 class Scheduler:
     """Holds the waiting queue and the running list; ``schedule`` plans one step."""
 
-    def __init__(self, block_manager: BlockManager, *, max_batch_tokens: int, max_batch_size: int) -> None:
+    def __init__(
+        self, block_manager: BlockManager, *, max_batch_tokens: int, max_batch_size: int, max_loras: int = 0
+    ) -> None:
         self.block_manager = block_manager
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_size = max_batch_size
+        self.max_loras = max_loras
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -160,8 +166,13 @@ class Scheduler:
             output.preempted.append(victim)
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        loras = {seq.lora_name for seq in self.running if seq.lora_name is not None}
+        passed_over: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
+            if seq.lora_name is not None and seq.lora_name not in loras and len(loras) >= self.max_loras:
+                passed_over.append(self.waiting.popleft())
+                continue
             hits = self.block_manager.computed_blocks(seq)
             restores = self.block_manager.tier_hits(seq, len(hits))
             num_cached = (len(hits) + len(restores)) * self.block_manager.block_size
@@ -176,6 +187,9 @@ class Scheduler:
             output.num_cache_queries += seq.num_tokens
             output.num_cache_hits += seq.num_computed_tokens
             budget -= num_tokens
+            if seq.lora_name is not None:
+                loras.add(seq.lora_name)
+        self.waiting.extendleft(reversed(passed_over))
 
     def _plan_chunk(self, seq: Sequence, num_tokens: int, output: SchedulerOutput) -> None:
         output.chunks.append(ScheduledChunk(seq, num_tokens))

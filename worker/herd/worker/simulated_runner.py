@@ -17,6 +17,8 @@ frame encodes) and ``write_blocks`` checks that shape and keeps nothing; block c
 The tiers below the pool are slots too: a plan's moves between them cost their bytes over the cost
 model's ``hostGBps`` (device <-> host) or ``diskGBps`` (to or from the disk), added to the step. The
 runner reports the rates it models as measured, so a simulated fleet routes on the same figures.
+A LoRA adapter is a name and nothing more: its folder is not read, and a sequence's adapter
+changes its tokens only through the root hash, as it changes its blocks' hashes.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import weakref
 from array import array
 from collections.abc import Collection
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -201,6 +204,12 @@ class SimulatedRunner:
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         return torch.zeros(self._shape(len(block_ids)), dtype=self.geometry.dtype)
+
+    def load_lora(self, name: str, path: Path) -> None:
+        """Nothing to read: the cost model has no weights (the engine keeps the name)."""
+
+    def unload_lora(self, name: str) -> None:
+        """Nothing to drop."""
 
     def write_blocks(self, block_ids: list[int | None], kv: torch.Tensor) -> None:
         expected = self._shape(len(block_ids))

@@ -65,6 +65,17 @@ class WorkerView:
     prefill meanwhile (``restore_block_tokens``); None until it measured both rates."""
     disk_block_tokens: float | None = None
     """The same for its disk tier."""
+    max_loras: int = 0
+    """Distinct LoRA adapters one of its steps runs (0: LoRA is off), from its load report."""
+    lora_adapters: frozenset[str] = frozenset()
+    """The LoRA adapters it has loaded."""
+    running_lora_adapters: frozenset[str] = frozenset()
+    """The adapters its running requests use: while they fill ``max_loras``, another waits."""
+
+    def has_lora_slot(self, lora_name: str) -> bool:
+        """A request with ``lora_name`` can run at once: it is running, or a slot is free."""
+        running = self.running_lora_adapters
+        return lora_name in running or len(running) < self.max_loras
 
 
 @dataclass(slots=True, frozen=True)
@@ -87,6 +98,8 @@ class RequestContext:
     """The prefill phase already ran (a retry of a disaggregated request): a decode worker only."""
     slo: SloTarget | None = None
     """Latency targets: ``decide`` then picks by predicted latency rather than by the strategy."""
+    lora_name: str | None = None
+    """The LoRA adapter the request runs with (``None``: the base model); its hashes carry it."""
 
 
 class RoutingStrategy(ABC):

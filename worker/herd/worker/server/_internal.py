@@ -21,18 +21,23 @@ from herd.api.protocol import (
 from herd.worker.engine_protocol import ServingEngine
 from herd.worker.server._errors import install_error_handlers
 
-__all__ = ["MAX_KV_EVENTS_WAIT_S", "build_internal_app"]
+__all__ = ["MAX_KV_EVENTS_WAIT_S", "build_internal_app", "require_token"]
 
 MAX_KV_EVENTS_WAIT_S = 10.0
+
+
+def require_token(request: Request, token: str) -> None:
+    """Raise 401 unless ``request`` carries the worker's internal ``token`` in ``TOKEN_HEADER``."""
+    given = request.headers.get(TOKEN_HEADER, "")
+    if not secrets.compare_digest(given.encode(), token.encode()):
+        raise HttpError(401, f"missing or wrong {TOKEN_HEADER} header; send the worker's internal token")
 
 
 def build_internal_app(engine: ServingEngine, token: str, routers: Sequence[APIRouter] = ()) -> FastAPI:
     """The internal API; ``routers`` add more endpoints (disaggregation) under the same token check."""
 
     async def check_token(request: Request) -> None:
-        given = request.headers.get(TOKEN_HEADER, "")
-        if not secrets.compare_digest(given.encode(), token.encode()):
-            raise HttpError(401, f"missing or wrong {TOKEN_HEADER} header; send the worker's internal token")
+        require_token(request, token)
 
     app = FastAPI(
         title="herd worker (internal)",

@@ -113,6 +113,19 @@ class WorkerMetrics:
         return bytes(generate_latest(self.registry))
 
 
+def _lora_info(load: LoadReport) -> GaugeMetricFamily:
+    """vLLM's ``vllm:lora_requests_info``, as the Gateway API Inference Extension reads it: the
+    adapters as comma-separated labels, the value the time of the reading (a reader keeps the newest)."""
+    family = GaugeMetricFamily(
+        names.LORA_REQUESTS_INFO,
+        "Running and waiting LoRA adapters, and the most one step runs.",
+        labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+    )
+    running, waiting = ",".join(load.running_lora_adapters), ",".join(load.waiting_lora_adapters)
+    family.add_metric([str(load.max_loras), running, waiting], time.time())
+    return family
+
+
 class _EngineCollector(Collector):
     """Reads the engine's own counters and load at scrape time."""
 
@@ -153,6 +166,8 @@ class _EngineCollector(Collector):
             1.0,
         )
         yield config
+        if load.max_loras:
+            yield _lora_info(load)
 
     def _tiers(self, stats: EngineStats, load: LoadReport) -> Iterator[Metric]:
         """Per tier (``medium``): usage, size, blocks stored / restored (its hits) / evicted, and the
