@@ -36,7 +36,13 @@ async def replica(
     poll_interval: float,
     model_config: dict[str, object] | None = None,
 ) -> AsyncIterator[tuple[FastAPI, httpx.AsyncClient]]:
-    settings = AppSettings(registry=RegistrySettings(poll_interval=poll_interval))
+    # A long poll_interval makes a replica that reads its status streams' first lines, then nothing.
+    registry = RegistrySettings(
+        poll_interval=poll_interval,
+        heartbeat=max(poll_interval, 1.0),
+        silence_timeout=max(3 * poll_interval, 3.0),
+    )
+    settings = AppSettings(registry=registry)
     state = RedisState(redis_url, retry_seconds=0.2)
     async with running_gateway(
         cluster,
@@ -71,7 +77,8 @@ async def test_replicas_hold_the_same_kv_index(redis_url: str) -> None:
     worker = FakeWorker("w0", snapshot_blocks=[11, 12])
     cluster = FakeCluster([worker, FakeWorker("w1")])
     routing = KVCacheAwareRouting(strategy="kv_cache_aware")
-    # The second replica polls once, then not for minutes: new events can only reach it through Redis.
+    # The second replica reads its streams' first lines, then nothing for minutes: new events can only
+    # reach it through Redis.
     async with (
         replica(cluster, redis_url, routing, 0.05) as (polling, _),
         replica(cluster, redis_url, routing, 600.0) as (listening, _),
@@ -93,7 +100,7 @@ async def test_replicas_hold_the_same_kv_index(redis_url: str) -> None:
 async def test_replicas_share_the_blocks_a_decision_expects(redis_url: str, tiny_llama: Path) -> None:
     """A prompt routed by one replica is expected on its worker by the other within a stream read,
     long before any worker reports the blocks (the fake workers never do, and the second replica
-    polls once): the second replica's kv_cache_aware sends the same prompt to the same worker."""
+    reads only its status streams' first lines): the second replica's kv_cache_aware sends the same prompt to the same worker."""
     cluster = FakeCluster(
         [FakeWorker("w0", snapshot_blocks=[11]), *(FakeWorker(f"w{n}") for n in range(1, 4))]
     )
@@ -118,9 +125,9 @@ async def test_replicas_share_the_blocks_a_decision_expects(redis_url: str, tiny
 
 
 async def until_listening(worker: FakeWorker, index: KVIndex) -> None:
-    """Restart ``worker`` (a new epoch, same blocks) until the replica that does not poll sees it.
+    """Restart ``worker`` (a new epoch, same blocks) until the replica that does not follow it sees it.
 
-    The polling replica publishes each restart's snapshot to Redis; the other replica's consumer
+    The following replica publishes each restart's snapshot to Redis; the other replica's consumer
     reads the stream from its end once connected, so only what is published after that reaches it.
     A restart it sees proves it is tailing; a fixed wait would guess how long connecting takes.
     """

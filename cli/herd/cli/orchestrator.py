@@ -136,7 +136,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--poll-interval",
         type=float,
         default=RegistrySettings().poll_interval,
-        help="seconds between a worker's health, load and KV polls (raise it for fleets of hundreds)",
+        help="least seconds between a worker's status lines (its load and KV events go out at most this "
+        "often; readiness changes and heartbeats come regardless), and the first retry delay",
     )
     parser.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     parser.add_argument(

@@ -1,15 +1,27 @@
 """The worker registry: membership from a ``WorkerSource``, health, load and KV events per worker.
 
-One polling task per worker runs every ``poll_interval`` seconds: ``/ready`` on the public port
-(``failures_to_eject`` failures in a row eject it, one success re-admits it), then the load report,
-then KV events after the index's last ``seq`` (every model keeps an index: cache-aware routing scores
-with it, and the dashboard and the predicted-hit metric show it for any strategy). A new epoch, a gap or a
-re-admission makes the next poll fetch a snapshot. KV payloads go through ``State.publish_kv`` so
-that with Redis every replica's index receives them; ``receive_kv`` applies them here. A proxy
-error ejects a worker at once (``report_failure``) instead of waiting for the next poll. Beside the
-polling, each worker's ``CircuitBreaker`` hears the outcome of every request sent to it (a ``Hold``,
-taken when the request is routed there and released with its outcome) and stops routing to a worker
-whose requests keep failing even while its ``/ready`` says yes.
+One task per worker holds the worker's status stream open (``INTERNAL_PATHS.status``, see
+``herd.api.protocol.WorkerStatus``): readiness, the load report and KV events arrive together, as
+they change and at least every ``heartbeat`` seconds, instead of three polls per worker per period.
+That is what lets one orchestrator follow hundreds of workers: it reads lines when they come, so a
+worker (or its own event loop) that is slow to answer is late, not failed.
+
+Health: a line that says ready admits the worker at once (re-admission included); one that says not
+ready takes it out of routing at once. A failure is a stream that could not open, broke, or stayed
+silent for ``silence_timeout`` seconds; ``failures_to_eject`` of them in a row eject a worker. A
+dead worker's connection breaks at once and its reconnect is refused, so it is ejected within a
+fraction of a second. A silence (several heartbeats: a stalled worker or a partition, not a slow
+one) ejects at once; a timeout is never shorter than that, so a worker, or an orchestrator loop, that
+is merely busy for a second is late rather than failed. Retries back off from ``poll_interval`` to
+``max_retry_delay``. A proxy error ejects a worker at once too
+(``report_failure``).
+
+KV: the stream resumes after the index's last ``seq`` of the worker's epoch (the worker sends a
+snapshot when it cannot: a new epoch, no position); a gap in the events reopens it for a snapshot.
+KV payloads go through ``State.publish_kv`` so that with Redis every replica's index receives them;
+``receive_kv`` applies them here. Beside the stream, each worker's ``CircuitBreaker`` hears the
+outcome of every request sent to it (a ``Hold``, taken when the request is routed there and released
+with its outcome) and stops routing to a worker whose requests keep failing even while it says ready.
 A new KV epoch is a restarted worker process: it is counted (``on_restart``) and its breaker closed.
 A model that needs token ids but has no local folder gets its tokenizer from its first healthy
 worker (``TokenizerFetcher``).
@@ -27,7 +39,7 @@ from types import TracebackType
 
 import httpx
 
-from herd.api.protocol import KVSnapshot, LoadReport
+from herd.api.protocol import KVEventBatch, KVSnapshot, LoadReport, StatusQuery, WorkerStatus
 from herd.orchestrator.breaker import BreakerSettings, CircuitBreaker, Outcome
 from herd.orchestrator.discovery import Membership, ModelConfig, WorkerEndpoint, WorkerSource
 from herd.orchestrator.routing import WorkerView
@@ -43,11 +55,26 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class RegistrySettings:
-    """Polling cadence (the defaults eject an unreachable worker within 2 s) and the circuit breakers."""
+    """How the registry follows its workers (the defaults eject a dead worker within a second and a
+    silent one within ``silence_timeout``), and the circuit breakers."""
 
     poll_interval: float = 0.25
+    """Least seconds between a worker's status lines (its load and KV events go out at most this
+    often), and the first retry delay after a failure."""
+    heartbeat: float = 1.0
+    """Most seconds between a worker's status lines when nothing changes."""
+    silence_timeout: float = 3.0
+    """Seconds without a line after which a stream counts as failed."""
+    connect_timeout: float = 2.0
     failures_to_eject: int = 2
+    max_retry_delay: float = 1.0
+    """Retries after failures in a row back off, doubling from ``poll_interval`` up to this."""
     breaker: BreakerSettings = field(default_factory=BreakerSettings)
+
+    def retry_delay(self, num_failures: int) -> float:
+        """Seconds before reopening a stream after ``num_failures`` failures in a row."""
+        doubled = self.poll_interval * float(2 ** min(max(num_failures - 1, 0), 16))
+        return min(doubled, max(self.max_retry_delay, self.poll_interval))
 
 
 @dataclass(eq=False)
@@ -201,7 +228,7 @@ class Registry:
 
     def _add_worker(self, endpoint: WorkerEndpoint) -> None:
         worker = WorkerState(endpoint, breaker=CircuitBreaker(self.settings.breaker))
-        worker.task = asyncio.create_task(self._poll_forever(worker), name=f"herd-poll-{endpoint.id}")
+        worker.task = asyncio.create_task(self._follow(worker), name=f"herd-status-{endpoint.id}")
         self.workers[endpoint.id] = worker
         log.info("worker joined", extra={"worker": endpoint.id, "model": endpoint.model, "url": endpoint.url})
 
@@ -228,32 +255,61 @@ class Registry:
         await self.tokenizers.close()
         await self.state.close()
 
-    async def _poll_forever(self, worker: WorkerState) -> None:
+    async def _follow(self, worker: WorkerState) -> None:
+        """Hold the worker's status stream open until the worker leaves; reopen it after a failure."""
         while True:
-            await self.poll_once(worker)
-            await asyncio.sleep(self.settings.poll_interval)
+            try:
+                await self._read_status(worker)
+            except httpx.ReadTimeout as error:
+                # Silence past several heartbeats on an open connection is a stalled worker (a hung
+                # process, a partition), not a slow one: out at once rather than after more silence.
+                self._record_failure(worker, f"{type(error).__name__}: {error}", is_conclusive=True)
+            except (httpx.HTTPError, ValueError) as error:
+                self._record_failure(worker, f"{type(error).__name__}: {error}")
+            else:
+                if worker.needs_snapshot:
+                    continue  # a gap in the events: reopen at once for a snapshot
+                self._record_failure(worker, "the worker ended its status stream (draining or stopping)")
+            await asyncio.sleep(self.settings.retry_delay(worker.num_failures))
 
-    async def poll_once(self, worker: WorkerState) -> None:
-        """One health, load and KV round for a worker; never raises for a worker's failure."""
-        try:
-            is_ready = await self.client.is_ready(worker.endpoint)
-            if is_ready:
-                worker.report = await self.client.load(worker.endpoint)
-        except (httpx.HTTPError, ValueError) as error:
-            self._record_failure(worker, f"{type(error).__name__}: {error}")
-            return
-        if not is_ready:
-            self._record_failure(worker, "/ready answered not ready")
-            return
-        self._record_success(worker)
-        if (served := self.models.get(worker.endpoint.model)) is not None:
-            self.tokenizers.offer(served, worker.endpoint)
-        try:
-            await self._sync_kv(worker)
-        except (httpx.HTTPError, ValueError) as error:
-            # A KV feed problem costs routing quality only: keep serving, resync on the next poll.
-            worker.needs_snapshot = True
-            log.debug("KV sync failed", extra={"worker": worker.endpoint.id, "error": str(error)})
+    async def _read_status(self, worker: WorkerState) -> None:
+        """Apply the stream's lines until it ends, or until the KV index needs a snapshot."""
+        settings = self.settings
+        served = self.models.get(worker.endpoint.model)
+        position = None if served is None else served.kv_index.position(worker.endpoint.id)
+        if worker.needs_snapshot:
+            position = None
+        worker.needs_snapshot = False
+        query = StatusQuery(
+            epoch=None if position is None else position[0],
+            after=-1 if position is None else position[1],
+            interval=settings.poll_interval,
+            heartbeat=settings.heartbeat,
+        )
+        async with self.client.status(
+            worker.endpoint,
+            query,
+            silence_timeout=settings.silence_timeout,
+            connect_timeout=settings.connect_timeout,
+        ) as lines:
+            async for status in lines:
+                await self._apply_status(worker, status)
+                if worker.needs_snapshot:
+                    return
+
+    async def _apply_status(self, worker: WorkerState, status: WorkerStatus) -> None:
+        worker.report = status.load
+        if status.is_ready:
+            self._record_success(worker)
+        else:
+            self._mark_not_ready(worker)
+        self._note_epoch(worker, status.epoch)
+        if status.snapshot is not None:
+            await self.state.publish_kv(worker.endpoint.id, status.snapshot)
+        if status.events:
+            await self.state.publish_kv(
+                worker.endpoint.id, KVEventBatch(epoch=status.epoch, events=status.events)
+            )
 
     def _record_success(self, worker: WorkerState) -> None:
         worker.num_failures = 0
@@ -262,34 +318,24 @@ class Registry:
             log.info("worker admitted", extra={"worker": worker.endpoint.id})
             if (served := self.models.get(worker.endpoint.model)) is not None:
                 self.tokenizers.forget_source(served, worker.endpoint.id)  # it may have restarted
+        if (served := self.models.get(worker.endpoint.model)) is not None:
+            self.tokenizers.offer(served, worker.endpoint)
 
-    def _record_failure(self, worker: WorkerState, reason: str) -> None:
-        worker.num_failures += 1
+    def _mark_not_ready(self, worker: WorkerState) -> None:
+        """The worker says it takes no requests (loading, draining): out of routing at once."""
+        worker.num_failures = 0
+        if worker.is_healthy:
+            worker.is_healthy = False
+            log.warning("worker not ready", extra={"worker": worker.endpoint.id})
+
+    def _record_failure(self, worker: WorkerState, reason: str, *, is_conclusive: bool = False) -> None:
+        worker.num_failures = max(worker.num_failures + 1, self.settings.failures_to_eject * is_conclusive)
         if worker.is_healthy and worker.num_failures >= self.settings.failures_to_eject:
             self._eject(worker, reason)
 
     def _eject(self, worker: WorkerState, reason: str) -> None:
         worker.is_healthy = False
-        worker.needs_snapshot = True
         log.warning("worker ejected", extra={"worker": worker.endpoint.id, "reason": reason})
-
-    async def _sync_kv(self, worker: WorkerState) -> None:
-        served = self.models.get(worker.endpoint.model)
-        if served is None:
-            return
-        position = served.kv_index.position(worker.endpoint.id)
-        if position is not None and not worker.needs_snapshot:
-            batch = await self.client.kv_events(worker.endpoint, after=position[1])
-            self._note_epoch(worker, batch.epoch)
-            if batch.epoch == position[0]:
-                if batch.events:
-                    await self.state.publish_kv(worker.endpoint.id, batch)
-                if not worker.needs_snapshot:
-                    return
-        worker.needs_snapshot = False
-        snapshot = await self.client.kv_snapshot(worker.endpoint)
-        self._note_epoch(worker, snapshot.epoch)
-        await self.state.publish_kv(worker.endpoint.id, snapshot)
 
     def _note_epoch(self, worker: WorkerState, epoch: str) -> None:
         """A new epoch is a new worker process (its supervisor or the kubelet restarted it)."""
