@@ -11,8 +11,9 @@ ready takes it out of routing at once. A failure is a stream that could not open
 silent for ``silence_timeout`` seconds; ``failures_to_eject`` of them in a row eject a worker. A
 dead worker's connection breaks at once and its reconnect is refused, so it is ejected within a
 fraction of a second. A silence (several heartbeats: a stalled worker or a partition, not a slow
-one) ejects at once; a timeout is never shorter than that, so a worker, or an orchestrator loop, that
-is merely busy for a second is late rather than failed. Retries back off from ``poll_interval`` to
+one), or a connection not accepted within ``connect_timeout``, ejects at once, but only up to
+``max_silent_share`` of the model's workers at a time; a timeout is never shorter than that, so a worker, or an orchestrator loop, that is merely busy for a second is
+late rather than failed. Retries back off from ``poll_interval`` to
 ``max_retry_delay``. A proxy error ejects a worker at once too
 (``report_failure``).
 
@@ -67,6 +68,11 @@ class RegistrySettings:
     """Seconds without a line after which a stream counts as failed."""
     connect_timeout: float = 2.0
     failures_to_eject: int = 2
+    max_silent_share: float = 0.1
+    """At most this share of a model's workers (at least one) is ejected for silence at a time, as
+    Envoy caps outlier ejection: a silence that hits many workers at once is more likely this
+    orchestrator's own stall, or the host's, than theirs. Beyond it a silence only reopens the stream;
+    a worker that is really gone still fails its connection or its requests, which eject it."""
     max_retry_delay: float = 1.0
     """Retries after failures in a row back off, doubling from ``poll_interval`` up to this."""
     breaker: BreakerSettings = field(default_factory=BreakerSettings)
@@ -90,6 +96,8 @@ class WorkerState:
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     epoch: str | None = None
     """The worker process's KV epoch as last seen; a new one means it restarted."""
+    is_silent: bool = False
+    """Ejected for a silent stream and not heard from since."""
     num_restarts: int = 0
 
     def view(self, now: float) -> WorkerView:
@@ -260,10 +268,8 @@ class Registry:
         while True:
             try:
                 await self._read_status(worker)
-            except httpx.ReadTimeout as error:
-                # Silence past several heartbeats on an open connection is a stalled worker (a hung
-                # process, a partition), not a slow one: out at once rather than after more silence.
-                self._record_failure(worker, f"{type(error).__name__}: {error}", is_conclusive=True)
+            except httpx.TimeoutException as error:
+                self._record_silence(worker, f"{type(error).__name__}: {error}")
             except (httpx.HTTPError, ValueError) as error:
                 self._record_failure(worker, f"{type(error).__name__}: {error}")
             else:
@@ -311,8 +317,23 @@ class Registry:
                 worker.endpoint.id, KVEventBatch(epoch=status.epoch, events=status.events)
             )
 
+    def _record_silence(self, worker: WorkerState, reason: str) -> None:
+        """Silence past several heartbeats on an open connection, or a connection not accepted within
+        ``connect_timeout``, is a stalled worker (a hung process or host, a partition), not a slow one:
+        out at once rather than after more silence, within the cap. A dead process refuses or resets
+        the connection instead, which counts as a plain failure."""
+        model = worker.endpoint.model
+        workers = self.model_workers(model)
+        cap = max(1, int(self.settings.max_silent_share * len(workers)))
+        if worker.is_silent or sum(other.is_silent for other in workers) >= cap:
+            return
+        if worker.is_healthy:
+            worker.is_silent = True
+        self._record_failure(worker, reason, is_conclusive=True)
+
     def _record_success(self, worker: WorkerState) -> None:
         worker.num_failures = 0
+        worker.is_silent = False
         if not worker.is_healthy:
             worker.is_healthy = True
             log.info("worker admitted", extra={"worker": worker.endpoint.id})

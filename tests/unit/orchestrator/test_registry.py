@@ -79,6 +79,21 @@ async def test_a_silent_stream_ejects_at_once_and_a_slow_one_does_not() -> None:
         assert registry.workers["w1"].num_failures == 0 and cluster.workers[1].num_status_streams == 1
 
 
+async def test_silence_ejects_at_most_the_capped_share_of_workers_at_a_time() -> None:
+    cluster = FakeCluster([FakeWorker(f"w{n}") for n in range(3)])
+    settings = RegistrySettings(poll_interval=0.02, heartbeat=0.05, silence_timeout=0.3, max_silent_share=0.1)
+    async with registry_for(cluster, settings) as registry:
+        await wait_for(lambda: all(view.is_healthy for view in registry.views(MODEL)))
+        for worker in cluster.workers:
+            worker.is_stalled = True  # all at once: more likely the orchestrator's stall than theirs
+        # Counted, not slept: every stream timed out and was reopened at least twice.
+        await wait_for(lambda: all(worker.num_status_streams >= 3 for worker in cluster.workers))
+        assert sorted(view.is_healthy for view in registry.views(MODEL)) == [False, True, True]
+        for worker in cluster.workers:
+            worker.is_stalled = False
+        await wait_for(lambda: all(view.is_healthy for view in registry.views(MODEL)))
+
+
 @pytest.mark.parametrize(("num_failures", "expected"), [(0, 0.25), (1, 0.25), (2, 0.5), (3, 1.0), (9, 1.0)])
 def test_retries_back_off_to_a_bound(num_failures: int, expected: float) -> None:
     assert RegistrySettings().retry_delay(num_failures) == expected
