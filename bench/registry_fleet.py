@@ -160,6 +160,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--before", required=True, help="the older commit whose orchestrator is 'before'")
     parser.add_argument("--sizes", default="128,256", help="fleet sizes, comma-separated")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--trees", default="before,after", help="which orchestrators to run, in turn")
     parser.add_argument("--seconds", type=float, default=90.0, help="each run's length")
     parser.add_argument("--model", type=Path, default=DEMO_MODEL)
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "registry_fleet.json")
@@ -168,12 +169,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    document: dict[str, Any] = {"machine": machine_info(), "before": args.before, "runs": []}
+    document: dict[str, Any] = {
+        "command": " ".join(
+            ["python", "bench/registry_fleet.py", *(argv if argv is not None else sys.argv[1:])]
+        ),
+        "machine": machine_info(),
+        "before": args.before,
+        "runs": [],
+    }
     with before_tree(args.before) as old_path, tempfile.TemporaryDirectory(prefix="registry-fleet-") as logs:
         log_dir = Path(logs)
         for size in (int(size) for size in args.sizes.split(",")):
             with fleet(size, args.model, log_dir) as urls:
-                setups = [("before", old_path, 0.9 * max(1.0, size / 32)), ("after", None, 0.25)]
+                every = [("before", old_path, 0.9 * max(1.0, size / 32)), ("after", None, 0.25)]
+                setups = [setup for setup in every if setup[0] in args.trees.split(",")]
                 for number in range(args.rounds):
                     for tree, pythonpath, poll_s in setups[number % 2 :] + setups[: number % 2]:
                         log = log_dir / f"orchestrator-{tree}-{size}-{number}.log"
