@@ -19,7 +19,7 @@ from herd.api.openai import ChatCompletionRequest
 from herd.api.protocol import WORKER_HEADER, KVEvent
 from herd.orchestrator.app import AppSettings
 from herd.orchestrator.kv_index import KVIndex
-from herd.orchestrator.registry import RegistrySettings
+from herd.orchestrator.registry import Registry, RegistrySettings
 from herd.orchestrator.state import RedisState
 from herd.orchestrator.tokens import prompt_token_ids
 
@@ -122,6 +122,31 @@ async def test_replicas_share_the_blocks_a_decision_expects(redis_url: str, tiny
             await wait_for(lambda: served.kv_index.match(blocks) == {chosen: len(blocks)}, within=WITHIN_S)  # noqa: B023
             again = await second.post("/v1/chat/completions", json=body)
             assert again.headers[WORKER_HEADER] == chosen, topic
+
+
+async def test_replicas_count_each_others_requests_in_flight(redis_url: str) -> None:
+    """A request one replica has in flight on a worker counts in the other's views (its cap and its
+    load terms) within a stream read, and stops counting once released."""
+    cluster = FakeCluster([FakeWorker("w0"), FakeWorker("w1")])
+    routing = KVCacheAwareRouting(strategy="kv_cache_aware")
+    async with (
+        replica(cluster, redis_url, routing, 0.05) as (first, _),
+        replica(cluster, redis_url, routing, 0.05) as (second, _),
+    ):
+        registries = [app.state.registry for app in (first, second)]
+
+        def in_flight(registry: Registry) -> dict[str, int]:
+            return {view.id: view.num_in_flight for view in registry.views(MODEL)}
+
+        # The second replica's consumer tails the stream from when it connected: hold until it counts.
+        holds = [registries[0].hold("w0") for _ in range(3)]
+        await wait_for(lambda: in_flight(registries[1]) == {"w0": 3, "w1": 0}, within=WITHIN_S)
+        assert in_flight(registries[0]) == {"w0": 3, "w1": 0}  # its own, not twice
+        registries[1].hold("w1")
+        await wait_for(lambda: in_flight(registries[0]) == {"w0": 3, "w1": 1}, within=WITHIN_S)
+        for hold in holds:
+            hold.release("success")
+        await wait_for(lambda: in_flight(registries[1]) == {"w0": 0, "w1": 1}, within=WITHIN_S)
 
 
 async def until_listening(worker: FakeWorker, index: KVIndex) -> None:

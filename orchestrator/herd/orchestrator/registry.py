@@ -45,7 +45,7 @@ from herd.orchestrator.breaker import BreakerSettings, CircuitBreaker, Outcome
 from herd.orchestrator.discovery import Membership, ModelConfig, WorkerEndpoint, WorkerSource
 from herd.orchestrator.routing import WorkerView
 from herd.orchestrator.served import ServedModel
-from herd.orchestrator.state import ExpectedBlocks, KVPayload, State
+from herd.orchestrator.state import IN_FLIGHT_TTL_S, ExpectedBlocks, InFlightCounts, KVPayload, State
 from herd.orchestrator.tokenizer_fetch import TokenizerFetcher
 from herd.orchestrator.worker_client import WorkerClient
 
@@ -100,13 +100,14 @@ class WorkerState:
     """Ejected for a silent stream and not heard from since."""
     num_restarts: int = 0
 
-    def view(self, now: float) -> WorkerView:
+    def view(self, now: float, num_elsewhere: int = 0) -> WorkerView:
+        """``num_elsewhere``: the requests other orchestrator replicas have in flight to it."""
         report = self.report
         return WorkerView(
             id=self.endpoint.id,
             url=self.endpoint.url,
             role=self.endpoint.role,
-            num_in_flight=self.num_in_flight,
+            num_in_flight=self.num_in_flight + num_elsewhere,
             num_prefill_tokens_in_flight=self.num_prefill_tokens_in_flight,
             num_running=report.num_running,
             num_waiting=report.num_waiting,
@@ -136,6 +137,10 @@ class Registry:
         self.tokenizers = TokenizerFetcher(client)
         self.has_membership = False
         """The source has given its first membership (a discovery has synced)."""
+        self._own_in_flight: dict[str, int] = {}
+        """This replica's requests in flight per worker, shared with the other replicas (``State``)."""
+        self._elsewhere = _SharedCounts()
+        """The other replicas' requests in flight per worker, as they last shared them."""
 
     async def run(self, source: WorkerSource) -> None:
         """Follow the source until cancelled; every worker task stops with it."""
@@ -167,9 +172,13 @@ class Registry:
         return [view for view in self.all_views(model) if view.role == role]
 
     def all_views(self, model: str) -> list[WorkerView]:
-        """Views of every worker of the model, both pools of a disaggregated one (what ``decide`` takes)."""
+        """Views of every worker of the model, both pools of a disaggregated one (what ``decide`` takes),
+        counting in flight the requests this replica sent and those the other replicas shared."""
         now = time.monotonic()
-        return [worker.view(now) for worker in self.model_workers(model)]
+        elsewhere = self._elsewhere.totals(now)
+        return [
+            worker.view(now, elsewhere.get(worker.endpoint.id, 0)) for worker in self.model_workers(model)
+        ]
 
     def hold(self, worker_id: str, *, num_prefill_tokens: int = 0) -> Hold:
         """Count a request routed to the worker now (in the breaker's half-open state, it is the probe);
@@ -178,7 +187,12 @@ class Registry:
             worker.num_in_flight += 1
             worker.num_prefill_tokens_in_flight += num_prefill_tokens
             worker.breaker.on_send(time.monotonic())
+            self._share_in_flight(worker)
         return Hold(self, worker_id, num_prefill_tokens)
+
+    def _share_in_flight(self, worker: WorkerState) -> None:
+        self._own_in_flight[worker.endpoint.id] = worker.num_in_flight
+        self.state.share_in_flight(self._own_in_flight)
 
     def _prefilled(self, worker_id: str, num_prefill_tokens: int) -> None:
         if (worker := self.workers.get(worker_id)) is not None:
@@ -190,6 +204,7 @@ class Registry:
         if (worker := self.workers.get(worker_id)) is None:
             return
         worker.num_in_flight = max(0, worker.num_in_flight - 1)
+        self._share_in_flight(worker)
         self._prefilled(worker_id, num_prefill_tokens)
         breaker = worker.breaker
         was_closed = breaker.state(now := time.monotonic()) == "closed"
@@ -209,7 +224,10 @@ class Registry:
 
     def receive_kv(self, worker_id: str, payload: KVPayload) -> None:
         """Apply a worker's KV batch or snapshot, or the blocks another replica expects on it, to its
-        model's index (the ``State`` sink)."""
+        model's index; keep another replica's in-flight counts (the ``State`` sink)."""
+        if isinstance(payload, InFlightCounts):
+            self._elsewhere.update(payload, time.monotonic())
+            return
         worker = self.workers.get(worker_id)
         served = None if worker is None else self.models.get(worker.endpoint.model)
         if worker is None or served is None:
@@ -244,6 +262,7 @@ class Registry:
         worker = self.workers.pop(worker_id, None)
         if worker is None:
             return
+        self._own_in_flight.pop(worker_id, None)
         if worker.task is not None:
             worker.task.cancel()
         served = self.models.get(worker.endpoint.model)
@@ -367,6 +386,37 @@ class Registry:
             if self.on_restart is not None:
                 self.on_restart(worker)
         worker.epoch = epoch
+
+
+class _SharedCounts:
+    """The other replicas' in-flight counts: each replica's latest, summed per worker; a replica not
+    heard from for ``IN_FLIGHT_TTL_S`` is dropped (it stopped, or lost Redis)."""
+
+    def __init__(self) -> None:
+        self._by_origin: dict[str, tuple[float, dict[str, int]]] = {}
+        self._totals: dict[str, int] = {}
+
+    def update(self, counts: InFlightCounts, now: float) -> None:
+        self._drop(counts.origin)
+        self._by_origin[counts.origin] = (now, counts.counts)
+        for worker_id, count in counts.counts.items():
+            self._totals[worker_id] = self._totals.get(worker_id, 0) + count
+
+    def totals(self, now: float) -> dict[str, int]:
+        """Per worker; an empty dict (nothing to add) with one replica."""
+        for origin in [origin for origin, (at, _) in self._by_origin.items() if now - at > IN_FLIGHT_TTL_S]:
+            self._drop(origin)
+        return self._totals
+
+    def _drop(self, origin: str) -> None:
+        if (entry := self._by_origin.pop(origin, None)) is None:
+            return
+        for worker_id, count in entry[1].items():
+            left = self._totals[worker_id] - count
+            if left:
+                self._totals[worker_id] = left
+            else:
+                del self._totals[worker_id]
 
 
 class Hold:

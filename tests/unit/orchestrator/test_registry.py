@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 
 import httpx
@@ -15,7 +16,7 @@ from herd.api.crd import KVCacheAwareRouting
 from herd.api.protocol import INTERNAL_PATHS, KVEvent, LoadReport
 from herd.orchestrator.discovery import Membership, ModelConfig
 from herd.orchestrator.registry import Registry, RegistrySettings
-from herd.orchestrator.state import MemoryState
+from herd.orchestrator.state import IN_FLIGHT_TTL_S, InFlightCounts, MemoryState
 from herd.orchestrator.worker_client import WorkerClient
 
 KV_AWARE = KVCacheAwareRouting(strategy="kv_cache_aware")
@@ -68,7 +69,7 @@ async def test_a_dead_worker_is_ejected_by_its_broken_stream_and_refused_reconne
 
 async def test_a_silent_stream_ejects_at_once_and_a_slow_one_does_not() -> None:
     cluster = FakeCluster([FakeWorker("w0"), FakeWorker("w1", line_delay=0.3)])
-    settings = RegistrySettings(poll_interval=0.02, heartbeat=0.05, silence_timeout=1.0)
+    settings = RegistrySettings(poll_interval=0.02, heartbeat=0.05, silence_timeout=2.0)
     async with registry_for(cluster, settings) as registry:
         await wait_for(lambda: all(view.is_healthy for view in registry.views(MODEL)))
         cluster.workers[0].is_stalled = True
@@ -164,3 +165,17 @@ async def test_a_reopened_stream_resumes_the_kv_events_without_a_snapshot() -> N
         worker.is_up = True
         await wait_for(lambda: index.match([5, 6]) == {"w0": 2})
         assert registry.workers["w0"].is_healthy and worker.num_snapshots == 1
+
+
+async def test_the_other_replicas_in_flight_counts_add_to_the_views_until_they_go_stale() -> None:
+    cluster = FakeCluster([FakeWorker("w0"), FakeWorker("w1")])
+    async with registry_for(cluster) as registry:
+        registry.hold("w0")
+        registry.receive_kv("", InFlightCounts(origin="r2", counts={"w0": 2, "w1": 1}))
+        registry.receive_kv("", InFlightCounts(origin="r3", counts={"w1": 4}))
+        registry.receive_kv(
+            "", InFlightCounts(origin="r2", counts={"w0": 1})
+        )  # r2's latest replaces its first
+        assert {view.id: view.num_in_flight for view in registry.views(MODEL)} == {"w0": 2, "w1": 4}
+        stale = time.monotonic() + IN_FLIGHT_TTL_S + 1
+        assert registry._elsewhere.totals(stale) == {}
