@@ -526,6 +526,7 @@ def measure(
         timeout_s=args.request_timeout,
         extra_body={"cache_salt": salt},
     )
+    warm_up(urls, salt)
     before = worker_counters(fleet.public)
     report = run_load(config, transport=(lambda: RoundRobinTransport(urls)) if len(urls) > 1 else None)
     after = worker_counters(fleet.public)
@@ -533,6 +534,21 @@ def measure(
         **summary(report, cold_prefill_ms(fleet.cost, case.shape)),
         **balance(before, after, report["duration_s"]),
     }
+
+
+def warm_up(urls: Sequence[str], salt: str) -> None:
+    """One short request through each router URL before the run, not counted: a fresh router's first
+    request pays its one-time costs (herd's gateway loads the tokenizer then, about 0.7 s on a quiet
+    host and many seconds on a starved one, and every request arriving meanwhile waits behind it).
+    Its own salt keeps it out of the run's cache."""
+    body = {
+        "model": SERVED_NAME,
+        "messages": [{"role": "user", "content": "warm up"}],
+        "max_tokens": 1,
+        "cache_salt": f"{salt}-warm-up",
+    }
+    for url in urls:
+        httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300).raise_for_status()
 
 
 def summary(report: dict[str, Any], cold_ms: float) -> dict[str, Any]:
