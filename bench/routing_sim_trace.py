@@ -18,7 +18,6 @@ the run by Little's law, the busiest over the mean).
 from __future__ import annotations
 
 import argparse
-import heapq
 import json
 import statistics
 import tempfile
@@ -82,22 +81,14 @@ class TraceSimulation(Simulation):
     def run(self) -> dict[str, Any]:
         for request in self.requests:
             self._at(request.arrival_ms, "arrive", request)
-        self._at(self.shape.poll_ms, "poll", None)
-        while len(self.done) < len(self.requests):
-            self.now, _, kind, payload = heapq.heappop(self.events)
-            if kind == "arrive":
-                self._arrive(payload)
-            elif kind == "step":
-                self._step(payload)
-            elif kind == "first_token":
-                worker, request = payload
-                self.prefill_in_flight[worker.id] -= request.num_prefill_tokens
-            elif kind == "finish":
-                self._finish(*payload)
-            elif kind == "poll":
-                self._poll()
-                self._at(self.now + self.shape.poll_ms, "poll", None)
+        self._run_until(len(self.requests))
         return self._trace_summary()
+
+    def _handle(self, kind: str, payload: Any) -> None:
+        if kind == "arrive":
+            self._arrive(payload)
+        else:
+            super()._handle(kind, payload)
 
     def _arrive(self, request: TraceRequest) -> None:
         if request.after is not None and request.after not in self.finished:
