@@ -24,6 +24,7 @@ from herd.worker.engine import LLMEngine
 from herd.worker.model_runner import torch_engine
 from herd.worker.server import PublicOptions, build_internal_app, build_public_app
 from herd.worker.server._disagg_setup import attach_disaggregation
+from support.asgi_stream import StreamingASGITransport
 from support.worker_server import engine_config
 
 __all__ = ["TOKEN", "HostDispatch", "InProcessWorker", "start_worker"]
@@ -34,13 +35,13 @@ MODEL = "tiny"
 
 @dataclass(eq=False)
 class HostDispatch(httpx.AsyncBaseTransport):
-    apps: dict[str, httpx.ASGITransport] = field(default_factory=dict)
+    apps: dict[str, StreamingASGITransport] = field(default_factory=dict)
     refused: set[tuple[str, str | None]] = field(default_factory=set)
     """``(host, None)`` refuses every path of the host, ``(host, path)`` that one path."""
     num_refused: int = 0
 
     def add(self, host: str, app: Any) -> None:
-        self.apps[host] = httpx.ASGITransport(app=app)
+        self.apps[host] = StreamingASGITransport(app)
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         host = request.url.host

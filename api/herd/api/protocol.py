@@ -30,8 +30,10 @@ __all__ = [
     "LoadReport",
     "Medium",
     "Role",
+    "StatusQuery",
     "TokenizerFiles",
     "WorkerInfo",
+    "WorkerStatus",
     "is_valid_request_id",
 ]
 
@@ -77,6 +79,7 @@ class _Paths(BaseModel):
     kv_blocks: str = "/internal/kv/blocks"
     kv_release: str = "/internal/kv/release"
     tokenizer: str = "/internal/tokenizer"
+    status: str = "/internal/status"
 
 
 INTERNAL_PATHS = _Paths()
@@ -163,6 +166,35 @@ class KVSnapshot(BaseModel):
     block_hashes: list[int]
     tier_block_hashes: dict[Medium, list[int]] = Field(default_factory=dict)
     """The blocks each tier below the device holds (``host``, ``disk``); ``block_hashes`` is the device's."""
+
+
+class StatusQuery(BaseModel):
+    """The status stream's query parameters (see ``WorkerStatus``), with their bounds."""
+
+    epoch: str | None = Field(default=None, description="The epoch the receiver's `after` belongs to.")
+    after: int = Field(default=-1, description="The last KV event seq the receiver holds; -1: none.")
+    interval: float = Field(default=0.25, ge=0.01, le=3600.0, description="Least seconds between lines.")
+    heartbeat: float = Field(default=1.0, ge=0.05, le=3600.0, description="Most seconds between lines.")
+
+
+class WorkerStatus(BaseModel):
+    """One line of a worker's status stream (``GET INTERNAL_PATHS.status``, newline-delimited JSON).
+
+    The orchestrator holds one such stream open per worker instead of polling readiness, load and KV
+    events separately. Query parameters: ``epoch`` and ``after`` (the receiver's KV position: the
+    stream starts with the events after ``after`` when ``epoch`` is the worker's, else with a
+    snapshot), ``interval`` (at most one line per ``interval`` seconds while the load or the cache
+    changes) and ``heartbeat`` (a line at least every ``heartbeat`` seconds even when nothing does, so
+    that a silent stream means a stalled worker). A line carries a snapshot whenever the worker's epoch
+    changes under the stream (its engine restarted); ``events`` continue from the last line's.
+    """
+
+    epoch: str
+    is_ready: bool
+    """What the public port's ``/ready`` says: the worker takes requests."""
+    load: LoadReport = Field(default_factory=LoadReport)
+    events: list[KVEvent] = Field(default_factory=list)
+    snapshot: KVSnapshot | None = None
 
 
 class KVTransferParams(BaseModel):

@@ -149,7 +149,8 @@ def add_source_arguments(parser: argparse.ArgumentParser) -> None:
         "--poll-interval",
         type=float,
         default=RegistrySettings().poll_interval,
-        help="seconds between a worker's health, load and KV polls (raise it for fleets of hundreds)",
+        help="least seconds between a worker's status lines (its load and KV events go out at most this "
+        "often; readiness changes and heartbeats come regardless), and the first retry delay",
     )
 
 

@@ -75,6 +75,8 @@ class KVIndex:
         self._num_held: dict[str, int] = {}
         """``len(blocks)`` of every worker's state, kept for the routing score's read of every worker."""
         self._expected: dict[BlockHash, dict[str, float]] = {}
+        self._num_expected: dict[str, int] = {}
+        """Blocks expected per worker (an entry of ``_expected``), kept as ``_num_held`` is."""
         self._expiries: deque[tuple[float, str, Sequence[BlockHash]]] = deque()
         self._expected_ttl_s = expected_ttl_s
         self._clock = clock
@@ -85,7 +87,10 @@ class KVIndex:
         self._expire(now)
         deadline = now + self._expected_ttl_s
         for block in block_hashes:
-            self._expected.setdefault(block, {})[worker_id] = deadline
+            workers = self._expected.setdefault(block, {})
+            if worker_id not in workers:
+                self._num_expected[worker_id] = self._num_expected.get(worker_id, 0) + 1
+            workers[worker_id] = deadline
         self._expiries.append((deadline, worker_id, block_hashes))
 
     def apply(self, worker_id: str, batch: KVEventBatch) -> bool:
@@ -179,6 +184,10 @@ class KVIndex:
         """Blocks held per worker (workers with none may be absent): a live view, to read, not to keep."""
         return self._num_held
 
+    def expected_blocks(self) -> Mapping[str, int]:
+        """Blocks expected per worker (``expect``; workers with none may be absent): a live view."""
+        return self._num_expected
+
     def workers(self) -> list[str]:
         return sorted(self._workers)
 
@@ -254,7 +263,10 @@ class KVIndex:
 
     def _unexpect(self, worker_id: str, block: BlockHash) -> None:
         expected = self._expected.get(block)
-        if expected is not None and expected.pop(worker_id, None) is not None and not expected:
+        if expected is None or expected.pop(worker_id, None) is None:
+            return
+        self._num_expected[worker_id] -= 1
+        if not expected:
             del self._expected[block]
 
     def _unexpect_worker(self, worker_id: str) -> None:

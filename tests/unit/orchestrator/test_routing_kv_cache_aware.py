@@ -101,15 +101,18 @@ def test_a_prompt_without_a_full_block_goes_by_load() -> None:
     assert chosen.id == "c"
 
 
-def test_ties_go_to_the_fewest_in_flight_then_at_random() -> None:
+def test_ties_go_to_the_fewest_in_flight_then_the_fewest_cached_blocks_then_at_random() -> None:
     strategy = _strategy()
-    uncached = prompt_hashes(43, 512)
+    uncached = prompt_hashes(43, 512)  # costs the same on every idle worker with room
     workers = _workers(a={"num_running": 2, "num_in_flight": 0}, b={"num_running": 2, "num_in_flight": 1})
-    picks = Counter(strategy.select(workers, context(uncached)).id for _ in range(1))  # type: ignore[union-attr]
-    assert picks == Counter({"c": 1})
-    tied = _workers()
-    picks = Counter(strategy.select(tied, context(uncached)).id for _ in range(60))  # type: ignore[union-attr]
-    assert set(picks) == {"a", "b", "c"}
+    assert strategy.select(workers, context(uncached)).id == "c"  # type: ignore[union-attr]
+    picks = Counter(strategy.select(_workers(), context(uncached)).id for _ in range(20))  # type: ignore[union-attr]
+    assert picks == Counter({"c": 20}), "c caches nothing: the new prefix goes to the emptiest pool"
+    picks = Counter(strategy.select(_workers()[:2], context(uncached)).id for _ in range(20))  # type: ignore[union-attr]
+    assert picks == Counter({"a": 20}), "a caches 8 blocks, b 17"
+    empty = views("c", "d", "e")
+    picks = Counter(strategy.select(empty, context(uncached)).id for _ in range(60))  # type: ignore[union-attr]
+    assert set(picks) == {"c", "d", "e"}
 
 
 def _tiered(tier_cost: str) -> KVCacheAware:

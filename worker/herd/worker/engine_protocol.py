@@ -105,6 +105,11 @@ class ServingEngine(Protocol):
     def is_loaded(self) -> bool: ...
 
     @property
+    def is_ready(self) -> bool:
+        """Loaded, not failed, not draining: what ``/ready`` answers 200 for."""
+        ...
+
+    @property
     def num_in_flight(self) -> int: ...
 
     @property

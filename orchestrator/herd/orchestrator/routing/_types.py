@@ -51,7 +51,8 @@ class WorkerView:
     url: str
     role: Role = "unified"
     num_in_flight: int = 0
-    """Requests this orchestrator has in flight to the worker (its own count)."""
+    """Requests in flight to the worker: this orchestrator's own count, plus what the other replicas
+    last shared of theirs (``State.share_in_flight``; none with one replica)."""
     num_running: int = 0
     num_waiting: int = 0
     num_waiting_prefill_tokens: int = 0

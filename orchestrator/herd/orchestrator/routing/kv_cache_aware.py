@@ -35,7 +35,8 @@ cold copy onto the other at a busy moment, and the loaded worker's steps slowed 
 request off its cached worker costs its prefix once (twice on a full pool); staying costs the queue.
 A third of a prompt per request is fitted in ``bench/routing_sim.py`` (a quarter to a whole prompt
 swept; at the issue's shape it is also about 16 output tokens times the engine's decode step cost per
-sequence, 12 prefill tokens). The lowest cost wins; ties go to the fewest in flight, then at random.
+sequence, 12 prefill tokens). The lowest cost wins; ties go to the fewest in flight, then to the fewest
+cached blocks (the emptiest pool), then at random.
 
 Cost: ``KVIndex.match`` (O(matched blocks x holders)) plus two comprehension passes over the workers.
 Comprehensions with inline conditionals beat ``map``/``attrgetter`` and per-worker calls; numpy does
@@ -51,7 +52,7 @@ from typing import ClassVar, Literal
 
 from herd.api.crd import TierWeights
 from herd.orchestrator.kv_index import KVIndex, TierRun
-from herd.orchestrator.routing._load import bounded_load_cap, least_in_flight
+from herd.orchestrator.routing._load import bounded_load_cap
 from herd.orchestrator.routing._types import RequestContext, RoutingStrategy, WorkerView
 
 __all__ = ["REQUEST_SHARE", "KVCacheAware"]
@@ -90,7 +91,21 @@ class KVCacheAware(RoutingStrategy):
         costs = self._costs(workers, ctx)
         best = min(costs)
         tied = [worker for worker, cost in zip(workers, costs, strict=True) if cost == best]
-        return tied[0] if len(tied) == 1 else least_in_flight(tied, self._rng)
+        return tied[0] if len(tied) == 1 else self._emptiest(tied)
+
+    def _emptiest(self, tied: Sequence[WorkerView]) -> WorkerView:
+        """Among equally cheap workers: the fewest in flight, then the fewest cached blocks (held, and
+        expected from requests just routed there, whose events have not arrived), then at random.
+        The cached blocks matter on a fleet larger than its load: every idle worker with room costs a
+        new prefix the same, and a random pick piles several prefixes on some workers while others
+        hold none (the oracle, too, places a new prefix on the emptiest worker)."""
+        fewest = min([worker.num_in_flight for worker in tied])
+        tied = [worker for worker in tied if worker.num_in_flight == fewest]
+        held, expected = self._kv_index.held_blocks(), self._kv_index.expected_blocks()
+        sizes = [held.get(worker.id, 0) + expected.get(worker.id, 0) for worker in tied]
+        least = min(sizes)
+        tied = [worker for worker, size in zip(tied, sizes, strict=True) if size == least]
+        return tied[0] if len(tied) == 1 else self._rng.choice(tied)
 
     def _costs(self, workers: Sequence[WorkerView], ctx: RequestContext) -> list[float]:
         """Every worker's cost in prompt tokens; ``inf`` for those at the bounded-load cap."""
