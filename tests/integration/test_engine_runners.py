@@ -20,6 +20,7 @@ from herd.worker.cache_geometry import CacheGeometry
 from herd.worker.engine import LLMEngine
 from herd.worker.model_runner import TorchRunner
 from herd.worker.outputs import RequestOutput
+from herd.worker.pooling import PoolingConfig
 from herd.worker.runner import Runner, StepResult
 from herd.worker.sampling_params import SamplingParams
 from herd.worker.scheduler import SchedulerOutput
@@ -50,6 +51,10 @@ class RecordingRunner:
     @property
     def vocab_size(self) -> int:
         return self.runner.vocab_size
+
+    @property
+    def pooling(self) -> PoolingConfig | None:
+        return self.runner.pooling
 
     def execute(self, plan: SchedulerOutput) -> list[StepResult]:
         chunks = tuple((chunk.seq.request_id, chunk.start, chunk.num_tokens) for chunk in plan.chunks)

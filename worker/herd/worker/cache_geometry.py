@@ -13,6 +13,9 @@ __all__ = ["CacheGeometry", "bytes_per_block"]
 
 @dataclass(frozen=True)
 class CacheGeometry:
+    """``holds_kv`` False: an encoder, whose blocks only count each step's tokens (no KV is kept
+    across steps, so no prefix cache and no chunked prefill)."""
+
     num_blocks: int
     block_size: int
     num_layers: int
@@ -20,6 +23,7 @@ class CacheGeometry:
     head_dim: int
     dtype: torch.dtype
     bytes_per_block: int
+    holds_kv: bool = True
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -30,6 +30,7 @@ from herd.api.prompt import PromptRenderer
 from herd.worker.config import EngineConfig
 from herd.worker.engine import LLMEngine
 from herd.worker.model_runner import TorchRunner
+from herd.worker.pooling import PoolingConfig
 from herd.worker.runner import Runner, StepResult
 from herd.worker.sampling_params import SamplingParams
 from herd.worker.scheduler import SchedulerOutput
@@ -82,6 +83,10 @@ class TimedRunner:
     @property
     def vocab_size(self) -> int:
         return self.inner.vocab_size
+
+    @property
+    def pooling(self) -> PoolingConfig | None:
+        return self.inner.pooling
 
     def execute(self, plan: SchedulerOutput) -> list[StepResult]:
         start, start_cpu = time.perf_counter(), time.thread_time()

@@ -16,11 +16,13 @@ import torch
 from herd.api.prompt import PromptRenderer
 from herd.worker.cache_geometry import CacheGeometry, bytes_per_block
 from herd.worker.config import EngineConfig
+from herd.worker.embedding_runner import EmbeddingRunner
 from herd.worker.engine import LLMEngine
 from herd.worker.input_batch import prepare_inputs
 from herd.worker.layers.attention import AttentionBackend
 from herd.worker.layers.torch_attention import TorchAttentionBackend
-from herd.worker.loader import load_model, read_model_args
+from herd.worker.loader import is_encoder, load_model, read_model_args
+from herd.worker.pooling import PoolingConfig
 from herd.worker.runner import StepResult
 from herd.worker.sampler import Sampler
 from herd.worker.scheduler import SchedulerOutput
@@ -31,8 +33,11 @@ DEFAULT_CPU_KV_GIB = 1.0
 
 
 def torch_engine(config: EngineConfig) -> LLMEngine:
-    """herd's engine on the model at ``config.model_path``: its renderer, weights and KV pool."""
+    """herd's engine on the model at ``config.model_path``: its renderer, weights and KV pool (an
+    encoder runs on the ``EmbeddingRunner`` and answers embeddings)."""
     renderer = PromptRenderer.from_pretrained(config.model_path)
+    if is_encoder(config.model_path):
+        return LLMEngine(config, EmbeddingRunner(config), renderer)
     return LLMEngine(config, TorchRunner(config, renderer.eos_token_ids), renderer)
 
 
@@ -63,6 +68,10 @@ class TorchRunner:
     @property
     def vocab_size(self) -> int:
         return self.args.vocab_size
+
+    @property
+    def pooling(self) -> PoolingConfig | None:
+        return None
 
     def _kv_budget_bytes(self) -> int:
         spec = self.config.engine.kv_cache

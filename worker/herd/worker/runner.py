@@ -20,13 +20,14 @@ from typing import TYPE_CHECKING, Protocol
 
 from herd.worker.cache_geometry import CacheGeometry
 from herd.worker.outputs import TokenLogprob
+from herd.worker.pooling import PoolingConfig
 
 if TYPE_CHECKING:
     import torch
 
     from herd.worker.scheduler import SchedulerOutput
 
-__all__ = ["Runner", "SampledToken", "StepResult"]
+__all__ = ["PooledOutput", "Runner", "SampledToken", "StepResult"]
 
 
 @dataclass(frozen=True)
@@ -35,8 +36,16 @@ class SampledToken:
     logprob: TokenLogprob | None
 
 
-StepResult = SampledToken | Exception
-"""One sampled sequence's outcome: its token, or the exception that failed that sequence alone."""
+@dataclass(frozen=True)
+class PooledOutput:
+    """An embedding model's answer for a whole sequence: its pooled (and normalized) vector."""
+
+    embedding: list[float]
+
+
+StepResult = SampledToken | PooledOutput | Exception
+"""One finished chunk's outcome: its sampled token (a generation model), its pooled vector (an
+embedding model), or the exception that failed that sequence alone."""
 
 
 class Runner(Protocol):
@@ -49,6 +58,11 @@ class Runner(Protocol):
 
     @property
     def vocab_size(self) -> int: ...
+
+    @property
+    def pooling(self) -> PoolingConfig | None:
+        """An embedding model's pooling (its steps return ``PooledOutput``); None for a generation model."""
+        ...
 
     def execute(self, plan: SchedulerOutput) -> list[StepResult]:
         """Copy ``plan.block_copies``, run every chunk, and sample: one result per chunk whose

@@ -6,7 +6,8 @@ pool has no block for a running sequence, the newest running sequence is preempt
 freed and it returns to the head of the queue to be recomputed later), until the older one fits.
 Then waiting sequences are admitted in order while budget, blocks and ``max_batch_size`` allow,
 each starting after its prefix-cache hit; a long prompt takes what budget is left and continues in
-later steps. No admission happens in a step that preempted, so a preempted sequence cannot bounce
+later steps (with ``is_chunked`` off, for an encoder, a prompt runs whole or waits: one larger than
+the whole budget runs alone). No admission happens in a step that preempted, so a preempted sequence cannot bounce
 straight back. Each chunk's full blocks enter the prefix cache as it is planned, so a prompt admitted
 later in the same step already starts after them. The plan is a ``SchedulerOutput``; the engine's
 runner executes it and ``update`` then advances every scheduled sequence. Cost: linear in the number
@@ -69,10 +70,18 @@ class SchedulerOutput:
 class Scheduler:
     """Holds the waiting queue and the running list; ``schedule`` plans one step."""
 
-    def __init__(self, block_manager: BlockManager, *, max_batch_tokens: int, max_batch_size: int) -> None:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_batch_tokens: int,
+        max_batch_size: int,
+        is_chunked: bool = True,
+    ) -> None:
         self.block_manager = block_manager
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_size = max_batch_size
+        self.is_chunked = is_chunked
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -117,7 +126,10 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
             hits = self.block_manager.computed_blocks(seq)
-            num_tokens = min(seq.num_tokens - len(hits) * self.block_manager.block_size, budget)
+            uncached = seq.num_tokens - len(hits) * self.block_manager.block_size
+            num_tokens = min(uncached, budget) if self.is_chunked else uncached
+            if num_tokens > budget and output.chunks:  # whole prompts only: this one waits a step
+                break
             if not self.block_manager.can_allocate(seq, hits, num_tokens):
                 break
             self.waiting.popleft()
