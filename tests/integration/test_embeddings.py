@@ -19,6 +19,7 @@ from support.worker_server import engine_config
 from herd.worker.async_engine import AsyncEngine
 from herd.worker.engine import LLMEngine
 from herd.worker.model_runner import torch_engine
+from herd.worker.models import UnsupportedModelError
 from herd.worker.sampling_params import SamplingParams
 from herd.worker.server import PublicOptions, build_public_app
 
@@ -157,3 +158,11 @@ async def test_a_generation_model_refuses_embeddings(tiny_llama: Path) -> None:
         assert response.json()["error"]["param"] == "model"
     finally:
         await front.stop()
+
+
+@pytest.mark.parametrize(("model", "task"), [("tiny_bert", "generate"), ("tiny_llama", "embed")])
+def test_a_task_the_checkpoint_cannot_serve_is_refused_by_name(
+    model: str, task: str, request: pytest.FixtureRequest
+) -> None:
+    with pytest.raises(UnsupportedModelError, match=f"engine.task is {task} but"):
+        torch_engine(engine_config(request.getfixturevalue(model), task=task))

@@ -197,6 +197,11 @@ class EngineSpec(_Spec):
         description="What runs the model: herd's engine, a vLLM server behind herd's sidecar, or the "
         "simulated engine (a fitted cost model, no weights).",
     )
+    task: Literal["auto", "generate", "embed"] = Field(
+        default="auto",
+        description="What the model serves: generate (chat and text completions), embed (/v1/embeddings: an "
+        "encoder such as BERT, batched by the same engine), or auto: what the checkpoint is (an encoder embeds).",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_model_len: int = Field(default=4096, ge=16, description="Longest prompt plus output, in tokens.")
@@ -214,6 +219,11 @@ class EngineSpec(_Spec):
         for block, backend in BACKEND_BLOCKS.items():
             if getattr(self, block) is not None and self.backend != backend:
                 raise ValueError(backend_block_message(block, backend))
+        if self.task == "embed" and self.backend == "simulated":
+            raise ValueError(
+                "engine.task embed runs on backend herd or vllm: the simulated engine's cost model "
+                "models generation only"
+            )
         return self
 
 
@@ -424,6 +434,11 @@ class ModelDeploymentSpec(_Spec):
             )
         if self.serving.mode == "disaggregated" and self.engine.backend == "vllm":
             raise ValueError(VLLM_DISAGGREGATED)
+        if self.serving.mode == "disaggregated" and self.engine.task == "embed":
+            raise ValueError(
+                "engine.task embed serves aggregated only: an embedding is one prefill, with no decode "
+                "to hand off; set serving.mode: aggregated"
+            )
         if self.serving.mode == "disaggregated":
             missing = [name for name in ("prefill", "decode") if getattr(self, name) is None]
             if missing:

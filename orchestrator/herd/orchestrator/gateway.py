@@ -88,6 +88,8 @@ class _Request:
     started: float = field(default_factory=time.perf_counter)
     prefill_seconds: float | None = None
     handoff: Handoff | None = None
+    is_two_phase: bool = False
+    """A disaggregated model's completion: prefilled on the prefill pool first (an embedding never is)."""
 
     @property
     def request_id(self) -> str | None:
@@ -139,6 +141,7 @@ class Gateway:
         served, parsed = prepared.served, prepared.parsed
         metrics = self._metrics_of(served)
         request = _Request(served, metrics, path, body, parsed.request.stream, prepared.ctx, parsed.payload)
+        request.is_two_phase = served.config.mode == "disaggregated" and parsed.generates
         request.metrics.in_flight.inc()
         try:
             return await self._attempt(request)
@@ -214,7 +217,7 @@ class Gateway:
 
     async def _serve(self, request: _Request, route: Route) -> Response:
         """The prefill phase of a disaggregated request first (once), then the worker's answer."""
-        if request.served.config.mode == "disaggregated" and not request.ctx.is_prefilled:
+        if request.is_two_phase and not request.ctx.is_prefilled:
             await self._hand_off(request, route.prefill_hold)
             request.ctx = dataclasses.replace(request.ctx, is_prefilled=True)
         return await self._respond(request, route.worker, route.hold)

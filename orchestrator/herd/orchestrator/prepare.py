@@ -5,7 +5,7 @@ so the same body yields the same ``RequestContext`` and so the same choice:
 
 1. the body is parsed with its route's OpenAI wire model (``herd.orchestrator.validation``);
 2. its model is looked up among those served (404 naming the served ones otherwise);
-3. a model that routes by tokens, or serves disaggregated, has its prompt rendered, tokenized,
+3. a completion for a model that routes by tokens, or serves disaggregated, has its prompt rendered, tokenized,
    length-checked against maxModelLen and hashed, once. A body of ``inline_bytes`` or more is parsed
    and tokenized on a small thread pool, so a multi-MB prompt never stalls the event loop
    (tokenization releases the GIL); a smaller one costs less inline than the hop to a thread, whose
@@ -91,7 +91,8 @@ class Preparer:
     async def _context(
         self, served: ServedModel, parsed: ParsedRequest, headers: Mapping[str, str], size: int
     ) -> RequestContext:
-        token_ids, hashes = await self._tokens(served, parsed, size) if served.needs_tokens else ((), ())
+        is_tokenized = served.needs_tokens and parsed.generates
+        token_ids, hashes = await self._tokens(served, parsed, size) if is_tokenized else ((), ())
         session_key = headers.get(served.session_header)
         pinned = None
         if served.strategy.pins_sessions and session_key:

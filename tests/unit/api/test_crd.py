@@ -77,6 +77,20 @@ def test_scale_target_overrides_the_scalable_pool() -> None:
             {"workers": {"engine": {"maxBatchTokens": 8}}},
             "spec.workers.engine.maxBatchTokens: Input should be",
         ),
+        (
+            {"engine": {"task": "embed", "backend": "simulated"}},
+            "engine.task embed runs on backend herd or vllm",
+        ),
+        (
+            {
+                "engine": {"task": "embed"},
+                "serving": {"mode": "disaggregated"},
+                "prefill": {"replicas": 1},
+                "decode": {"replicas": 1},
+            },
+            "engine.task embed serves aggregated only",
+        ),
+        ({"engine": {"task": "rerank"}}, "spec.engine.task: Input should be 'auto', 'generate' or 'embed'"),
     ],
     ids=[
         "disagg-without-pools",
@@ -92,6 +106,9 @@ def test_scale_target_overrides_the_scalable_pool() -> None:
         "pool-max-model-len-snake-case",
         "pool-block-size",
         "pool-chunk-too-small",
+        "embed-simulated",
+        "embed-disaggregated",
+        "unknown-task",
     ],
 )
 def test_invalid_specs_name_the_field(spec: dict[str, Any], expected: str) -> None:

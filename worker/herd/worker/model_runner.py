@@ -22,6 +22,7 @@ from herd.worker.input_batch import prepare_inputs
 from herd.worker.layers.attention import AttentionBackend
 from herd.worker.layers.torch_attention import TorchAttentionBackend
 from herd.worker.loader import is_encoder, load_model, read_model_args
+from herd.worker.models import UnsupportedModelError
 from herd.worker.pooling import PoolingConfig
 from herd.worker.runner import StepResult
 from herd.worker.sampler import Sampler
@@ -36,7 +37,15 @@ def torch_engine(config: EngineConfig) -> LLMEngine:
     """herd's engine on the model at ``config.model_path``: its renderer, weights and KV pool (an
     encoder runs on the ``EmbeddingRunner`` and answers embeddings)."""
     renderer = PromptRenderer.from_pretrained(config.model_path)
-    if is_encoder(config.model_path):
+    embeds = is_encoder(config.model_path)
+    task = config.engine.task
+    if task != "auto" and (task == "embed") != embeds:
+        kind = "an encoder, which herd runs as an embedding model" if embeds else "a generation model"
+        raise UnsupportedModelError(
+            f"engine.task is {task} but {config.model_path} holds {kind}: set engine.task to auto or "
+            f"{'embed' if embeds else 'generate'}, or serve another model (herd embeds with BERT encoders)"
+        )
+    if embeds:
         return LLMEngine(config, EmbeddingRunner(config), renderer)
     return LLMEngine(config, TorchRunner(config, renderer.eos_token_ids), renderer)
 
