@@ -70,6 +70,7 @@ def vllm_server_argv(
         "--max-num-batched-tokens", str(engine.max_batch_tokens),
         "--block-size", str(kv_cache.block_size),
         *_task_flags(engine),
+        *(["--tensor-parallel-size", str(engine.tensor_parallel_size)] if (engine.tensor_parallel_size or 1) > 1 else []),
         *_kv_pool_flags(engine),
         "--enable-prompt-tokens-details",  # usage reports cached_tokens, as herd's workers do
         "--enable-request-id-headers",  # X-Request-Id echoed, as herd's workers do

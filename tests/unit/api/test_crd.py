@@ -189,4 +189,28 @@ def test_a_pool_engine_overrides_the_model_engine(
 def test_the_serving_pool_answers_clients() -> None:
     assert parse_manifest(manifest()).spec.serving_pool == "workers"
     assert parse_manifest(manifest(**PER_POOL)).spec.serving_pool == "decode"
-    assert parse_manifest(manifest()).spec.engine_for("workers") == parse_manifest(manifest()).spec.engine
+    spec = parse_manifest(manifest()).spec
+    assert spec.engine_for("workers") == spec.engine.model_copy(update={"tensor_parallel_size": 1})
+
+
+@pytest.mark.parametrize(
+    ("engine", "accelerator", "expected"),
+    [
+        ({}, {"vendor": "nvidia", "count": 4}, 4),
+        ({}, {"vendor": "none", "count": 1}, 1),
+        ({"tensorParallelSize": 2}, {"vendor": "none", "count": 1}, 2),
+        ({"tensorParallelSize": 2}, {"vendor": "nvidia", "count": 2}, 2),
+    ],
+    ids=["one-rank-per-gpu", "cpu", "cpu-split-on-request", "explicit-matching-gpus"],
+)
+def test_tensor_parallelism_follows_the_pods_accelerators(
+    engine: dict[str, Any], accelerator: dict[str, Any], expected: int
+) -> None:
+    spec = parse_manifest(manifest(engine=engine, workers={"resources": {"accelerator": accelerator}})).spec
+    assert spec.engine_for("workers").tensor_parallel_size == expected
+
+
+def test_a_tensor_parallel_size_other_than_the_gpus_is_refused() -> None:
+    workers = {"resources": {"accelerator": {"vendor": "nvidia", "count": 4}}}
+    with pytest.raises(ManifestError, match="tensorParallelSize 2 differs from spec.workers's 4 accelerators"):
+        parse_manifest(manifest(engine={"tensorParallelSize": 2}, workers=workers))

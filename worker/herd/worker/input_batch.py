@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -19,6 +19,28 @@ class StepInputs:
     positions: torch.Tensor  # [num_tokens]
     metadata: AttentionMetadata
     sample_index: torch.Tensor  # rows whose hidden state is projected to logits, in chunk order
+
+    def to(self, device: torch.device) -> StepInputs:
+        """The same inputs on ``device`` (a tensor-parallel rank receives them on the CPU)."""
+        if device.type == "cpu":
+            return self
+        metadata = self.metadata
+        groups = tuple(
+            replace(
+                group,
+                block_tables=group.block_tables.to(device),
+                attn_mask=group.attn_mask.to(device),
+                windows={
+                    size: WindowView(view.block_tables.to(device), view.attn_mask.to(device))
+                    for size, view in group.windows.items()
+                },
+            )
+            for group in metadata.groups
+        )
+        moved = replace(metadata, slot_mapping=metadata.slot_mapping.to(device), groups=groups)
+        return StepInputs(
+            self.input_ids.to(device), self.positions.to(device), moved, self.sample_index.to(device)
+        )
 
 
 def prepare_inputs(
