@@ -212,5 +212,7 @@ def test_tensor_parallelism_follows_the_pods_accelerators(
 
 def test_a_tensor_parallel_size_other_than_the_gpus_is_refused() -> None:
     workers = {"resources": {"accelerator": {"vendor": "nvidia", "count": 4}}}
-    with pytest.raises(ManifestError, match=r"tensorParallelSize 2 differs from spec\.workers's 4 accelerators"):
+    with pytest.raises(
+        ManifestError, match=r"tensorParallelSize 2 differs from spec\.workers's 4 accelerators"
+    ):
         parse_manifest(manifest(engine={"tensorParallelSize": 2}, workers=workers))
