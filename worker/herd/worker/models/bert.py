@@ -3,8 +3,9 @@
 Every token attends to every token of its own sequence (bidirectional), so a sequence runs whole
 in one forward and keeps no KV cache across steps. The forward takes a step's sequences flattened
 (``[num_tokens]``), so the linear layers run on exactly the real tokens; only attention lays them
-out padded (``EncoderBatch``), one SDPA call per layer with the padding masked off the keys.
-Module and parameter names follow ``transformers`` so checkpoints load by name (q/k/v stacked into
+out padded, one SDPA call per group with the padding masked off the keys.
+Attention groups sequences of similar length (``EncoderBatch``), so one long input does not make a
+step's short ones attend over its length. Module and parameter names follow ``transformers`` so checkpoints load by name (q/k/v stacked into
 one ``Linear`` as in the decoders).
 """
 
@@ -22,7 +23,7 @@ from torch.nn import functional
 from herd.worker.layers.linear import Linear
 from herd.worker.models.args import UnsupportedModelError
 
-__all__ = ["ENCODER_ARCHITECTURES", "BertArgs", "BertModel", "EncoderBatch"]
+__all__ = ["ENCODER_ARCHITECTURES", "BertArgs", "BertModel", "EncoderBatch", "PaddedGroup"]
 
 ENCODER_ARCHITECTURES = frozenset({"BertModel"})
 """The encoder architectures herd runs (as embedding models), by their ``config.json`` name."""
@@ -81,37 +82,73 @@ class BertArgs:
         )
 
 
+MIN_SPLIT_TOKENS = 16
+"""Sequences whose lengths differ by fewer tokens share an attention group whatever the ratio."""
+
+
 @dataclass(frozen=True)
-class EncoderBatch:
-    """A step's sequences, flat (``[num_tokens]`` rows, one sequence after another) and padded
-    (``[batch, max_len]`` slots) for attention: ``padded_rows`` is the flat row of each slot (0 on
-    padding), ``flat_slots`` the slot of each flat row, ``key_mask`` ``[batch, 1, 1, max_len]``
-    True on real tokens."""
+class PaddedGroup:
+    """Sequences of similar length attended together, padded to ``max_len``: ``padded_rows`` is the
+    flat row of each slot (0 on padding), ``real_slots`` the slots of the real tokens, ``key_mask``
+    ``[batch, 1, 1, max_len]`` True on real tokens."""
 
     padded_rows: torch.Tensor
-    flat_slots: torch.Tensor
+    real_slots: torch.Tensor
     key_mask: torch.Tensor
     batch_size: int
     max_len: int
 
+
+@dataclass(frozen=True)
+class EncoderBatch:
+    """A step's sequences, flat (``[num_tokens]`` rows, one sequence after another) for the linear
+    layers, and in groups of similar length for attention (``groups``, shortest first): a group
+    starts where a sequence is over twice as long as the group's shortest and at least
+    ``MIN_SPLIT_TOKENS`` longer, so padding stays under half of each group's attention.
+    ``order`` takes the groups' outputs, concatenated, back to the flat rows."""
+
+    groups: tuple[PaddedGroup, ...]
+    order: torch.Tensor
+
     @classmethod
     def of(cls, lengths: list[int], device: torch.device) -> EncoderBatch:
-        max_len = max(lengths)
-        padded_rows: list[int] = []
-        flat_slots: list[int] = []
-        row = 0
-        for index, length in enumerate(lengths):
-            padded_rows.extend([*range(row, row + length), *[0] * (max_len - length)])
-            flat_slots.extend(range(index * max_len, index * max_len + length))
-            row += length
-        key_mask = torch.arange(max_len).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
-        return cls(
-            torch.tensor(padded_rows, device=device),
-            torch.tensor(flat_slots, device=device),
-            key_mask.view(len(lengths), 1, 1, max_len).to(device),
-            len(lengths),
-            max_len,
+        offsets = [sum(lengths[:index]) for index in range(len(lengths))]
+        groups: list[list[int]] = []
+        for index in sorted(range(len(lengths)), key=lengths.__getitem__):
+            shortest = lengths[groups[-1][0]] if groups else 0
+            if not groups or (
+                lengths[index] > 2 * shortest and lengths[index] - shortest >= MIN_SPLIT_TOKENS
+            ):
+                groups.append([])
+            groups[-1].append(index)
+        order = [0] * sum(lengths)
+        position = 0
+        for group in groups:
+            for index in group:
+                for token in range(lengths[index]):
+                    order[offsets[index] + token] = position
+                    position += 1
+        padded = tuple(
+            _padded([lengths[i] for i in group], [offsets[i] for i in group], device) for group in groups
         )
+        return cls(padded, torch.tensor(order, device=device))
+
+
+def _padded(lengths: list[int], offsets: list[int], device: torch.device) -> PaddedGroup:
+    max_len = max(lengths)
+    padded_rows: list[int] = []
+    real_slots: list[int] = []
+    for slot, (length, offset) in enumerate(zip(lengths, offsets, strict=True)):
+        padded_rows.extend([*range(offset, offset + length), *[0] * (max_len - length)])
+        real_slots.extend(range(slot * max_len, slot * max_len + length))
+    key_mask = torch.arange(max_len).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
+    return PaddedGroup(
+        torch.tensor(padded_rows, device=device),
+        torch.tensor(real_slots, device=device),
+        key_mask.view(len(lengths), 1, 1, max_len).to(device),
+        len(lengths),
+        max_len,
+    )
 
 
 class BertSelfAttention(nn.Module):
@@ -122,11 +159,15 @@ class BertSelfAttention(nn.Module):
         self.qkv = Linear(size, {"query": size, "key": size, "value": size}, bias=True)
 
     def forward(self, x: torch.Tensor, batch: EncoderBatch) -> torch.Tensor:
-        shape = (batch.batch_size, batch.max_len, self.num_heads, self.head_dim)
-        padded = self.qkv(x)[batch.padded_rows]
+        qkv = self.qkv(x)
+        attended = [self._attend(qkv[group.padded_rows], group) for group in batch.groups]
+        return torch.cat(attended)[batch.order] if len(attended) > 1 else attended[0][batch.order]
+
+    def _attend(self, padded: torch.Tensor, group: PaddedGroup) -> torch.Tensor:
+        shape = (group.batch_size, group.max_len, self.num_heads, self.head_dim)
         query, key, value = (part.reshape(shape).transpose(1, 2) for part in padded.chunk(3, dim=-1))
-        attended = functional.scaled_dot_product_attention(query, key, value, attn_mask=batch.key_mask)
-        return attended.transpose(1, 2).reshape(-1, self.num_heads * self.head_dim)[batch.flat_slots]
+        attended = functional.scaled_dot_product_attention(query, key, value, attn_mask=group.key_mask)
+        return attended.transpose(1, 2).reshape(-1, self.num_heads * self.head_dim)[group.real_slots]
 
 
 class BertSelfOutput(nn.Module):
