@@ -33,6 +33,10 @@ __all__ = [
     "CompletionRequest",
     "CompletionResponse",
     "DeltaMessage",
+    "EmbeddingData",
+    "EmbeddingRequest",
+    "EmbeddingResponse",
+    "EmbeddingUsage",
     "ErrorBody",
     "ErrorResponse",
     "FunctionCall",
@@ -466,6 +470,64 @@ class CompletionRequest(SamplingFields, _Hints):
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+
+MAX_EMBEDDING_INPUTS = 2048
+"""Inputs one embeddings request may carry (OpenAI's limit)."""
+
+
+class EmbeddingRequest(_Tolerant):
+    """``/v1/embeddings``: one text or token list, or a batch of them; ``dimensions`` asks for a
+    shorter vector where the model was trained for it (Matryoshka)."""
+
+    model: str
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+    user: str | None = None
+
+    @field_validator("input")
+    @classmethod
+    def _check_input(
+        cls, value: str | list[str] | list[int] | list[list[int]]
+    ) -> str | list[str] | list[int] | list[list[int]]:
+        if value == "" or (isinstance(value, list) and not value):
+            raise ValueError("input must not be empty")
+        if isinstance(value, list) and len(value) > MAX_EMBEDDING_INPUTS:
+            raise ValueError(
+                f"input holds {len(value)} items; send at most {MAX_EMBEDDING_INPUTS} per request"
+            )
+        if isinstance(value, list) and any(item == "" or item == [] for item in value):
+            raise ValueError("input items must not be empty")
+        return value
+
+    @property
+    def stream(self) -> bool:
+        """Embeddings never stream (what a gateway asks of every request)."""
+        return False
+
+    @property
+    def cache_salt(self) -> str | None:
+        return None
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+    """The vector, or with ``encoding_format: base64`` its little-endian float32 bytes in base64."""
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
 
 
 class PromptTokensDetails(BaseModel):

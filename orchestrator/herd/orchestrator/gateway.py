@@ -113,6 +113,8 @@ class _Request:
     started: float = field(default_factory=time.perf_counter)
     prefill_seconds: float | None = None
     handoff: Handoff | None = None
+    is_two_phase: bool = False
+    """A disaggregated model's completion: prefilled on the prefill pool first (an embedding never is)."""
 
     @property
     def request_id(self) -> str | None:
@@ -185,6 +187,7 @@ class Gateway:
             parsed.payload,
             ticket,
             {} if use is None else use.headers(),
+            is_two_phase=served.config.mode == "disaggregated" and parsed.generates,
         )
         request.metrics.in_flight.inc()
         try:
@@ -267,7 +270,7 @@ class Gateway:
     async def _serve(self, request: _Request, route: Route) -> Response:
         """The prefill phase of a disaggregated request first (once), then the worker's answer."""
         await self._load_lora(request, route)
-        if request.served.config.mode == "disaggregated" and not request.ctx.is_prefilled:
+        if request.is_two_phase and not request.ctx.is_prefilled:
             await self._hand_off(request, route.prefill_hold)
             request.ctx = dataclasses.replace(request.ctx, is_prefilled=True)
         return await self._respond(request, route.worker, route.hold, route.decision.features)
