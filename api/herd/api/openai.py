@@ -85,6 +85,11 @@ class _Tolerant(BaseModel):
     model_config = ConfigDict(extra="allow", populate_by_name=True)
 
 
+class _Prioritized(_Tolerant):
+    priority: int | None = Field(default=None, ge=-(2**31), le=2**31 - 1)
+    """vLLM's field: smaller is served first. herd's gateway never lets it above the tenant's."""
+
+
 class StreamOptions(_Tolerant):
     include_usage: bool = False
     continuous_usage_stats: bool = False
@@ -141,7 +146,7 @@ class StructuredOutputs(BaseModel):
         return self
 
 
-class SamplingFields(_Tolerant):
+class SamplingFields(_Prioritized):
     """The sampling and stopping fields shared by chat and text completions."""
 
     model: str
@@ -165,8 +170,6 @@ class SamplingFields(_Tolerant):
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: str | None = None
-    priority: int | None = Field(default=None, ge=-(2**31), le=2**31 - 1)
-    """vLLM's field: smaller is served first. herd's gateway never lets it above the tenant's."""
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
 
@@ -476,7 +479,7 @@ MAX_EMBEDDING_INPUTS = 2048
 """Inputs one embeddings request may carry (OpenAI's limit)."""
 
 
-class EmbeddingRequest(_Tolerant):
+class EmbeddingRequest(_Prioritized):
     """``/v1/embeddings``: one text or token list, or a batch of them; ``dimensions`` asks for a
     shorter vector where the model was trained for it (Matryoshka)."""
 

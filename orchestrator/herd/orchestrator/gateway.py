@@ -36,6 +36,7 @@ import httpx
 from starlette.responses import Response
 
 from herd.api.errors import HttpError, enveloped
+from herd.api.openai import EmbeddingRequest
 from herd.api.protocol import REQUEST_ID_HEADER, WORKER_HEADER, is_valid_request_id
 from herd.orchestrator.admission.gate import DEFAULT_EXPECTED_OUTPUT, Admission, Ticket
 from herd.orchestrator.admission.quotas import Quotas
@@ -447,8 +448,11 @@ def _ticket(
     """The request's admission ticket; an untokenized prompt counts as ``size / 4`` tokens."""
     request = parsed.request
     priority = effective_priority(tenant, request.priority, headers.get(PRIORITY_HEADER))
-    num_output = request.output_limit or DEFAULT_EXPECTED_OUTPUT
-    return Ticket(tenant, priority, num_prompt_tokens or size // 4, num_output * request.n)
+    if isinstance(request, EmbeddingRequest):
+        num_output = 0  # an embedding generates no tokens
+    else:
+        num_output = (request.output_limit or DEFAULT_EXPECTED_OUTPUT) * request.n
+    return Ticket(tenant, priority, num_prompt_tokens or size // 4, num_output)
 
 
 def _with_priority(parsed: ParsedRequest, body: bytes, priority: int) -> bytes:

@@ -9,16 +9,19 @@ step's tokens, so the block manager admits about ``maxBatchTokens`` tokens a ste
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
 from herd.worker.cache_geometry import CacheGeometry
 from herd.worker.config import EngineConfig
+from herd.worker.kv_tiers import KVMove
 from herd.worker.loader import load_encoder, read_encoder_args
 from herd.worker.models.bert import EncoderBatch
 from herd.worker.pooling import pool, read_pooling
-from herd.worker.runner import PooledOutput, StepResult
+from herd.worker.runner import PREFILL_MIN_TOKENS, Measured, PooledOutput, StepResult
 from herd.worker.scheduler import SchedulerOutput
 
 __all__ = ["EmbeddingRunner"]
@@ -50,6 +53,8 @@ class EmbeddingRunner:
             bytes_per_block=0,
             holds_kv=False,
         )
+        self.measured = Measured()
+        """Only the prefill rate: an encoder has no KV tiers to restore from."""
 
     @property
     def vocab_size(self) -> int:
@@ -65,6 +70,7 @@ class EmbeddingRunner:
         """Every planned sequence through the encoder in one forward; one pooled vector each."""
         if any(chunk.start != 0 or not chunk.is_sampled for chunk in plan.chunks):
             raise RuntimeError("an encoder runs whole sequences, but the plan holds a partial chunk")
+        started = time.perf_counter()
         seqs = [chunk.seq for chunk in plan.chunks]
         lengths = [seq.num_tokens for seq in seqs]
         input_ids = torch.tensor(
@@ -73,7 +79,20 @@ class EmbeddingRunner:
         positions = torch.cat([torch.arange(length) for length in lengths]).to(self.device)
         hidden = self.model(input_ids, positions, EncoderBatch.of(lengths, self.device))
         vectors = pool(hidden, lengths, self.pooling.mode, normalize=self.pooling.normalize)
-        return [PooledOutput(vector) for vector in vectors.cpu().tolist()]
+        pooled = [PooledOutput(vector) for vector in vectors.cpu().tolist()]
+        if plan.num_tokens >= PREFILL_MIN_TOKENS:
+            self.measured.prefill.add(plan.num_tokens, time.perf_counter() - started)
+        return pooled
+
+    def move_blocks(self, moves: list[KVMove]) -> None:
+        if moves:  # its block manager has no tiers, so it plans none
+            raise ValueError("an embedding model keeps no KV blocks to move between tiers")
+
+    def load_lora(self, name: str, path: Path) -> None:
+        raise ValueError("an embedding model runs no LoRA adapters: serve adapters on a generation model")
+
+    def unload_lora(self, name: str) -> None:
+        raise ValueError(f"an embedding model has no LoRA adapter {name!r} to unload")
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         raise ValueError("an embedding model keeps no KV blocks to export")
