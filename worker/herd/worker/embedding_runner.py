@@ -79,7 +79,7 @@ class EmbeddingRunner:
         positions = torch.cat([torch.arange(length) for length in lengths]).to(self.device)
         hidden = self.model(input_ids, positions, EncoderBatch.of(lengths, self.device))
         vectors = pool(hidden, lengths, self.pooling.mode, normalize=self.pooling.normalize)
-        pooled = [PooledOutput(vector) for vector in vectors.cpu().tolist()]
+        pooled: list[StepResult] = [PooledOutput(vector) for vector in vectors.cpu().tolist()]
         if plan.num_tokens >= PREFILL_MIN_TOKENS:
             self.measured.prefill.add(plan.num_tokens, time.perf_counter() - started)
         return pooled
