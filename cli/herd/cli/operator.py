@@ -15,6 +15,7 @@ __all__ = ["operator_config", "register", "run"]
 def run(args: argparse.Namespace) -> int:
     # kopf is imported only when the operator runs.
     from herd.kube import CredentialsError, load_connection
+    from herd.operator.logs import configure_operator_logs
     from herd.operator.runner import CrdMissingError, run_operator
 
     try:
@@ -23,6 +24,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"herd operator: {error}", file=sys.stderr)
         return 2
     configure_logging("operator", args.log_level)
+    configure_operator_logs()
     config = operator_config(args)
     namespaces = [] if args.all_namespaces else args.namespace
     try:
