@@ -38,6 +38,7 @@ from herd.api.errors import HttpError, enveloped
 from herd.api.protocol import REQUEST_ID_HEADER, WORKER_HEADER, is_valid_request_id
 from herd.orchestrator.apply import Route, apply_decision, write_pin
 from herd.orchestrator.breaker import Outcome, answer_outcome
+from herd.orchestrator.cold_start import ColdStarts, ColdStartSettings
 from herd.orchestrator.disagg import Handoff, TwoPhase, handed_body
 from herd.orchestrator.model_metrics import ModelMetrics
 from herd.orchestrator.prepare import INLINE_PREPARE_BYTES, Preparer
@@ -74,6 +75,8 @@ class GatewaySettings:
     inline_prepare_bytes: int = INLINE_PREPARE_BYTES
     """Bodies from this size on are parsed and tokenized on ``prepare_threads`` (``PromptThreads``)."""
     prepare_threads: int = 2
+    cold_start: ColdStartSettings = field(default_factory=ColdStartSettings)
+    """The line of requests for models that scaled to zero (``herd.orchestrator.cold_start``)."""
 
 
 @dataclass(eq=False)
@@ -129,6 +132,12 @@ class Gateway:
             inline_bytes=self.settings.inline_prepare_bytes,
             num_threads=self.settings.prepare_threads,
         )
+        self.cold_starts = ColdStarts(
+            registry,
+            self.settings.cold_start,
+            on_held=lambda model, count: telemetry.held.labels(model).set(count),
+        )
+        registry.on_admitted = self.cold_starts.wake
 
     def close(self) -> None:
         self.preparer.close()
@@ -155,6 +164,7 @@ class Gateway:
         return metrics
 
     async def _attempt(self, request: _Request) -> Response:
+        await self.cold_starts.wait(request.served)  # a model at zero workers: until one is ready
         tried: set[str] = set()
         error: HttpError | None = None
         for _ in range(self.settings.max_attempts):

@@ -101,6 +101,8 @@ class Registry:
         self.tokenizers = TokenizerFetcher(client)
         self.has_membership = False
         """The source has given its first membership (a discovery has synced)."""
+        self.on_admitted: Callable[[str], None] | None = None
+        """Told a model's name when one of its workers is admitted (requests held for it go on)."""
 
     async def run(self, source: WorkerSource) -> None:
         """Follow the source until cancelled; every worker task stops with it."""
@@ -260,6 +262,8 @@ class Registry:
         if not worker.is_healthy:
             worker.is_healthy = True
             log.info("worker admitted", extra={"worker": worker.endpoint.id})
+            if self.on_admitted is not None:
+                self.on_admitted(worker.endpoint.model)
             if (served := self.models.get(worker.endpoint.model)) is not None:
                 self.tokenizers.forget_source(served, worker.endpoint.id)  # it may have restarted
 
