@@ -52,7 +52,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     connection = load_connection(config.kubeconfig)
     api = KubeApi(connection.http_client())
     memo.reconciler = Reconciler(api, config.plan)
-    memo.autoscaler = Autoscaler(api, config.autoscaler, memo.get("namespaces", ()))
+    memo.autoscaler = Autoscaler(api, config.autoscaler, memo.get("namespaces", ()), plan=config.plan)
     memo.autoscaler.start()
     namespaces = memo.get("namespaces") or ["every namespace"]
     _log.info(f"operator started: serving {', '.join(namespaces)}")
