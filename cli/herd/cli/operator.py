@@ -42,7 +42,11 @@ def run(args: argparse.Namespace) -> int:
 def operator_config(args: argparse.Namespace) -> OperatorConfig:
     """The operator's settings from its command line."""
     plan = plan_settings(args)
-    autoscaler = AutoscalerSettings(interval_s=args.autoscale_interval, stabilization_s=args.autoscale_window)
+    autoscaler = AutoscalerSettings(
+        interval_s=args.autoscale_interval,
+        stabilization_s=args.autoscale_window,
+        demand_interval_s=args.demand_interval,
+    )
     return OperatorConfig(
         kubeconfig=args.kubeconfig, plan=plan, autoscaler=autoscaler, retry_delay=args.retry_delay
     )
@@ -116,6 +120,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         type=float,
         default=scaling.stabilization_s,
         help="scale-down stabilization window in seconds",
+    )
+    parser.add_argument(
+        "--demand-interval",
+        type=float,
+        default=scaling.demand_interval_s,
+        help="seconds between reads of the requests the orchestrators hold for pools at zero",
     )
     parser.add_argument("--log-level", default="INFO")
     parser.set_defaults(func=run)
