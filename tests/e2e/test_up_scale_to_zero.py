@@ -5,11 +5,11 @@ by it."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import httpx
 import pytest
+from support.cluster import is_alive
 from support.herd_up import herd_up_of
 from support.procs import wait_until
 
@@ -33,14 +33,6 @@ spec:
 """
     )
     return path
-
-
-def is_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_an_idle_model_stops_its_worker_and_a_request_starts_it_again(
