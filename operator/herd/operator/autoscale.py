@@ -17,9 +17,9 @@ Steps, each a rule from the Kubernetes Horizontal Pod Autoscaler:
    to the bounds. A window in which no request finished and none waits is idle (ratio 0).
 4. Up fast: at most double per step, and no further step while pods of the last one are not Ready
    yet (their latencies are not in the figures, so the ratio would ask for the same pods again).
-5. Down slowly: only when every metric of every Ready pod is there, no request waits, the KV cache
-   is below its high-water mark, and the pool has been quiet (no scale change) for the whole
-   stabilization window; then to the highest recommendation seen over that window.
+5. Down slowly: only when every pod is Ready and every metric of every one is there, no request
+   waits, the KV cache is below its high-water mark, and the pool has been quiet (no scale change)
+   for the whole stabilization window; then to the highest recommendation seen over that window.
 
 Cost: O(recommendations in the window). The caller keeps that history; this module does no I/O.
 The trade-off is the HPA's: a spike scales up within one interval, a dip has to last a window.
@@ -197,6 +197,8 @@ def _scale_down(
 def _scale_down_blocker(state: ScaleState, observed: Observation, settings: AutoscalerSettings) -> str:
     if not observed.is_complete:
         return "metrics missing"
+    if state.num_ready < state.current:  # still starting: their load is not in the figures yet
+        return f"{state.current - state.num_ready} pods not Ready"
     if observed.num_waiting > 0:
         return f"{observed.num_waiting:g} requests waiting"
     if observed.kv_usage >= settings.kv_high_water:

@@ -64,6 +64,7 @@ CASES = [
         4,
     ),
     ("no-down-with-metrics-missing", QUIET, slow(500.0, is_complete=False), SPEC, 4),
+    ("no-down-while-pods-start", replace(QUIET, num_ready=3), IDLE, SPEC, 4),
     ("no-down-while-requests-wait", QUIET, slow(500.0, num_waiting=3), SPEC, 4),
     ("no-down-with-kv-full", QUIET, slow(500.0, kv_usage=0.95), SPEC, 4),
     (
