@@ -114,24 +114,23 @@ def test_a_tp2_worker_process_serves_tp1_greedy_tokens_and_stops_its_rank(
     wait_until(lambda: not any(is_running(pid) for pid in ranks), timeout=10, what="the ranks stopped")
 
 
+def rank_argv(model: Path, **flags: str) -> list[str]:
+    """``herd worker`` of a model split over 2 ranks, on free loopback ports; ``flags`` place its pod."""
+    return worker_argv(
+        model, port=free_port(), internal_port=free_port(), token="t", tensor_parallel_size="2", **flags
+    )
+
+
 def test_a_leader_and_a_follower_worker_process_serve_tp1_greedy_tokens(
     tiny_llama: Path, tmp_path: Path
 ) -> None:
     """The follower finds its group as a LeaderWorkerSet pod does, from LWS_* env vars; it starts
     first and waits for the leader's store. Stopping the leader ends the follower cleanly (exit 0)."""
     rendezvous = str(free_port())
-    follower_argv = worker_argv(
-        tiny_llama,
-        port=free_port(),
-        internal_port=free_port(),
-        token="t",
-        tensor_parallel_size="2",
-        rendezvous_port=rendezvous,
-    )
     lws_env = {"LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "1", "LWS_LEADER_ADDRESS": "127.0.0.1"}
     follower_log, leader_log = tmp_path / "follower.log", tmp_path / "leader.log"
     with (
-        running(follower_argv, log=follower_log, env=lws_env) as follower,
+        running(rank_argv(tiny_llama, rendezvous_port=rendezvous), log=follower_log, env=lws_env) as follower,
         worker_process(
             tiny_llama,
             log=leader_log,
@@ -151,16 +150,7 @@ def test_a_leader_and_a_follower_worker_process_serve_tp1_greedy_tokens(
 
 def test_a_leader_whose_follower_never_joins_exits_naming_the_rank(tiny_llama: Path, tmp_path: Path) -> None:
     log = tmp_path / "leader.log"
-    argv = worker_argv(
-        tiny_llama,
-        port=free_port(),
-        internal_port=free_port(),
-        token="t",
-        tensor_parallel_size="2",
-        group_size="2",
-        rendezvous_port=str(free_port()),
-        join_timeout="2",
-    )
+    argv = rank_argv(tiny_llama, group_size="2", rendezvous_port=str(free_port()), join_timeout="2")
     with running(argv, log=log) as leader:
         assert leader.wait(timeout=120) == 1
     assert "tensor-parallel ranks [1] did not join rank 0 within 0:00:02" in log.read_text()
@@ -168,12 +158,8 @@ def test_a_leader_whose_follower_never_joins_exits_naming_the_rank(tiny_llama: P
 
 def test_a_follower_without_a_leader_exits_naming_the_address(tiny_llama: Path, tmp_path: Path) -> None:
     log, rendezvous = tmp_path / "follower.log", free_port()
-    argv = worker_argv(
+    argv = rank_argv(
         tiny_llama,
-        port=free_port(),
-        internal_port=free_port(),
-        token="t",
-        tensor_parallel_size="2",
         group_size="2",
         group_index="1",
         leader_address="127.0.0.1",
