@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 from typing import Literal
 
@@ -39,6 +40,27 @@ class PodGroup(BaseModel):
     @property
     def is_leader(self) -> bool:
         return self.index == 0
+
+    @property
+    def on_loopback(self) -> bool:
+        """Every rank on this machine: one pod, or a group whose leader is a loopback address (a
+        test's processes). Then the store and gloo listen on 127.0.0.1 only."""
+        if self.size == 1 or self.leader_host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.leader_host).is_loopback
+        except ValueError:  # a DNS name, such as the one LeaderWorkerSet gives the leader
+            return False
+
+    @property
+    def bind_host(self) -> str:
+        """Where the leader's rendezvous store listens: loopback, or every interface for pods."""
+        return "127.0.0.1" if self.on_loopback else "0.0.0.0"  # other pods dial it
+
+    @property
+    def gloo_host(self) -> str | None:
+        """The address gloo's connections use: loopback, or None for the pod's own (its hostname)."""
+        return "127.0.0.1" if self.on_loopback else None
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -109,11 +109,11 @@ def _parallel_runner(config: EngineConfig, eos_token_ids: Collection[int]) -> To
     ranks of the group's other pods join its store from their own ``herd worker`` (``follow_leader``).
     A rank that has not joined within the group's join timeout fails the load with its number."""
     size, group = config.tensor_parallel_size, config.group
-    store = listen(size, port=group.port if group.size > 1 else 0)
+    store = listen(size, group.bind_host, port=group.port if group.size > 1 else 0)
     followers = _start_ranks(config, range(1, config.ranks_per_pod), f"{LOOPBACK}:{store.port}")
     try:
         await_ranks(store, size, partial(_check_started, followers), timedelta(seconds=group.join_timeout_s))
-        parallel = join(store, 0, size, rank_device(config.device, 0))
+        parallel = join(store, 0, size, rank_device(config.device, 0), group.gloo_host)
         logger.info(
             "tensor-parallel ranks joined",
             extra={"num_ranks": size, "num_pods": group.size, "pids": [f.pid for f in followers]},
@@ -138,7 +138,7 @@ def follow_leader(config: EngineConfig) -> None:
     )
     try:
         announce(store, first)
-        parallel = join(store, first, size, rank_device(config.device, 0))
+        parallel = join(store, first, size, rank_device(config.device, 0), group.gloo_host)
         logger.info(
             "joined the leader's ranks", extra={"rank": first, "num_ranks": size, "leader": group.leader_host}
         )
@@ -181,7 +181,9 @@ def _follow(config: EngineConfig, rank: int, address: str, parent_pid: int) -> N
     size, timeout = config.tensor_parallel_size, timedelta(seconds=config.group.join_timeout_s)
     store = connect_store(host, int(port), size, timeout)
     announce(store, rank)
-    parallel = join(store, rank, size, rank_device(config.device, rank % config.ranks_per_pod))
+    parallel = join(
+        store, rank, size, rank_device(config.device, rank % config.ranks_per_pod), config.group.gloo_host
+    )
     TorchRunner(config, (), parallel=parallel).follow()
 
 

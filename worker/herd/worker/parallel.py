@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -116,9 +117,21 @@ STORE_TIMEOUT = timedelta(minutes=5)
 
 
 def listen(size: int, host: str = "127.0.0.1", port: int = 0) -> Any:
-    """Rank 0's rendezvous store (a ``TCPStore``) on ``port`` (0: a free one, ``store.port``).
-    torch's store server listens on every interface; ``host`` is where rank 0 itself dials it."""
-    return _TCP_STORE(host, port, size, True, timeout=STORE_TIMEOUT, wait_for_workers=False)
+    """Rank 0's rendezvous store (a ``TCPStore``) on ``host:port`` (port 0: a free one, ``store.port``).
+    The socket is bound here and handed to torch, whose own store server would listen on every
+    interface; ``0.0.0.0`` is for a group whose other pods dial in."""
+    server = socket.create_server((host, port))
+    bound = server.getsockname()[1]
+    dial = "127.0.0.1" if host == "0.0.0.0" else host  # rank 0 dials its own store
+    return _TCP_STORE(
+        dial,
+        bound,
+        size,
+        True,
+        timeout=STORE_TIMEOUT,
+        wait_for_workers=False,
+        master_listen_fd=server.detach(),
+    )
 
 
 def connect_store(host: str, port: int, size: int, timeout: timedelta = STORE_TIMEOUT) -> Any:
@@ -133,16 +146,22 @@ def connect_store(host: str, port: int, size: int, timeout: timedelta = STORE_TI
         ) from error
 
 
-def join(store: Any, rank: int, size: int, device: torch.device) -> TensorParallel:
+def join(store: Any, rank: int, size: int, device: torch.device, host: str | None = None) -> TensorParallel:
     """The process group of ``size`` ranks meeting at ``store`` (returns once every rank joined):
-    NCCL on CUDA, gloo on the CPU."""
+    NCCL on CUDA, gloo on the CPU, its connections on ``host``'s interface (None: the interface of
+    this machine's hostname, gloo's default)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = GROUP_TIMEOUT
         group: Any = dist.ProcessGroupNCCL(store, rank, size, options)
     else:
-        group = dist.ProcessGroupGloo(store, rank, size, GROUP_TIMEOUT)
+        gloo: Any = dist.ProcessGroupGloo  # torch's stubs do not declare _Options
+        gloo_options = gloo._Options()
+        gloo_options._timeout = GROUP_TIMEOUT
+        device_of = gloo.create_default_device() if host is None else gloo.create_device(hostname=host)
+        gloo_options._devices = [device_of]
+        group = gloo(store, rank, size, gloo_options)
     return TensorParallel(rank, size, group)
 
 
