@@ -78,6 +78,9 @@ class RecordingRunner:
     def check_health(self) -> None:
         self.runner.check_health()
 
+    def close(self) -> None:
+        self.runner.close()
+
 
 def _run(engine: LLMEngine) -> tuple[dict[str, RequestOutput], list[KVEvent]]:
     """Every prompt to completion under a fixed id; each request's last output, and the KV events."""

@@ -125,3 +125,24 @@ def redis_server(workdir: Path) -> Iterator[str]:
 
         wait_until(is_up, timeout=30, what=f"redis-server (pid {process.pid}) answering on port {port}")
         yield f"redis://127.0.0.1:{port}/0"
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` now (Linux: read from ``/proc``)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            # the command name in parentheses may hold spaces: the fields after it are fixed
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:
+                children.append(int(stat.parent.name))
+    return children
+
+
+def is_running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie, ended but not yet reaped, runs nothing)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")

@@ -138,6 +138,9 @@ class ScriptedEngine:
             epoch="e1", seq=self._seq, block_size=16, block_hashes=list(range(1, self._seq + 1))
         )
 
+    def close(self) -> None:
+        """Nothing runs beside it."""
+
 
 def engine_config(model_path: Path, **engine: Any) -> EngineConfig:
     """A small CPU engine for tests: short context, a small KV pool; ``engine`` adds camelCase fields."""

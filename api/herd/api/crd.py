@@ -299,8 +299,8 @@ class EngineSpec(_Spec):
     tensor_parallel_size: int | None = Field(
         default=None,
         ge=1,
-        description="Ranks (one process each) that split the model's layers in one worker pod; unset: the "
-        "pool's resources.accelerator.count with accelerators, else 1 (set it to split a CPU worker).",
+        description="Ranks (one process each) that split the model's layers over one replica's pods; unset: the "
+        "pool's resources.accelerator.count (else 1) times its podsPerReplica (set it to split a CPU worker).",
     )
     kv_cache: KVCacheSpec = Field(default_factory=KVCacheSpec)
     simulation: SimulationSpec | None = Field(default=None, description="backend simulated only.")
@@ -416,6 +416,14 @@ class Resources(_Spec):
 
 class PoolSpec(_Spec):
     replicas: int = Field(default=1, ge=0)
+    pods_per_replica: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Pods (nodes) one replica's model spans, each with `resources`: above 1, each replica is a "
+        "LeaderWorkerSet group (the leader serves, the other pods run its tensor-parallel ranks). backend herd, "
+        "aggregated serving only.",
+    )
     resources: Resources = Field(default_factory=Resources)
     image: str | None = Field(default=None, description="Worker image; defaults to the operator's.")
     node_selector: dict[str, str] = Field(default_factory=dict)
@@ -589,12 +597,16 @@ class ModelDeploymentSpec(_Spec):
             raise ValueError(VLLM_DISAGGREGATED)
         size = self.engine.tensor_parallel_size
         for name, pool in self.pools().items():
-            devices = pool.resources.num_devices
+            pods = pool.pods_per_replica
+            devices = pool.resources.num_devices * pods
             if size is not None and pool.resources.accelerator.vendor != "none" and size != devices:
+                held = f"{pods} pods x {pool.resources.num_devices}" if pods > 1 else str(devices)
                 raise ValueError(
-                    f"engine.tensorParallelSize {size} differs from spec.{name}'s {devices} accelerators: "
+                    f"engine.tensorParallelSize {size} differs from spec.{name}'s {held} accelerators: "
                     "a worker pod runs one rank per accelerator; leave tensorParallelSize out or match them"
                 )
+            if pods > 1:
+                _check_multi_pod(self, name, pods)
         if self.serving.mode == "disaggregated" and (self.engine.tensor_parallel_size or 1) > 1:
             raise ValueError(
                 "engine.tensorParallelSize above 1 serves aggregated only: the KV handoff moves whole "
@@ -647,7 +659,8 @@ class ModelDeploymentSpec(_Spec):
         pool_spec = self.pools()[pool]
         engine = self.engine
         if engine.tensor_parallel_size is None:
-            engine = engine.model_copy(update={"tensor_parallel_size": pool_spec.resources.num_devices})
+            ranks = pool_spec.resources.num_devices * pool_spec.pods_per_replica
+            engine = engine.model_copy(update={"tensor_parallel_size": ranks})
         spec = pool_spec.engine
         if spec is None:
             return engine
@@ -658,6 +671,27 @@ class ModelDeploymentSpec(_Spec):
                 sizing["memory_utilization"] = spec.kv_cache.memory_utilization
             changes["kv_cache"] = engine.kv_cache.model_copy(update=sizing)
         return engine.model_copy(update=changes)
+
+
+def _check_multi_pod(spec: ModelDeploymentSpec, pool: str, pods: int) -> None:
+    """A replica over several pods runs herd's engine, aggregated, with whole ranks on every pod."""
+    where = f"spec.{pool}.podsPerReplica {pods}"
+    if spec.engine.backend != "herd":
+        raise ValueError(
+            f"{where} needs engine.backend herd: vLLM over several pods needs a Ray cluster (or its "
+            "multi-node launcher) in every group, which herd does not start yet; the simulated engine "
+            "has no ranks. Use podsPerReplica: 1, or backend: herd"
+        )
+    if spec.serving.mode == "disaggregated":
+        raise ValueError(
+            f"{where} serves aggregated only (tensor parallelism does): set serving.mode: aggregated"
+        )
+    size = spec.engine.tensor_parallel_size
+    if size is not None and size % pods:
+        raise ValueError(
+            f"engine.tensorParallelSize {size} does not split evenly over {where}: every pod runs the "
+            "same number of ranks"
+        )
 
 
 class ObjectMeta(BaseModel):

@@ -19,6 +19,7 @@ __all__ = [
     "LABEL_ROLE",
     "MANAGED_BY",
     "MEDIA",
+    "RENDEZVOUS_PORT",
     "REQUEST_ID_HEADER",
     "TOKEN_ENV",
     "TOKEN_HEADER",
@@ -50,6 +51,9 @@ TOKEN_ENV = "HERD_INTERNAL_TOKEN"
 """The environment variable workers and the orchestrator read the shared internal token from when
 no ``--internal-token`` is given. ``herd up``, the operator and the chart use it rather than a
 command line: ``ps`` shows argv to every user, and a token starting with '-' would read as a flag."""
+RENDEZVOUS_PORT = 29500
+"""The leader pod's tensor-parallel rendezvous port when a model spans several pods: its ranks' store
+(torch.distributed's usual port); the follower pods' ranks dial it at the leader's address."""
 WORKER_HEADER = "X-Herd-Worker"
 """Names the worker that served a request, on the orchestrator's responses."""
 REQUEST_ID_HEADER = "X-Request-Id"

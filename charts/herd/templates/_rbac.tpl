@@ -21,6 +21,11 @@ would let the operator mint a token Secret for any ServiceAccount.
 - apiGroups: [apps]
   resources: [deployments]
   verbs: [get, list, watch, create, update, patch, delete]
+# A pool whose replica spans several pods (podsPerReplica): its LeaderWorkerSet (the LWS controller
+# must be installed for it to make pods).
+- apiGroups: [leaderworkerset.x-k8s.io]
+  resources: [leaderworkersets]
+  verbs: [get, list, watch, create, update, patch, delete]
 - apiGroups: [""]
   resources: [services]
   verbs: [get, list, watch, create, update, patch, delete]

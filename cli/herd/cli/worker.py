@@ -2,6 +2,11 @@
 
 ``engine.backend`` picks the engine: herd's torch engine or the simulated one (cost model, no
 weights); ``--replicas N`` runs N simulated workers in this one process.
+
+A model split over several pods (a LeaderWorkerSet group) runs a ``herd worker`` in each: the leader
+(``--group-index 0``) serves HTTP and runs rank 0; each follower runs its pod's ranks, joined to the
+leader's rendezvous port, and serves nothing. The group flags default to the env vars
+LeaderWorkerSet gives its pods (``LWS_GROUP_SIZE``, ``LWS_WORKER_INDEX``, ``LWS_LEADER_ADDRESS``).
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,14 +23,14 @@ from pydantic import ValidationError
 
 from herd.api.crd import EngineSpec
 from herd.api.logs import configure_logging
-from herd.api.protocol import TOKEN_ENV
+from herd.api.protocol import RENDEZVOUS_PORT, TOKEN_ENV
 
 if TYPE_CHECKING:
     from herd.api.prompt import PromptRenderer
-    from herd.worker.config import EngineConfig
+    from herd.worker.config import EngineConfig, PodGroup
     from herd.worker.server import ServeOptions
 
-__all__ = ["engine_spec", "lora_modules", "register"]
+__all__ = ["engine_spec", "lora_modules", "pod_group", "register"]
 
 # flag -> where it lands in the camelCase EngineSpec document
 _OVERRIDES: dict[str, tuple[str, ...]] = {
@@ -52,6 +58,28 @@ def engine_spec(engine_json: str | None, overrides: dict[str, Any]) -> EngineSpe
     return EngineSpec.model_validate(document)
 
 
+def pod_group(args: argparse.Namespace, environ: Mapping[str, str]) -> PodGroup:
+    """The pod group from the flags, each unset one from LeaderWorkerSet's env var (one pod without)."""
+    from herd.worker.config import PodGroup
+
+    def pick(flag: Any, env: str, default: Any) -> Any:
+        return flag if flag is not None else environ.get(env, default)
+
+    try:
+        return PodGroup(
+            size=pick(args.group_size, "LWS_GROUP_SIZE", 1),
+            index=pick(args.group_index, "LWS_WORKER_INDEX", 0),
+            leader_host=pick(args.leader_address, "LWS_LEADER_ADDRESS", "127.0.0.1"),
+            port=args.rendezvous_port,
+            join_timeout_s=args.join_timeout,
+        )
+    except ValidationError as error:
+        raise ValueError(
+            f"the pod group (--group-size/LWS_GROUP_SIZE, --group-index/LWS_WORKER_INDEX, "
+            f"--rendezvous-port, --join-timeout) is invalid: {error}"
+        ) from error
+
+
 def run(args: argparse.Namespace) -> int:
     from herd.worker.config import EngineConfig
     from herd.worker.server import serve_many
@@ -66,6 +94,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         spec = engine_spec(args.engine_json, vars(args))
         _check_backend(spec, args.replicas)
+        group = pod_group(args, os.environ)
+        if group.size > 1 and (spec.backend != "herd" or args.replicas > 1):
+            raise ValueError(
+                "a model over several pods (--group-size > 1) needs engine.backend herd, one replica"
+            )
         config = EngineConfig(
             model_path=args.model,
             served_name=args.served_name or args.model.name,
@@ -73,14 +106,33 @@ def run(args: argparse.Namespace) -> int:
             engine=spec,
             seed=args.seed,
             lora_modules=lora_modules(args.lora_modules or []),
+            group=group,
         )
     except (ValidationError, ValueError) as error:
         print(f"herd worker: invalid settings: {error}", file=sys.stderr)
         return 2
     configure_logging("worker", args.log_level)
+    if not config.group.is_leader:
+        return _follow_leader(config)
     return serve_many(
         [(config, _options(args, token, number)) for number in range(args.replicas)], _renderer(config)
     )
+
+
+def _follow_leader(config: EngineConfig) -> int:
+    """A follower pod: run this pod's ranks until the leader's worker stops (0) or fails them (1)."""
+    import logging
+
+    from herd.worker.model_runner import follow_leader
+
+    try:
+        follow_leader(config)
+    except Exception:
+        logging.getLogger(__name__).exception(
+            "this pod's ranks left the leader's group; exiting so that the group restarts"
+        )
+        return 1
+    return 0
 
 
 def lora_modules(values: list[str]) -> dict[str, Path]:
@@ -162,6 +214,25 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--kv-memory-gib", type=float)
     parser.add_argument("--tensor-parallel-size", type=int, help="ranks (processes) that split the model")
+    group = parser.add_argument_group("a model over several pods (LeaderWorkerSet)")
+    group.add_argument(
+        "--group-size", type=int, help="pods the model's ranks span (default: $LWS_GROUP_SIZE, else 1)"
+    )
+    group.add_argument(
+        "--group-index", type=int, help="this pod's index, 0 the leader (default: $LWS_WORKER_INDEX, else 0)"
+    )
+    group.add_argument(
+        "--leader-address", help="the leader pod's host, for followers (default: $LWS_LEADER_ADDRESS)"
+    )
+    group.add_argument(
+        "--rendezvous-port",
+        type=int,
+        default=RENDEZVOUS_PORT,
+        help=f"the leader's rank rendezvous port (default {RENDEZVOUS_PORT})",
+    )
+    group.add_argument(
+        "--join-timeout", type=float, default=300.0, help="seconds for every rank to join (default 300)"
+    )
     parser.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger bodies get 413")
     parser.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight work on SIGTERM"

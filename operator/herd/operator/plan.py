@@ -1,7 +1,12 @@
 """The pure planner: a ModelDeployment becomes the Deployments and Services that should exist.
 
 For each pool (``workers``, or ``prefill`` and ``decode``) it plans a Deployment named
-``<md>-<pool>`` and a headless Service of the same name. With ``spec.gateway.inferencePool`` it also
+``<md>-<pool>`` and a headless Service of the same name. A pool whose replica spans several pods
+(``podsPerReplica`` > 1) gets a LeaderWorkerSet of that name instead of the Deployment
+(``leaderworkerset.x-k8s.io/v1``; the LWS controller must be installed): ``replicas`` groups of
+``podsPerReplica`` pods, the leader pod serving and carrying the pool's labels (so status, discovery
+and the Service see one worker per replica), the follower pods running its ranks under herd's
+ownership labels only. With ``spec.gateway.inferencePool`` it also
 plans what an Envoy-based gateway needs (``component="gateway"``): herd's endpoint picker (``herd epp``
 watching the namespace's workers, as a ServiceAccount with a Role to read pods and ModelDeployments, a
 Deployment and a Service ``<md>-epp``) and an ``InferencePool`` ``<md>`` selecting the serving pool's
@@ -21,7 +26,7 @@ from typing import Any, Literal
 
 from herd.api.crd import POOL_ROLES, ModelDeployment, PoolName, PoolSpec
 from herd.api.protocol import LABEL_DEPLOYMENT, LABEL_MANAGED_BY, LABEL_ROLE, MANAGED_BY, TOKEN_ENV
-from herd.operator.pod import HTTP_PORT, INTERNAL_PORT, plan_pod_spec
+from herd.operator.pod import HTTP_PORT, INTERNAL_PORT, plan_follower_pod_spec, plan_pod_spec
 from herd.operator.settings import PlanSettings
 
 __all__ = [
@@ -29,6 +34,7 @@ __all__ = [
     "EPP_PORT",
     "INFERENCE_POOL_API",
     "LABEL_TEMPLATE_HASH",
+    "LWS_API",
     "DesiredObject",
     "Plan",
     "child_name",
@@ -44,6 +50,12 @@ LABEL_COMPONENT = "app.kubernetes.io/component"
 EPP_PORT = 9002
 """The ext_proc and gRPC health port of the endpoint picker, the extension's default."""
 INFERENCE_POOL_API = "inference.networking.k8s.io/v1"
+LWS_API = "leaderworkerset.x-k8s.io/v1"
+LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
+"""The LWS controller's label of a pod's index in its group ("0": the leader)."""
+LABEL_GROUP_ROLE = "herd.dev/group-role"
+"""``follower`` on the pods of a multi-pod replica that run ranks and serve nothing."""
+_POOL_KINDS = ("Deployment", "LeaderWorkerSet")
 
 Object = dict[str, Any]
 
@@ -69,6 +81,21 @@ class DesiredObject:
     def spec_hash(self) -> str:
         return str(self.body["metadata"]["annotations"][ANNOTATION_SPEC_HASH])
 
+    @property
+    def is_workload(self) -> bool:
+        """A pool's pods come from it: its Deployment or LeaderWorkerSet."""
+        return self.component == "pool" and self.kind in _POOL_KINDS
+
+    @property
+    def serving_template(self) -> Object:
+        """The pod template of the pool's serving pods: a Deployment's, or the LWS leaders'."""
+        spec = self.body["spec"]
+        return dict(
+            spec["leaderWorkerTemplate"]["leaderTemplate"]
+            if self.kind == "LeaderWorkerSet"
+            else spec["template"]
+        )
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -78,8 +105,7 @@ class Plan:
     def summary(self) -> str:
         """One line for the log: ``smollm2: Deployment/smollm2-workers x2, Service/smollm2-workers``."""
         parts = [
-            f"{obj.kind}/{obj.name}"
-            + (f" x{self.replicas[obj.pool]}" if obj.kind == "Deployment" and obj.component == "pool" else "")
+            f"{obj.kind}/{obj.name}" + (f" x{self.replicas[obj.pool]}" if obj.is_workload else "")
             for obj in self.objects
         ]
         return ", ".join(parts)
@@ -106,8 +132,9 @@ def plan(md: ModelDeployment, settings: PlanSettings) -> Plan:
     pools = md.spec.pools()
     objects = []
     for pool_name, pool in pools.items():
-        objects.append(_deployment(md, pool_name, pool, settings))
-        objects.append(_service(md, pool_name))
+        is_group = pool.pods_per_replica > 1
+        objects.append((_leader_worker_set if is_group else _deployment)(md, pool_name, pool, settings))
+        objects.append(_service(md, pool_name, leaders_only=is_group))
     if md.spec.gateway.inference_pool:
         objects += _gateway(md, settings)
     return Plan(objects, {name: pool.replicas for name, pool in pools.items()})
@@ -127,12 +154,43 @@ def _deployment(
     return _desired("apps/v1", "Deployment", "deployments", pool_name, md, labels, spec)
 
 
-def _service(md: ModelDeployment, pool_name: PoolName) -> DesiredObject:
+def _leader_worker_set(
+    md: ModelDeployment, pool_name: PoolName, pool: PoolSpec, settings: PlanSettings
+) -> DesiredObject:
+    """``replicas`` groups of ``podsPerReplica`` pods. Each group's services are its own
+    (``UniquePerReplica``): LWS's shared one would take the name of the pool's Service. A restarted
+    pod recreates its whole group, since its ranks left the others' collectives."""
+    labels = pool_labels(md.metadata.name, pool_name)
+    leader = plan_pod_spec(md, pool_name, pool, settings)
+    follower = plan_follower_pod_spec(md, pool_name, pool, settings)
+    owned = {LABEL_MANAGED_BY: MANAGED_BY, LABEL_DEPLOYMENT: md.metadata.name}
+    spec = {
+        "replicas": pool.replicas,
+        "startupPolicy": "LeaderCreated",
+        "networkConfig": {"subdomainPolicy": "UniquePerReplica"},
+        "leaderWorkerTemplate": {
+            "size": pool.pods_per_replica,
+            "restartPolicy": "RecreateGroupOnPodRestart",
+            "leaderTemplate": {
+                "metadata": {"labels": {**labels, LABEL_TEMPLATE_HASH: spec_hash(leader)}},
+                "spec": leader,
+            },
+            "workerTemplate": {
+                "metadata": {"labels": {**owned, LABEL_GROUP_ROLE: "follower"}},
+                "spec": follower,
+            },
+        },
+    }
+    return _desired(LWS_API, "LeaderWorkerSet", "leaderworkersets", pool_name, md, labels, spec)
+
+
+def _service(md: ModelDeployment, pool_name: PoolName, *, leaders_only: bool = False) -> DesiredObject:
+    """The pool's headless Service; of a multi-pod pool's leaders only (the followers serve nothing)."""
     labels = pool_labels(md.metadata.name, pool_name)
     ports = [("http", HTTP_PORT), ("internal", INTERNAL_PORT)]
     spec = {
         "clusterIP": "None",
-        "selector": dict(labels),
+        "selector": {**labels, **({LWS_WORKER_INDEX_LABEL: "0"} if leaders_only else {})},
         "ports": [
             {"name": name, "port": port, "targetPort": name, "protocol": "TCP"} for name, port in ports
         ],

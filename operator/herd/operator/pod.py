@@ -2,7 +2,9 @@
 everything around them.
 
 A ``herd`` or ``simulated`` pool runs one ``herd worker`` container (the simulated one fetches no
-weights). A ``vllm`` pool runs two: vLLM's server on the pod's loopback, and ``herd sidecar`` on
+weights). A pool whose replica spans several pods (``podsPerReplica``) runs the same container in
+each pod of a LeaderWorkerSet group: the leader's serves (``plan_pod_spec``); a follower's runs its
+pod's ranks and serves no port (``plan_follower_pod_spec``). A ``vllm`` pool runs two: vLLM's server on the pod's loopback, and ``herd sidecar`` on
 the worker's ``http`` and ``internal`` ports in front of it, so that the Service, discovery and
 readiness are the same for every backend.
 """
@@ -15,11 +17,11 @@ from typing import Any
 
 from herd.api.backends import lora_module_args, sidecar_argv, vllm_server_argv
 from herd.api.crd import POOL_ROLES, ModelDeployment, PoolName, PoolSpec, Resources, VLLMSpec
-from herd.api.protocol import TOKEN_ENV
+from herd.api.protocol import RENDEZVOUS_PORT, TOKEN_ENV
 from herd.operator.settings import PlanSettings
 from herd.operator.source import ModelSource, adapter_place, plan_source
 
-__all__ = ["HTTP_PORT", "INTERNAL_PORT", "plan_pod_spec", "worker_argv"]
+__all__ = ["HTTP_PORT", "INTERNAL_PORT", "plan_follower_pod_spec", "plan_pod_spec", "worker_argv"]
 
 HTTP_PORT = 8000
 INTERNAL_PORT = 9000
@@ -43,8 +45,10 @@ def worker_argv(
     md: ModelDeployment, pool: PoolName, model_path: str, adapters: Mapping[str, str] | None = None
 ) -> list[str]:
     """The worker command line; the pool's engine settings travel as one camelCase JSON argument,
-    the LoRA adapters (name -> folder in the pod) as ``--lora-modules``."""
+    the LoRA adapters (name -> folder in the pod) as ``--lora-modules``. A replica over several pods
+    adds ``--group-size``; each pod's index and the leader's address come from LeaderWorkerSet's env."""
     engine = md.spec.engine_for(pool).model_dump(by_alias=True, mode="json", exclude_none=True)
+    pods = md.spec.pools()[pool].pods_per_replica
     return [
         "herd", "worker",
         "--model", model_path,
@@ -55,6 +59,7 @@ def worker_argv(
         "--port", str(HTTP_PORT),
         "--internal-port", str(INTERNAL_PORT),
         *lora_module_args(adapters or {}),
+        *(["--group-size", str(pods), "--rendezvous-port", str(RENDEZVOUS_PORT)] if pods > 1 else []),
     ]  # fmt: skip
 
 
@@ -111,6 +116,18 @@ def plan_pod_spec(md: ModelDeployment, pool_name: PoolName, pool: PoolSpec, sett
     return _without_empty(spec, keep={"containers"})
 
 
+def plan_follower_pod_spec(
+    md: ModelDeployment, pool_name: PoolName, pool: PoolSpec, settings: PlanSettings
+) -> Object:
+    """A follower pod of a multi-pod replica: the leader's pod, whose worker joins the leader's ranks
+    and answers nothing: no ports, no probes (the leader's readiness speaks for the group, and
+    LeaderWorkerSet recreates the group when any pod's container restarts), no drain pause."""
+    spec = plan_pod_spec(md, pool_name, pool, settings)
+    serving_only = {"ports", "startupProbe", "livenessProbe", "readinessProbe", "lifecycle"}
+    worker = {key: value for key, value in spec["containers"][0].items() if key not in serving_only}
+    return {**spec, "containers": [worker], "terminationGracePeriodSeconds": settings.grace_seconds}
+
+
 def _worker_container(
     md: ModelDeployment,
     pool_name: PoolName,
@@ -122,7 +139,13 @@ def _worker_container(
 ) -> Object:
     """``herd worker``: herd's engine, or the simulated one (the argv's engine JSON says which)."""
     argv = worker_argv(md, pool_name, source.path, adapters)
-    return _serving_container("worker", image, argv, plan_resources(pool.resources), pool, settings, source)
+    container = _serving_container(
+        "worker", image, argv, plan_resources(pool.resources), pool, settings, source
+    )
+    if pool.pods_per_replica > 1:  # the follower pods' ranks dial it
+        rendezvous = {"name": "rendezvous", "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"}
+        container["ports"] = [*container["ports"], rendezvous]
+    return container
 
 
 def _sidecar_container(

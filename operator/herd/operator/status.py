@@ -87,8 +87,8 @@ def plan_status(
 ) -> Object:
     """The whole status body (camelCase) for ``md``, given its ``(pods, deployments)``."""
     pods, deployments = observed
-    templates = {obj.pool: obj.body["spec"]["template"]["metadata"]["labels"][LABEL_TEMPLATE_HASH]
-                 for obj in plan.objects if obj.kind == "Deployment" and obj.component == "pool"}  # fmt: skip
+    templates = {obj.pool: obj.serving_template["metadata"]["labels"][LABEL_TEMPLATE_HASH]
+                 for obj in plan.objects if obj.is_workload}  # fmt: skip
     pools = {
         name: pool_status(
             [p for p in pods if _labels(p).get(LABEL_ROLE) == POOL_ROLES[name]], desired, templates[name]

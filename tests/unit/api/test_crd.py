@@ -237,3 +237,60 @@ def test_a_tensor_parallel_size_other_than_the_gpus_is_refused() -> None:
         ManifestError, match=r"tensorParallelSize 2 differs from spec\.workers's 4 accelerators"
     ):
         parse_manifest(manifest(engine={"tensorParallelSize": 2}, workers=workers))
+
+
+GPUS_4 = {"vendor": "nvidia", "count": 4}
+
+
+@pytest.mark.parametrize(
+    ("engine", "workers", "expected"),
+    [
+        ({}, {"podsPerReplica": 2, "resources": {"accelerator": GPUS_4}}, 8),
+        ({}, {"podsPerReplica": 2}, 2),
+        ({"tensorParallelSize": 4}, {"podsPerReplica": 2}, 4),
+        ({"tensorParallelSize": 8}, {"podsPerReplica": 2, "resources": {"accelerator": GPUS_4}}, 8),
+    ],
+    ids=["gpus-times-pods", "cpu-one-rank-a-pod", "cpu-two-ranks-a-pod", "explicit-matches"],
+)
+def test_a_replica_over_several_pods_runs_a_rank_per_device_of_each(
+    engine: dict[str, Any], workers: dict[str, Any], expected: int
+) -> None:
+    spec = parse_manifest(manifest(engine=engine, workers=workers)).spec
+    assert spec.engine_for("workers").tensor_parallel_size == expected
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (
+            {
+                "engine": {"tensorParallelSize": 4},
+                "workers": {"podsPerReplica": 2, "resources": {"accelerator": GPUS_4}},
+            },
+            r"tensorParallelSize 4 differs from spec\.workers's 2 pods x 4 accelerators",
+        ),
+        (
+            {"engine": {"tensorParallelSize": 3}, "workers": {"podsPerReplica": 2}},
+            r"tensorParallelSize 3 does not split evenly over spec\.workers\.podsPerReplica 2",
+        ),
+        (
+            {"engine": {"backend": "vllm"}, "workers": {"podsPerReplica": 2}},
+            r"spec\.workers\.podsPerReplica 2 needs engine\.backend herd: vLLM over several pods needs a Ray",
+        ),
+        (
+            {"engine": {"backend": "simulated"}, "workers": {"podsPerReplica": 2}},
+            r"needs engine\.backend herd",
+        ),
+        (
+            {"serving": {"mode": "disaggregated"}, "prefill": {}, "decode": {"podsPerReplica": 2}},
+            r"spec\.decode\.podsPerReplica 2 serves aggregated only",
+        ),
+        ({"workers": {"podsPerReplica": 0}}, r"podsPerReplica"),
+    ],
+    ids=["gpus-mismatch", "uneven", "vllm", "simulated", "disaggregated", "zero"],
+)
+def test_a_replica_over_several_pods_is_refused_where_it_cannot_run(
+    spec: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ManifestError, match=message):
+        parse_manifest(manifest(**spec))

@@ -73,3 +73,19 @@ def test_an_invalid_manifest_names_the_field_and_prints_nothing(
     assert main(["plan", "-f", str(path)]) == 1
     captured = capsys.readouterr()
     assert captured.out == "" and "spec.engine.kvCache.blockSize" in captured.err
+
+
+def test_a_multi_pod_replica_prints_a_leader_worker_set(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    manifest = yaml.safe_load((REPO / "examples" / "llama-3-8b.yaml").read_text())
+    manifest["spec"]["workers"]["podsPerReplica"] = 2
+    path = tmp_path / "md.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    docs = printed(capsys, "-f", str(path))
+    assert [(doc["apiVersion"], doc["kind"]) for doc in docs] == [
+        ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"),
+        ("v1", "Service"),
+    ]
+    assert docs[0]["spec"]["replicas"] == 2
+    assert docs[0]["spec"]["leaderWorkerTemplate"]["size"] == 2

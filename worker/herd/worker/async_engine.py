@@ -332,6 +332,8 @@ class AsyncEngine:
         except Exception as error:
             logger.exception("the engine failed; this worker needs a restart")
             self._loop.call_soon_threadsafe(self._fail_all, error)
+        finally:
+            engine.close()
 
     def _loop_steps(self, engine: EngineCore) -> None:
         assert self._loop is not None

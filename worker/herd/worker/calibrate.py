@@ -135,6 +135,9 @@ class TimedRunner:
     def check_health(self) -> None:
         self.inner.check_health()
 
+    def close(self) -> None:
+        self.inner.close()
+
 
 def measure_steps(
     config: EngineConfig, grid: CalibrationGrid, seed: int = 0, runner: TorchRunner | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 from typing import Literal
 
@@ -9,8 +10,58 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from herd.api.crd import EngineSpec
+from herd.api.protocol import RENDEZVOUS_PORT
 
-__all__ = ["EngineConfig"]
+__all__ = ["EngineConfig", "PodGroup"]
+
+
+class PodGroup(BaseModel):
+    """The pods one model's ranks span (a LeaderWorkerSet group): ``size`` pods, this one being
+    ``index`` (0 is the leader, which serves HTTP and runs rank 0). The ranks meet at the leader's
+    rendezvous store, ``leader_host:port``; a rank that has not joined within ``join_timeout_s``
+    fails the worker with its name. One pod (the default) keeps every rank on loopback."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    size: int = Field(default=1, ge=1)
+    index: int = Field(default=0, ge=0)
+    leader_host: str = "127.0.0.1"
+    port: int = Field(default=RENDEZVOUS_PORT, ge=1, le=65535)
+    join_timeout_s: float = Field(default=300.0, gt=0)
+
+    @model_validator(mode="after")
+    def _check_index(self) -> PodGroup:
+        if self.index >= self.size:
+            raise ValueError(
+                f"pod index {self.index} is outside a group of {self.size} pods (0..{self.size - 1})"
+            )
+        return self
+
+    @property
+    def is_leader(self) -> bool:
+        return self.index == 0
+
+    @property
+    def on_loopback(self) -> bool:
+        """Every rank on this machine: one pod, or a group whose leader is a loopback address (a
+        test's processes). Then the store and gloo listen on 127.0.0.1 only."""
+        if self.size == 1 or self.leader_host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.leader_host).is_loopback
+        except ValueError:  # a DNS name, such as the one LeaderWorkerSet gives the leader
+            return False
+
+    @property
+    def bind_host(self) -> str:
+        """Where the leader's rendezvous store listens: loopback, or every interface for pods."""
+        return "127.0.0.1" if self.on_loopback else "0.0.0.0"  # other pods dial it
+
+    @property
+    def gloo_host(self) -> str | None:
+        """The address gloo's connections use: loopback, or None for the pod's own (its hostname)."""
+        return "127.0.0.1" if self.on_loopback else None
+
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -32,6 +83,7 @@ class EngineConfig(BaseModel):
     engine: EngineSpec = Field(default_factory=EngineSpec)
     seed: int = 0
     lora_modules: dict[str, Path] = Field(default_factory=dict)
+    group: PodGroup = Field(default_factory=PodGroup)
 
     @field_validator("model_path")
     @classmethod
@@ -48,6 +100,11 @@ class EngineConfig(BaseModel):
             )
         if self.served_name in self.lora_modules:
             raise ValueError(f"adapter name {self.served_name!r} is the base model's served name: rename it")
+        if self.tensor_parallel_size % self.group.size:
+            raise ValueError(
+                f"engine.tensorParallelSize {self.tensor_parallel_size} does not split evenly over "
+                f"{self.group.size} pods: give each pod the same number of ranks"
+            )
         return self
 
     @property
@@ -79,6 +136,11 @@ class EngineConfig(BaseModel):
     def tensor_parallel_size(self) -> int:
         """The ranks that split the model (``engine.tensorParallelSize``; 1 when unset)."""
         return self.engine.tensor_parallel_size or 1
+
+    @property
+    def ranks_per_pod(self) -> int:
+        """The ranks each pod of the group runs (one per device)."""
+        return self.tensor_parallel_size // self.group.size
 
     @property
     def block_size(self) -> int:

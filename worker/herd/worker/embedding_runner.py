@@ -65,6 +65,9 @@ class EmbeddingRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def close(self) -> None:
+        """Nothing runs beside it (an encoder runs on one device)."""
+
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> list[StepResult]:
         """Every planned sequence through the encoder in one forward; one pooled vector each."""

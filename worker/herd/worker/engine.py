@@ -471,6 +471,10 @@ class LLMEngine:
 
     # Disaggregation: whole KV blocks leave a prefill engine and enter a decode engine's cache.
 
+    def close(self) -> None:
+        """Stop the runner's other ranks, if any; the engine runs no step afterwards."""
+        self.runner.close()
+
     def release_held(self, request_id: str) -> int:
         """Release the blocks a finished ``hold_prompt_blocks`` request holds; how many (0 if none)."""
         held = self._held.pop(request_id, [])

@@ -13,9 +13,13 @@ herd's engine on it.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import multiprocessing
+import os
 import time
 from collections.abc import Collection, Sequence
+from datetime import timedelta
+from functools import partial
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
@@ -36,13 +40,24 @@ from herd.worker.loader import is_encoder, load_model, read_model_args
 from herd.worker.lora_model import LoraModel
 from herd.worker.models import UnsupportedModelError
 from herd.worker.models.llama import SINGLE, local_heads
-from herd.worker.parallel import TensorParallel, connect_store, die_with_parent, join, listen, rank_device
+from herd.worker.parallel import (
+    TensorParallel,
+    announce,
+    await_ranks,
+    connect_store,
+    exit_with_parent,
+    join,
+    listen,
+    rank_device,
+)
 from herd.worker.pooling import PoolingConfig
 from herd.worker.runner import PREFILL_MIN_TOKENS, Measured, StepResult
 from herd.worker.sampler import Sampler
 from herd.worker.scheduler import SchedulerOutput
 
-__all__ = ["DEFAULT_CPU_KV_GIB", "TorchRunner", "torch_engine"]
+__all__ = ["DEFAULT_CPU_KV_GIB", "TorchRunner", "follow_leader", "torch_engine"]
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_GIB = 1.0
 LOOPBACK = "127.0.0.1"
@@ -90,19 +105,19 @@ def _check_parallel(config: EngineConfig) -> None:
 
 
 def _parallel_runner(config: EngineConfig, eos_token_ids: Collection[int]) -> TorchRunner:
-    """Rank 0's runner, with a process per other rank started beside it (``_follow``)."""
-    size = config.tensor_parallel_size
-    store = listen(size)
-    address = f"{LOOPBACK}:{store.port}"
-    context = multiprocessing.get_context("spawn")  # a fork of a process holding torch's threads hangs
-    followers = [
-        context.Process(target=_follow, args=(config, rank, address), name=f"herd-rank-{rank}", daemon=True)
-        for rank in range(1, size)
-    ]
-    for follower in followers:
-        follower.start()
+    """Rank 0's runner. The other ranks of its pod start beside it as processes (``_follow``); the
+    ranks of the group's other pods join its store from their own ``herd worker`` (``follow_leader``).
+    A rank that has not joined within the group's join timeout fails the load with its number."""
+    size, group = config.tensor_parallel_size, config.group
+    store = listen(size, group.bind_host, port=group.port if group.size > 1 else 0)
+    followers = _start_ranks(config, range(1, config.ranks_per_pod), f"{LOOPBACK}:{store.port}")
     try:
-        parallel = join(store, 0, size, rank_device(config.device, 0))
+        await_ranks(store, size, partial(_check_started, followers), timedelta(seconds=group.join_timeout_s))
+        parallel = join(store, 0, size, rank_device(config.device, 0), group.gloo_host)
+        logger.info(
+            "tensor-parallel ranks joined",
+            extra={"num_ranks": size, "num_pods": group.size, "pids": [f.pid for f in followers]},
+        )
         return TorchRunner(config, eos_token_ids, parallel=parallel, followers=followers)
     except BaseException:
         for follower in followers:
@@ -110,12 +125,65 @@ def _parallel_runner(config: EngineConfig, eos_token_ids: Collection[int]) -> To
         raise
 
 
-def _follow(config: EngineConfig, rank: int, address: str) -> None:
+def follow_leader(config: EngineConfig) -> None:
+    """A follower pod's worker (``config.group.index`` > 0): this pod's ranks join the leader's store,
+    load their slices and run every step rank 0 sends. Returns when rank 0 closes (its worker
+    stopped); raises when the leader cannot be reached or its connection breaks mid-step."""
+    _check_parallel(config)
+    group, size = config.group, config.tensor_parallel_size
+    first = group.index * config.ranks_per_pod
+    store = connect_store(group.leader_host, group.port, size, timedelta(seconds=group.join_timeout_s))
+    followers = _start_ranks(
+        config, range(first + 1, first + config.ranks_per_pod), f"{group.leader_host}:{group.port}"
+    )
+    try:
+        announce(store, first)
+        parallel = join(store, first, size, rank_device(config.device, 0), group.gloo_host)
+        logger.info(
+            "joined the leader's ranks", extra={"rank": first, "num_ranks": size, "leader": group.leader_host}
+        )
+        runner = TorchRunner(config, (), parallel=parallel, followers=followers)
+    except BaseException:
+        for follower in followers:
+            follower.kill()
+        raise
+    runner.follow()
+    runner.close()
+
+
+def _start_ranks(config: EngineConfig, ranks: range, address: str) -> list[BaseProcess]:
+    """A process for each of ``ranks`` (this pod's other ranks), meeting at the store at ``address``."""
+    context = multiprocessing.get_context("spawn")  # a fork of a process holding torch's threads hangs
+    followers: list[BaseProcess] = [
+        context.Process(
+            target=_follow, args=(config, rank, address, os.getpid()), name=f"herd-rank-{rank}", daemon=True
+        )
+        for rank in ranks
+    ]
+    for follower in followers:
+        follower.start()
+    return followers
+
+
+def _check_started(followers: Sequence[BaseProcess]) -> None:
+    for follower in followers:
+        if follower.exitcode is not None:
+            raise RuntimeError(
+                f"tensor-parallel {follower.name} (pid {follower.pid}) exited with code {follower.exitcode} "
+                "before it joined rank 0: see its error above"
+            )
+
+
+def _follow(config: EngineConfig, rank: int, address: str, parent_pid: int) -> None:
     """A follower rank's process: join rank 0, load this rank's slice, run every step rank 0 sends."""
-    die_with_parent()
+    exit_with_parent(parent_pid)
     host, port = address.rsplit(":", 1)
-    store = connect_store(host, int(port), config.tensor_parallel_size)
-    parallel = join(store, rank, config.tensor_parallel_size, rank_device(config.device, rank))
+    size, timeout = config.tensor_parallel_size, timedelta(seconds=config.group.join_timeout_s)
+    store = connect_store(host, int(port), size, timeout)
+    announce(store, rank)
+    parallel = join(
+        store, rank, size, rank_device(config.device, rank % config.ranks_per_pod), config.group.gloo_host
+    )
     TorchRunner(config, (), parallel=parallel).follow()
 
 
@@ -136,7 +204,12 @@ class TorchRunner:
         self.parallel = parallel
         self.followers = list(followers)
         self.is_broken = False
-        self.device = rank_device(config.device, parallel.rank) if parallel.size > 1 else config.device
+        self.is_closed = False
+        self.device = (
+            rank_device(config.device, parallel.rank % config.ranks_per_pod)
+            if parallel.size > 1
+            else config.device
+        )
         self.args = read_model_args(config.model_path)
         self.dtype = config.resolve_dtype(self.args.checkpoint_dtype)
         self.model = load_model(
@@ -281,8 +354,10 @@ class TorchRunner:
             self._forward(block_copies, inputs.to(self.device))
 
     def close(self) -> None:
-        """Rank 0: stop the follower ranks (each process ends after its last step)."""
-        if self.followers and not self.is_broken:
+        """Rank 0: stop the follower ranks, local and remote (each process ends after the last step
+        it is sent); the local processes that do not end within seconds are killed."""
+        if self.parallel.rank == 0 and self.parallel.size > 1 and not (self.is_broken or self.is_closed):
+            self.is_closed = True  # a second close sends nothing
             self.parallel.broadcast_object(None)
         for follower in self.followers:
             follower.join(timeout=10)

@@ -17,10 +17,12 @@ torch.distributed's global default group, so that one process may hold several e
 
 from __future__ import annotations
 
-import ctypes
+import os
 import pickle
-import signal
-import sys
+import socket
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -29,9 +31,12 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "STORE_TIMEOUT",
     "TensorParallel",
+    "announce",
+    "await_ranks",
     "connect_store",
-    "die_with_parent",
+    "exit_with_parent",
     "join",
     "listen",
     "partition",
@@ -40,7 +45,7 @@ __all__ = [
 
 GROUP_TIMEOUT = timedelta(days=30)
 """How long a rank waits in a collective: a follower waits for rank 0's next step however idle the
-server is (a follower whose rank 0 died is ended by its parent-death signal, not by this)."""
+server is (a follower whose rank 0 died sees its connection close, or is ended by ``exit_with_parent``)."""
 
 
 def partition(total: int, parts: int, index: int) -> tuple[int, int]:
@@ -111,38 +116,98 @@ STORE_TIMEOUT = timedelta(minutes=5)
 """How long the ranks wait for one another to start (each loads its slice of the model first)."""
 
 
-def listen(size: int, host: str = "127.0.0.1") -> Any:
-    """Rank 0's rendezvous store (a ``TCPStore``) on a free port of ``host`` (``store.port``)."""
-    return _TCP_STORE(host, 0, size, True, timeout=STORE_TIMEOUT, wait_for_workers=False)
+def listen(size: int, host: str = "127.0.0.1", port: int = 0) -> Any:
+    """Rank 0's rendezvous store (a ``TCPStore``) on ``host:port`` (port 0: a free one, ``store.port``).
+    The socket is bound here and handed to torch, whose own store server would listen on every
+    interface; ``0.0.0.0`` is for a group whose other pods dial in."""
+    server = socket.create_server((host, port))
+    bound = server.getsockname()[1]
+    dial = "127.0.0.1" if host == "0.0.0.0" else host  # rank 0 dials its own store
+    return _TCP_STORE(
+        dial,
+        bound,
+        size,
+        True,
+        timeout=STORE_TIMEOUT,
+        wait_for_workers=False,
+        master_listen_fd=server.detach(),
+    )
 
 
-def connect_store(host: str, port: int, size: int) -> Any:
-    """A follower's connection to rank 0's store."""
-    return _TCP_STORE(host, port, size, False, timeout=STORE_TIMEOUT)
+def connect_store(host: str, port: int, size: int, timeout: timedelta = STORE_TIMEOUT) -> Any:
+    """A follower's connection to rank 0's store, retried until ``timeout``; a ``TimeoutError``
+    names the address when rank 0's store never answered."""
+    try:
+        return _TCP_STORE(host, port, size, False, timeout=timeout)
+    except (RuntimeError, TimeoutError) as error:  # torch's DistNetworkError/DistStoreError are RuntimeErrors
+        raise TimeoutError(
+            f"rank 0's rendezvous store at {host}:{port} did not answer within {timeout} ({error}): check "
+            "that the leader runs and that this address and port reach it"
+        ) from error
 
 
-def join(store: Any, rank: int, size: int, device: torch.device) -> TensorParallel:
+def join(store: Any, rank: int, size: int, device: torch.device, host: str | None = None) -> TensorParallel:
     """The process group of ``size`` ranks meeting at ``store`` (returns once every rank joined):
-    NCCL on CUDA, gloo on the CPU."""
+    NCCL on CUDA, gloo on the CPU, its connections on ``host``'s interface (None: the interface of
+    this machine's hostname, gloo's default)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = GROUP_TIMEOUT
         group: Any = dist.ProcessGroupNCCL(store, rank, size, options)
     else:
-        group = dist.ProcessGroupGloo(store, rank, size, GROUP_TIMEOUT)
+        gloo: Any = dist.ProcessGroupGloo  # torch's stubs do not declare _Options
+        gloo_options = gloo._Options()
+        gloo_options._timeout = GROUP_TIMEOUT
+        device_of = gloo.create_default_device() if host is None else gloo.create_device(hostname=host)
+        gloo_options._devices = [device_of]
+        group = gloo(store, rank, size, gloo_options)
     return TensorParallel(rank, size, group)
 
 
-def rank_device(device: torch.device, rank: int) -> torch.device:
-    """Rank ``rank``'s device in its pod: GPU ``rank`` on CUDA, the CPU otherwise."""
-    return torch.device("cuda", rank) if device.type == "cuda" else device
+def rank_device(device: torch.device, local_rank: int) -> torch.device:
+    """The device of a pod's ``local_rank``-th rank: GPU ``local_rank`` on CUDA, the CPU otherwise."""
+    return torch.device("cuda", local_rank) if device.type == "cuda" else device
 
 
-def die_with_parent() -> None:
-    """End this process when its parent (rank 0's worker) ends, however it ends (Linux)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+def announce(store: Any, rank: int) -> None:
+    """Tell rank 0 that ``rank`` reached its store (``await_ranks``)."""
+    store.set(_joined_key(rank), "1")
 
 
-_PR_SET_PDEATHSIG = 1
+def await_ranks(store: Any, size: int, check_alive: Callable[[], None], timeout: timedelta) -> None:
+    """Wait until ranks 1..size-1 announced themselves, calling ``check_alive`` between polls (it
+    raises when a local rank's process ended: a rank that died never joins, and without this rank
+    0 would learn it only at the store's timeout, minutes later). Raises ``TimeoutError`` naming
+    the ranks still missing after ``timeout``."""
+    keys = [_joined_key(rank) for rank in range(1, size)]
+    deadline = time.monotonic() + timeout.total_seconds()
+    while not store.check(keys):
+        check_alive()
+        if time.monotonic() > deadline:
+            missing = [rank for rank, key in enumerate(keys, 1) if not store.check([key])]
+            raise TimeoutError(
+                f"tensor-parallel ranks {missing} did not join rank 0 within {timeout}: check that "
+                "their processes (pods) run and reach rank 0's address"
+            )
+        time.sleep(_POLL_S)
+
+
+def _joined_key(rank: int) -> str:
+    return f"herd/joined/{rank}"
+
+
+def exit_with_parent(parent_pid: int) -> None:
+    """End this process as soon as its parent ``parent_pid`` (rank 0's worker) is gone, however it
+    ended. A thread watches the parent pid: Linux's parent-death signal would fire when the parent's
+    *thread* that started this process ends, which kills ranks started from a short-lived thread."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(_POLL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="herd-parent-watch", daemon=True).start()
+
+
+_POLL_S = 0.2

@@ -139,3 +139,8 @@ class Runner(Protocol):
     def check_health(self) -> None:
         """Raise if the runner can run no more work (after a failed batch)."""
         ...
+
+    def close(self) -> None:
+        """Release what the runner started beside its process (tensor-parallel ranks); it runs no
+        step afterwards."""
+        ...

@@ -225,6 +225,9 @@ class SimulatedRunner:
     def check_health(self) -> None:
         """Nothing can break: there is no device."""
 
+    def close(self) -> None:
+        """Nothing runs beside it."""
+
 
 def simulated_engine(
     config: EngineConfig,
