@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from herd.api.crd import EngineSpec
 
@@ -37,6 +37,29 @@ class EngineConfig(BaseModel):
         if not (value / "config.json").is_file():
             raise ValueError(f"model_path {value} has no config.json: pass a HF-format model folder")
         return value
+
+    @model_validator(mode="after")
+    def _check_draft_model(self) -> EngineConfig:
+        path = self.draft_model_path
+        if path is not None and not (path / "config.json").is_file():
+            raise ValueError(
+                f"engine.speculative.draftModel {path} has no config.json: pass a HF-format model folder"
+            )
+        return self
+
+    @property
+    def draft_model_path(self) -> Path | None:
+        """The folder of ``engine.speculative.draftModel``: a worker reads a ``file://`` source (the
+        operator and ``herd up`` hand it one, having fetched any other)."""
+        spec = self.engine.speculative
+        if spec is None or spec.draft_model is None:
+            return None
+        if not spec.draft_model.startswith("file://"):
+            raise ValueError(
+                f"engine.speculative.draftModel {spec.draft_model!r}: a worker reads the draft model from a "
+                "folder (file://...); the operator fetches other sources into the pod"
+            )
+        return Path(spec.draft_model.removeprefix("file://"))
 
     @property
     def device(self) -> torch.device:

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
     from herd.worker.scheduler import SchedulerOutput
 
-__all__ = ["Runner", "SampledToken", "StepResult"]
+__all__ = ["Runner", "SampledToken", "SpeculatedTokens", "StepResult"]
 
 
 @dataclass(frozen=True)
@@ -35,8 +35,22 @@ class SampledToken:
     logprob: TokenLogprob | None
 
 
-StepResult = SampledToken | Exception
-"""One sampled sequence's outcome: its token, or the exception that failed that sequence alone."""
+@dataclass(frozen=True)
+class SpeculatedTokens:
+    """A chunk's verified proposal: the accepted proposed tokens, then the target's own token (so
+    ``1 + num_accepted`` tokens), and how many tokens were proposed."""
+
+    tokens: tuple[SampledToken, ...]
+    num_proposed: int
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.tokens) - 1
+
+
+StepResult = SampledToken | SpeculatedTokens | Exception
+"""One sampled sequence's outcome: its token (or tokens, after a verified proposal), or the
+exception that failed that sequence alone."""
 
 
 class Runner(Protocol):
@@ -52,7 +66,10 @@ class Runner(Protocol):
 
     def execute(self, plan: SchedulerOutput) -> list[StepResult]:
         """Copy ``plan.block_copies``, run every chunk, and sample: one result per chunk whose
-        ``is_sampled``, in chunk order. Raises only when the batch as a whole failed."""
+        ``is_sampled``, in chunk order. A chunk with ``num_draft_slots`` may carry up to that many
+        proposed tokens after its own, verified in the same pass (a ``SpeculatedTokens``); their
+        KV lands in the reserved slots, and the engine rolls back what was rejected. Raises only
+        when the batch as a whole failed."""
         ...
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:

@@ -12,6 +12,11 @@ never one of ``avoid_token_ids`` (the stop tokens), unless ``eos_after`` asks fo
 output tokens. The KV pool is block ids only: the block manager hands them out as for a real pool;
 ``read_blocks`` answers zeros of the geometry's shape (a placeholder of the right layout, so a KV
 frame encodes) and ``write_blocks`` checks that shape and keeps nothing; block copies are no-ops.
+
+Speculative decoding runs with the n-gram proposer, for real: the proposals are looked up in the
+sequence's tokens, each one verified against the token this runner would sample at its position
+(accepted while they agree, then the runner's own), and a step costs its proposed tokens like any
+other. A draft model cannot run where there is no model: ``simulated_engine`` refuses one.
 """
 
 from __future__ import annotations
@@ -34,9 +39,10 @@ from herd.worker.engine import LLMEngine
 from herd.worker.loader import read_model_args
 from herd.worker.model_runner import DEFAULT_CPU_KV_GIB
 from herd.worker.outputs import TokenLogprob
-from herd.worker.runner import SampledToken, StepResult
+from herd.worker.runner import SampledToken, SpeculatedTokens, StepResult
 from herd.worker.scheduler import SchedulerOutput
 from herd.worker.sequence import Sequence
+from herd.worker.speculative.proposer import NgramProposer, Proposal
 
 __all__ = [
     "Clock",
@@ -81,10 +87,11 @@ class SleepingClock:
         time.sleep(seconds - busy)
 
 
-def step_seconds(cost: CostModel, plan: SchedulerOutput) -> float:
-    """The plan's modelled duration: each chunk attends to its sequence's context up to its end."""
-    num_context_tokens = sum(chunk.start + chunk.num_tokens for chunk in plan.chunks)
-    return cost.step_seconds(plan.num_tokens, len(plan.chunks), num_context_tokens)
+def step_seconds(cost: CostModel, plan: SchedulerOutput, num_proposed: int = 0) -> float:
+    """The plan's modelled duration: each chunk attends to its sequence's context up to its end;
+    ``num_proposed`` tokens verified after their chunks cost as many more tokens."""
+    num_context_tokens = sum(chunk.start + chunk.num_tokens for chunk in plan.chunks) + num_proposed
+    return cost.step_seconds(plan.num_tokens + num_proposed, len(plan.chunks), num_context_tokens)
 
 
 class SimulatedRunner:
@@ -100,8 +107,10 @@ class SimulatedRunner:
         avoid_token_ids: Collection[int] = (),
         eos_after: int | None = None,
         seed: int = 0,
+        proposer: NgramProposer | None = None,
     ) -> None:
         self.geometry = geometry
+        self.proposer = proposer
         self.vocab_size = vocab_size
         self.cost = cost or CostModel()
         self.clock = clock or VirtualClock()
@@ -113,13 +122,31 @@ class SimulatedRunner:
         self._allowed = [token_id for token_id in range(vocab_size) if token_id not in avoided]
 
     def execute(self, plan: SchedulerOutput) -> list[StepResult]:
-        """Spend the plan's cost on the clock; one token per sampled chunk. ``block_copies`` move
-        no data: the pool holds none."""
-        self.clock.advance(step_seconds(self.cost, plan), self.cost.host_share)
-        return [self._sample(chunk.seq) for chunk in plan.chunks if chunk.is_sampled]
+        """Spend the plan's cost on the clock; one token per sampled chunk, or a verified proposal's
+        tokens. ``block_copies`` move no data: the pool holds none."""
+        proposals = self.proposer.propose(plan) if self.proposer is not None else {}
+        num_proposed = sum(len(proposal.token_ids) for proposal in proposals.values())
+        self.clock.advance(step_seconds(self.cost, plan, num_proposed), self.cost.host_share)
+        return [
+            self._sample(chunk.seq) if chunk not in proposals else self._verify(chunk.seq, proposals[chunk])
+            for chunk in plan.chunks
+            if chunk.is_sampled
+        ]
 
-    def _sample(self, seq: Sequence) -> SampledToken:
-        position = seq.num_output_tokens
+    def _verify(self, seq: Sequence, proposal: Proposal) -> SpeculatedTokens:
+        """Accept the proposed ids while they are the ones this runner samples, then its own."""
+        tokens: list[SampledToken] = []
+        for offset, token_id in enumerate(proposal.token_ids):
+            own = self._sample(seq, offset)
+            tokens.append(own)
+            if own.token_id != token_id:
+                return SpeculatedTokens(tuple(tokens), len(proposal.token_ids))
+        tokens.append(self._sample(seq, len(proposal.token_ids)))
+        return SpeculatedTokens(tuple(tokens), len(proposal.token_ids))
+
+    def _sample(self, seq: Sequence, offset: int = 0) -> SampledToken:
+        """The token at output position ``seq.num_output_tokens + offset``."""
+        position = seq.num_output_tokens + offset
         if self.eos_after is not None and position >= self.eos_after and self._avoid:
             token_id = self._avoid[0]
         else:
@@ -194,5 +221,21 @@ def simulated_engine(
         clock=clock,
         avoid_token_ids=renderer.eos_token_ids,
         seed=config.seed,
+        proposer=_ngram_proposer(config),
     )
+    if isinstance(runner.clock, VirtualClock):
+        virtual = runner.clock
+        return LLMEngine(config, runner, renderer, clock=lambda: virtual.now)
     return LLMEngine(config, runner, renderer)
+
+
+def _ngram_proposer(config: EngineConfig) -> NgramProposer | None:
+    spec = config.engine.speculative
+    if spec is None:
+        return None
+    if spec.method != "ngram":
+        raise ValueError(
+            f"engine.speculative.method {spec.method} needs a model to run: the simulated engine has none; "
+            "use method ngram"
+        )
+    return NgramProposer(min_n=spec.prompt_lookup_min, max_n=spec.prompt_lookup_max)
