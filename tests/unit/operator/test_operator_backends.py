@@ -71,7 +71,13 @@ def test_each_backend_renders_its_containers(
 def test_a_simulated_worker_gets_its_cost_model_in_the_engine_json() -> None:
     md = make_md({"backend": "simulated", "simulation": {"costModel": {"stepMs": 7, "seqMs": 0.5}}})
     sent = json.loads(arg(containers(md)["worker"]["command"], "--engine-json"))
-    assert sent["simulation"]["costModel"] == {"stepMs": 7.0, "seqMs": 0.5, "tokenMs": 1.5, "contextUs": 0.0}
+    assert sent["simulation"]["costModel"] == {
+        "stepMs": 7.0,
+        "seqMs": 0.5,
+        "tokenMs": 1.5,
+        "contextUs": 0.0,
+        "hostShare": 0.0,
+    }
     assert containers(md)["worker"]["image"] == "herd/worker:1"
 
 
