@@ -13,10 +13,10 @@ import json
 from typing import Any
 
 from herd.api.backends import sidecar_argv, vllm_server_argv
-from herd.api.crd import POOL_ROLES, ModelDeployment, PoolName, PoolSpec, Resources, VLLMSpec
+from herd.api.crd import POOL_ROLES, ModelDeployment, ModelSpec, PoolName, PoolSpec, Resources, VLLMSpec
 from herd.api.protocol import TOKEN_ENV
 from herd.operator.settings import PlanSettings
-from herd.operator.source import ModelSource, plan_source
+from herd.operator.source import DRAFT, ModelSource, plan_source
 
 __all__ = ["HTTP_PORT", "INTERNAL_PORT", "plan_pod_spec", "worker_argv"]
 
@@ -38,9 +38,14 @@ _CONTAINER_SECURITY = {
 Object = dict[str, Any]
 
 
-def worker_argv(md: ModelDeployment, pool: PoolName, model_path: str) -> list[str]:
-    """The worker command line; the pool's engine settings travel as one camelCase JSON argument."""
+def worker_argv(
+    md: ModelDeployment, pool: PoolName, model_path: str, draft_path: str | None = None
+) -> list[str]:
+    """The worker command line; the pool's engine settings travel as one camelCase JSON argument,
+    the speculative draft model as the folder ``draft_path`` it lies in inside the pod."""
     engine = md.spec.engine_for(pool).model_dump(by_alias=True, mode="json", exclude_none=True)
+    if draft_path is not None:
+        engine["speculative"]["draftModel"] = f"file://{draft_path}"
     return [
         "herd", "worker",
         "--model", model_path,
@@ -57,13 +62,22 @@ def plan_pod_spec(md: ModelDeployment, pool_name: PoolName, pool: PoolSpec, sett
     image = pool.image or settings.worker_image
     needs_weights = md.spec.engine.backend != "simulated"
     source = plan_source(md.spec.model, settings, worker_image=image, needs_weights=needs_weights)
+    draft = _draft_source(md, settings, image)
+    if draft is not None:
+        source = ModelSource(
+            source.path,
+            [*source.volumes, *draft.volumes],
+            [*source.mounts, *draft.mounts],
+            [*source.init_containers, *draft.init_containers],
+        )
+    draft_path = None if draft is None else draft.path
     if md.spec.engine.backend == "vllm":
         containers = [
-            _vllm_container(md, pool_name, pool, settings, source),
+            _vllm_container(md, pool_name, pool, settings, source, draft_path),
             _sidecar_container(md, pool, settings, image, source),
         ]
     else:
-        containers = [_worker_container(md, pool_name, pool, settings, image, source)]
+        containers = [_worker_container(md, pool_name, pool, settings, image, source, draft_path)]
     spec: Object = {
         "securityContext": _pod_security(settings),
         "containers": containers,
@@ -79,6 +93,15 @@ def plan_pod_spec(md: ModelDeployment, pool_name: PoolName, pool: PoolSpec, sett
     return _without_empty(spec, keep={"containers"})
 
 
+def _draft_source(md: ModelDeployment, settings: PlanSettings, image: str) -> ModelSource | None:
+    """The speculative draft model's files (fetched like the model's, into their own volume)."""
+    speculative = md.spec.engine.speculative
+    if speculative is None or speculative.draft_model is None:
+        return None
+    draft = ModelSpec(source=speculative.draft_model, cache=md.spec.model.cache)
+    return plan_source(draft, settings, worker_image=image, place=DRAFT)
+
+
 def _worker_container(
     md: ModelDeployment,
     pool_name: PoolName,
@@ -86,9 +109,10 @@ def _worker_container(
     settings: PlanSettings,
     image: str,
     source: ModelSource,
+    draft_path: str | None,
 ) -> Object:
     """``herd worker``: herd's engine, or the simulated one (the argv's engine JSON says which)."""
-    argv = worker_argv(md, pool_name, source.path)
+    argv = worker_argv(md, pool_name, source.path, draft_path)
     return _serving_container("worker", image, argv, plan_resources(pool.resources), pool, settings, source)
 
 
@@ -141,7 +165,12 @@ def _serving_container(
 
 
 def _vllm_container(
-    md: ModelDeployment, pool_name: PoolName, pool: PoolSpec, settings: PlanSettings, source: ModelSource
+    md: ModelDeployment,
+    pool_name: PoolName,
+    pool: PoolSpec,
+    settings: PlanSettings,
+    source: ModelSource,
+    draft_path: str | None,
 ) -> Object:
     """vLLM's server, on the pod's loopback only (the sidecar is its one client): no ports, no
     readiness of its own (the sidecar's says when vLLM serves), liveness by its ``/health``."""
@@ -155,6 +184,7 @@ def _vllm_container(
         VLLM_KV_EVENTS_PORT,
         VLLM_KV_REPLAY_PORT,
         python="python3",
+        draft_model_path=draft_path,
     )
     container: Object = {
         "name": "vllm",

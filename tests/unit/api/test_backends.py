@@ -184,3 +184,33 @@ def test_vllm_own_parser_takes_the_argv() -> None:
         "port": 8000,
         "details": True,
     }
+
+
+@pytest.mark.parametrize(
+    ("speculative", "draft", "expected"),
+    [
+        pytest.param(
+            {"method": "ngram", "numTokens": 5, "promptLookupMax": 3},
+            None,
+            {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 3},
+            id="ngram",
+        ),
+        pytest.param(
+            {"method": "draft", "draftModel": "hf://Org/Small", "numTokens": 3},
+            "/draft-model/hf/Org/Small/main",
+            {"method": "draft_model", "model": "/draft-model/hf/Org/Small/main", "num_speculative_tokens": 3},
+            id="draft",
+        ),
+    ],
+)
+def test_speculation_is_vllms_speculative_config(
+    speculative: dict[str, Any], draft: str | None, expected: dict[str, Any]
+) -> None:
+    spec = EngineSpec.model_validate({"speculative": speculative})
+    argv = vllm_server_argv(spec, "/models/m", "m", 8000, 5557, 5558, draft_model_path=draft)
+    assert json.loads(arg_of(argv, "--speculative-config")) == expected
+    assert "--speculative-config" not in _vllm({})
+
+
+def arg_of(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]

@@ -110,9 +110,12 @@ class LLMEngine:
         self.speculation = (
             None
             if speculative is None
-            else SpeculationPolicy(speculative.num_tokens, adaptive=speculative.adaptive)
+            else SpeculationPolicy(
+                speculative.num_tokens,
+                adaptive=speculative.adaptive,
+                draft_passes=speculative.method == "draft",
+            )
         )
-        self._counts_draft_passes = speculative is not None and speculative.method == "draft"
         self.clock = clock
         self.stats = EngineStats(spec_accepted_per_pos=[0] * (speculative.num_tokens if speculative else 0))
         self.vocab_size = runner.vocab_size
@@ -245,7 +248,7 @@ class LLMEngine:
             num_proposed += proposed
             longest = max(longest, proposed)
             self.stats.count_draft(proposed, accepted)
-        num_passes = max(0, longest - 1) if self._counts_draft_passes else 0
+        num_passes = max(0, longest - 1) if self.speculation.draft_passes else 0
         self.speculation.step_cost.observe(decision.num_tokens + num_proposed, num_passes, seconds)
 
     def _count(self, decision: SchedulerOutput) -> None:

@@ -12,9 +12,9 @@ beats plain decoding by ``MARGIN``.
 The inputs are measured, never configured: ``AcceptanceEstimate`` keeps decayed counts of the
 positions tested and accepted, ``StepCostEstimate`` a decayed least-squares fit of step times
 against tokens and draft passes (with a weak prior scaled by the first step, so that a run of
-identical steps leaves the fit defined). ``SpeculationPolicy`` joins them; when it has chosen 0
-for ``PROBE_INTERVAL`` steps it proposes ``numTokens`` for one sequence, so that acceptance keeps
-being measured and speculation comes back when it pays again. Everything here is arithmetic on
+identical steps leaves the fit defined). ``SpeculationPolicy`` joins them; when it has chosen fewer
+than ``numTokens`` for ``PROBE_INTERVAL`` steps it proposes ``numTokens`` for one sequence, so that
+acceptance keeps being measured at every position and speculation comes back when it pays again. Everything here is arithmetic on
 numbers the engine pushes in: no clock, no I/O.
 """
 
@@ -179,14 +179,17 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
 
 
 class SpeculationPolicy:
-    """The engine's per-step choice; fixed at ``max_tokens`` unless ``adaptive``."""
+    """The engine's per-step choice; fixed at ``max_tokens`` unless ``adaptive``. ``draft_passes``:
+    the proposer runs a model once per proposed token after the first (a draft model; n-gram
+    lookup runs none, so the fit's pass cost is not counted for it)."""
 
-    def __init__(self, max_tokens: int, *, adaptive: bool) -> None:
+    def __init__(self, max_tokens: int, *, adaptive: bool, draft_passes: bool = False) -> None:
         self.max_tokens = max_tokens
         self.adaptive = adaptive
+        self.draft_passes = draft_passes
         self.acceptance = AcceptanceEstimate(max_tokens)
         self.step_cost = StepCostEstimate()
-        self._steps_without = 0
+        self._steps_below_max = 0
 
     def choose(self, num_decoding: int) -> Choice:
         if not self.adaptive:
@@ -194,6 +197,8 @@ class SpeculationPolicy:
         cost = self.step_cost.cost
         if cost is None:
             return Choice(self.max_tokens)
+        if not self.draft_passes:
+            cost = StepCost(cost.fixed, cost.per_token)
         k = choose_num_tokens(
             num_decoding,
             self.acceptance.rates,
@@ -201,11 +206,11 @@ class SpeculationPolicy:
             max_tokens=self.max_tokens,
             proposal_share=self.acceptance.proposal_share,
         )
-        if k:
-            self._steps_without = 0
+        if k == self.max_tokens:
+            self._steps_below_max = 0
             return Choice(k)
-        self._steps_without += 1
-        if self._steps_without >= PROBE_INTERVAL:
-            self._steps_without = 0
+        self._steps_below_max += 1
+        if self._steps_below_max >= PROBE_INTERVAL:
+            self._steps_below_max = 0
             return Choice(self.max_tokens, num_seqs=1)
-        return Choice(0)
+        return Choice(k)
