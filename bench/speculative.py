@@ -3,7 +3,8 @@
 The requests ask the demo model to fix the spelling of a given paragraph and return it, so the
 output repeats the input, as editing and summarizing do. Greedy decoding, so every setup emits the
 very same tokens (the engine's parity tests say so; this script checks it too) and only the time
-differs. Setups:
+differs. ``--workload open`` asks for stories and poems instead, where prompt lookup rarely guesses
+right: speculation's cost without its gain, what the adaptive policy is for. Setups:
 
 * ``none``: no speculation;
 * ``ngram-k4``: n-gram prompt lookup proposing 4 tokens at every step (``adaptive: false``);
@@ -63,6 +64,15 @@ PARAGRAPHS = [
     "second one streams the answer back to the client.",
 ]
 INSTRUCTION = "Fix the spelling mistakes in the following text and return the whole corrected text:\n\n"
+OPEN_ENDED = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Describe a day in the life of a baker in a small mountain village.",
+    "Invent a new board game and explain how to win it.",
+    "Write a letter from a cat to the dog next door.",
+    "Tell me about a city where it rains every afternoon at four.",
+    "Write a poem about the first snow of the winter.",
+]
+"""``--workload open``: nothing to repeat, so prompt lookup rarely proposes the right tokens."""
 SETUPS: dict[str, dict[str, Any] | None] = {
     "none": None,
     "ngram-k4": {"method": "ngram", "numTokens": 4, "adaptive": False},
@@ -168,11 +178,15 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--phases", default="c1,cN", help="c1, cN or both")
+    parser.add_argument(
+        "--workload", choices=["grounded", "open"], default="grounded", help="open: open-ended requests"
+    )
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "speculative.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     renderer = PromptRenderer.from_pretrained(args.model)
-    prompts = [renderer.encode_chat([{"role": "user", "content": INSTRUCTION + text}]) for text in PARAGRAPHS]
+    texts = [INSTRUCTION + text for text in PARAGRAPHS] if args.workload == "grounded" else OPEN_ENDED
+    prompts = [renderer.encode_chat([{"role": "user", "content": text}]) for text in texts]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     engines = {name: build_engine(args.model, speculative) for name, speculative in SETUPS.items()}
     phases = args.phases.split(",")

@@ -248,8 +248,11 @@ class LLMEngine:
             num_proposed += proposed
             longest = max(longest, proposed)
             self.stats.count_draft(proposed, accepted)
-        num_passes = max(0, longest - 1) if self.speculation.draft_passes else 0
-        self.speculation.step_cost.observe(decision.num_tokens + num_proposed, num_passes, seconds)
+        if all(chunk.num_tokens == 1 for chunk in decision.chunks):
+            # Only decode steps: the choice is about them, and a prefill chunk's tokens (compute-bound)
+            # cost far more each than a decode's few (bound by reading the weights).
+            num_passes = max(0, longest - 1) if self.speculation.draft_passes else 0
+            self.speculation.step_cost.observe(decision.num_tokens + num_proposed, num_passes, seconds)
 
     def _count(self, decision: SchedulerOutput) -> None:
         self.stats.num_steps += 1

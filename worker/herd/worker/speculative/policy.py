@@ -10,7 +10,8 @@ a proposal at all, a step of ``B`` decodes yields ``B * (1 + h * sum_j prod_{i<j
 beats plain decoding by ``MARGIN``.
 
 The inputs are measured, never configured: ``AcceptanceEstimate`` keeps decayed counts of the
-positions tested and accepted, ``StepCostEstimate`` a decayed least-squares fit of step times
+positions tested and accepted, ``StepCostEstimate`` a decayed least-squares fit of the times of
+decode steps (the engine leaves out steps with a prefill chunk, whose tokens cost far more each)
 against tokens and draft passes (with a weak prior scaled by the first step, so that a run of
 identical steps leaves the fit defined). ``SpeculationPolicy`` joins them; when it has chosen fewer
 than ``numTokens`` for ``PROBE_INTERVAL`` steps it proposes ``numTokens`` for one sequence, so that
