@@ -149,6 +149,7 @@ print(json.dumps({
     "max_num_seqs": engine.max_num_seqs, "max_num_batched_tokens": engine.max_num_batched_tokens,
     "events": engine.kv_events_config.endpoint, "replay": engine.kv_events_config.replay_endpoint,
     "host": args.host, "port": args.port, "details": args.enable_prompt_tokens_details,
+    "speculative": engine.speculative_config,
 }))
 """
 
@@ -183,6 +184,27 @@ def test_vllm_own_parser_takes_the_argv() -> None:
         "host": "127.0.0.1",
         "port": 8000,
         "details": True,
+        "speculative": None,
+    }
+
+
+@pytest.mark.slow
+@skip_without_vllm
+def test_vllm_own_parser_takes_the_speculative_config() -> None:
+    engine = EngineSpec.model_validate(
+        {"device": "cpu", "kvCache": {"blockSize": 32}, "speculative": {"method": "ngram", "numTokens": 3}}
+    )
+    argv = vllm_server_argv(engine, "/models/m", "m", 8000, 5557, 5558)
+    result = subprocess.run(
+        [str(VLLM_PYTHON), "-c", _PARSE, *argv[3:]], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    parsed = json.loads(result.stdout.strip().splitlines()[-1])
+    assert parsed["speculative"] == {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_min": 2,
+        "prompt_lookup_max": 4,
     }
 
 
