@@ -3,7 +3,7 @@
 The requests ask the demo model to fix the spelling of a given paragraph and return it, so the
 output repeats the input, as editing and summarizing do. Greedy decoding, so every setup emits the
 very same tokens (the engine's parity tests say so; this script checks it too) and only the time
-differs. ``--workload open`` asks for stories and poems instead, where prompt lookup rarely guesses
+differs. ``--workload open`` asks for stories and poems instead, sampled, where prompt lookup rarely guesses
 right: speculation's cost without its gain, what the adaptive policy is for. Setups:
 
 * ``none``: no speculation;
@@ -72,7 +72,9 @@ OPEN_ENDED = [
     "Tell me about a city where it rains every afternoon at four.",
     "Write a poem about the first snow of the winter.",
 ]
-"""``--workload open``: nothing to repeat, so prompt lookup rarely proposes the right tokens."""
+"""``--workload open``: nothing to repeat, sampled at temperature 1 (greedy decoding of a small model
+loops, and a loop is easy to guess), every request running to ``--max-tokens`` (``ignore_eos``) so
+that each setup emits as many tokens; the tokens themselves differ between setups."""
 SETUPS: dict[str, dict[str, Any] | None] = {
     "none": None,
     "ngram-k4": {"method": "ngram", "numTokens": 4, "adaptive": False},
@@ -187,7 +189,11 @@ def main() -> None:
     renderer = PromptRenderer.from_pretrained(args.model)
     texts = [INSTRUCTION + text for text in PARAGRAPHS] if args.workload == "grounded" else OPEN_ENDED
     prompts = [renderer.encode_chat([{"role": "user", "content": text}]) for text in texts]
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    params = (
+        SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+        if args.workload == "grounded"
+        else SamplingParams(max_tokens=args.max_tokens, temperature=1.0, ignore_eos=True)
+    )
     engines = {name: build_engine(args.model, speculative) for name, speculative in SETUPS.items()}
     phases = args.phases.split(",")
     report: dict[str, Any] = {

@@ -38,8 +38,10 @@ MARGIN = 0.05
 PROBE_INTERVAL = 16
 DECAY = 0.98
 """Each observation's weight shrinks by this factor per later observation (a memory of ~50)."""
-PRIOR_WEIGHT = 0.02
-"""Weight of each of the step cost's three prior points, against ~50 for the measured steps."""
+PRIOR_WEIGHT = 0.1
+"""Weight of each of the step cost's three prior points, against ~50 for the measured steps: enough to
+hold the split between fixed and per-token cost where the steps seen differ little in size (a steady
+batch), little enough that steps of many sizes decide it."""
 
 
 @dataclass(frozen=True)
