@@ -17,7 +17,9 @@ so no round reuses another's prefix cache):
 1. Concurrency 1: each paragraph alone, the setups back to back per request. Decode tokens/s of a
    request = (output tokens - 1) / (time of its last token - time of its first).
 2. Concurrency ``--concurrency``: ``--requests`` requests with that many in flight (a new one
-   admitted as one finishes). Output tokens/s over the phase's wall time, and decode tokens/s.
+   admitted as one finishes). Output tokens/s over the phase's wall time, and decode tokens/s; and
+   output tokens per second of this process's CPU time (``output_tok_per_cpu_s``): the engines run
+   on one thread, so on a shared, loaded machine this counts their work without the waits.
 
 The engines run in this process on one torch thread each (``--threads``), built once and kept, so
 each setup has its own weights and KV pool; ``engine.speculative`` is the only difference.
@@ -98,7 +100,7 @@ def run(
     times: dict[str, list[float]] = {}
     token_ids: dict[str, list[int]] = {}
     active: set[str] = set()
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     while pending or active:
         while pending and len(active) < concurrency:
             index, prompt = pending.pop(0)
@@ -112,12 +114,12 @@ def run(
             token_ids[output.request_id] += output.new_token_ids
             if output.finished:
                 active.discard(output.request_id)
-    wall = time.perf_counter() - started
+    wall, cpu = time.perf_counter() - started, time.process_time() - cpu_started
     requests = [
         {"tokens": token_ids[request_id], "times": [t - started for t in times[request_id]]}
         for request_id in sorted(times, key=lambda key: int(key.rsplit("-", 1)[1]))
     ]
-    return {"wall_s": wall, "requests": requests}
+    return {"wall_s": wall, "cpu_s": cpu, "requests": requests}
 
 
 def decode_rate(request: dict[str, Any]) -> float:
@@ -134,6 +136,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         "output_tokens": num_tokens,
         "wall_s": round(result["wall_s"], 2),
         "output_tok_s": round(num_tokens / result["wall_s"], 2),
+        "output_tok_per_cpu_s": round(num_tokens / result["cpu_s"], 2),
         "decode_tok_s": round(decode_tokens / decode_seconds, 2),
         "decode_tok_s_p50": round(statistics.median(decode_rate(request) for request in requests), 2),
     }
@@ -161,9 +164,11 @@ def concurrency_one(
         for name in names[shift:] + names[:shift]:
             salt = f"c1-r{round_number}-p{index}"
             result = run(engines[name], [prompt], params, 1, salt)
-            results[name].append(result["requests"][0] | {"wall_s": result["wall_s"]})
+            results[name].append(
+                result["requests"][0] | {"wall_s": result["wall_s"], "cpu_s": result["cpu_s"]}
+            )
     return {
-        name: summarize({"wall_s": sum(r["wall_s"] for r in runs), "requests": runs})
+        name: summarize({key: sum(r[key] for r in runs) for key in ("wall_s", "cpu_s")} | {"requests": runs})
         | {"tokens": [r["tokens"] for r in runs]}
         for name, runs in results.items()
     }
@@ -233,19 +238,19 @@ def finish(report: dict[str, Any], engines: dict[str, LLMEngine]) -> dict[str, A
     """Medians and spreads over the rounds, ratios to ``none``, the parity check, counters."""
     report = copy.deepcopy(report)
     summary: dict[str, Any] = {}
-    for phase, key in (("c1", "decode_tok_s"), ("cN", "output_tok_s")):
+    for phase, key in (("c1", "decode_tok_s"), ("cN", "output_tok_s"), ("cN", "output_tok_per_cpu_s")):
         rows = [entry[phase] for entry in report["rounds"] if phase in entry]
         if not rows:
             continue
-        summary[phase] = {}
+        summary.setdefault(phase, {name: {} for name in engines})
         for name in engines:
             values = [row[name][key] for row in rows]
             ratios = [row[name][key] / row["none"][key] for row in rows]
-            summary[phase][name] = {
+            summary[phase][name] |= {
                 key + "_median": round(statistics.median(values), 2),
                 key + "_spread": [min(values), max(values)],
-                "ratio_to_none_median": round(statistics.median(ratios), 3),
-                "ratio_to_none_spread": [round(min(ratios), 3), round(max(ratios), 3)],
+                key + "_ratio_to_none_median": round(statistics.median(ratios), 3),
+                key + "_ratio_to_none_spread": [round(min(ratios), 3), round(max(ratios), 3)],
                 "same_tokens_as_none": all(row[name]["tokens"] == row["none"]["tokens"] for row in rows),
             }
     for entry in report["rounds"]:
