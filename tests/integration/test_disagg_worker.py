@@ -6,6 +6,7 @@ app through the in-process transport) and a unified worker as the reference for 
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -327,4 +328,33 @@ async def test_only_the_orchestrator_may_name_a_worker_to_pull_from(
     assert (error["param"], error["type"]) == ("kv_transfer_params", "permission_error")
     assert await received_blocks(decode) == received
     assert (await release(workers["prefill"], params)).status_code == 200
+    await assert_every_block_free(workers)
+
+
+async def test_a_constrained_first_token_obeys_the_grammar_and_the_decode_side_continues_past_it(
+    workers: Workers,
+) -> None:
+    """Issue 15: the prefill worker samples the first token under the request's grammar, and the
+    decode worker's matcher advances past it; the output equals a unified worker's, as valid JSON."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"enum": ["Paris", "Rome"]},
+            "rank": {"type": "integer", "minimum": 1, "maximum": 9},
+        },
+        "required": ["city", "rank"],
+        "additionalProperties": False,
+    }
+    response_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    body = chat(
+        sentence(random.Random(21), 60), max_tokens=40, ignore_eos=False, response_format=response_format
+    )
+    params = await prefill(workers["prefill"], body)
+    first = params["first_token_ids"]
+    assert first and workers["decode"].engine.renderer.decode(first).startswith("{")
+    response = await workers["decode"].public(CHAT, {**body, "kv_transfer_params": params})
+    assert response.status_code == 200, response.text
+    content = response.json()["choices"][0]["message"]["content"]
+    assert content == await unified_text(workers, body)
+    assert json.loads(content)["city"] in {"Paris", "Rome"}
     await assert_every_block_free(workers)

@@ -12,7 +12,7 @@ event batches it missed.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from herd.api.crd import EngineSpec
 from herd.api.protocol import Role
@@ -23,6 +23,7 @@ __all__ = [
     "KV_EVENTS_TOPIC",
     "LOOPBACK",
     "VLLM_SERVER_MODULE",
+    "lora_module_args",
     "sidecar_argv",
     "vllm_server_argv",
 ]
@@ -40,6 +41,22 @@ CPU_BLOCK_SIZE_MULTIPLE = 32
 minutes of loading, on others)."""
 
 
+def lora_module_args(adapters: Mapping[str, str]) -> list[str]:
+    """``--lora-modules NAME=PATH ...`` for the LoRA adapters a worker loads at start: vLLM's flag,
+    which ``herd worker`` takes as well; nothing without adapters."""
+    if not adapters:
+        return []
+    return ["--lora-modules", *(f"{name}={path}" for name, path in adapters.items())]
+
+
+def _vllm_lora_flags(engine: EngineSpec, adapters: Mapping[str, str]) -> list[str]:
+    slots = engine.lora_slots(has_adapters=bool(adapters))
+    if not slots:
+        return []
+    flags = ["--enable-lora", "--max-loras", str(slots), "--max-lora-rank", str(engine.max_lora_rank)]
+    return [*flags, *lora_module_args(adapters)]
+
+
 def vllm_server_argv(
     engine: EngineSpec,
     model_path: str,
@@ -48,11 +65,13 @@ def vllm_server_argv(
     kv_events_port: int,
     replay_port: int,
     python: str = "python",
+    adapters: Mapping[str, str] | None = None,
     draft_model_path: str | None = None,
 ) -> list[str]:
-    """vLLM's OpenAI server for ``engine``, on loopback, publishing its KV events to the sidecar;
-    ``engine.speculative`` as vLLM's ``--speculative-config`` (the draft model read from
-    ``draft_model_path``); ``engine.vllm.extraArgs`` last, so that they win.
+    """vLLM's OpenAI server for ``engine``, on loopback, publishing its KV events to the sidecar,
+    with LoRA on and ``adapters`` (name -> folder) loaded when there are slots; ``engine.speculative``
+    as vLLM's ``--speculative-config`` (the draft model read from ``draft_model_path``);
+    ``engine.vllm.extraArgs`` last, so that they win.
 
     Raises ``ValueError`` for a spec vLLM would refuse: a CPU engine's block size not a multiple of 32.
     """
@@ -71,7 +90,8 @@ def vllm_server_argv(
         "--max-num-seqs", str(engine.max_batch_size),
         "--max-num-batched-tokens", str(engine.max_batch_tokens),
         "--block-size", str(kv_cache.block_size),
-        "--enable-prefix-caching" if kv_cache.prefix_caching else "--no-enable-prefix-caching",
+        *_task_flags(engine),
+        *(["--tensor-parallel-size", str(engine.tensor_parallel_size)] if (engine.tensor_parallel_size or 1) > 1 else []),
         *_kv_pool_flags(engine),
         "--enable-prompt-tokens-details",  # usage reports cached_tokens, as herd's workers do
         "--enable-request-id-headers",  # X-Request-Id echoed, as herd's workers do
@@ -79,8 +99,21 @@ def vllm_server_argv(
         "--port", str(port),
         "--kv-events-config", _kv_events_config(kv_events_port, replay_port),
         *_speculative_flags(engine, draft_model_path),
+        *_vllm_lora_flags(engine, adapters or {}),
         *(engine.vllm.extra_args if engine.vllm is not None else ()),
     ]  # fmt: skip
+
+
+def _task_flags(engine: EngineSpec) -> list[str]:
+    """vLLM's runner for the task (its own detection on auto), and prefix caching: never for an
+    embedding model, whose prompts run whole and leave nothing to reuse."""
+    caching = engine.kv_cache.prefix_caching and engine.task != "embed"
+    runner = {
+        "auto": [],
+        "generate": ["--runner", "generate"],
+        "embed": ["--runner", "pooling", "--convert", "embed"],
+    }
+    return [*runner[engine.task], "--enable-prefix-caching" if caching else "--no-enable-prefix-caching"]
 
 
 def _kv_pool_flags(engine: EngineSpec) -> list[str]:

@@ -15,10 +15,12 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
+from herd.api.openai import LORA_NAME_PATTERN
 from herd.api.protocol import Role
 
 __all__ = [
     "API_VERSION",
+    "DEFAULT_MAX_LORAS",
     "GROUP",
     "KIND",
     "PLURAL",
@@ -26,6 +28,8 @@ __all__ = [
     "SHORT_NAME",
     "VERSION",
     "Accelerator",
+    "AdapterSpec",
+    "AdapterStatus",
     "AutoscalingObserved",
     "AutoscalingPoolStatus",
     "AutoscalingSpec",
@@ -39,6 +43,7 @@ __all__ = [
     "GatewaySpec",
     "KVCacheAwareRouting",
     "KVCacheSpec",
+    "KVDiskSpec",
     "LeastRequestRouting",
     "ModelDeployment",
     "ModelDeploymentSpec",
@@ -60,6 +65,7 @@ __all__ = [
     "SpeculativeSpec",
     "StickySessionRouting",
     "StrategyName",
+    "TierWeights",
     "VLLMSpec",
 ]
 
@@ -93,6 +99,15 @@ class CacheSpec(_Spec):
     pvc: str = Field(description="A PersistentVolumeClaim shared by every pool as the model cache.")
 
 
+def _check_source(value: str, where: str) -> str:
+    if not value.startswith(SOURCE_SCHEMES) or value in SOURCE_SCHEMES:
+        raise ValueError(
+            f"{where} {value!r} has no known scheme: use one of "
+            + ", ".join(f"{scheme}..." for scheme in SOURCE_SCHEMES)
+        )
+    return value
+
+
 class ModelSpec(_Spec):
     source: str = Field(
         description="Where the weights are: hf://Org/Name, s3://bucket/prefix, pvc://claim/path or file:///path."
@@ -106,12 +121,7 @@ class ModelSpec(_Spec):
     @field_validator("source")
     @classmethod
     def _check_source(cls, value: str) -> str:
-        if not value.startswith(SOURCE_SCHEMES) or value in SOURCE_SCHEMES:
-            raise ValueError(
-                f"model.source {value!r} has no known scheme: use one of "
-                + ", ".join(f"{scheme}..." for scheme in SOURCE_SCHEMES)
-            )
-        return value
+        return _check_source(value, "model.source")
 
     @property
     def scheme(self) -> str:
@@ -121,6 +131,35 @@ class ModelSpec(_Spec):
     def location(self) -> str:
         """The source without its scheme: ``Org/Name``, ``bucket/prefix``, ``claim/path``, ``/path``."""
         return self.source.split("://", 1)[1]
+
+
+class KVDiskSpec(_Spec):
+    """The local-disk KV tier: one preallocated file of ``sizeGiB`` in ``path`` (a fast local disk, an
+    emptyDir or a hostPath). A full or failing disk turns the tier off with one log line."""
+
+    path: str = Field(min_length=1, description="Folder for the tier's file; created if missing.")
+    size_gib: float = Field(alias="sizeGiB", gt=0.0, description="Size of the tier's file in GiB.")
+
+
+class AdapterSpec(_Spec):
+    """A LoRA adapter (PEFT format) of the base model, served under its own ``name``."""
+
+    name: str = Field(pattern=LORA_NAME_PATTERN, description="The OpenAI `model` that selects the adapter.")
+    source: str = Field(
+        description="Where the adapter is, with the model's schemes (hf://, s3://, pvc://, file://)."
+    )
+    rank: int | None = Field(
+        default=None, ge=1, description="Its LoRA rank, checked against engine.maxLoraRank."
+    )
+
+    @field_validator("source")
+    @classmethod
+    def _check_source(cls, value: str) -> str:
+        return _check_source(value, "adapters[].source")
+
+    def as_model(self) -> ModelSpec:
+        """The adapter's source as a ``ModelSpec``, to be fetched or mounted as a model is."""
+        return ModelSpec(source=self.source)
 
 
 class KVCacheSpec(_Spec):
@@ -135,6 +174,24 @@ class KVCacheSpec(_Spec):
         description="KV pool size in GiB; overrides memoryUtilization (CPU default 1).",
     )
     prefix_caching: bool = True
+    host_memory_gib: float = Field(
+        default=0.0,
+        alias="hostMemoryGiB",
+        ge=0.0,
+        description="Host-memory tier in GiB: blocks evicted from the KV pool move here and are restored "
+        "on a prefix hit instead of recomputed; 0 turns it off.",
+    )
+    disk: KVDiskSpec | None = Field(
+        default=None, description="A local-disk tier below the host tier (needs hostMemoryGiB > 0)."
+    )
+
+    @model_validator(mode="after")
+    def _check_tiers(self) -> KVCacheSpec:
+        if self.disk is not None and self.host_memory_gib == 0:
+            raise ValueError(
+                "engine.kvCache.disk takes the blocks the host tier evicts: set engine.kvCache.hostMemoryGiB > 0"
+            )
+        return self
 
     @field_validator("block_size")
     @classmethod
@@ -151,7 +208,8 @@ class CostModel(_Spec):
     reads its sequences' whole KV); ``hostShare`` says how much of that time the host's CPU works.
     ``herd bench calibrate`` fits it from the real engine; the
     defaults are near SmolLM2-135M in fp32 on one CPU thread (a 300-token prefill about 0.5 s, a
-    decode step 60 ms)."""
+    decode step 60 ms; a block restored from host memory in 0.11 ms, from a disk file in the page cache
+    in 1.2 ms)."""
 
     step_ms: float = Field(default=60.0, ge=0.0, description="Fixed cost of a step.")
     seq_ms: float = Field(default=0.0, ge=0.0, description="Cost per sequence in the batch.")
@@ -167,6 +225,20 @@ class CostModel(_Spec):
         "step's wall time); a simulated worker spins for that share, holding a core and the GIL as the "
         "real step does, and sleeps the rest. 0 models an accelerator that leaves the host idle.",
     )
+
+    host_gbps: float = Field(
+        default=6.5,
+        alias="hostGBps",
+        gt=0.0,
+        description="GB a second moved between the KV pool and the host tier (either way).",
+    )
+    disk_gbps: float = Field(
+        default=0.6, alias="diskGBps", gt=0.0, description="GB a second moved to or from the disk tier."
+    )
+
+    def move_seconds(self, num_bytes: int, *, disk: bool) -> float:
+        """The modelled time of moving ``num_bytes`` of KV between tiers (through the disk or not)."""
+        return num_bytes / ((self.disk_gbps if disk else self.host_gbps) * 1e9)
 
     def step_seconds(self, num_tokens: int, num_seqs: int = 0, num_context_tokens: int = 0) -> float:
         """The modelled duration of a step, in seconds."""
@@ -236,11 +308,20 @@ class SpeculativeSpec(_Spec):
         return self
 
 
+DEFAULT_MAX_LORAS = 4
+"""``engine.maxLoras`` when unset and the worker has adapters to serve."""
+
+
 class EngineSpec(_Spec):
     backend: BackendName = Field(
         default="herd",
         description="What runs the model: herd's engine, a vLLM server behind herd's sidecar, or the "
         "simulated engine (a fitted cost model, no weights).",
+    )
+    task: Literal["auto", "generate", "embed"] = Field(
+        default="auto",
+        description="What the model serves: generate (chat and text completions), embed (/v1/embeddings: an "
+        "encoder such as BERT, batched by the same engine), or auto: what the checkpoint is (an encoder embeds).",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -250,12 +331,34 @@ class EngineSpec(_Spec):
         default=8192, ge=16, description="Chunked-prefill token budget per engine step."
     )
     max_queue_len: int = Field(default=1024, ge=1, description="Waiting requests before 429.")
+    max_loras: int | None = Field(
+        default=None,
+        ge=0,
+        le=256,
+        description="LoRA adapters one engine step may run (the adapter slots on the device); 0 turns "
+        f"LoRA off. Unset: {DEFAULT_MAX_LORAS} when the deployment lists adapters, else off.",
+    )
+    max_lora_rank: int = Field(
+        default=16, ge=1, le=512, description="The largest adapter rank a worker loads."
+    )
+    tensor_parallel_size: int | None = Field(
+        default=None,
+        ge=1,
+        description="Ranks (one process each) that split the model's layers in one worker pod; unset: the "
+        "pool's resources.accelerator.count with accelerators, else 1 (set it to split a CPU worker).",
+    )
     kv_cache: KVCacheSpec = Field(default_factory=KVCacheSpec)
     simulation: SimulationSpec | None = Field(default=None, description="backend simulated only.")
     vllm: VLLMSpec | None = Field(default=None, description="backend vllm only.")
     speculative: SpeculativeSpec | None = Field(
         default=None, description="Speculative decoding; off if absent."
     )
+
+    def lora_slots(self, *, has_adapters: bool) -> int:
+        """``maxLoras`` resolved: as given, else the default when there are adapters, else 0 (off)."""
+        if self.max_loras is not None:
+            return self.max_loras
+        return DEFAULT_MAX_LORAS if has_adapters else 0
 
     @model_validator(mode="after")
     def _check_backend_blocks(self) -> EngineSpec:
@@ -270,6 +373,16 @@ class EngineSpec(_Spec):
             raise ValueError(
                 "engine.speculative.method draft needs a model to run: the simulated backend has none; "
                 "use method ngram or backend herd"
+            )
+        if self.task == "embed" and self.backend == "simulated":
+            raise ValueError(
+                "engine.task embed runs on backend herd or vllm: the simulated engine's cost model "
+                "models generation only"
+            )
+        if self.task == "embed" and self.speculative is not None:
+            raise ValueError(
+                "engine.speculative applies to generation: an embedding model (engine.task embed) decodes "
+                "nothing; remove engine.speculative"
             )
         return self
 
@@ -357,6 +470,11 @@ class Resources(_Spec):
     cpu: str | None = None
     memory: str | None = None
 
+    @property
+    def num_devices(self) -> int:
+        """The accelerators of one pod (1 without any: the CPU)."""
+        return self.accelerator.count if self.accelerator.vendor != "none" and self.accelerator.count else 1
+
 
 class PoolSpec(_Spec):
     replicas: int = Field(default=1, ge=0)
@@ -403,10 +521,25 @@ class StickySessionRouting(_Routing):
     session_ttl_seconds: int = Field(default=3600, ge=1)
 
 
+class TierWeights(_Spec):
+    """What a block held in a tier below the device counts for, as a share of a device hit
+    (``tierCost: weights``; llm-d's scorer weighs the host tier 0.8)."""
+
+    host: float = Field(default=0.8, ge=0.0, le=1.0)
+    disk: float = Field(default=0.8, ge=0.0, le=1.0)
+
+
 class KVCacheAwareRouting(_BoundedLoad):
     strategy: Literal["kv_cache_aware"]
     cache_weight: float = Field(default=1.0, ge=0.0, description="Weight of the cached-prefix share.")
     load_weight: float = Field(default=1.0, ge=0.0, description="Weight of the worker's load.")
+    tier_cost: Literal["measured", "weights", "device"] = Field(
+        default="measured",
+        description="How a prefix held in a worker's host or disk tier counts: its restore time from the "
+        "worker's measured bandwidths (measured), a fixed share of a device hit (weights, tierWeights), "
+        "or not at all (device: tier-blind).",
+    )
+    tier_weights: TierWeights = Field(default_factory=TierWeights)
 
 
 RoutingSpec = Annotated[
@@ -433,6 +566,22 @@ class AutoscalingSpec(_Spec):
     min_replicas: int = Field(default=1, ge=0)
     max_replicas: int = Field(default=8, ge=1)
     targets: AutoscalingTargets = Field(default_factory=AutoscalingTargets)
+    scale_to_zero_after_seconds: int = Field(
+        default=300,
+        ge=1,
+        description="With minReplicas 0: the serving pool goes to zero after this long without a request.",
+    )
+    cold_start_timeout_seconds: int = Field(
+        default=120,
+        ge=1,
+        description="With minReplicas 0: how long the gateway holds a request while the model has no ready "
+        "worker, before it answers 503 with Retry-After.",
+    )
+
+    @property
+    def scales_to_zero(self) -> bool:
+        """Whether the serving pool goes to zero when idle and comes back on demand."""
+        return self.enabled and self.min_replicas == 0
 
     @model_validator(mode="after")
     def _check_bounds(self) -> AutoscalingSpec:
@@ -471,6 +620,25 @@ class ModelDeploymentSpec(_Spec):
     )
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
     gateway: GatewaySpec = Field(default_factory=GatewaySpec)
+    adapters: list[AdapterSpec] = Field(
+        default_factory=list,
+        description="LoRA adapters every worker of every pool loads at start (more load at runtime).",
+    )
+
+    @model_validator(mode="after")
+    def _check_adapters(self) -> ModelDeploymentSpec:
+        names = [adapter.name for adapter in self.adapters]
+        if len(set(names)) < len(names):
+            raise ValueError(f"adapters[].name must be unique, got {names}")
+        if self.engine.max_loras == 0 and self.adapters:
+            raise ValueError("adapters need LoRA slots: leave engine.maxLoras unset or set it above 0")
+        for adapter in self.adapters:
+            if adapter.rank is not None and adapter.rank > self.engine.max_lora_rank:
+                raise ValueError(
+                    f"adapter {adapter.name!r} has rank {adapter.rank}, above engine.maxLoraRank "
+                    f"{self.engine.max_lora_rank}: raise maxLoraRank"
+                )
+        return self
 
     @model_validator(mode="after")
     def _check_pools(self) -> ModelDeploymentSpec:
@@ -486,6 +654,24 @@ class ModelDeploymentSpec(_Spec):
             raise ValueError(
                 "engine.speculative.method draft serves aggregated only (KV blocks handed between pools carry "
                 "the target's KV, not the draft's): use method ngram, or serving.mode: aggregated"
+            )
+        size = self.engine.tensor_parallel_size
+        for name, pool in self.pools().items():
+            devices = pool.resources.num_devices
+            if size is not None and pool.resources.accelerator.vendor != "none" and size != devices:
+                raise ValueError(
+                    f"engine.tensorParallelSize {size} differs from spec.{name}'s {devices} accelerators: "
+                    "a worker pod runs one rank per accelerator; leave tensorParallelSize out or match them"
+                )
+        if self.serving.mode == "disaggregated" and (self.engine.tensor_parallel_size or 1) > 1:
+            raise ValueError(
+                "engine.tensorParallelSize above 1 serves aggregated only: the KV handoff moves whole "
+                "heads, which tensor parallelism splits over ranks; set serving.mode: aggregated"
+            )
+        if self.serving.mode == "disaggregated" and self.engine.task == "embed":
+            raise ValueError(
+                "engine.task embed serves aggregated only: an embedding is one prefill, with no decode "
+                "to hand off; set serving.mode: aggregated"
             )
         if self.serving.mode == "disaggregated":
             missing = [name for name in ("prefill", "decode") if getattr(self, name) is None]
@@ -526,16 +712,20 @@ class ModelDeploymentSpec(_Spec):
     def engine_for(self, pool: PoolName) -> EngineSpec:
         """``spec.engine`` with ``pool``'s own ``engine`` settings over it (a pool's ``kvCache``
         replaces the model's KV sizing as a whole: its ``memoryGiB``, or its utilization alone)."""
-        spec = self.pools()[pool].engine
+        pool_spec = self.pools()[pool]
+        engine = self.engine
+        if engine.tensor_parallel_size is None:
+            engine = engine.model_copy(update={"tensor_parallel_size": pool_spec.resources.num_devices})
+        spec = pool_spec.engine
         if spec is None:
-            return self.engine
+            return engine
         changes: dict[str, Any] = spec.model_dump(exclude_none=True, exclude={"kv_cache"})
         if spec.kv_cache is not None:
             sizing = {"memory_gib": spec.kv_cache.memory_gib}
             if spec.kv_cache.memory_utilization is not None:
                 sizing["memory_utilization"] = spec.kv_cache.memory_utilization
-            changes["kv_cache"] = self.engine.kv_cache.model_copy(update=sizing)
-        return self.engine.model_copy(update=changes)
+            changes["kv_cache"] = engine.kv_cache.model_copy(update=sizing)
+        return engine.model_copy(update=changes)
 
 
 class ObjectMeta(BaseModel):
@@ -582,6 +772,9 @@ class AutoscalingObserved(BaseModel):
     ttft_p95_ms: float | None = None
     itl_p95_ms: float | None = None
     num_requests_waiting: float = 0.0
+    num_requests_held: float = Field(
+        default=0.0, description="Requests the gateways hold for the model while it has no ready worker."
+    )
     kv_cache_usage: float = 0.0
 
 
@@ -604,6 +797,17 @@ class AutoscalingStatus(AutoscalingPoolStatus):
     )
 
 
+class AdapterStatus(BaseModel):
+    """Where one of ``spec.adapters`` is loaded: the Ready worker pods started with it (a worker
+    loads every adapter of its command line before it reports Ready). Adapters loaded or unloaded at
+    runtime through the gateway are not counted here; the gateway's ``/v1/models`` lists them."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True)
+    name: str
+    source: str
+    loaded_on: list[str] = Field(default_factory=list, description="Ready worker pods that loaded it.")
+
+
 class ModelDeploymentStatus(BaseModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True)
     observed_generation: int | None = None
@@ -613,6 +817,9 @@ class ModelDeploymentStatus(BaseModel):
     selector: str = ""
     endpoint: str | None = None
     autoscaling: AutoscalingStatus | None = None
+    adapters: list[AdapterStatus] | None = Field(
+        default=None, description="spec.adapters: where each is loaded."
+    )
 
 
 class ModelDeployment(BaseModel):
@@ -634,6 +841,12 @@ class ModelDeployment(BaseModel):
     @property
     def served_name(self) -> str:
         return self.spec.model.served_name or self.metadata.name
+
+    @model_validator(mode="after")
+    def _check_adapter_names(self) -> ModelDeployment:
+        if any(adapter.name == self.served_name for adapter in self.spec.adapters):
+            raise ValueError(f"an adapter is named {self.served_name!r}, the served model's name: rename it")
+        return self
 
 
 _SPEC_KEYS = ("apiVersion", "kind", "metadata", "spec")

@@ -26,6 +26,7 @@ SPEC_DECODE_NUM_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
 SPEC_DECODE_NUM_ACCEPTED_TOKENS = "vllm:spec_decode_num_accepted_tokens"
 SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 """Counters (exposed with ``_total``), as vLLM names them; per position under the label ``position``."""
+LORA_REQUESTS_INFO = "vllm:lora_requests_info"
 
 # Worker (herd's own).
 HERD_KV_EVENTS_TOTAL = "herd_kv_events_total"
@@ -35,6 +36,13 @@ HERD_KV_TRANSFER_SECONDS = "herd_kv_transfer_seconds"
 HERD_KV_LEASES_EXPIRED_TOTAL = "herd_kv_leases_expired_total"
 HERD_ENGINE_STEP_SECONDS = "herd_engine_step_seconds"
 HERD_REQUESTS_REJECTED_TOTAL = "herd_requests_rejected_total"
+HERD_KV_TIER_USAGE_PERC = "herd_kv_tier_usage_perc"
+HERD_KV_TIER_BLOCKS = "herd_kv_tier_blocks"
+HERD_KV_TIER_STORED_TOTAL = "herd_kv_tier_stored_blocks_total"
+HERD_KV_TIER_RESTORED_TOTAL = "herd_kv_tier_restored_blocks_total"
+HERD_KV_TIER_EVICTED_TOTAL = "herd_kv_tier_evicted_blocks_total"
+HERD_KV_TIER_RESTORE_BYTES_PER_SECOND = "herd_kv_tier_restore_bytes_per_second"
+HERD_PREFILL_TOKENS_PER_SECOND = "herd_prefill_tokens_per_second"
 
 # Orchestrator.
 HERD_ROUTER_REQUESTS_TOTAL = "herd_router_requests_total"
@@ -44,6 +52,8 @@ HERD_ROUTER_DECISION_SECONDS = "herd_router_decision_seconds"
 HERD_ROUTER_TTFT_SECONDS = "herd_router_time_to_first_token_seconds"
 HERD_ROUTER_E2E_SECONDS = "herd_router_e2e_request_latency_seconds"
 HERD_ROUTER_IN_FLIGHT = "herd_router_requests_in_flight"
+HERD_ROUTER_REQUESTS_HELD = "herd_router_requests_held"
+"""Requests held for a model that has no ready worker (scaled to zero): the demand that starts one."""
 HERD_ROUTER_WORKERS = "herd_router_workers"
 HERD_ROUTER_CACHE_HIT_BLOCKS = "herd_router_predicted_cache_hit_blocks"
 HERD_ROUTER_PHASE_SECONDS = "herd_router_phase_seconds"
@@ -68,6 +78,7 @@ WORKER_METRICS = (
     SPEC_DECODE_NUM_DRAFT_TOKENS,
     SPEC_DECODE_NUM_ACCEPTED_TOKENS,
     SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS,
+    LORA_REQUESTS_INFO,
     HERD_KV_EVENTS_TOTAL,
     HERD_KV_TRANSFER_BYTES_TOTAL,
     HERD_KV_TRANSFER_BLOCKS_TOTAL,
@@ -75,6 +86,13 @@ WORKER_METRICS = (
     HERD_KV_LEASES_EXPIRED_TOTAL,
     HERD_ENGINE_STEP_SECONDS,
     HERD_REQUESTS_REJECTED_TOTAL,
+    HERD_KV_TIER_USAGE_PERC,
+    HERD_KV_TIER_BLOCKS,
+    HERD_KV_TIER_STORED_TOTAL,
+    HERD_KV_TIER_RESTORED_TOTAL,
+    HERD_KV_TIER_EVICTED_TOTAL,
+    HERD_KV_TIER_RESTORE_BYTES_PER_SECOND,
+    HERD_PREFILL_TOKENS_PER_SECOND,
 )
 ORCHESTRATOR_METRICS = (
     HERD_ROUTER_REQUESTS_TOTAL,
@@ -84,6 +102,7 @@ ORCHESTRATOR_METRICS = (
     HERD_ROUTER_TTFT_SECONDS,
     HERD_ROUTER_E2E_SECONDS,
     HERD_ROUTER_IN_FLIGHT,
+    HERD_ROUTER_REQUESTS_HELD,
     HERD_ROUTER_WORKERS,
     HERD_ROUTER_CACHE_HIT_BLOCKS,
     HERD_ROUTER_PHASE_SECONDS,

@@ -3,6 +3,12 @@
 Requests are tolerant (``extra="allow"``): real clients (the openai SDK, guidellm, aiperf) send
 fields herd does not use, and rejecting them would break those clients. Values herd does use are
 validated strictly, so a bad one is a 400 that names the field.
+
+Nothing the OpenAI API defines is dropped silently: every field of its chat and text completion
+requests is declared here and either honoured, refused with a 400 naming it unless it holds its
+neutral value (``REFUSED_FIELDS``), or, when OpenAI defines it as a hint about billing, caching,
+latency or identity that never changes the output, accepted with its type checked (``HINT_FIELDS``).
+Fields the API does not define are ignored, as before.
 """
 
 from __future__ import annotations
@@ -12,9 +18,11 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 __all__ = [
+    "HINT_FIELDS",
+    "REFUSED_FIELDS",
     "ChatChoice",
     "ChatCompletionChunk",
     "ChatCompletionRequest",
@@ -25,18 +33,34 @@ __all__ = [
     "CompletionRequest",
     "CompletionResponse",
     "DeltaMessage",
+    "EmbeddingData",
+    "EmbeddingRequest",
+    "EmbeddingResponse",
+    "EmbeddingUsage",
     "ErrorBody",
     "ErrorResponse",
+    "FunctionCall",
+    "FunctionCallDelta",
+    "FunctionDefinition",
+    "JsonSchemaFormat",
     "LengthError",
+    "LoadLoraAdapterRequest",
     "Logprobs",
     "ModelCard",
     "ModelList",
+    "NamedToolChoice",
     "PromptTokensDetails",
+    "ResponseFormat",
     "SamplingFields",
     "StreamOptions",
+    "StructuredOutputs",
     "TextPart",
     "TokenLogprob",
+    "Tool",
+    "ToolCall",
+    "ToolCallDelta",
     "TopLogprob",
+    "UnloadLoraAdapterRequest",
     "Usage",
     "new_request_id",
     "now",
@@ -61,12 +85,68 @@ class _Tolerant(BaseModel):
     model_config = ConfigDict(extra="allow", populate_by_name=True)
 
 
+class _Prioritized(_Tolerant):
+    priority: int | None = Field(default=None, ge=-(2**31), le=2**31 - 1)
+    """vLLM's field: smaller is served first. herd's gateway never lets it above the tenant's."""
+
+
 class StreamOptions(_Tolerant):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class SamplingFields(_Tolerant):
+MAX_CHOICES = 1024
+"""Strings in a ``structured_outputs.choice`` list."""
+MAX_TOOLS = 128
+"""Tools in one request (OpenAI's own limit)."""
+
+
+class JsonSchemaFormat(_Tolerant):
+    """``response_format.json_schema``: the schema the output must validate against."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Tolerant):
+    """OpenAI's ``response_format``: free ``text``, any ``json_object``, or one ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs a json_schema object ({name, schema, strict})")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """herd's extension, in vLLM's shape: exactly one constraint on the output's text.
+
+    ``json`` is a JSON schema, ``regex`` a regular expression (Rust ``regex`` syntax), ``choice``
+    a list of strings the output must equal one of, ``grammar`` a Lark grammar (llguidance's
+    dialect; GBNF is converted).
+    """
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = Field(default=None, min_length=1)
+    choice: list[str] | None = Field(default=None, min_length=1, max_length=MAX_CHOICES)
+    grammar: str | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="after")
+    def _check_one(self) -> StructuredOutputs:
+        given = [name for name in ("json_", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError("set exactly one of json, regex, choice or grammar")
+        return self
+
+
+class SamplingFields(_Prioritized):
     """The sampling and stopping fields shared by chat and text completions."""
 
     model: str
@@ -90,6 +170,18 @@ class SamplingFields(_Tolerant):
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+    @field_validator("structured_outputs")
+    @classmethod
+    def _check_one_constraint(
+        cls, value: StructuredOutputs | None, info: ValidationInfo
+    ) -> StructuredOutputs | None:
+        response_format = info.data.get("response_format")
+        if value is not None and response_format is not None and response_format.type != "text":
+            raise ValueError("send either response_format or structured_outputs, not both")
+        return value
 
     @field_validator("logit_bias")
     @classmethod
@@ -140,6 +232,60 @@ class SamplingFields(_Tolerant):
         return wanted
 
 
+REFUSED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "audio": ((None,), "herd generates text only"),
+    "functions": ((None, []), "functions is deprecated: send tools"),
+    "function_call": ((None,), "function_call is deprecated: send tool_choice"),
+    "modalities": ((None, ["text"]), 'herd generates text only: send modalities ["text"] or leave it out'),
+    "moderation": ((None,), "herd runs no moderation"),
+    "reasoning_effort": ((None,), "herd's models have no reasoning-effort setting"),
+    "verbosity": ((None,), "herd's models have no verbosity setting"),
+    "web_search_options": ((None,), "herd has no web search"),
+    "store": ((None, False), "herd stores no completions"),
+    "best_of": ((None, 1), "herd returns every sequence it generates: use n"),
+    "echo": ((None, False), "herd does not echo the prompt"),
+    "suffix": ((None,), "herd has no insertion (suffix) mode"),
+}
+"""OpenAI request fields herd refuses (HTTP 400 naming the field) unless they hold one of the
+neutral values listed, with the reason the message gives."""
+
+HINT_FIELDS = frozenset(
+    {
+        "metadata",
+        "prediction",
+        "prompt_cache_key",
+        "prompt_cache_options",
+        "prompt_cache_retention",
+        "safety_identifier",
+        "service_tier",
+        "user",
+    }
+)
+"""OpenAI request fields that OpenAI defines as hints: identity, billing tier, caching, latency or
+stored-completion tags. None changes the output, so herd accepts them with their types checked and
+acts on none (its prefix cache needs no key, it has one tier, stores nothing)."""
+
+
+def _refuse_unless_neutral(cls: Any, value: Any, info: ValidationInfo) -> Any:
+    field = info.field_name or ""
+    neutral, reason = REFUSED_FIELDS[field]
+    if value not in neutral:
+        raise ValueError(f"{reason}; leave {field} out")
+    return value
+
+
+class _Hints(_Tolerant):
+    """The hint fields both routes share (``HINT_FIELDS``)."""
+
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    safety_identifier: str | None = None
+    service_tier: str | None = None
+    prediction: dict[str, Any] | None = None
+
+
 class LengthError(ValueError):
     """A request that does not fit the model's context; ``param`` names the field to change (HTTP 400)."""
 
@@ -161,10 +307,57 @@ class TextPart(_Tolerant):
     text: str
 
 
+class FunctionDefinition(_Tolerant):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Tolerant):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class _FunctionName(_Tolerant):
+    name: str
+
+
+class NamedToolChoice(_Tolerant):
+    type: Literal["function"]
+    function: _FunctionName
+
+
+class FunctionCall(_Tolerant):
+    name: str
+    arguments: str
+    """The arguments as a JSON text (an object), as OpenAI sends them."""
+
+
+class ToolCall(_Tolerant):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class ChatMessage(_Tolerant):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     @property
     def text(self) -> str:
@@ -176,12 +369,62 @@ class ChatMessage(_Tolerant):
         return "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, _Hints):
     messages: list[ChatMessage]
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    audio: Any = None
+    functions: Any = None
+    function_call: Any = None
+    modalities: Any = None
+    moderation: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    store: Any = None
+
+    _refuse = field_validator(
+        "audio",
+        "functions",
+        "function_call",
+        "modalities",
+        "moderation",
+        "reasoning_effort",
+        "verbosity",
+        "web_search_options",
+        "store",
+    )(_refuse_unless_neutral)
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _check_tool_choice(
+        cls, value: str | NamedToolChoice | None, info: ValidationInfo
+    ) -> str | NamedToolChoice | None:
+        tools: list[Tool] = info.data.get("tools") or []
+        if value in (None, "none"):
+            return value
+        if not tools:
+            raise ValueError("tool_choice needs tools: send the tools the model may call")
+        if isinstance(value, NamedToolChoice) and value.function.name not in {t.function.name for t in tools}:
+            raise ValueError(f"tool_choice names {value.function.name!r}, which is not among the tools")
+        constrained = info.data.get("response_format") or info.data.get("structured_outputs")
+        if value != "auto" and constrained is not None and getattr(constrained, "type", "") != "text":
+            raise ValueError(
+                "a required or named tool_choice fixes the output's form; leave response_format out"
+            )
+        return value
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """``tool_choice`` with OpenAI's default: ``auto`` when there are tools, else ``none``."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
 
     @field_validator("messages")
     @classmethod
@@ -209,11 +452,14 @@ class ChatCompletionRequest(SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(SamplingFields, _Hints):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: bool = False
-    suffix: str | None = None
+    echo: Any = None
+    suffix: Any = None
+    best_of: Any = None
+
+    _refuse = field_validator("echo", "suffix", "best_of")(_refuse_unless_neutral)
 
     @field_validator("prompt")
     @classmethod
@@ -227,6 +473,64 @@ class CompletionRequest(SamplingFields):
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+
+MAX_EMBEDDING_INPUTS = 2048
+"""Inputs one embeddings request may carry (OpenAI's limit)."""
+
+
+class EmbeddingRequest(_Prioritized):
+    """``/v1/embeddings``: one text or token list, or a batch of them; ``dimensions`` asks for a
+    shorter vector where the model was trained for it (Matryoshka)."""
+
+    model: str
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+    user: str | None = None
+
+    @field_validator("input")
+    @classmethod
+    def _check_input(
+        cls, value: str | list[str] | list[int] | list[list[int]]
+    ) -> str | list[str] | list[int] | list[list[int]]:
+        if value == "" or (isinstance(value, list) and not value):
+            raise ValueError("input must not be empty")
+        if isinstance(value, list) and len(value) > MAX_EMBEDDING_INPUTS:
+            raise ValueError(
+                f"input holds {len(value)} items; send at most {MAX_EMBEDDING_INPUTS} per request"
+            )
+        if isinstance(value, list) and any(item == "" or item == [] for item in value):
+            raise ValueError("input items must not be empty")
+        return value
+
+    @property
+    def stream(self) -> bool:
+        """Embeddings never stream (what a gateway asks of every request)."""
+        return False
+
+    @property
+    def cache_salt(self) -> str | None:
+        return None
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+    """The vector, or with ``encoding_format: base64`` its little-endian float32 bytes in base64."""
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
 
 
 class PromptTokensDetails(BaseModel):
@@ -257,20 +561,21 @@ class Logprobs(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessage
     logprobs: Logprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None = None
 
 
 class ChunkChoice(BaseModel):
     index: int
     delta: DeltaMessage
     logprobs: Logprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -315,16 +620,38 @@ class CompletionResponse(BaseModel):
 
 
 class ModelCard(BaseModel):
+    """A served model; a LoRA adapter names its base model in ``parent`` and its folder in ``root``
+    (vLLM's fields)."""
+
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=now)
     owned_by: str = "herd"
+    root: str | None = None
+    parent: str | None = None
     max_model_len: int | None = None
 
 
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+LORA_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$"
+"""A LoRA adapter's name, which requests send as their ``model``."""
+
+
+class LoadLoraAdapterRequest(_Tolerant):
+    """vLLM's ``POST /v1/load_lora_adapter`` body: the adapter's name and its PEFT folder on the worker."""
+
+    lora_name: str = Field(pattern=LORA_NAME_PATTERN)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoraAdapterRequest(_Tolerant):
+    """vLLM's ``POST /v1/unload_lora_adapter`` body."""
+
+    lora_name: str = Field(pattern=LORA_NAME_PATTERN)
 
 
 ErrorType = Literal[

@@ -27,6 +27,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from herd.api.openai import ChatCompletionRequest, CompletionRequest, prompt_too_long
+from herd.api.tools import ToolFormat, chat_messages, knows_tools, tool_format
 
 __all__ = [
     "TOKENIZER_FILES",
@@ -133,6 +134,10 @@ class PromptRenderer:
         self.eos_token = eos_token
         self.eos_token_ids = frozenset(eos_token_ids)
         self._template: jinja2.Template | None = None
+        self.knows_tools = knows_tools(chat_template)
+        """Whether the chat template renders ``tools`` itself (``herd.api.tools``)."""
+        self.tool_format: ToolFormat = tool_format(chat_template)
+        """The format this model writes tool calls in."""
         if chat_template:
             env = ImmutableSandboxedEnvironment(
                 trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
@@ -162,6 +167,10 @@ class PromptRenderer:
                 "the tokenizer files lack tokenizer.json; herd needs a HF 'fast' tokenizer file"
             )
         tokenizer = Tokenizer.from_str(files["tokenizer.json"])
+        # A tokenizer.json may carry its own truncation and padding (sentence-transformers' BERT files
+        # pad and cut to 128): herd checks lengths itself and never pads, so neither may apply.
+        tokenizer.no_truncation()
+        tokenizer.no_padding()
         config = _json_object(files.get("tokenizer_config.json"))
         template = config.get("chat_template")
         if template is None:
@@ -246,12 +255,18 @@ class PromptRenderer:
 
         With ``max_model_len``, a prompt that leaves no room for output raises ``LengthError``.
         """
-        messages = [{"role": message.role, "content": message.text} for message in request.messages]
-        return self.encode_chat(
-            messages,
-            add_generation_prompt=request.add_generation_prompt,
-            template_kwargs=request.chat_template_kwargs,
-            limit=None if max_model_len is None else PromptLimit(max_model_len, "messages"),
+        text = self.render_chat_request(request)
+        limit = None if max_model_len is None else PromptLimit(max_model_len, "messages")
+        return self.encode(text, add_special_tokens=False, limit=limit)
+
+    def render_chat_request(self, request: ChatCompletionRequest) -> str:
+        """A chat request's prompt text; tools and tool calls reach the template as ``herd.api.tools`` says."""
+        messages = chat_messages(request, template_knows_tools=self.knows_tools)
+        template_kwargs = dict(request.chat_template_kwargs or {})
+        if request.tools and self.knows_tools:
+            template_kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in request.tools]
+        return self.render_chat(
+            messages, add_generation_prompt=request.add_generation_prompt, template_kwargs=template_kwargs
         )
 
     def completion_request_ids(
@@ -262,24 +277,34 @@ class PromptRenderer:
         Raises ``PromptError`` for an empty token list or ids outside the vocabulary, and with
         ``max_model_len`` ``LengthError`` for a text prompt that leaves no room for output.
         """
-        prompt = request.prompt
         limit = None if max_model_len is None else PromptLimit(max_model_len, "prompt")
+        return self.prompt_ids(request.prompt, param="prompt", limit=limit)
+
+    def prompt_ids(
+        self,
+        prompt: str | list[str] | list[int] | list[list[int]],
+        *,
+        param: str,
+        limit: PromptLimit | None = None,
+    ) -> list[list[int]]:
+        """One token id list per item of a text-or-ids field (``prompt``, ``input``): a string, a
+        list of strings, a list of ids or a list of id lists; text gets special tokens added."""
         if isinstance(prompt, str):
             return [self.encode(prompt, limit=limit)]
         items: list[Any] = list(prompt)
         if all(isinstance(item, int) for item in items):
-            return [self._checked_ids(items)]
+            return [self._checked_ids(items, param)]
         return [
-            self.encode(item, limit=limit) if isinstance(item, str) else self._checked_ids(list(item))
+            self.encode(item, limit=limit) if isinstance(item, str) else self._checked_ids(list(item), param)
             for item in items
         ]
 
-    def _checked_ids(self, token_ids: list[int]) -> list[int]:
+    def _checked_ids(self, token_ids: list[int], param: str) -> list[int]:
         if not token_ids:
-            raise PromptError("prompt token lists must not be empty")
+            raise PromptError(f"{param} token lists must not be empty")
         vocab_size = self.vocab_size
         if bad := [token_id for token_id in token_ids if not 0 <= token_id < vocab_size]:
-            raise PromptError(f"prompt token ids {bad[:5]} lie outside the vocabulary [0, {vocab_size})")
+            raise PromptError(f"{param} token ids {bad[:5]} lie outside the vocabulary [0, {vocab_size})")
         return token_ids
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:

@@ -13,7 +13,7 @@ from herd.api.logs import configure_logging
 from herd.api.manifest import ManifestError, load_manifest
 from herd.api.protocol import TOKEN_ENV, Role
 from herd.orchestrator.app import AppSettings, build_app
-from herd.orchestrator.auth import load_api_keys
+from herd.orchestrator.auth import ADMIN_API_KEYS_ENV, load_api_keys
 from herd.orchestrator.discovery import ModelConfig, StaticSource, WorkerEndpoint, WorkerSource
 from herd.orchestrator.gateway import GatewaySettings
 from herd.orchestrator.registry import RegistrySettings
@@ -93,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         source = load_source(args)
         api_keys = load_api_keys(args.api_keys_file)
+        admin_keys = load_api_keys(args.admin_api_keys_file, ADMIN_API_KEYS_ENV)
     except (ManifestError, ValueError, OSError) as error:
         print(f"herd orchestrator: {error}", file=sys.stderr)
         return 2
@@ -105,8 +106,11 @@ def run(args: argparse.Namespace) -> int:
         gateway=GatewaySettings(request_timeout=args.request_timeout),
         registry=RegistrySettings(poll_interval=args.poll_interval),
         ready_when_synced=args.kubernetes,
+        batch_dir=args.batch_dir,
     )
-    app = build_app(source, settings=settings, state=build_state(args.redis), api_keys=api_keys)
+    app = build_app(
+        source, settings=settings, state=build_state(args.redis), api_keys=api_keys, admin_keys=admin_keys
+    )
     limits = ServerLimits(max_header_bytes=args.max_header_bytes, keep_alive_timeout=args.keep_alive_timeout)
     run_server(app, host=args.host, port=args.port, limits=limits)
     return 0
@@ -133,13 +137,20 @@ def add_source_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--redis", default=None, help="redis://HOST:PORT/DB to share sessions and KV events")
     parser.add_argument(
+        "--admin-api-keys-file",
+        type=Path,
+        default=None,
+        help=f"admin API keys for runtime LoRA loading, one per line (or {ADMIN_API_KEYS_ENV})",
+    )
+    parser.add_argument(
         "--internal-token", default=None, help=f"the workers' shared internal token (or {TOKEN_ENV})"
     )
     parser.add_argument(
         "--poll-interval",
         type=float,
         default=RegistrySettings().poll_interval,
-        help="seconds between a worker's health, load and KV polls (raise it for fleets of hundreds)",
+        help="least seconds between a worker's status lines (its load and KV events go out at most this "
+        "often; readiness changes and heartbeats come regardless), and the first retry delay",
     )
 
 
@@ -148,7 +159,18 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     add_source_arguments(parser)
-    parser.add_argument("--api-keys-file", type=Path, default=None, help="accepted API keys, one per line")
+    parser.add_argument(
+        "--api-keys-file",
+        type=Path,
+        default=None,
+        help="accepted API keys: one per line, or a tenants YAML document (docs/admission.md)",
+    )
+    parser.add_argument(
+        "--batch-dir",
+        type=Path,
+        default=None,
+        help="serve the Batch API (/v1/files, /v1/batches), keeping its state in this folder",
+    )
     parser.add_argument(
         "--request-timeout", type=float, default=600.0, help="seconds to wait for a worker's next byte"
     )

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from herd.worker.config import EngineConfig
     from herd.worker.server import ServeOptions
 
-__all__ = ["engine_spec", "register"]
+__all__ = ["engine_spec", "lora_modules", "register"]
 
 # flag -> where it lands in the camelCase EngineSpec document
 _OVERRIDES: dict[str, tuple[str, ...]] = {
@@ -36,6 +36,7 @@ _OVERRIDES: dict[str, tuple[str, ...]] = {
     "device": ("device",),
     "block_size": ("kvCache", "blockSize"),
     "kv_memory_gib": ("kvCache", "memoryGiB"),
+    "tensor_parallel_size": ("tensorParallelSize",),
 }
 
 
@@ -71,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
             role=args.role,
             engine=spec,
             seed=args.seed,
+            lora_modules=lora_modules(args.lora_modules or []),
         )
     except (ValidationError, ValueError) as error:
         print(f"herd worker: invalid settings: {error}", file=sys.stderr)
@@ -79,6 +81,19 @@ def run(args: argparse.Namespace) -> int:
     return serve_many(
         [(config, _options(args, token, number)) for number in range(args.replicas)], _renderer(config)
     )
+
+
+def lora_modules(values: list[str]) -> dict[str, Path]:
+    """``--lora-modules``' ``NAME=PATH`` pairs (vLLM's form) as a name -> folder map."""
+    modules: dict[str, Path] = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(
+                f"--lora-modules {value!r} is not NAME=PATH: name the adapter and its PEFT folder"
+            )
+        modules[name] = Path(path)
+    return modules
 
 
 def _check_backend(spec: EngineSpec, replicas: int) -> None:
@@ -126,6 +141,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--engine-json", help="the manifest's engine block as camelCase JSON")
     parser.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
     parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT folders) to load at start, each served as the model NAME",
+    )
+    parser.add_argument(
         "--replicas",
         type=int,
         default=1,
@@ -140,6 +161,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--kv-memory-gib", type=float)
+    parser.add_argument("--tensor-parallel-size", type=int, help="ranks (processes) that split the model")
     parser.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger bodies get 413")
     parser.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight work on SIGTERM"

@@ -10,13 +10,14 @@ readiness are the same for every backend.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
-from herd.api.backends import sidecar_argv, vllm_server_argv
+from herd.api.backends import lora_module_args, sidecar_argv, vllm_server_argv
 from herd.api.crd import POOL_ROLES, ModelDeployment, ModelSpec, PoolName, PoolSpec, Resources, VLLMSpec
 from herd.api.protocol import TOKEN_ENV
 from herd.operator.settings import PlanSettings
-from herd.operator.source import DRAFT, ModelSource, plan_source
+from herd.operator.source import DRAFT, ModelSource, adapter_place, plan_source
 
 __all__ = ["HTTP_PORT", "INTERNAL_PORT", "plan_pod_spec", "worker_argv"]
 
@@ -39,10 +40,15 @@ Object = dict[str, Any]
 
 
 def worker_argv(
-    md: ModelDeployment, pool: PoolName, model_path: str, draft_path: str | None = None
+    md: ModelDeployment,
+    pool: PoolName,
+    model_path: str,
+    adapters: Mapping[str, str] | None = None,
+    draft_path: str | None = None,
 ) -> list[str]:
-    """The worker command line; the pool's engine settings travel as one camelCase JSON argument,
-    the speculative draft model as the folder ``draft_path`` it lies in inside the pod."""
+    """The worker command line; the pool's engine settings travel as one camelCase JSON argument
+    (the speculative draft model as the folder ``draft_path`` it lies in inside the pod), the LoRA
+    adapters (name -> folder in the pod) as ``--lora-modules``."""
     engine = md.spec.engine_for(pool).model_dump(by_alias=True, mode="json", exclude_none=True)
     if draft_path is not None:
         engine["speculative"]["draftModel"] = f"file://{draft_path}"
@@ -55,13 +61,41 @@ def worker_argv(
         "--host", "0.0.0.0",  # the worker binds loopback by default; probes and peers come from outside
         "--port", str(HTTP_PORT),
         "--internal-port", str(INTERNAL_PORT),
+        *lora_module_args(adapters or {}),
     ]  # fmt: skip
+
+
+def plan_sources(
+    md: ModelDeployment, settings: PlanSettings, image: str
+) -> tuple[ModelSource, dict[str, str]]:
+    """The model's source and every adapter's in one (volumes, mounts and fetchers together), and
+    each adapter's folder in the pod."""
+    needs_weights = md.spec.engine.backend != "simulated"
+    model = plan_source(md.spec.model, settings, worker_image=image, needs_weights=needs_weights)
+    adapters = [
+        plan_source(
+            adapter.as_model(),
+            settings,
+            worker_image=image,
+            needs_weights=needs_weights,
+            place=adapter_place(index),
+        )
+        for index, adapter in enumerate(md.spec.adapters)
+    ]
+    merged = ModelSource(
+        model.path,
+        [volume for source in (model, *adapters) for volume in source.volumes],
+        [mount for source in (model, *adapters) for mount in source.mounts],
+        [init for source in (model, *adapters) for init in source.init_containers],
+    )
+    return merged, {
+        adapter.name: source.path for adapter, source in zip(md.spec.adapters, adapters, strict=True)
+    }
 
 
 def plan_pod_spec(md: ModelDeployment, pool_name: PoolName, pool: PoolSpec, settings: PlanSettings) -> Object:
     image = pool.image or settings.worker_image
-    needs_weights = md.spec.engine.backend != "simulated"
-    source = plan_source(md.spec.model, settings, worker_image=image, needs_weights=needs_weights)
+    source, adapters = plan_sources(md, settings, image)
     draft = _draft_source(md, settings, image)
     if draft is not None:
         source = ModelSource(
@@ -73,11 +107,11 @@ def plan_pod_spec(md: ModelDeployment, pool_name: PoolName, pool: PoolSpec, sett
     draft_path = None if draft is None else draft.path
     if md.spec.engine.backend == "vllm":
         containers = [
-            _vllm_container(md, pool_name, pool, settings, source, draft_path),
+            _vllm_container(md, pool_name, pool, settings, source, adapters, draft_path),
             _sidecar_container(md, pool, settings, image, source),
         ]
     else:
-        containers = [_worker_container(md, pool_name, pool, settings, image, source, draft_path)]
+        containers = [_worker_container(md, pool_name, pool, settings, image, source, adapters, draft_path)]
     spec: Object = {
         "securityContext": _pod_security(settings),
         "containers": containers,
@@ -109,10 +143,11 @@ def _worker_container(
     settings: PlanSettings,
     image: str,
     source: ModelSource,
+    adapters: Mapping[str, str],
     draft_path: str | None,
 ) -> Object:
     """``herd worker``: herd's engine, or the simulated one (the argv's engine JSON says which)."""
-    argv = worker_argv(md, pool_name, source.path, draft_path)
+    argv = worker_argv(md, pool_name, source.path, adapters, draft_path)
     return _serving_container("worker", image, argv, plan_resources(pool.resources), pool, settings, source)
 
 
@@ -170,6 +205,7 @@ def _vllm_container(
     pool: PoolSpec,
     settings: PlanSettings,
     source: ModelSource,
+    adapters: Mapping[str, str],
     draft_path: str | None,
 ) -> Object:
     """vLLM's server, on the pod's loopback only (the sidecar is its one client): no ports, no
@@ -184,6 +220,7 @@ def _vllm_container(
         VLLM_KV_EVENTS_PORT,
         VLLM_KV_REPLAY_PORT,
         python="python3",
+        adapters=adapters,
         draft_model_path=draft_path,
     )
     container: Object = {
@@ -247,10 +284,13 @@ def _probes() -> Object:
     # (503 while loading, draining or full: out of the Service, never restarted for it). Loading a
     # large model takes minutes: the startup probe holds liveness off until /health first answers.
     # The timeouts leave room for a busy CPU worker, whose answers are slower than the 1 s default.
+    # Startup and readiness probe every second: a new pod (a scale-up, a start from zero) takes
+    # requests within a second of loading its model, not within a probe period of 5 s; the startup
+    # budget stays 10 minutes.
     return {
-        "startupProbe": probe("/health", 5, 5, 120),
+        "startupProbe": probe("/health", 1, 5, 600),
         "livenessProbe": probe("/health", 10, 5, 3),
-        "readinessProbe": probe("/ready", 2, 3, 1),
+        "readinessProbe": probe("/ready", 1, 3, 1),
     }
 
 

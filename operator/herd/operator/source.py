@@ -4,9 +4,10 @@
 spec names one, so replicas and restarts share one download; an ``emptyDir`` otherwise).
 ``pvc://claim/path`` is mounted read-only; ``file:///abs`` is a node path (``hostPath``) and a
 relative ``file://path`` is a path inside the worker image. A pool that needs no weights (the
-simulated backend reads the config and tokenizer only) fetches everything else. A speculative
-draft model (``engine.speculative.draftModel``) takes the same ways into the pod at its own place
-(``DRAFT``: its own volume, folder and init container).
+simulated backend reads the config and tokenizer only) fetches everything else. A LoRA adapter's
+source is planned the same way under its own volume, root folder and init container
+(``adapter_place``), so adapters and the model never share a mount; so is a speculative draft
+model (``engine.speculative.draftModel``, at ``DRAFT``).
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from typing import Any
 from herd.api.crd import ModelSpec
 from herd.operator.settings import PlanSettings
 
-__all__ = ["DRAFT", "MODELS_DIR", "TARGET", "WEIGHT_FILES", "ModelSource", "SourcePlace", "plan_source"]
+__all__ = ["DRAFT", "MODELS_DIR", "WEIGHT_FILES", "ModelSource", "Place", "adapter_place", "plan_source"]
 
 MODELS_DIR = "/models"
+ADAPTERS_DIR = "/adapters"
 _HF_TOKEN_SECRET = "herd-hf-token"
 _S3_SECRET = "herd-s3-credentials"
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
@@ -30,17 +32,22 @@ Object = dict[str, Any]
 
 
 @dataclass(frozen=True)
-class SourcePlace:
-    """Where one model's files go in the pod: the volume's name, the folder of fetched ones and the
-    fetching init container's name."""
+class Place:
+    """Where one source lands in the pod: its volume's name, the folder it is fetched or mounted
+    under, and the name of its fetching init container."""
 
-    volume: str
-    folder: str
-    fetch: str
+    volume: str = "models"
+    root: str = MODELS_DIR
+    fetcher: str = "fetch-model"
 
 
-TARGET = SourcePlace("models", MODELS_DIR, "fetch-model")
-DRAFT = SourcePlace("draft-model", "/draft-model", "fetch-draft-model")
+DRAFT = Place("draft-model", "/draft-model", "fetch-draft-model")
+"""The place of the speculative draft model."""
+
+
+def adapter_place(index: int) -> Place:
+    """The place of the deployment's adapter number ``index``."""
+    return Place(f"adapter-{index}", f"{ADAPTERS_DIR}/{index}", f"fetch-adapter-{index}")
 
 
 @dataclass(frozen=True)
@@ -59,17 +66,17 @@ def plan_source(
     *,
     worker_image: str,
     needs_weights: bool = True,
-    place: SourcePlace = TARGET,
+    place: Place = Place(),
 ) -> ModelSource:
     match model.scheme:
         case "hf":
-            path = posixpath.join(place.folder, "hf", model.location, model.revision)
+            path = posixpath.join(place.root, "hf", model.location, model.revision)
             argv = ["hf", "download", model.location, "--revision", model.revision, "--local-dir", path]
             argv += [] if needs_weights else ["--exclude", *WEIGHT_FILES]
             env = [_secret_env("HF_TOKEN", _HF_TOKEN_SECRET, "token")]
             return _fetched(model, path, _init(place, worker_image, argv, env=env), place)
         case "s3":
-            path = posixpath.join(place.folder, "s3", model.location)
+            path = posixpath.join(place.root, "s3", model.location)
             argv = ["aws", "s3", "sync", model.source, path]
             argv += (
                 [] if needs_weights else [part for pattern in WEIGHT_FILES for part in ("--exclude", pattern)]
@@ -78,7 +85,7 @@ def plan_source(
             return _fetched(model, path, fetch, place)
         case "pvc":
             claim, _, sub_path = model.location.partition("/")
-            root = posixpath.join(place.folder, "pvc", claim)
+            root = posixpath.join(place.root, "pvc", claim)
             volume = {"name": place.volume, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
             return ModelSource(
                 posixpath.join(root, sub_path), [volume], [_mount(place, root, read_only=True)]
@@ -87,15 +94,15 @@ def plan_source(
             return _node_or_image_path(model.location, place)
 
 
-def _fetched(model: ModelSpec, path: str, fetch: Object, place: SourcePlace) -> ModelSource:
+def _fetched(model: ModelSpec, path: str, fetch: Object, place: Place) -> ModelSource:
     if model.cache is not None:
         volume: Object = {"name": place.volume, "persistentVolumeClaim": {"claimName": model.cache.pvc}}
     else:
         volume = {"name": place.volume, "emptyDir": {}}
-    return ModelSource(path, [volume], [_mount(place, place.folder, read_only=True)], [fetch])
+    return ModelSource(path, [volume], [_mount(place, place.root, read_only=True)], [fetch])
 
 
-def _node_or_image_path(location: str, place: SourcePlace) -> ModelSource:
+def _node_or_image_path(location: str, place: Place) -> ModelSource:
     if not location.startswith("/"):
         return ModelSource(location)
     volume = {"name": place.volume, "hostPath": {"path": location, "type": "Directory"}}
@@ -103,18 +110,13 @@ def _node_or_image_path(location: str, place: SourcePlace) -> ModelSource:
 
 
 def _init(
-    place: SourcePlace,
-    image: str,
-    argv: list[str],
-    *,
-    env: list[Object] | None = None,
-    env_from: str | None = None,
+    place: Place, image: str, argv: list[str], *, env: list[Object] | None = None, env_from: str | None = None
 ) -> Object:
     container: Object = {
-        "name": place.fetch,
+        "name": place.fetcher,
         "image": image,
         "command": argv,
-        "volumeMounts": [_mount(place, place.folder, read_only=False)],
+        "volumeMounts": [_mount(place, place.root, read_only=False)],
     }
     if env:
         container["env"] = env
@@ -123,7 +125,7 @@ def _init(
     return container
 
 
-def _mount(place: SourcePlace, path: str, *, read_only: bool) -> Object:
+def _mount(place: Place, path: str, *, read_only: bool) -> Object:
     return {"name": place.volume, "mountPath": path, "readOnly": read_only}
 
 

@@ -1,8 +1,10 @@
-"""Optional API keys: ``Authorization: Bearer <key>``, from a file (one per line) or ``HERD_API_KEYS``.
+"""API keys and their tenants: ``Authorization: Bearer <key>``, from a keys file or ``HERD_API_KEYS``.
 
 ``RequireApiKey`` checks them in front of every route but the probes' (``OPEN_PATHS``), so a route
 added later is guarded without anyone remembering to; an unknown path answers 401 too, which tells a
-client without a key nothing about the routes.
+client without a key nothing about the routes. The key's tenant (``herd.orchestrator.admission``)
+goes into the request's scope (``tenant_of``); with authentication off, every request is
+``ANONYMOUS``'s.
 """
 
 from __future__ import annotations
@@ -14,57 +16,98 @@ from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from herd.orchestrator.admission.tenants import ANONYMOUS, DEFAULT_TENANT, Tenant, parse_tenants
 from herd.orchestrator.errors import error_response
 
-__all__ = ["API_KEYS_ENV", "OPEN_PATHS", "ApiKeys", "RequireApiKey", "load_api_keys"]
+__all__ = [
+    "ADMIN_API_KEYS_ENV",
+    "API_KEYS_ENV",
+    "OPEN_PATHS",
+    "ApiKeys",
+    "RequireApiKey",
+    "load_api_keys",
+    "tenant_of",
+]
 
 API_KEYS_ENV = "HERD_API_KEYS"
 """Comma-separated keys, used when no keys file is given."""
+ADMIN_API_KEYS_ENV = "HERD_ADMIN_API_KEYS"
+"""The same for the admin keys (runtime LoRA adapters)."""
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 """What probes and Prometheus read without a key."""
 UNAUTHORIZED = "missing or invalid API key: send `Authorization: Bearer <key>` with a key this server accepts"
+_TENANT = "herd.tenant"
+"""The scope key ``RequireApiKey`` stores the request's tenant under."""
 
 
 class ApiKeys:
-    """The accepted keys; empty means authentication is off."""
+    """The accepted keys, each with its tenant; empty means authentication is off."""
 
-    def __init__(self, keys: Sequence[str]) -> None:
-        self._keys = [key.encode() for key in keys if key]
+    def __init__(self, keys: Sequence[str], *, tenant: Tenant = DEFAULT_TENANT) -> None:
+        self._keys = [(key.encode(), tenant) for key in keys if key]
+
+    @classmethod
+    def of_tenants(cls, pairs: Sequence[tuple[str, Tenant]]) -> ApiKeys:
+        keys = cls([])
+        keys._keys = [(key.encode(), tenant) for key, tenant in pairs if key]
+        return keys
 
     @property
     def is_enabled(self) -> bool:
         return bool(self._keys)
 
-    def allows(self, authorization: str | None) -> bool:
-        """Constant-time compare against every key, so timing does not reveal a near miss."""
+    def tenant(self, authorization: str | None) -> Tenant | None:
+        """The key's tenant, ``None`` for a refused key. Constant-time compare against every key, so
+        timing does not reveal a near miss."""
         if not self._keys:
-            return True
+            return ANONYMOUS
         scheme, _, token = (authorization or "").partition(" ")
         offered = token.strip().encode() if scheme.lower() == "bearer" else b""
-        matches = [hmac.compare_digest(offered, key) for key in self._keys]
-        return any(matches)
+        found = None
+        for key, tenant in self._keys:
+            if hmac.compare_digest(offered, key):
+                found = tenant
+        return found
+
+    def allows(self, authorization: str | None) -> bool:
+        return self.tenant(authorization) is not None
 
 
-def load_api_keys(path: Path | None = None) -> ApiKeys:
-    """Keys from ``path`` (blank lines and ``#`` comments skipped), else from the environment."""
+def load_api_keys(path: Path | None = None, env: str = API_KEYS_ENV) -> ApiKeys:
+    """Keys from ``path`` (a tenants YAML document, or one key per line with blank lines and ``#``
+    comments skipped), else from the variable ``env``. ``ValueError`` for an invalid tenants document."""
     if path is not None:
-        lines = (line.strip() for line in path.read_text().splitlines())
+        text = path.read_text()
+        pairs = parse_tenants(text, source=str(path))
+        if pairs is not None:
+            return ApiKeys.of_tenants(pairs)
+        lines = (line.strip() for line in text.splitlines())
         return ApiKeys([line for line in lines if line and not line.startswith("#")])
-    return ApiKeys([key.strip() for key in os.environ.get(API_KEYS_ENV, "").split(",")])
+    return ApiKeys([key.strip() for key in os.environ.get(env, "").split(",")])
+
+
+def tenant_of(scope: Scope) -> Tenant:
+    """The tenant ``RequireApiKey`` found for the request (``ANONYMOUS`` without authentication)."""
+    tenant = scope.get("state", {}).get(_TENANT)
+    return tenant if isinstance(tenant, Tenant) else ANONYMOUS
 
 
 class RequireApiKey:
-    """ASGI middleware: a request outside ``OPEN_PATHS`` without an accepted key gets 401."""
+    """ASGI middleware: a request outside ``OPEN_PATHS`` without an accepted key gets 401; an accepted
+    one carries its tenant in its scope. The ``exempt`` paths check keys of their own (the admin routes)."""
 
-    def __init__(self, app: ASGIApp, keys: ApiKeys) -> None:
+    def __init__(self, app: ASGIApp, keys: ApiKeys, exempt: frozenset[str] = frozenset()) -> None:
         self.app = app
         self.keys = keys
+        self.skipped = OPEN_PATHS | exempt
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+        if scope["type"] == "http" and scope["path"] not in self.skipped:
             authorization = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
-            if not self.keys.allows(authorization.decode("latin-1")):
+            tenant = self.keys.tenant(authorization.decode("latin-1"))
+            if tenant is None:
                 response = error_response(401, UNAUTHORIZED, headers={"WWW-Authenticate": "Bearer"})
                 await response(scope, receive, send)
                 return
+            scope.setdefault("state", {})[_TENANT] = tenant
         await self.app(scope, receive, send)

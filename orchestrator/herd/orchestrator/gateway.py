@@ -26,6 +26,7 @@ with ``Retry-After``.
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -35,15 +36,31 @@ import httpx
 from starlette.responses import Response
 
 from herd.api.errors import HttpError, enveloped
+from herd.api.openai import EmbeddingRequest
 from herd.api.protocol import REQUEST_ID_HEADER, WORKER_HEADER, is_valid_request_id
+from herd.orchestrator.admission.gate import DEFAULT_EXPECTED_OUTPUT, Admission, Ticket
+from herd.orchestrator.admission.quotas import Quotas
+from herd.orchestrator.admission.targets import slo_target
+from herd.orchestrator.admission.tenants import (
+    ANONYMOUS,
+    LOWEST_PRIORITY,
+    PRIORITY_HEADER,
+    Tenant,
+    effective_priority,
+)
+from herd.orchestrator.admission.usage import StreamTally, Usage, usage_of
+from herd.orchestrator.admission.waiting import QueueSettings
 from herd.orchestrator.apply import Route, apply_decision, write_pin
 from herd.orchestrator.breaker import Outcome, answer_outcome
+from herd.orchestrator.cold_start import ColdStarts, ColdStartSettings
 from herd.orchestrator.disagg import Handoff, TwoPhase, handed_body
 from herd.orchestrator.model_metrics import ModelMetrics
 from herd.orchestrator.prepare import INLINE_PREPARE_BYTES, Preparer
 from herd.orchestrator.proxy import RelayResponse, StreamEnd
 from herd.orchestrator.registry import Hold, Registry
 from herd.orchestrator.routing import RequestContext, UnroutableError, WorkerView, decide
+from herd.orchestrator.routing._types import SloMiss
+from herd.orchestrator.routing.latency import LatencyFeatures
 from herd.orchestrator.served import ServedModel
 from herd.orchestrator.state import State
 from herd.orchestrator.telemetry import Telemetry
@@ -54,9 +71,11 @@ from herd.orchestrator.upstream import (
     UpstreamError,
     UpstreamTimeoutError,
 )
+from herd.orchestrator.validation import ParsedRequest
 
 __all__ = ["Gateway", "GatewaySettings"]
 
+_NOTHING_USED = Usage(0, 0)
 _STREAM_ENDS: dict[StreamEnd, tuple[int, Outcome]] = {
     "complete": (200, "success"),
     "worker_failed": (502, "failure"),
@@ -74,6 +93,13 @@ class GatewaySettings:
     inline_prepare_bytes: int = INLINE_PREPARE_BYTES
     """Bodies from this size on are parsed and tokenized on ``prepare_threads`` (``PromptThreads``)."""
     prepare_threads: int = 2
+    queue: QueueSettings = field(default_factory=QueueSettings)
+    """Each model's queue of requests waiting for a worker (``herd.orchestrator.admission``)."""
+    slo_miss: SloMiss = "route"
+    """What happens to a request with latency targets no worker is predicted to meet, unless its
+    ``x-slo-policy`` header says (``herd.orchestrator.routing.SloTarget``)."""
+    cold_start: ColdStartSettings = field(default_factory=ColdStartSettings)
+    """The line of requests for models that scaled to zero (``herd.orchestrator.cold_start``)."""
 
 
 @dataclass(eq=False)
@@ -85,9 +111,14 @@ class _Request:
     is_stream: bool
     ctx: RequestContext
     payload: dict[str, Any]
+    ticket: Ticket
+    quota_headers: dict[str, str]
+    """The tenant's ``x-ratelimit-*`` headers, for the answer."""
     started: float = field(default_factory=time.perf_counter)
     prefill_seconds: float | None = None
     handoff: Handoff | None = None
+    is_two_phase: bool = False
+    """A disaggregated model's completion: prefilled on the prefill pool first (an embedding never is)."""
 
     @property
     def request_id(self) -> str | None:
@@ -129,16 +160,45 @@ class Gateway:
             inline_bytes=self.settings.inline_prepare_bytes,
             num_threads=self.settings.prepare_threads,
         )
+        self.admission = Admission(self.settings.queue, retry_after_seconds=self.settings.retry_after_seconds)
+        registry.on_room = self.admission.wake
+        self.quotas = Quotas(state)
+        self.cold_starts = ColdStarts(
+            registry,
+            self.settings.cold_start,
+            on_held=lambda model, count: telemetry.held.labels(model).set(count),
+        )
+        registry.on_admitted = self.cold_starts.wake
 
     def close(self) -> None:
         self.preparer.close()
 
-    async def forward(self, path: str, body: bytes, headers: Mapping[str, str]) -> Response:
-        """Validate, route and proxy one OpenAI request; ``path`` is its route (``WIRE_MODELS``)."""
+    async def forward(
+        self, path: str, body: bytes, headers: Mapping[str, str], tenant: Tenant = ANONYMOUS
+    ) -> Response:
+        """Validate, admit, route and proxy one OpenAI request of ``tenant``; ``path`` is its route
+        (``WIRE_MODELS``)."""
         prepared = await self.preparer.prepare(path, body, headers)
-        served, parsed = prepared.served, prepared.parsed
+        served, parsed, ctx = prepared.served, prepared.parsed, prepared.ctx
+        tenant.check_model(served.name)
+        ticket = _ticket(tenant, parsed, headers, len(body), len(ctx.token_ids))
+        use = await self.quotas.admit(tenant, time.time())
+        body = _with_priority(parsed, body, ticket.priority)
+        if (target := slo_target(headers, self.settings.slo_miss)) is not None:
+            ctx = dataclasses.replace(ctx, slo=target)
         metrics = self._metrics_of(served)
-        request = _Request(served, metrics, path, body, parsed.request.stream, prepared.ctx, parsed.payload)
+        request = _Request(
+            served,
+            metrics,
+            path,
+            body,
+            parsed.request.stream,
+            ctx,
+            parsed.payload,
+            ticket,
+            {} if use is None else use.headers(),
+            is_two_phase=served.config.mode == "disaggregated" and parsed.generates,
+        )
         request.metrics.in_flight.inc()
         try:
             return await self._attempt(request)
@@ -155,11 +215,14 @@ class Gateway:
         return metrics
 
     async def _attempt(self, request: _Request) -> Response:
+        await self.cold_starts.wait(request.served)  # a model at zero workers: until one is ready
         tried: set[str] = set()
         error: HttpError | None = None
         for _ in range(self.settings.max_attempts):
             try:
-                route = await self._routed(request, tried)
+                route = await self.admission.route(
+                    request.served.name, request.ticket, lambda: self._routed(request, tried)
+                )
             except UnroutableError as refusal:
                 if error is not None and refusal.reason == "no_healthy_worker":
                     raise error from None  # every worker was tried: the last one's answer stands
@@ -200,6 +263,9 @@ class Gateway:
         request.metrics.decision.observe(time.perf_counter() - started)
         if decision.expected_blocks:
             request.metrics.cache_hit_blocks.observe(decision.num_cached_blocks)
+        if decision.is_slo_missed and ctx.slo is not None and ctx.slo.on_miss == "lower":
+            request.payload["priority"] = LOWEST_PRIORITY
+            request.body = json.dumps(request.payload).encode()
         return apply_decision(self.registry, self.state, served, decision)
 
     async def _pin(self, request: _Request, route: Route, tried: set[str]) -> Route:
@@ -214,10 +280,22 @@ class Gateway:
 
     async def _serve(self, request: _Request, route: Route) -> Response:
         """The prefill phase of a disaggregated request first (once), then the worker's answer."""
-        if request.served.config.mode == "disaggregated" and not request.ctx.is_prefilled:
+        await self._load_lora(request, route)
+        if request.is_two_phase and not request.ctx.is_prefilled:
             await self._hand_off(request, route.prefill_hold)
             request.ctx = dataclasses.replace(request.ctx, is_prefilled=True)
-        return await self._respond(request, route.worker, route.hold)
+        return await self._respond(request, route.worker, route.hold, route.decision.features)
+
+    async def _load_lora(self, request: _Request, route: Route) -> None:
+        """Load the request's adapter on the chosen workers that lack it, when the gateway loaded it
+        at runtime and so knows its folder (a manifest's adapters are on every worker from its start)."""
+        name = request.ctx.lora_name
+        path = None if name is None else request.served.lora_paths.get(name)
+        if name is None or path is None:
+            return
+        for view in (route.worker, route.decision.prefill):
+            if view is not None and name not in view.lora_adapters:
+                await self.registry.change_lora(view.id, "load", {"lora_name": name, "lora_path": path})
 
     async def _hand_off(self, request: _Request, prefill: Hold | None) -> None:
         """Prefill on the decision's prefill worker, or hand the prompt ids to the decode worker."""
@@ -236,6 +314,12 @@ class Gateway:
     def _refused(self, served: ServedModel, refusal: UnroutableError) -> HttpError:
         if refusal.reason == "at_capacity":
             return self._busy(served)
+        if refusal.reason == "slo_unmet":
+            retry_after = str(self.settings.retry_after_seconds)
+            message = f"no worker of model {served.name!r} is predicted to meet the request's latency targets"
+            return HttpError(
+                429, f"{message}; retry after {retry_after}s", headers={"Retry-After": retry_after}
+            )
         return HttpError(
             503,
             f"model {served.name!r} has no healthy worker right now; retry shortly",
@@ -247,20 +331,36 @@ class Gateway:
         message = f"every worker of model {served.name!r} is at capacity; retry after {retry_after}s"
         return HttpError(429, message, headers={"Retry-After": retry_after})
 
-    async def _respond(self, request: _Request, worker: WorkerView, hold: Hold) -> Response:
-        """The worker's answer; it releases the worker's ``hold`` exactly when the answer ends."""
+    async def _respond(
+        self, request: _Request, worker: WorkerView, hold: Hold, features: LatencyFeatures | None
+    ) -> Response:
+        """The worker's answer; it releases the worker's ``hold`` exactly when the answer ends. A
+        stream's first-token time and pace, from the moment it was sent, fit the latency model."""
+        sent = time.perf_counter()
         upstream = await self._open(request, worker)
-        headers = {WORKER_HEADER: worker.id}
+        headers = {**request.quota_headers, WORKER_HEADER: worker.id}
         if request.is_stream and upstream.status_code == httpx.codes.OK:
             hold.prefilled()  # the first chunk is out: the worker's prefill is no longer queued work
-            ttft = time.perf_counter() - request.started
+            first = time.perf_counter()
+            ttft = first - request.started
+            if features is not None:
+                request.served.latency.observe_ttft(worker.id, features, first - sent)
             request.metrics.ttft.observe(ttft)
             if request.prefill_seconds is not None:
                 self.disagg.observe_decode(request.served, ttft - request.prefill_seconds)
+            tally = StreamTally()
             return RelayResponse(
                 upstream,
                 headers=headers,
-                on_done=lambda ending: self._stream_done(request, hold, ending, ttft),
+                on_done=lambda ending: self._stream_done(
+                    request,
+                    hold,
+                    ending,
+                    ttft,
+                    tally.total(request.ticket.num_prompt_tokens),
+                    (features, first),
+                ),
+                on_chunk=tally.observe,
             )
         try:
             content = await upstream.read_rest()
@@ -276,7 +376,9 @@ class Gateway:
                 "application/json",
             )
         outcome = answer_outcome(status, has_retry_after="retry-after" in upstream.headers)
-        self._finish(request, hold, status, None, outcome)
+        usage = (usage_of(content) if status == httpx.codes.OK else None) or _NOTHING_USED
+        self._finish(request, hold, status, None, outcome, usage)
+        await self.quotas.spend(request.ticket.tenant, usage.total_tokens, time.time())
         return Response(content, status, headers=headers)
 
     async def _open(self, request: _Request, worker: WorkerView) -> Upstream:
@@ -312,14 +414,34 @@ class Gateway:
         message = f"worker {worker.id} is draining or not ready; retry after {retry_after}s"
         return HttpError(503, message, headers={"Retry-After": retry_after})
 
-    def _stream_done(self, request: _Request, hold: Hold, ending: StreamEnd, ttft: float) -> None:
+    def _stream_done(
+        self,
+        request: _Request,
+        hold: Hold,
+        ending: StreamEnd,
+        ttft: float,
+        usage: Usage,
+        paced: tuple[LatencyFeatures | None, float],
+    ) -> None:
+        features, first = paced
+        if ending == "complete" and features is not None and usage.completion_tokens > 1:
+            tpot = (time.perf_counter() - first) / (usage.completion_tokens - 1)
+            request.served.latency.observe_tpot(hold.worker_id, features, tpot)
         status, outcome = _STREAM_ENDS[ending]
-        self._finish(request, hold, status, ttft, outcome)
+        self._finish(request, hold, status, ttft, outcome, usage)
+        self.quotas.spend_soon(request.ticket.tenant, usage.total_tokens, time.time())
 
     def _finish(
-        self, request: _Request, hold: Hold, status: int, ttft: float | None, outcome: Outcome
+        self,
+        request: _Request,
+        hold: Hold,
+        status: int,
+        ttft: float | None,
+        outcome: Outcome,
+        usage: Usage,
     ) -> None:
         hold.release(outcome)
+        self.admission.finished(request.served.name, request.ticket, usage.completion_tokens)
         self._count(request, hold.worker_id, status, ttft)
 
     def _count(self, request: _Request, worker_id: str, status: int, ttft: float | None) -> None:
@@ -328,6 +450,27 @@ class Gateway:
         metrics.e2e.observe(time.perf_counter() - request.started)
         metrics.in_flight.dec()
         self.telemetry.recent.record(ttft)
+
+
+def _ticket(
+    tenant: Tenant, parsed: ParsedRequest, headers: Mapping[str, str], size: int, num_prompt_tokens: int
+) -> Ticket:
+    """The request's admission ticket; an untokenized prompt counts as ``size / 4`` tokens."""
+    request = parsed.request
+    priority = effective_priority(tenant, request.priority, headers.get(PRIORITY_HEADER))
+    if isinstance(request, EmbeddingRequest):
+        num_output = 0  # an embedding generates no tokens
+    else:
+        num_output = (request.output_limit or DEFAULT_EXPECTED_OUTPUT) * request.n
+    return Ticket(tenant, priority, num_prompt_tokens or size // 4, num_output)
+
+
+def _with_priority(parsed: ParsedRequest, body: bytes, priority: int) -> bytes:
+    """The body the workers get: the client's own, unless its priority was lowered or capped."""
+    if (parsed.request.priority or 0) == priority:
+        return body
+    parsed.payload["priority"] = priority
+    return json.dumps(parsed.payload).encode()
 
 
 def _no_envelope(status: int, worker_id: str) -> Callable[[Any], str]:

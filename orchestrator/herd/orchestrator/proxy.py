@@ -45,7 +45,12 @@ class RelayResponse(Response):
     """Relays an ``Upstream`` to the client chunk by chunk; see the module docstring for guarantees."""
 
     def __init__(
-        self, upstream: Upstream, *, headers: Mapping[str, str], on_done: Callable[[StreamEnd], None]
+        self,
+        upstream: Upstream,
+        *,
+        headers: Mapping[str, str],
+        on_done: Callable[[StreamEnd], None],
+        on_chunk: Callable[[bytes], None] | None = None,
     ) -> None:
         # Like StreamingResponse, no super().__init__: it would announce a zero content-length.
         self.status_code = upstream.status_code
@@ -53,6 +58,8 @@ class RelayResponse(Response):
         self.init_headers({**upstream.headers_for_client(), **headers})
         self.upstream = upstream
         self.on_done = on_done
+        self.on_chunk = on_chunk
+        """Sees every chunk as it is sent (the gateway counts a stream's tokens with it)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         ending: StreamEnd = "client_left"  # unless the relay returns: the client went away
@@ -72,9 +79,15 @@ class RelayResponse(Response):
         """Send every chunk; ``worker_failed`` when the worker failed mid-stream (the client got an
         error event)."""
         ending: StreamEnd = "complete"
-        await send({"type": "http.response.body", "body": self.upstream.first_chunk, "more_body": True})
+        observe = self.on_chunk
+        first = self.upstream.first_chunk
+        if observe is not None:
+            observe(first)
+        await send({"type": "http.response.body", "body": first, "more_body": True})
         try:
             async for chunk in self.upstream:
+                if observe is not None:
+                    observe(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except UpstreamError as error:
             log.warning("upstream failed mid-stream", extra={"error": f"{type(error).__name__}: {error}"})

@@ -8,6 +8,7 @@ from herd.api.prompt import PromptRenderer
 from herd.orchestrator.discovery import ModelConfig
 from herd.orchestrator.kv_index import KVIndex
 from herd.orchestrator.routing import RoutingStrategy, build_strategy
+from herd.orchestrator.routing.latency import LatencyModel
 
 __all__ = ["RendererUnavailableError", "ServedModel"]
 
@@ -22,10 +23,15 @@ class ServedModel:
 
     config: ModelConfig
     kv_index: KVIndex = field(default_factory=KVIndex)
+    latency: LatencyModel = field(default_factory=LatencyModel)
+    """Each worker's TTFT and time per output token, fitted from what it served (SLO-aware routing)."""
     strategy: RoutingStrategy = field(init=False)
     session_header: str = field(init=False)
     """The lower-cased header that carries a session key (``X-Session-ID`` unless the routing names one)."""
     _renderer: PromptRenderer | None = field(default=None, init=False, repr=False)
+    lora_paths: dict[str, str] = field(default_factory=dict)
+    """LoRA adapters loaded at runtime through the gateway (name -> folder on the workers): a
+    worker routed one it lacks is asked to load it first."""
 
     def __post_init__(self) -> None:
         self.strategy = build_strategy(

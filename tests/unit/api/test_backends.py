@@ -71,6 +71,13 @@ def _vllm(engine: dict[str, Any]) -> list[str]:
             {"--gpu-memory-utilization": "0.5"},
             id="cuda-share",
         ),
+        pytest.param(
+            {"task": "embed", "maxModelLen": 256},
+            {"--runner": "pooling", "--convert": "embed", "--no-enable-prefix-caching": None},
+            id="embed",
+        ),
+        pytest.param({"task": "generate"}, {"--runner": "generate", "--convert": "<missing>"}, id="generate"),
+        pytest.param({}, {"--runner": "<missing>"}, id="auto-leaves-it-to-vllm"),
     ],
 )
 def test_vllm_argv_follows_the_engine_spec(engine: dict[str, Any], expected: dict[str, str | None]) -> None:
@@ -78,6 +85,42 @@ def test_vllm_argv_follows_the_engine_spec(engine: dict[str, Any], expected: dic
     assert {name: flags.get(name, "<missing>") for name in expected} == expected
     assert ("--enable-prefix-caching" in flags) != ("--no-enable-prefix-caching" in flags)
     assert ("--kv-cache-memory-bytes" in flags) != ("--gpu-memory-utilization" in flags)
+
+
+@pytest.mark.parametrize(
+    ("engine", "adapters", "expected"),
+    [
+        ({}, {}, []),
+        (
+            {},
+            {"sql": "/a/sql", "poet": "/a/poet"},
+            [
+                "--enable-lora",
+                "--max-loras",
+                "4",
+                "--max-lora-rank",
+                "16",
+                "--lora-modules",
+                "sql=/a/sql",
+                "poet=/a/poet",
+            ],
+        ),
+        (
+            {"maxLoras": 2, "maxLoraRank": 64},
+            {},
+            ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "64"],
+        ),
+    ],
+    ids=["no-lora", "adapters-default-slots", "runtime-only"],
+)
+def test_vllm_gets_lora_flags_for_adapters_and_slots(
+    engine: dict[str, Any], adapters: dict[str, str], expected: list[str]
+) -> None:
+    argv = vllm_server_argv(
+        EngineSpec.model_validate(engine), "/models/m", "m", 8000, 5557, 5558, adapters=adapters
+    )
+    start = argv.index("--enable-lora") if "--enable-lora" in argv else len(argv)
+    assert argv[start : start + len(expected)] == expected
 
 
 def test_a_cpu_block_size_vllm_refuses_is_refused_here() -> None:
@@ -150,8 +193,19 @@ print(json.dumps({
     "events": engine.kv_events_config.endpoint, "replay": engine.kv_events_config.replay_endpoint,
     "host": args.host, "port": args.port, "details": args.enable_prompt_tokens_details,
     "speculative": engine.speculative_config,
+    "runner": engine.runner, "convert": engine.convert,
 }))
 """
+
+
+def _parsed_by_vllm(engine: dict[str, Any]) -> dict[str, Any]:
+    argv = _vllm(engine)
+    result = subprocess.run(
+        [str(VLLM_PYTHON), "-c", _PARSE, *argv[3:]], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    parsed: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
+    return parsed
 
 
 @pytest.mark.slow
@@ -163,12 +217,7 @@ def test_vllm_own_parser_takes_the_argv() -> None:
         "maxModelLen": 2048,
         "kvCache": {"blockSize": 32, "prefixCaching": False},
     }
-    argv = _vllm(engine)
-    result = subprocess.run(
-        [str(VLLM_PYTHON), "-c", _PARSE, *argv[3:]], capture_output=True, text=True, timeout=120, check=False
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    parsed = json.loads(result.stdout.strip().splitlines()[-1])
+    parsed = _parsed_by_vllm(engine)
     assert parsed == {
         "model": "/models/m",
         "served": ["m"],
@@ -185,21 +234,26 @@ def test_vllm_own_parser_takes_the_argv() -> None:
         "port": 8000,
         "details": True,
         "speculative": None,
+        "runner": "auto",
+        "convert": "auto",
     }
 
 
 @pytest.mark.slow
 @skip_without_vllm
+def test_vllm_own_parser_takes_an_embedding_models_argv() -> None:
+    parsed = _parsed_by_vllm(
+        {"task": "embed", "device": "cpu", "maxModelLen": 256, "kvCache": {"blockSize": 32}}
+    )
+    assert (parsed["runner"], parsed["convert"], parsed["prefix_caching"]) == ("pooling", "embed", False)
+
+
+@pytest.mark.slow
+@skip_without_vllm
 def test_vllm_own_parser_takes_the_speculative_config() -> None:
-    engine = EngineSpec.model_validate(
+    parsed = _parsed_by_vllm(
         {"device": "cpu", "kvCache": {"blockSize": 32}, "speculative": {"method": "ngram", "numTokens": 3}}
     )
-    argv = vllm_server_argv(engine, "/models/m", "m", 8000, 5557, 5558)
-    result = subprocess.run(
-        [str(VLLM_PYTHON), "-c", _PARSE, *argv[3:]], capture_output=True, text=True, timeout=120, check=False
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    parsed = json.loads(result.stdout.strip().splitlines()[-1])
     assert parsed["speculative"] == {
         "method": "ngram",
         "num_speculative_tokens": 3,

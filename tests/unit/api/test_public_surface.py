@@ -49,6 +49,8 @@ def test_every_module_declares_all() -> None:
         "openai",
         "prompt",
         "protocol",
+        "tools",
+        "worker_status",
     ):
         assert hasattr(importlib.import_module(f"herd.api.{name}"), "__all__"), name
 

@@ -22,9 +22,11 @@ from support.gateway_fakes import (
 from herd.api.crd import StickySessionRouting
 from herd.api.metrics import ORCHESTRATOR_METRICS
 from herd.api.protocol import WORKER_HEADER
+from herd.orchestrator.admission.waiting import QueueSettings
 from herd.orchestrator.app import AppSettings, build_app
 from herd.orchestrator.auth import ApiKeys
 from herd.orchestrator.discovery import Membership
+from herd.orchestrator.gateway import GatewaySettings
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 
@@ -77,9 +79,12 @@ async def test_every_worker_busy_is_429_with_retry_after() -> None:
 
 
 async def test_in_flight_limit_reached_is_429_without_calling_a_worker() -> None:
+    """The request waits in the gateway's queue (test_admission_queue.py), then gets 429."""
     cluster = cluster_of(1)
     cluster.workers[0].chunk_delay = 0.5
-    async with running_gateway(cluster) as (app, client):
+    queue = QueueSettings(max_wait_seconds=0.1)
+    settings = AppSettings(registry=FAST_REGISTRY, gateway=GatewaySettings(queue=queue))
+    async with running_gateway(cluster, settings=settings) as (app, client):
         app.state.registry.models[MODEL].config = app.state.registry.models[MODEL].config.__class__(
             MODEL, app.state.registry.models[MODEL].config.routing, max_in_flight_per_worker=1
         )

@@ -19,6 +19,7 @@ from herd.orchestrator.routing import (
     decide,
     decide_prefill,
 )
+from herd.orchestrator.routing.latency import LatencyFeatures
 from herd.orchestrator.routing.pairing import MIN_REMOTE_BLOCKS
 from herd.orchestrator.served import ServedModel
 
@@ -192,4 +193,7 @@ def test_decide_prefill_replaces_a_failed_prefill_worker() -> None:
 def test_a_decision_is_a_plain_value() -> None:
     """Edges apply it; nothing in it refers back to the gateway."""
     decision = decide(model(), UNIFIED, request(2))
-    assert decision == Decision(UNIFIED[0], num_prefill_tokens=2 * BLOCK, expected_blocks=HASHES[:2])
+    features = LatencyFeatures(queued_prefill_tokens=0, batch=0, uncached_prompt_tokens=2 * BLOCK)
+    assert decision == Decision(
+        UNIFIED[0], num_prefill_tokens=2 * BLOCK, expected_blocks=HASHES[:2], features=features
+    )

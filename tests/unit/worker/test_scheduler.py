@@ -18,9 +18,9 @@ def make_scheduler(num_blocks: int, budget: int, max_batch_size: int = 8) -> Sch
     return Scheduler(BlockManager(num_blocks, BS), max_batch_tokens=budget, max_batch_size=max_batch_size)
 
 
-def add(scheduler: Scheduler, name: str, prompt_len: int, max_tokens: int = 2) -> Sequence:
+def add(scheduler: Scheduler, name: str, prompt_len: int, max_tokens: int = 2, priority: int = 0) -> Sequence:
     seq = make_seq([1000 * (ord(name) - 96) + i for i in range(prompt_len)], request_id=name)
-    seq.params = SamplingParams(max_tokens=max_tokens)
+    seq.params = SamplingParams(max_tokens=max_tokens, priority=priority)
     scheduler.add(seq)
     return seq
 
@@ -83,6 +83,61 @@ def test_preempts_the_newest_and_requeues_it_first() -> None:
     assert b.output_token_ids == [7]
     assert scheduler.waiting[0] is b
     assert a.status is SequenceStatus.RUNNING
+
+
+@pytest.mark.parametrize(
+    ("arrivals", "order"),
+    [
+        ([("a", 0), ("b", 0), ("c", 0)], "abc"),
+        ([("a", 2), ("b", 1), ("c", 0)], "cba"),
+        ([("a", 1), ("b", 0), ("c", 1), ("d", 0)], "bdac"),
+        ([("a", 0), ("b", 5), ("c", 5), ("d", 3)], "adbc"),
+    ],
+    ids=["fifo", "reversed", "interleaved", "ties-keep-arrival"],
+)
+def test_waiting_sequences_start_by_priority_then_arrival(
+    arrivals: list[tuple[str, int]], order: str
+) -> None:
+    scheduler = make_scheduler(64, budget=64, max_batch_size=1)
+    for name, priority in arrivals:
+        add(scheduler, name, 2, max_tokens=1, priority=priority)
+    started = [plan(run_step(scheduler))[0][0] for _ in order]
+    assert "".join(started) == order
+
+
+def test_an_urgent_arrival_preempts_the_least_urgent_running_sequence() -> None:
+    scheduler = make_scheduler(num_blocks=4, budget=64)
+    low = add(scheduler, "a", 4, max_tokens=8, priority=5)
+    mid = add(scheduler, "b", 4, max_tokens=8, priority=1)
+    run_step(scheduler)
+    run_step(scheduler)  # a and b hold two blocks each: the pool is full
+    urgent = add(scheduler, "c", 4, max_tokens=2, priority=0)
+    third = run_step(scheduler)
+    assert third.preempted == [low] and mid.status is SequenceStatus.RUNNING
+    assert list(scheduler.waiting) == [urgent, low]
+    fourth = run_step(scheduler)
+    assert ("c", 4) in plan(fourth) and urgent.status is SequenceStatus.RUNNING
+
+
+def test_an_arrival_never_preempts_an_equally_urgent_sequence() -> None:
+    scheduler = make_scheduler(num_blocks=4, budget=64)
+    add(scheduler, "a", 4, max_tokens=8, priority=1)
+    add(scheduler, "b", 4, max_tokens=8, priority=1)
+    run_step(scheduler)
+    run_step(scheduler)
+    add(scheduler, "c", 4, max_tokens=2, priority=1)
+    assert run_step(scheduler).preempted == []
+
+
+def test_a_full_pool_preempts_the_least_urgent_not_the_newest() -> None:
+    scheduler = make_scheduler(num_blocks=2, budget=64)
+    a = add(scheduler, "a", 3, max_tokens=8, priority=3)
+    run_step(scheduler)
+    b = add(scheduler, "b", 4, max_tokens=8, priority=0)
+    assert plan(run_step(scheduler)) == [("a", 1), ("b", 4)]
+    third = run_step(scheduler)  # both need a third block: the older but less urgent a goes
+    assert third.preempted == [a] and b.status is SequenceStatus.RUNNING
+    assert plan(third) == [("b", 1)]
 
 
 def test_no_admission_in_a_step_that_preempted() -> None:
@@ -163,3 +218,28 @@ def test_finish_removes_a_waiting_sequence() -> None:
     scheduler.finish(seq)
     assert not scheduler.has_unfinished()
     assert seq.is_finished
+
+
+@pytest.mark.parametrize(
+    ("prompts", "budget", "expected"),
+    [
+        ({"a": 3, "b": 4, "c": 2}, 8, [[("a", 3), ("b", 4)], [("c", 2)], []]),
+        ({"a": 10, "b": 2}, 4, [[("a", 10)], [("b", 2)], []]),  # above the whole budget: alone
+        ({"a": 2, "b": 10, "c": 1}, 4, [[("a", 2)], [("b", 10)], [("c", 1)], []]),  # order kept
+        ({"a": 4, "b": 4}, 8, [[("a", 4), ("b", 4)], []]),
+    ],
+    ids=["fills-the-budget", "over-budget-runs-alone", "waits-its-turn", "exact-fit"],
+)
+def test_unchunked_plans_run_whole_prompts(
+    prompts: dict[str, int], budget: int, expected: list[Step]
+) -> None:
+    """An encoder's scheduler (``is_chunked`` off) never splits a prompt: it runs whole or waits."""
+    scheduler = Scheduler(
+        BlockManager(64, BS, enable_prefix_caching=False),
+        max_batch_tokens=budget,
+        max_batch_size=8,
+        is_chunked=False,
+    )
+    for name, length in prompts.items():
+        add(scheduler, name, length, max_tokens=1)
+    assert [plan(run_step(scheduler)) for _ in expected] == expected

@@ -21,6 +21,7 @@ class EngineConfig(BaseModel):
     ``model_path`` is a HF-format folder (``config.json``, ``*.safetensors``, ``tokenizer.json``).
     ``served_name`` is the OpenAI ``model`` and the model identity in every KV block hash.
     ``engine`` carries the manifest's engine settings unchanged; ``seed`` seeds unseeded sampling.
+    ``lora_modules`` are the LoRA adapters (name -> PEFT folder) loaded at start.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -30,6 +31,7 @@ class EngineConfig(BaseModel):
     role: Literal["unified", "prefill", "decode"] = "unified"
     engine: EngineSpec = Field(default_factory=EngineSpec)
     seed: int = 0
+    lora_modules: dict[str, Path] = Field(default_factory=dict)
 
     @field_validator("model_path")
     @classmethod
@@ -41,9 +43,20 @@ class EngineConfig(BaseModel):
     @model_validator(mode="after")
     def _check_draft_model(self) -> EngineConfig:
         path = self.draft_model_path
-        if path is not None and not (path / "config.json").is_file():
+        if path is None:
+            return self
+        if not (path / "config.json").is_file():
             raise ValueError(
                 f"engine.speculative.draftModel {path} has no config.json: pass a HF-format model folder"
+            )
+        kv_cache = self.engine.kv_cache
+        if self.tensor_parallel_size > 1 or kv_cache.host_memory_gib or kv_cache.disk is not None:
+            # Its KV pool mirrors one device's pool block for block: not split over ranks, not moved
+            # to the tiers (a block restored from one would have no draft KV).
+            raise ValueError(
+                "engine.speculative.method draft runs beside one device's KV pool: it cannot run with "
+                "engine.tensorParallelSize above 1 or a KV tier (kvCache.hostMemoryGiB, kvCache.disk); "
+                "use method ngram, or leave those out"
             )
         return self
 
@@ -60,6 +73,16 @@ class EngineConfig(BaseModel):
                 "folder (file://...); the operator fetches other sources into the pod"
             )
         return Path(spec.draft_model.removeprefix("file://"))
+
+    @model_validator(mode="after")
+    def _check_loras(self) -> EngineConfig:
+        if self.lora_modules and self.max_loras == 0:
+            raise ValueError(
+                "LoRA adapters need adapter slots: leave engine.maxLoras unset or set it above 0"
+            )
+        if self.served_name in self.lora_modules:
+            raise ValueError(f"adapter name {self.served_name!r} is the base model's served name: rename it")
+        return self
 
     @property
     def device(self) -> torch.device:
@@ -80,6 +103,16 @@ class EngineConfig(BaseModel):
         if checkpoint_dtype in ("bfloat16", "float16"):
             return _DTYPES[checkpoint_dtype]
         return torch.bfloat16
+
+    @property
+    def max_loras(self) -> int:
+        """The adapter slots: ``engine.maxLoras``, else a default when adapters are given, else 0 (off)."""
+        return self.engine.lora_slots(has_adapters=bool(self.lora_modules))
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """The ranks that split the model (``engine.tensorParallelSize``; 1 when unset)."""
+        return self.engine.tensor_parallel_size or 1
 
     @property
     def block_size(self) -> int:

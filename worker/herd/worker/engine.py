@@ -31,9 +31,10 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from herd.api.kv_hash import BlockHash, root_hash
 from herd.api.prompt import PromptRenderer
@@ -41,8 +42,10 @@ from herd.api.protocol import KVEvent, KVSnapshot, LoadReport, WorkerInfo
 from herd.worker.block_manager import BlockManager
 from herd.worker.config import EngineConfig
 from herd.worker.detokenizer import IncrementalDetokenizer
+from herd.worker.kv_tiers import KVTierError
 from herd.worker.outputs import FinishReason, RequestOutput
-from herd.worker.runner import Runner, SampledToken, SpeculatedTokens, StepResult
+from herd.worker.pooling import PoolingConfig
+from herd.worker.runner import PooledOutput, Runner, SampledToken, SpeculatedTokens, StepResult
 from herd.worker.sampling_params import SamplingParams, check_token_ids
 from herd.worker.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from herd.worker.sequence import Sequence
@@ -52,7 +55,7 @@ from herd.worker.stats import EngineStats
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["EngineResetError", "LLMEngine", "PromptTooLongError", "QueueFullError"]
+__all__ = ["EngineResetError", "LLMEngine", "PromptTooLongError", "QueueFullError", "UnknownLoraError"]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +66,10 @@ class QueueFullError(Exception):
 
 class PromptTooLongError(ValueError):
     """Prompt plus ``max_tokens`` exceed ``engine.maxModelLen`` (HTTP 400)."""
+
+
+class UnknownLoraError(LookupError):
+    """The request names a LoRA adapter this engine has not loaded (HTTP 404)."""
 
 
 class EngineResetError(RuntimeError):
@@ -98,13 +105,17 @@ class LLMEngine:
         self.block_manager = BlockManager(
             geometry.num_blocks,
             geometry.block_size,
-            enable_prefix_caching=config.engine.kv_cache.prefix_caching,
+            enable_prefix_caching=config.engine.kv_cache.prefix_caching and geometry.holds_kv,
+            num_host_blocks=geometry.num_host_blocks,
+            num_disk_blocks=geometry.num_disk_blocks,
         )
         self.scheduler = Scheduler(
             self.block_manager,
             max_batch_tokens=config.engine.max_batch_tokens,
             max_batch_size=config.engine.max_batch_size,
             max_model_len=config.max_model_len,
+            max_loras=config.max_loras,
+            is_chunked=geometry.holds_kv,
         )
         speculative = config.engine.speculative
         self.speculation = (
@@ -117,23 +128,44 @@ class LLMEngine:
             )
         )
         self.clock = clock
-        self.stats = EngineStats(spec_accepted_per_pos=[0] * (speculative.num_tokens if speculative else 0))
+        self.stats = EngineStats(
+            kv_tiers=self.block_manager.counters,
+            spec_accepted_per_pos=[0] * (speculative.num_tokens if speculative else 0),
+        )
+        self._count_tier_blocks()
         self.vocab_size = runner.vocab_size
+        self.pooling = runner.pooling
+        self.max_model_len = config.max_model_len
+        if self.pooling is not None and self.pooling.max_len is not None:
+            self.max_model_len = min(self.max_model_len, self.pooling.max_len)
         self.info = WorkerInfo(
             model=config.served_name,
             role=config.role,
             block_size=geometry.block_size,
-            max_model_len=config.max_model_len,
+            max_model_len=self.max_model_len,
             epoch=uuid.uuid4().hex,
             dtype=str(geometry.dtype).removeprefix("torch."),
             num_layers=geometry.num_layers,
             num_kv_heads=geometry.num_kv_heads,
             head_dim=geometry.head_dim,
             vocab_size=self.vocab_size,
+            **_embedding_info(self.pooling),
         )
         self._requests: dict[str, _Request] = {}
         self._held: dict[str, list[int]] = {}
-        log.info("engine ready", extra={"model": config.served_name, "num_kv_blocks": geometry.num_blocks})
+        self.lora_adapters: dict[str, Path] = {}
+        """The LoRA adapters loaded, by name: the folder each was read from."""
+        for name, path in config.lora_modules.items():
+            self.load_lora(name, path)
+        log.info(
+            "engine ready",
+            extra={
+                "model": config.served_name,
+                "num_kv_blocks": geometry.num_blocks,
+                "num_host_blocks": geometry.num_host_blocks,
+                "num_disk_blocks": geometry.num_disk_blocks,
+            },
+        )
 
     def add_request(
         self,
@@ -143,8 +175,10 @@ class LLMEngine:
         *,
         cache_salt: str | None = None,
         first_token_id: int | None = None,
+        lora_name: str | None = None,
     ) -> RequestOutput | None:
-        """Queue a request; raises ``QueueFullError``, ``PromptTooLongError`` or ``ValueError``.
+        """Queue a request; raises ``QueueFullError``, ``PromptTooLongError``, ``UnknownLoraError``
+        or ``ValueError``. ``lora_name`` runs it with that loaded adapter (``None``: the base model).
 
         ``first_token_id`` is a first output token sampled elsewhere (a prefill worker, with this
         request's settings): it is appended now, through the same stop checks and detokenizer as a
@@ -152,14 +186,24 @@ class LLMEngine:
         prompt's uncached tail with it and sample the second token. Without it, returns None.
         """
         self._check_request(request_id, prompt_token_ids, params)
+        if lora_name is not None and lora_name not in self.lora_adapters:
+            raise UnknownLoraError(self._unknown_lora(lora_name))
         if first_token_id is not None:
             check_token_ids([first_token_id], self.vocab_size, param="kv_transfer_params")
         seq = Sequence(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
             params=params,
-            root_hash=root_hash(self.config.served_name, cache_salt),
+            root_hash=root_hash(self.config.served_name, cache_salt, lora_name),
+            lora_name=lora_name,
+            grammar=None if params.grammar is None else params.grammar.matcher(),
         )
+        if first_token_id is not None and seq.grammar is not None and not seq.grammar.accepts(first_token_id):
+            log.warning(
+                "the handed first token breaks the grammar; sampling it here",
+                extra={"request_id": request_id},
+            )
+            first_token_id = None
         detokenizer = IncrementalDetokenizer(self.renderer, prompt_token_ids, params.stop)
         self._requests[request_id] = _Request(seq, detokenizer)
         self.scheduler.add(seq)
@@ -175,10 +219,18 @@ class LLMEngine:
             raise ValueError("the prompt is empty: send at least one token")
         check_token_ids(prompt_token_ids, self.vocab_size, param="prompt")
         params.check_vocab(self.vocab_size)
+        if self.pooling is not None:  # an embedding: the prompt alone, no output
+            if len(prompt_token_ids) > self.max_model_len:
+                raise PromptTooLongError(
+                    f"this model embeds at most {self.max_model_len} tokens, but the input has "
+                    f"{len(prompt_token_ids)}: shorten it"
+                )
+            self._check_queue()
+            return
         total = len(prompt_token_ids) + params.max_tokens
-        if total > self.config.max_model_len:
+        if total > self.max_model_len:
             raise PromptTooLongError(
-                f"this model's maximum context length is {self.config.max_model_len} tokens, but the request "
+                f"this model's maximum context length is {self.max_model_len} tokens, but the request "
                 f"has {len(prompt_token_ids)} prompt tokens plus max_tokens {params.max_tokens} ({total}): "
                 "shorten the prompt or lower max_tokens"
             )
@@ -188,10 +240,44 @@ class LLMEngine:
                 f"the request needs {total} tokens of KV cache but the whole pool holds {pool_tokens}: "
                 "lower max_tokens or give the engine more KV memory (engine.kvCache)"
             )
+        self._check_queue()
+
+    def _check_queue(self) -> None:
         if len(self.scheduler.waiting) >= self.config.engine.max_queue_len:
             raise QueueFullError(
                 f"{len(self.scheduler.waiting)} requests are waiting (engine.maxQueueLen): retry later"
             )
+
+    def _unknown_lora(self, name: str) -> str:
+        loaded = ", ".join(map(repr, self.lora_adapters)) or "none"
+        return f"LoRA adapter {name!r} is not loaded on this worker (loaded: {loaded}); load it first"
+
+    def load_lora(self, name: str, path: Path) -> None:
+        """Read the PEFT adapter at ``path`` into host memory as ``name``; raises ``ValueError`` if
+        LoRA is off, the name is taken, or the adapter does not fit the model or ``maxLoraRank``.
+        Loading the same folder under the same name again does nothing (an orchestrator may ask twice)."""
+        if self.lora_adapters.get(name) == path:
+            return
+        if self.config.max_loras == 0:
+            raise ValueError("this worker runs no LoRA adapters: start it with engine.maxLoras above 0")
+        if name == self.config.served_name or name in self.lora_adapters:
+            raise ValueError(f"the name {name!r} is taken on this worker: unload it first or pick another")
+        self.runner.load_lora(name, path)
+        self.lora_adapters[name] = path
+        log.info("LoRA adapter loaded", extra={"lora_name": name, "path": str(path)})
+
+    def unload_lora(self, name: str) -> None:
+        """Drop adapter ``name`` and forget its cached KV blocks; raises ``UnknownLoraError``, or
+        ``ValueError`` while requests still run with it."""
+        if name not in self.lora_adapters:
+            raise UnknownLoraError(self._unknown_lora(name))
+        num_using = sum(1 for request in self._requests.values() if request.seq.lora_name == name)
+        if num_using:
+            raise ValueError(f"LoRA adapter {name!r} serves {num_using} requests: unload it when they finish")
+        self.runner.unload_lora(name)
+        del self.lora_adapters[name]
+        self.block_manager.forget(self.block_manager.lora_blocks(name))
+        log.info("LoRA adapter unloaded", extra={"lora_name": name})
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request wherever it is and free its blocks now; unknown ids are ignored."""
@@ -212,6 +298,9 @@ class LLMEngine:
         started = self.clock()
         try:
             results = self.runner.execute(decision)  # a sequence's own failure comes back as data
+        except KVTierError as error:
+            self._drop_tier(decision, error)
+            return []
         except Exception as error:
             return self._fail_batch(decision, error)
         seconds = self.clock() - started
@@ -255,16 +344,25 @@ class LLMEngine:
             self.speculation.step_cost.observe(decision.num_tokens + num_proposed, num_passes, seconds)
 
     def _count(self, decision: SchedulerOutput) -> None:
+        if decision.kv_moves:
+            self._count_tier_blocks()
         self.stats.num_steps += 1
         self.stats.num_preemptions += len(decision.preempted)
         self.stats.prefix_cache_queries += decision.num_cache_queries
         self.stats.prefix_cache_hits += decision.num_cache_hits
+
+    def _count_tier_blocks(self) -> None:
+        self.stats.kv_tier_blocks = {
+            tier.medium: (tier.num_used, tier.num_slots) for tier in self.block_manager.tiers()
+        }
 
     def _advance(self, chunk: ScheduledChunk, sampled: StepResult) -> RequestOutput:
         """Take the chunk's new tokens; a failure here (or in its sampling) ends its sequence alone."""
         seq = chunk.seq
         if isinstance(sampled, Exception):
             return self._fail_request(seq, sampled, stage="sampling")
+        if isinstance(sampled, PooledOutput):
+            return self._pooled(seq, sampled)
         tokens = sampled.tokens if isinstance(sampled, SpeculatedTokens) else (sampled,)
         try:
             output = self._append(seq, tokens)
@@ -281,6 +379,8 @@ class LLMEngine:
         text = ""
         reason: FinishReason | None = None
         for sampled in tokens:
+            if seq.grammar is not None:
+                seq.grammar.advance(sampled.token_id)
             seq.append_token(sampled.token_id, sampled.logprob)
             self.stats.generation_tokens += 1
             taken.append(sampled)
@@ -311,6 +411,23 @@ class LLMEngine:
             held_block_ids=held,
         )
 
+    def _pooled(self, seq: Sequence, pooled: PooledOutput) -> RequestOutput:
+        """An embedding is done in the step that computed its sequence."""
+        seq.finish_reason = "stop"
+        self.scheduler.finish(seq)
+        del self._requests[seq.request_id]
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=[],
+            new_text="",
+            finished=True,
+            finish_reason="stop",
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=0,
+            num_output_tokens=0,
+            embedding=pooled.embedding,
+        )
+
     def _fail_request(self, seq: Sequence, error: Exception, *, stage: str) -> RequestOutput:
         log.error(
             "request failed; the engine goes on",
@@ -334,9 +451,23 @@ class LLMEngine:
             f"{type(error).__name__}: {error}; the request may succeed if sent again"
         )
         outputs = [self._end_with_error(seq, message) for seq in seqs]
+        self.block_manager.forget_moves(decision.kv_moves)  # what the step wrote may not be there
         self.block_manager.forget(decision.cached_block_ids)  # their KV was never computed
         self._reset()
         return outputs
+
+    def _drop_tier(self, decision: SchedulerOutput, error: KVTierError) -> None:
+        """A tier failed before the step ran anything: the engine goes on without it. The step's
+        plan is abandoned (what it wrote into the caches forgotten, its sequences queued again, to
+        be planned without the tier), so no request fails."""
+        log.error(
+            "KV tier failed; the engine goes on without it",
+            extra={"medium": error.medium, "error": str(error)},
+        )
+        self.block_manager.forget_moves(decision.kv_moves)
+        self.block_manager.forget(decision.cached_block_ids)
+        self.block_manager.disable_disk()
+        self.scheduler.requeue([chunk.seq for chunk in decision.chunks])
 
     def _end_with_error(self, seq: Sequence, message: str) -> RequestOutput:
         """Retire ``seq`` now (its blocks and any lease freed) with ``message`` for its client."""
@@ -376,22 +507,31 @@ class LLMEngine:
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
         params = seq.params
+        if seq.grammar is not None and seq.grammar.is_finished:
+            return "stop"
         is_eos = not params.ignore_eos and token_id in self.renderer.eos_token_ids
         if (is_eos or token_id in params.stop_token_ids) and seq.num_output_tokens >= params.min_tokens:
             return "stop"
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
 
     def load_report(self) -> LoadReport:
         waiting = self.scheduler.waiting
         return LoadReport(
+            max_loras=self.config.max_loras,
+            lora_adapters=list(self.lora_adapters),
+            running_lora_adapters=_adapters(self.scheduler.running),
+            waiting_lora_adapters=_adapters(waiting),
             num_running=len(self.scheduler.running),
             num_waiting=len(waiting),
             num_waiting_prefill_tokens=sum(seq.num_uncomputed_tokens for seq in waiting),
             kv_usage=min(1.0, max(0.0, self.block_manager.usage)),
             num_free_blocks=self.block_manager.num_free_blocks,
             num_total_blocks=self.block_manager.num_total_blocks,
+            bytes_per_block=self.runner.geometry.bytes_per_block,
+            prefill_tokens_per_s=self.runner.measured.prefill.per_second,
+            restore_bytes_per_s=self.runner.measured.restore_bytes_per_s(),
         )
 
     def reset_prefix_cache(self) -> bool:
@@ -410,6 +550,7 @@ class LLMEngine:
             seq=self.block_manager.events.last_seq,
             block_size=self.block_manager.block_size,
             block_hashes=self.block_manager.cached_hashes(),
+            tier_block_hashes={tier.medium: tier.hashes() for tier in self.block_manager.tiers()},
         )
 
     # Disaggregation: whole KV blocks leave a prefill engine and enter a decode engine's cache.
@@ -437,21 +578,38 @@ class LLMEngine:
         return self.runner.read_blocks(block_ids)
 
     def write_blocks(
-        self, block_hashes: list[BlockHash], token_blocks: list[list[int]], kv: torch.Tensor
+        self,
+        block_hashes: list[BlockHash],
+        token_blocks: list[list[int]],
+        kv: torch.Tensor,
+        lora_name: str | None = None,
     ) -> int:
-        """Import peer blocks (KV laid out as ``read_blocks`` gives it) into the prefix cache.
+        """Import peer blocks (KV laid out as ``read_blocks`` gives it, computed with adapter
+        ``lora_name``, which their hashes carry) into the prefix cache.
 
         Blocks already cached here are skipped; returns how many were imported.
         """
         targets = [
-            self.block_manager.import_block(block_hash, token_ids)
+            self.block_manager.import_block(block_hash, token_ids, lora_name)
             for block_hash, token_ids in zip(block_hashes, token_blocks, strict=True)
         ]
         imported = [block_id for block_id in targets if block_id is not None]
+        self._offload_evicted()
         if imported:
             self.runner.write_blocks(targets, kv)
         self.block_manager.release(imported)
         return len(imported)
+
+    def _offload_evicted(self) -> None:
+        """Make the moves that evictions outside a step planned (an import's), before the blocks
+        they leave are written; a failing tier is dropped as in a step."""
+        moves, _ = self.block_manager.end_plan()
+        try:
+            self.runner.move_blocks(moves)
+        except KVTierError as error:
+            log.error("KV tier failed; the engine goes on without it", extra={"medium": error.medium})
+            self.block_manager.forget_moves(moves)
+            self.block_manager.disable_disk()
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
@@ -469,6 +627,23 @@ class LLMEngine:
         return [results[request_id] for request_id in ids]
 
 
+def _adapters(seqs: Iterable[Sequence]) -> list[str]:
+    return list(dict.fromkeys(seq.lora_name for seq in seqs if seq.lora_name is not None))
+
+
+def _embedding_info(pooling: PoolingConfig | None) -> dict[str, Any]:
+    """The ``WorkerInfo`` fields of an embedding model (none for a generation model)."""
+    if pooling is None:
+        return {}
+    dims = pooling.matryoshka_dimensions
+    return {
+        "embedding_size": pooling.size,
+        "is_normalized": pooling.normalize,
+        "is_matryoshka": pooling.is_matryoshka,
+        "matryoshka_dimensions": None if dims is None else list(dims),
+    }
+
+
 def _empty_result(request_id: str) -> RequestOutput:
     return RequestOutput(request_id, [], "", False, None, 0, 0, 0, logprobs=[])
 
@@ -480,5 +655,6 @@ def _merge(result: RequestOutput, output: RequestOutput) -> None:
     result.num_prompt_tokens, result.num_cached_tokens = output.num_prompt_tokens, output.num_cached_tokens
     result.num_output_tokens = output.num_output_tokens
     result.error = output.error
+    result.embedding = output.embedding
     if result.logprobs is not None and output.logprobs:
         result.logprobs.extend(output.logprobs)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol, TypeVar
 
 import torch
@@ -50,6 +50,35 @@ class StepInputs:
     positions: torch.Tensor  # [num_tokens]
     metadata: AttentionMetadata
     sample_index: torch.Tensor  # rows whose hidden state is projected to logits, in chunk order
+    lora_rows: tuple[tuple[str | None, int], ...]
+    """Each chunk's LoRA adapter and its number of rows, in row order (plain values: a tensor-parallel
+    step is pickled to the other ranks)."""
+
+    def to(self, device: torch.device) -> StepInputs:
+        """The same inputs on ``device`` (a tensor-parallel rank receives them on the CPU)."""
+        if device.type == "cpu":
+            return self
+        metadata = self.metadata
+        groups = tuple(
+            replace(
+                group,
+                block_tables=group.block_tables.to(device),
+                attn_mask=group.attn_mask.to(device),
+                windows={
+                    size: WindowView(view.block_tables.to(device), view.attn_mask.to(device))
+                    for size, view in group.windows.items()
+                },
+            )
+            for group in metadata.groups
+        )
+        moved = replace(metadata, slot_mapping=metadata.slot_mapping.to(device), groups=groups)
+        return StepInputs(
+            self.input_ids.to(device),
+            self.positions.to(device),
+            moved,
+            self.sample_index.to(device),
+            self.lora_rows,
+        )
 
 
 def prepare_inputs(
@@ -90,8 +119,10 @@ def prepare_queries(
     slots: list[int] = []
     end_rows: dict[Query, int] = {}
     groups: list[AttentionGroup] = []
+    lora_rows: list[tuple[str | None, int]] = []
     for group in [*decodes, *prefills]:
         groups.append(_group(group, len(token_ids), block_size, device, window_sizes))
+        lora_rows.extend((query.seq.lora_name, query.num_tokens) for query in group)
         for query in group:
             start, end = query.start, query.start + query.num_tokens
             token_ids.extend(query.token_ids)
@@ -106,7 +137,11 @@ def prepare_queries(
         slot_mapping=_tensor(slots, device), groups=tuple(groups), num_tokens=len(token_ids)
     )
     return StepInputs(
-        _tensor(token_ids, device), _tensor(positions, device), metadata, _tensor(sample_rows, device)
+        _tensor(token_ids, device),
+        _tensor(positions, device),
+        metadata,
+        _tensor(sample_rows, device),
+        tuple(lora_rows),
     )
 
 

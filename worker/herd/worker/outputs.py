@@ -38,6 +38,8 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     held_block_ids: list[int] | None = None
     """On the last output of a ``hold_prompt_blocks`` request: the prompt blocks still held."""
+    embedding: list[float] | None = None
+    """An embedding model's pooled vector, on its only (finished) output."""
     error: str | None = None
     """Set on the last output of a request the engine failed (``finished``, reason ``abort``): what
     went wrong, for its client. Other requests are unaffected."""

@@ -1,6 +1,8 @@
 """Chooses each sequence's next token from its logits row, with per-request settings.
 
-Order: penalties, logit bias and min_tokens masking edit the logits; greedy rows take the argmax;
+Order: penalties, logit bias and min_tokens masking edit the logits; the grammar masks of
+constrained rows (``herd.worker.grammar``, computed beside the forward pass) then hide every token
+their grammar does not allow; greedy rows take the argmax;
 the others are divided by their temperature, filtered by top-k, top-p and min-p, and sampled with
 the exponential-race trick (``argmax(p / q)``, ``q ~ Exp(1)``) drawn from the sequence's own
 ``torch.Generator`` when it has a seed, so its draws do not depend on the rest of the batch. The
@@ -24,6 +26,7 @@ from collections.abc import Collection
 
 import torch
 
+from herd.worker.grammar import PendingMasks, apply_bitmask
 from herd.worker.logits_processors import edit_logits
 from herd.worker.outputs import TokenLogprob
 from herd.worker.runner import SampledToken, SpeculatedTokens, StepResult
@@ -59,12 +62,18 @@ class Sampler:
         self._seeded: weakref.WeakKeyDictionary[Sequence, torch.Generator] = weakref.WeakKeyDictionary()
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[StepResult]:
-        """One token per row of ``logits``, or the exception that failed that row's request."""
+    def sample(
+        self, logits: torch.Tensor, seqs: list[Sequence], masks: PendingMasks | None = None
+    ) -> list[StepResult]:
+        """One token per row of ``logits``, or the exception that failed that row's request.
+
+        ``masks`` holds the grammar bitmasks of the constrained rows (``MaskFiller.start``)."""
         raw_logprobs = (
             logits.log_softmax(dim=-1) if any(s.params.logprobs is not None for s in seqs) else None
         )
         failures = self._edit(logits, seqs)
+        if masks is not None:
+            self._constrain(logits, seqs, masks, failures)
         token_ids = self._choose_each(logits, seqs, failures)
         tokens: list[StepResult] = (
             [SampledToken(token_id, None) for token_id in token_ids]
@@ -111,6 +120,21 @@ class Sampler:
                 except Exception as error:
                     failures[row] = error
         return failures
+
+    @staticmethod
+    def _constrain(
+        logits: torch.Tensor, seqs: list[Sequence], masks: PendingMasks, failures: dict[int, Exception]
+    ) -> None:
+        """Apply the batch's grammar masks; a row whose matcher failed fails alone."""
+        bitmask = masks.result()  # first: the matchers are busy until their masks are done
+        for row in masks.rows:
+            grammar = seqs[row].grammar
+            try:
+                if grammar is not None:
+                    grammar.check()
+            except Exception as error:
+                failures[row] = error
+        apply_bitmask(logits, masks.rows, bitmask)
 
     def _choose_each(
         self, logits: torch.Tensor, seqs: list[Sequence], failures: dict[int, Exception]

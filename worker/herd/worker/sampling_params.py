@@ -12,6 +12,10 @@ import functools
 import math
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from herd.worker.grammar import CompiledGrammar
 
 __all__ = [
     "MAX_SEED",
@@ -74,9 +78,15 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    priority: int = 0
+    """Where the sequence waits: smaller first (vLLM's priority scheduling); it may also be preempted
+    for a more urgent one when the KV pool is full."""
     hold_prompt_blocks: bool = False
     """Disaggregated prefill: when the sequence finishes, keep its prompt's cached full blocks held
     (reported in the last output's ``held_block_ids``) until ``release_held`` or an abort."""
+    grammar: CompiledGrammar | None = None
+    """What the output must match (``herd.worker.grammar``); each token is sampled under its mask
+    and the sequence stops when the grammar is complete."""
 
     def __post_init__(self) -> None:
         self._check_lengths()

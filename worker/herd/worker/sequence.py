@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from herd.api.kv_hash import BlockHash
 from herd.worker.outputs import FinishReason, TokenLogprob
 from herd.worker.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from herd.worker.grammar import GrammarMatcher
 
 __all__ = ["Sequence", "SequenceStatus"]
 
@@ -25,6 +29,8 @@ class Sequence:
     Invariant: ``num_computed_tokens <= num_tokens`` and ``block_table`` covers at least
     ``num_computed_tokens`` slots; the first ``num_committed_blocks`` blocks are in the prefix cache.
     ``num_cached_tokens`` is the prefix-cache hit of the first admission (what usage reports).
+    ``lora_name`` is the LoRA adapter the sequence runs with (``None``: the base model); it is in
+    ``root_hash``, so its blocks are cached apart from every other adapter's.
     Preemption drops the blocks and keeps the tokens, so recomputation includes what was generated.
     """
 
@@ -32,6 +38,7 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     root_hash: BlockHash
+    lora_name: str | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -42,6 +49,9 @@ class Sequence:
     num_committed_blocks: int = 0
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
+    grammar: GrammarMatcher | None = None
+    """Where the output stands in ``params.grammar``; advanced with every appended token, kept
+    across preemption (the tokens are)."""
 
     @property
     def token_ids(self) -> list[int]:

@@ -9,7 +9,9 @@ the cost model's ``hostShare`` of it busy on the CPU, the rest asleep. The sampl
 token of a sequence is a hash of the runner's seed, its prompt (with the cache salt and model that
 its root hash carries) and its position, so equal prompts continue alike, as under greedy decoding;
 never one of ``avoid_token_ids`` (the stop tokens), unless ``eos_after`` asks for a stop token after that many
-output tokens. The KV pool is block ids only: the block manager hands them out as for a real pool;
+output tokens. A constrained sequence (``response_format``, tools) draws the same hash over the tokens
+its grammar allows at that step (``herd.worker.grammar``), a stop token only when nothing else is
+allowed, so its output matches its grammar as a real model's does. The KV pool is block ids only: the block manager hands them out as for a real pool;
 ``read_blocks`` answers zeros of the geometry's shape (a placeholder of the right layout, so a KV
 frame encodes) and ``write_blocks`` checks that shape and keeps nothing; block copies are no-ops.
 
@@ -17,6 +19,12 @@ Speculative decoding runs with the n-gram proposer, for real: the proposals are 
 sequence's tokens, each one verified against the token this runner would sample at its position
 (accepted while they agree, then the runner's own), and a step costs its proposed tokens like any
 other. A draft model cannot run where there is no model: ``simulated_engine`` refuses one.
+
+The tiers below the pool are slots too: a plan's moves between them cost their bytes over the cost
+model's ``hostGBps`` (device <-> host) or ``diskGBps`` (to or from the disk), added to the step. The
+runner reports the rates it models as measured, so a simulated fleet routes on the same figures.
+A LoRA adapter is a name and nothing more: its folder is not read, and a sequence's adapter
+changes its tokens only through the root hash, as it changes its blocks' hashes.
 """
 
 from __future__ import annotations
@@ -27,19 +35,24 @@ import weakref
 from array import array
 from collections.abc import Collection
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import torch
 
 from herd.api.crd import CostModel
 from herd.api.prompt import PromptRenderer
-from herd.worker.cache_geometry import CacheGeometry, bytes_per_block
+from herd.api.protocol import Medium
+from herd.worker.cache_geometry import CacheGeometry, bytes_per_block, tier_blocks
 from herd.worker.config import EngineConfig
 from herd.worker.engine import LLMEngine
+from herd.worker.grammar import MaskFiller, allowed_token_ids
+from herd.worker.kv_tiers import KVMove
 from herd.worker.loader import read_model_args
 from herd.worker.model_runner import DEFAULT_CPU_KV_GIB
 from herd.worker.outputs import TokenLogprob
-from herd.worker.runner import SampledToken, SpeculatedTokens, StepResult
+from herd.worker.pooling import PoolingConfig
+from herd.worker.runner import PREFILL_MIN_TOKENS, Measured, SampledToken, SpeculatedTokens, StepResult
 from herd.worker.scheduler import SchedulerOutput
 from herd.worker.sequence import Sequence
 from herd.worker.speculative.proposer import NgramProposer, Proposal
@@ -112,8 +125,18 @@ class SimulatedRunner:
         self.geometry = geometry
         self.proposer = proposer
         self.vocab_size = vocab_size
+        self.pooling: PoolingConfig | None = None  # it models generation only
         self.cost = cost or CostModel()
         self.clock = clock or VirtualClock()
+        self.measured = Measured()
+        tiers: tuple[tuple[Medium, int], ...] = (
+            ("host", geometry.num_host_blocks),
+            ("disk", geometry.num_disk_blocks),
+        )
+        for medium, count in tiers:
+            if count:  # the real runner's probe at start, as the cost model has it
+                seconds = self.cost.move_seconds(geometry.bytes_per_block, disk=medium == "disk")
+                self.measured.add_restore(medium, geometry.bytes_per_block, seconds)
         self.eos_after = eos_after
         self._seed = seed.to_bytes(8, "little", signed=True)
         self._prompt_keys: weakref.WeakKeyDictionary[Sequence, bytes] = weakref.WeakKeyDictionary()
@@ -122,38 +145,86 @@ class SimulatedRunner:
         self._allowed = [token_id for token_id in range(vocab_size) if token_id not in avoided]
 
     def execute(self, plan: SchedulerOutput) -> list[StepResult]:
-        """Spend the plan's cost on the clock; one token per sampled chunk, or a verified proposal's
-        tokens. ``block_copies`` move no data: the pool holds none."""
+        """Spend the plan's cost (its moves' and its forward's, proposed tokens included) on the
+        clock; one token per sampled chunk, or a verified proposal's tokens. ``block_copies`` move no
+        data: the pool holds none."""
         proposals = self.proposer.propose(plan) if self.proposer is not None else {}
         num_proposed = sum(len(proposal.token_ids) for proposal in proposals.values())
-        self.clock.advance(step_seconds(self.cost, plan, num_proposed), self.cost.host_share)
+        seconds = step_seconds(self.cost, plan, num_proposed)
+        if plan.num_tokens >= PREFILL_MIN_TOKENS:
+            self.measured.prefill.add(plan.num_tokens, seconds)
+        self.clock.advance(self._moves_seconds(plan.kv_moves) + seconds, self.cost.host_share)
+        sampled = [chunk for chunk in plan.chunks if chunk.is_sampled]
+        allowed = self._grammar_allowed([chunk.seq for chunk in sampled])
         return [
-            self._sample(chunk.seq) if chunk not in proposals else self._verify(chunk.seq, proposals[chunk])
-            for chunk in plan.chunks
-            if chunk.is_sampled
+            self._verify(chunk.seq, proposals[chunk])
+            if chunk in proposals
+            else self._sample(chunk.seq, allowed.get(row))
+            for row, chunk in enumerate(sampled)
         ]
 
-    def _verify(self, seq: Sequence, proposal: Proposal) -> SpeculatedTokens:
-        """Accept the proposed ids while they are the ones this runner samples, then its own."""
+    def _verify(self, seq: Sequence, proposal: Proposal) -> StepResult:
+        """Accept the proposed ids while they are the ones this runner samples, then its own (a
+        grammar-constrained sequence is never proposed for)."""
         tokens: list[SampledToken] = []
-        for offset, token_id in enumerate(proposal.token_ids):
-            own = self._sample(seq, offset)
+        for offset in range(len(proposal.token_ids) + 1):
+            own = self._sample(seq, offset=offset)
+            if not isinstance(own, SampledToken):
+                return own
             tokens.append(own)
-            if own.token_id != token_id:
-                return SpeculatedTokens(tuple(tokens), len(proposal.token_ids))
-        tokens.append(self._sample(seq, len(proposal.token_ids)))
+            if offset == len(proposal.token_ids) or own.token_id != proposal.token_ids[offset]:
+                break
         return SpeculatedTokens(tuple(tokens), len(proposal.token_ids))
 
-    def _sample(self, seq: Sequence, offset: int = 0) -> SampledToken:
+    def move_blocks(self, moves: list[KVMove]) -> None:
+        self.clock.advance(self._moves_seconds(moves), self.cost.host_share)
+
+    def _moves_seconds(self, moves: list[KVMove]) -> float:
+        """The moves' modelled time; each restore's is recorded as measured."""
+        total = 0.0
+        for move in moves:
+            seconds = self.cost.move_seconds(
+                self.geometry.bytes_per_block, disk="disk" in (move.src, move.dst)
+            )
+            if move.dst == "device":
+                self.measured.add_restore(move.src, self.geometry.bytes_per_block, seconds)
+            total += seconds
+        return total
+
+    def _grammar_allowed(self, seqs: list[Sequence]) -> dict[int, list[int]]:
+        """The tokens each constrained sequence's grammar allows now, by its row."""
+        rows = [row for row, seq in enumerate(seqs) if seq.grammar is not None]
+        matchers = [grammar for seq in seqs if (grammar := seq.grammar) is not None]
+        if not matchers:
+            return {}
+        bitmask = MaskFiller.fill_now(matchers)
+        return {row: allowed_token_ids(bitmask[i], self.vocab_size) for i, row in enumerate(rows)}
+
+    def _sample(
+        self, seq: Sequence, grammar_allowed: list[int] | None = None, *, offset: int = 0
+    ) -> StepResult:
         """The token at output position ``seq.num_output_tokens + offset``."""
         position = seq.num_output_tokens + offset
-        if self.eos_after is not None and position >= self.eos_after and self._avoid:
+        candidates = self._allowed
+        if grammar_allowed is not None:
+            avoided = set(self._avoid)
+            candidates = [
+                token_id for token_id in grammar_allowed if token_id not in avoided
+            ] or grammar_allowed
+            if not candidates:
+                return ValueError("the output's grammar allows no token here")
+        if (
+            self.eos_after is not None
+            and position >= self.eos_after
+            and self._avoid
+            and grammar_allowed is None
+        ):
             token_id = self._avoid[0]
         else:
             digest = hashlib.blake2b(
                 self._prompt_key(seq), digest_size=8, salt=position.to_bytes(16, "little")
             ).digest()
-            token_id = self._allowed[int.from_bytes(digest, "little") % len(self._allowed)]
+            token_id = candidates[int.from_bytes(digest, "little") % len(candidates)]
         num_top = seq.params.logprobs
         logprob = None if num_top is None else TokenLogprob(token_id, 0.0, ((token_id, 0.0),)[:num_top])
         return SampledToken(token_id, logprob)
@@ -169,6 +240,12 @@ class SimulatedRunner:
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         return torch.zeros(self._shape(len(block_ids)), dtype=self.geometry.dtype)
+
+    def load_lora(self, name: str, path: Path) -> None:
+        """Nothing to read: the cost model has no weights (the engine keeps the name)."""
+
+    def unload_lora(self, name: str) -> None:
+        """Nothing to drop."""
 
     def write_blocks(self, block_ids: list[int | None], kv: torch.Tensor) -> None:
         expected = self._shape(len(block_ids))
@@ -202,7 +279,8 @@ def simulated_engine(
     args = read_model_args(config.model_path)
     dtype = config.resolve_dtype(args.checkpoint_dtype)
     per_block = bytes_per_block(args, config.block_size, dtype)
-    budget_gib = config.engine.kv_cache.memory_gib or DEFAULT_CPU_KV_GIB
+    spec = config.engine.kv_cache
+    budget_gib = spec.memory_gib or DEFAULT_CPU_KV_GIB
     geometry = CacheGeometry(
         num_blocks=num_blocks or int(budget_gib * 2**30) // per_block,
         block_size=config.block_size,
@@ -211,6 +289,8 @@ def simulated_engine(
         head_dim=args.head_dim,
         dtype=dtype,
         bytes_per_block=per_block,
+        num_host_blocks=tier_blocks(spec.host_memory_gib, per_block),
+        num_disk_blocks=tier_blocks(spec.disk.size_gib, per_block) if spec.disk is not None else 0,
     )
     renderer = renderer or PromptRenderer.from_pretrained(config.model_path)
     simulation = config.engine.simulation

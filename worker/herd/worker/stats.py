@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from herd.api.protocol import Medium
+from herd.worker.block_manager import TierCounters
+
 __all__ = ["EngineStats"]
 
 
@@ -25,6 +28,10 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)
+    kv_tiers: TierCounters = field(default_factory=TierCounters)
+    """Blocks stored into, restored from and evicted out of each tier (the block manager's own)."""
+    kv_tier_blocks: dict[Medium, tuple[int, int]] = field(default_factory=dict)
+    """Blocks used and held per tier below the device, as of the last step."""
 
     def count_draft(self, num_proposed: int, num_accepted: int) -> None:
         if not num_proposed:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from herd.api.errors import HttpError
 from herd.orchestrator.apply import Route, apply_decision, write_pin
+from herd.orchestrator.cold_start import ColdStarts
 from herd.orchestrator.epp.wire import address_of
 from herd.orchestrator.prepare import Prepared, Preparer
 from herd.orchestrator.registry import Registry
@@ -52,6 +53,8 @@ class Picker:
         self.state = state
         self.preparer = preparer
         self.settings = settings or PickerSettings()
+        self.cold_starts = ColdStarts(registry)
+        registry.on_admitted = self.cold_starts.wake
 
     async def pick(
         self, path: str, body: bytes, headers: Mapping[str, str], subset: frozenset[str] | None
@@ -66,6 +69,7 @@ class Picker:
                 "that sends each request to one endpoint cannot run; send it through herd's gateway",
                 param="model",
             )
+        await self.cold_starts.wait(served)  # a model at zero workers: until one is ready, as the gateway
         route = self._route(prepared, subset)
         try:
             winner = await write_pin(self.state, route)

@@ -3,8 +3,14 @@
 ``decide(model, views, request)`` runs every step of the choice, in order, with no I/O and no await:
 
 1. the capacity filter: the serving pool (the decode pool of a disaggregated model) less the workers
-   the request already tried, healthy ones only, then those under ``max_in_flight_per_worker``;
-2. the model's strategy over what is left (``phase="decode"`` for a disaggregated model);
+   the request already tried, healthy ones only, then those under ``max_in_flight_per_worker``,
+   then for a LoRA request the workers ``lora_candidates`` prefers (the same for every strategy);
+2. the model's strategy over what is left (``phase="decode"`` for a disaggregated model), unless
+   the request carries latency targets (``RequestContext.slo``, unified models): then the worker
+   predicted to meet them with the most headroom (``routing.slo``); when none is, the target's
+   policy routes to the closest one anyway (``route``, ``lower``: the decision says it missed), waits
+   (``UnroutableError("at_capacity")``: the gateway queues it) or refuses it
+   (``UnroutableError("slo_unmet")``);
 3. for a disaggregated request not yet prefilled, the prefill worker paired with that decode worker
    by the queue-bounded rule of ``pairing.choose_path`` (none: the decode worker prefills locally);
 4. the blocks to expect on the chosen workers, and the session pin to write.
@@ -27,16 +33,31 @@ from herd.api.kv_hash import BlockHash
 from herd.orchestrator.discovery import ModelConfig
 from herd.orchestrator.kv_index import KVIndex
 from herd.orchestrator.routing._types import RequestContext, RoutingStrategy, WorkerView, healthy
+from herd.orchestrator.routing.latency import LatencyFeatures, LatencyModel
 from herd.orchestrator.routing.pairing import (
     choose_path,
     choose_prefill,
     num_uncached_tokens,
     queued_prefill_tokens,
 )
+from herd.orchestrator.routing.slo import choose_by_slo, features_of
 
-__all__ = ["Decision", "Pin", "RoutedModel", "UnroutableError", "decide", "decide_prefill", "pin_key"]
+__all__ = [
+    "LORA_SPILL_IN_FLIGHT",
+    "Decision",
+    "Pin",
+    "RoutedModel",
+    "UnroutableError",
+    "decide",
+    "decide_prefill",
+    "lora_candidates",
+    "pin_key",
+]
 
 DEFAULT_SESSION_TTL_S = 3600
+LORA_SPILL_IN_FLIGHT = 4
+"""How many more requests in flight every worker holding an adapter has than the least busy worker
+with a free slot before the adapter is let spill to that one (which then loads it)."""
 
 
 class RoutedModel(Protocol):
@@ -48,12 +69,14 @@ class RoutedModel(Protocol):
     def strategy(self) -> RoutingStrategy: ...
     @property
     def kv_index(self) -> KVIndex: ...
+    @property
+    def latency(self) -> LatencyModel: ...
 
 
 class UnroutableError(Exception):
     """No worker can take the request now: none is healthy and untried, or every open one is full."""
 
-    def __init__(self, reason: Literal["no_healthy_worker", "at_capacity"]) -> None:
+    def __init__(self, reason: Literal["no_healthy_worker", "at_capacity", "slo_unmet"]) -> None:
         super().__init__(reason)
         self.reason = reason
 
@@ -83,6 +106,10 @@ class Decision:
     expected_blocks: Sequence[BlockHash] = ()
     """Blocks about to exist on ``worker`` and on ``prefill`` (``KVIndex.expect``)."""
     pin: Pin | None = None
+    features: LatencyFeatures | None = None
+    """The chosen worker's state as the latency model sees it, to fit it with what follows."""
+    is_slo_missed: bool = False
+    """The request's latency targets are predicted to be missed on ``worker`` (the best there was)."""
 
 
 def decide(model: RoutedModel, views: Sequence[WorkerView], request: RequestContext) -> Decision:
@@ -94,12 +121,16 @@ def decide(model: RoutedModel, views: Sequence[WorkerView], request: RequestCont
     if not pool:
         raise UnroutableError("no_healthy_worker")
     limit = config.max_in_flight_per_worker
-    open_pool = [view for view in pool if not limit or view.num_in_flight < limit]
+    open_pool = lora_candidates(
+        [view for view in pool if not limit or view.num_in_flight < limit], request.lora_name
+    )
     ctx = dataclasses.replace(request, phase="decode") if is_disaggregated else request
-    choice = model.strategy.select(open_pool, ctx) if open_pool else None
+    matched = model.kv_index.match(request.block_hashes) if request.block_hashes else {}
+    choice, is_slo_missed = _by_slo(model, open_pool, request, matched)
+    if choice is None:
+        choice = model.strategy.select(open_pool, ctx) if open_pool else None
     if choice is None:
         raise UnroutableError("at_capacity")
-    matched = model.kv_index.match(request.block_hashes) if request.block_hashes else {}
     num_cached = matched.get(choice.id, 0)
     # A prefilled request's decode worker imports the prompt's KV blocks; it computes none of them.
     num_local = 0 if request.is_prefilled else len(request.token_ids)
@@ -109,10 +140,62 @@ def decide(model: RoutedModel, views: Sequence[WorkerView], request: RequestCont
         num_cached_blocks=num_cached,
         expected_blocks=request.block_hashes,
         pin=_pin(model, request, choice),
+        features=features_of(choice, len(request.token_ids), num_cached, config.block_size),
+        is_slo_missed=is_slo_missed,
     )
     if is_disaggregated and not request.is_prefilled:
         return _paired(model, views, request, decision, matched)
     return decision
+
+
+def _by_slo(
+    model: RoutedModel, workers: Sequence[WorkerView], request: RequestContext, matched: Mapping[str, int]
+) -> tuple[WorkerView | None, bool]:
+    """The SLO choice and whether it misses the targets; ``(None, False)`` without one (no targets,
+    a disaggregated model, nothing to predict with yet): the strategy chooses."""
+    target = request.slo
+    if target is None or not workers or model.config.mode == "disaggregated":
+        return None, False
+    choice = choose_by_slo(
+        model.latency,
+        workers,
+        target,
+        num_prompt_tokens=len(request.token_ids),
+        matched=matched,
+        block_size=model.config.block_size,
+    )
+    if choice is None:
+        return None, False
+    if not choice.is_met and target.on_miss == "queue":
+        raise UnroutableError("at_capacity")
+    if not choice.is_met and target.on_miss == "refuse":
+        raise UnroutableError("slo_unmet")
+    return choice.worker, not choice.is_met
+
+
+def lora_candidates(workers: list[WorkerView], lora_name: str | None) -> list[WorkerView]:
+    """The workers a request with adapter ``lora_name`` should go to, for any strategy to choose from.
+
+    Those holding the adapter with a slot to run it at once come first; the workers with a free slot
+    join them (the chosen one loads the adapter) once every holder has ``LORA_SPILL_IN_FLIGHT``
+    more requests in flight than the least busy of them, or when no worker holds it. With no free
+    slot anywhere, the holders (else every LoRA worker) queue it. The base model: every worker.
+    """
+    if lora_name is None:
+        return workers
+    capable = [view for view in workers if view.max_loras > 0] or workers
+    holders = [view for view in capable if lora_name in view.lora_adapters]
+    ready = [view for view in holders if view.has_lora_slot(lora_name)]
+    free = [view for view in capable if view not in ready and view.has_lora_slot(lora_name)]
+    if not ready:
+        return free or holders or capable
+    if (
+        free
+        and min(view.num_in_flight for view in ready)
+        >= min(view.num_in_flight for view in free) + LORA_SPILL_IN_FLIGHT
+    ):
+        return ready + free
+    return ready
 
 
 def decide_prefill(
@@ -130,7 +213,7 @@ def _prefill_of(
 ) -> tuple[WorkerView | None, int]:
     block_size = model.config.block_size
     workers = healthy([view for view in views if view.role == "prefill" and view.id not in request.excluded])
-    prefill = choose_prefill(workers, matched, block_size)
+    prefill = choose_prefill(lora_candidates(workers, request.lora_name), matched, block_size)
     if prefill is None:
         return None, 0
     return prefill, num_uncached_tokens(len(request.token_ids), matched.get(prefill.id, 0), block_size)

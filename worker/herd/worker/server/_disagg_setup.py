@@ -42,5 +42,7 @@ def attach_disaggregation(
     public.state.remote_prefill = RemotePrefill(
         engine=engine, transfer=HttpKVTransfer(http, token), metrics=metrics, token=token
     )
-    prefill = PrefillService(engine, metrics, worker_metrics, public.state.prompt_threads)
+    prefill = PrefillService(
+        engine, metrics, worker_metrics, public.state.prompt_threads, public.state.grammars
+    )
     return Disaggregation(prefill.router(), http, prefill)

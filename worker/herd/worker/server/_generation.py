@@ -30,8 +30,11 @@ class Generation:
         request_id: str,
         choices: list[Choice],
         cache_salt: str | None,
+        *,
+        lora_name: str | None = None,
     ) -> None:
         self.engine = engine
+        self.lora_name = lora_name
         self.metrics = metrics
         self.request_id = request_id
         self.choices = choices
@@ -63,7 +66,12 @@ class Generation:
         engine_id = f"{self.request_id}-{choice.index}-{uuid.uuid4().hex[:8]}"
         timing = RequestTiming()
         stream = self.engine.generate(
-            engine_id, choice.prompt_token_ids, choice.params, self.cache_salt, choice.first_token_id
+            engine_id,
+            choice.prompt_token_ids,
+            choice.params,
+            self.cache_salt,
+            choice.first_token_id,
+            lora_name=self.lora_name,
         )
         try:
             async with aclosing(stream):

@@ -13,6 +13,7 @@ from herd.api.errors import HttpError, invalid_request
 from herd.api.openai import ChatCompletionRequest, CompletionRequest, LengthError, SamplingFields
 from herd.api.prompt import PromptError, PromptRenderer
 from herd.api.protocol import KVTransferParams
+from herd.worker.grammar import CompiledGrammar
 from herd.worker.sampling_params import InvalidParamError, SamplingParams, check_token_ids
 
 __all__ = [
@@ -85,12 +86,14 @@ def plan_choices(
     num_logprobs: int | None,
     prompt_param: str,
     handoff: KVTransferParams | None,
+    grammar: CompiledGrammar | None = None,
 ) -> list[Choice]:
     """``n`` choices per prompt; seeded requests get ``seed + i`` for choice ``i`` of a prompt.
 
     Every token id and setting is checked against the model (``vocab_size``, None when the engine
     does not say: the engine's own check then answers), handed prompt ids included. A lone choice
-    continues from the first token a prefill worker handed over (``handoff``), if it may.
+    continues from the first token a prefill worker handed over (``handoff``), if it may. Every
+    choice is held to ``grammar`` when there is one, each sequence with its own matcher.
     """
     _check_count(request, prompts, prompt_param)
     choices: list[Choice] = []
@@ -98,6 +101,7 @@ def plan_choices(
         max_tokens = _max_tokens(request, len(prompt), max_model_len, prompt_param)
         for i in range(request.n):
             params = sampling_params(request, max_tokens=max_tokens, num_logprobs=num_logprobs, offset=i)
+            params = params if grammar is None else replace(params, grammar=grammar)
             choices.append(Choice(len(choices), prompt_index, prompt, params))
     if vocab_size is not None:
         _check_vocab(choices, vocab_size, prompt_param)
@@ -193,6 +197,7 @@ def sampling_params(
         stop_token_ids=tuple(request.stop_token_ids or ()),
         ignore_eos=request.ignore_eos,
         logprobs=num_logprobs,
+        priority=request.priority or 0,
     )
 
 

@@ -21,7 +21,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
 from herd.api.errors import HttpError
-from herd.api.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SamplingFields
+from herd.api.openai import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    ModelCard,
+    ModelList,
+    SamplingFields,
+)
 from herd.api.prompt import PromptRenderer, PromptThreads
 from herd.api.protocol import TOKEN_HEADER, KVTransferParams
 from herd.worker.engine_protocol import ServingEngine
@@ -30,8 +37,15 @@ from herd.worker.sampling_params import InvalidParamError, check_token_ids
 from herd.worker.server._body import read_body
 from herd.worker.server._chat import chat_chunks, chat_response
 from herd.worker.server._completions import completion_chunks, completion_response
+from herd.worker.server._embeddings import (
+    check_dimensions,
+    check_generates,
+    embed,
+    embedding_inputs,
+)
 from herd.worker.server._errors import as_api_error, error_response, install_error_handlers, respond
 from herd.worker.server._generation import Generation
+from herd.worker.server._lora import lora_routes
 from herd.worker.server._metrics import WorkerMetrics
 from herd.worker.server._openapi import build_openapi, route_docs
 from herd.worker.server._params import (
@@ -49,6 +63,7 @@ from herd.worker.server._remote_prefill import RemotePrefill
 from herd.worker.server._request_id import RequestIdMiddleware, request_id
 from herd.worker.server._responses import ResponseContext
 from herd.worker.server._sse import primed, with_error_event
+from herd.worker.server._structured import Grammars
 from herd.worker.server._tokenize import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -58,7 +73,7 @@ from herd.worker.server._tokenize import (
 
 __all__ = ["PublicOptions", "build_public_app"]
 
-R = TypeVar("R", bound=SamplingFields)
+R = TypeVar("R", bound=ChatCompletionRequest | CompletionRequest | EmbeddingRequest)
 
 _Chunks = Callable[
     [ResponseContext, AsyncGenerator[tuple[Choice, RequestOutput], None]], AsyncGenerator[str, None]
@@ -89,6 +104,8 @@ CLIENT_CLOSED = 499
 class PublicOptions:
     served_name: str
     max_body_bytes: int = 4 * 1024 * 1024
+    internal_token: str = ""
+    """Guards the runtime LoRA routes (``_lora``); without one they refuse."""
 
 
 def build_public_app(engine: ServingEngine, options: PublicOptions) -> FastAPI:
@@ -98,11 +115,13 @@ def build_public_app(engine: ServingEngine, options: PublicOptions) -> FastAPI:
     app.state.metrics = metrics  # disaggregation registers its transfer metrics here
     app.state.remote_prefill = None  # and its KV puller (attach_disaggregation)
     app.state.prompt_threads = PromptThreads("herd-prompt")  # the prefill route renders there too
+    app.state.grammars = Grammars(engine, app.state.prompt_threads)  # and compiles there too
     install_error_handlers(app, metrics.observe_rejected)
-    routes = _PublicRoutes(engine, options, metrics, app.state.prompt_threads)
+    routes = _PublicRoutes(engine, options, metrics, app.state.prompt_threads, app.state.grammars)
     table: list[Route] = [
         ("/v1/chat/completions", "POST", routes.chat),
         ("/v1/completions", "POST", routes.completions),
+        ("/v1/embeddings", "POST", routes.embeddings),
         ("/v1/chat/completions/render", "POST", routes.render_chat),
         ("/v1/completions/render", "POST", routes.render_completions),
         ("/v1/models", "GET", routes.models),
@@ -112,6 +131,12 @@ def build_public_app(engine: ServingEngine, options: PublicOptions) -> FastAPI:
         ("/ready", "GET", routes.ready),
         ("/metrics", "GET", routes.metrics),
         *peer_routes(engine),
+        *lora_routes(
+            engine,
+            options.internal_token,
+            max_body_bytes=options.max_body_bytes,
+            threads=app.state.prompt_threads,
+        ),
     ]
     for path, method, endpoint in table:
         app.add_api_route(path, endpoint, methods=[method], openapi_extra=route_docs(path))
@@ -121,15 +146,22 @@ def build_public_app(engine: ServingEngine, options: PublicOptions) -> FastAPI:
 
 class _PublicRoutes:
     def __init__(
-        self, engine: ServingEngine, options: PublicOptions, metrics: WorkerMetrics, threads: PromptThreads
+        self,
+        engine: ServingEngine,
+        options: PublicOptions,
+        metrics: WorkerMetrics,
+        threads: PromptThreads,
+        grammars: Grammars,
     ) -> None:
         self.engine = engine
         self.options = options
         self._metrics = metrics
         self._threads = threads
+        self._grammars = grammars
 
     async def chat(self, request: Request) -> Response:
         body = await self._read(request, ChatCompletionRequest)
+        check_generates(self.engine.info)
         handoff = handoff_params(body)
         renderer, max_model_len = self.engine.renderer, self.engine.info.max_model_len
         prompts = await self._prompts(handoff, lambda: [chat_prompt(renderer, body, max_model_len)])
@@ -137,13 +169,26 @@ class _PublicRoutes:
 
     async def completions(self, request: Request) -> Response:
         body = await self._read(request, CompletionRequest)
-        if body.echo or body.suffix is not None:
-            param = "echo" if body.echo else "suffix"
-            raise HttpError(400, f"{param} is not supported by herd; leave it out", param=param)
+        check_generates(self.engine.info)
         handoff = handoff_params(body)
         renderer, max_model_len = self.engine.renderer, self.engine.info.max_model_len
         prompts = await self._prompts(handoff, lambda: completion_prompts(renderer, body, max_model_len))
         return await self._generate(request, body, prompts, _COMPLETIONS, handoff)
+
+    async def embeddings(self, request: Request) -> Response:
+        body = await self._read(request, EmbeddingRequest)
+        info, renderer = self.engine.info, self.engine.renderer
+        dimensions = check_dimensions(body.dimensions, info)
+        inputs = await self._threads.run(embedding_inputs, renderer, body, info)
+        work = embed(
+            self.engine,
+            request_id(request),
+            body,
+            inputs,
+            dimensions=dimensions,
+            served_name=self.options.served_name,
+        )
+        return await _json_unless_disconnected(request, work)
 
     async def render_chat(self, request: Request) -> RenderedPrompt:
         body = await self._read(request, ChatCompletionRequest)
@@ -169,6 +214,7 @@ class _PublicRoutes:
         handoff: KVTransferParams | None,
     ) -> Response:
         is_handed = handed_prompt(handoff) is not None
+        grammar = await self._grammars.compile_for(body)
         choices = plan_choices(
             body,
             prompts,
@@ -177,15 +223,20 @@ class _PublicRoutes:
             num_logprobs=body.num_logprobs,
             prompt_param=HANDED_PROMPT_PARAM if is_handed else endpoint.prompt_param,
             handoff=handoff,
+            grammar=grammar,
         )
-        await self._pull(request, handoff, prompts, body.cache_salt)
+        await self._pull(request, handoff, prompts, body)
         context = self._context(request, body, choices, prefix=endpoint.id_prefix)
         if body.stream:
             return await _stream(context, endpoint.chunks)
         return await _json_unless_disconnected(request, endpoint.whole(context))
 
     async def _pull(
-        self, request: Request, handoff: KVTransferParams | None, prompts: list[list[int]], salt: str | None
+        self,
+        request: Request,
+        handoff: KVTransferParams | None,
+        prompts: list[list[int]],
+        body: SamplingFields,
     ) -> None:
         """The KV blocks of a prompt prefilled on another worker, once its ids passed every check."""
         remote_prefill: RemotePrefill | None = request.app.state.remote_prefill
@@ -196,37 +247,60 @@ class _PublicRoutes:
             and len(prompts) == 1
         ):
             await remote_prefill.pull(
-                handoff, prompts[0], salt, presented_token=request.headers.get(TOKEN_HEADER, "")
+                handoff,
+                prompts[0],
+                body.cache_salt,
+                presented_token=request.headers.get(TOKEN_HEADER, ""),
+                lora_name=self._lora_name(body),
             )
 
     async def _read(self, request: Request, model: type[R]) -> R:
-        """Parse the body, refuse other models' requests (404) and requests while not accepting (503)."""
+        """Parse the body, refuse other models' requests (404) and requests while not accepting (503).
+
+        ``model`` is the served name (the base model) or a loaded LoRA adapter's name."""
         body = await read_body(request, model, max_bytes=self.options.max_body_bytes, threads=self._threads)
-        if body.model != self.options.served_name:
+        self.engine.check_accepting()
+        if body.model != self.options.served_name and body.model not in self.engine.lora_adapters:
+            adapters = "".join(f", {name!r}" for name in self.engine.lora_adapters)
             message = (
                 f"model {body.model!r} is not served here; this worker serves {self.options.served_name!r}"
+                + (f" and the LoRA adapters{adapters[1:]}" if adapters else "")
             )
             raise HttpError(404, message, param="model")
-        self.engine.check_accepting()
         return body
+
+    def _lora_name(self, body: SamplingFields) -> str | None:
+        return None if body.model == self.options.served_name else body.model
 
     def _context(
         self, request: Request, body: SamplingFields, choices: list[Choice], *, prefix: str
     ) -> ResponseContext:
         rid = request_id(request)
-        generation = Generation(self.engine, self._metrics, rid, choices, body.cache_salt)
+        generation = Generation(
+            self.engine, self._metrics, rid, choices, body.cache_salt, lora_name=self._lora_name(body)
+        )
         include_usage = body.stream_options is not None and body.stream_options.include_usage
+        tool_choice = body.effective_tool_choice if isinstance(body, ChatCompletionRequest) else "none"
         return ResponseContext(
             id=f"{prefix}-{rid}",
             model=self.options.served_name,
             renderer=self.engine.renderer,
             generation=generation,
             include_usage=include_usage,
+            tool_choice=tool_choice,
         )
 
     async def models(self) -> ModelList:
-        max_model_len = self.engine.info.max_model_len if self.engine.is_loaded else None
-        return ModelList(data=[ModelCard(id=self.options.served_name, max_model_len=max_model_len)])
+        """The base model, then each loaded LoRA adapter with the base as its ``parent``."""
+        base = self.options.served_name
+        if not self.engine.is_loaded:
+            return ModelList(data=[ModelCard(id=base)])
+        max_model_len = self.engine.info.max_model_len
+        adapters = [
+            ModelCard(id=name, root=str(path), parent=base, max_model_len=max_model_len)
+            for name, path in self.engine.lora_adapters.items()
+        ]
+        return ModelList(data=[ModelCard(id=base, max_model_len=max_model_len), *adapters])
 
     async def tokenize(self, request: Request) -> TokenizeResponse:
         body = await read_body(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from herd.api.openai import now
+from herd.api.openai import NamedToolChoice, now
 from herd.api.prompt import PromptRenderer
 from herd.worker.server._generation import Generation
 
@@ -19,3 +19,5 @@ class ResponseContext:
     generation: Generation
     include_usage: bool = False
     created: int = field(default_factory=now)
+    tool_choice: str | NamedToolChoice = "none"
+    """Chat only: how the text becomes tool calls (``_tool_calls``)."""

@@ -9,7 +9,9 @@ draft's KV as well, and a later request that hits the prefix cache finds both. A
 draft slots then takes its first proposed token from that pass's last row and one more per decode
 pass, writing the draft's KV into the slots the scheduler reserved; the tokens are the draft's
 argmax for greedy requests, else drawn from the draft's distribution under the request's
-temperature and filters (returned with the proposal, for rejection sampling).
+temperature and filters (returned with the proposal, for rejection sampling). The draft has no
+LoRA adapters: a sequence that runs with one gets its proposals from ``adapter_proposer`` (n-gram
+lookup) instead, while the draft still keeps its KV in step.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from herd.worker.models.llama import LlamaForCausalLM
 from herd.worker.sampler import Sampler
 from herd.worker.scheduler import ScheduledChunk, SchedulerOutput
 from herd.worker.sequence import Sequence
-from herd.worker.speculative.proposer import Proposal
+from herd.worker.speculative.proposer import NgramProposer, Proposal
 from herd.worker.speculative.rejection import draw
 
 __all__ = ["DraftModelProposer"]
@@ -41,19 +43,26 @@ class DraftModelProposer:
         window_sizes: Collection[int],
         device: torch.device,
         sampler: Sampler,
+        adapter_proposer: NgramProposer,
     ) -> None:
         self.model = model
         self.block_size = block_size
         self.window_sizes = window_sizes
         self.device = device
         self.sampler = sampler
+        self.adapter_proposer = adapter_proposer
         # Tokens whose draft KV is computed, per sequence; dropped with the sequence.
         self._computed: weakref.WeakKeyDictionary[Sequence, int] = weakref.WeakKeyDictionary()
 
     @torch.inference_mode()
     def propose(self, plan: SchedulerOutput) -> dict[ScheduledChunk, Proposal]:
-        proposing = [chunk for chunk in plan.chunks if chunk.num_draft_slots and chunk.is_sampled]
-        logits = self._forward([self._catch_up(chunk) for chunk in plan.chunks])
+        proposing = [
+            chunk
+            for chunk in plan.chunks
+            if chunk.num_draft_slots and chunk.is_sampled and chunk.seq.lora_name is None
+        ]
+        queries = [self._catch_up(chunk, chunk in proposing) for chunk in plan.chunks]
+        logits = self._forward(queries)
         drafts: dict[ScheduledChunk, list[int]] = {chunk: [] for chunk in proposing}
         probs: dict[ScheduledChunk, list[torch.Tensor]] = {chunk: [] for chunk in proposing}
         active = proposing
@@ -66,19 +75,21 @@ class DraftModelProposer:
             active = [chunk for chunk in active if len(drafts[chunk]) < chunk.num_draft_slots]
             if active:
                 logits = self._forward([self._next(chunk, drafts[chunk]) for chunk in active])
-        return {
+        adapted = SchedulerOutput(
+            [chunk for chunk in plan.chunks if chunk.num_draft_slots and chunk.seq.lora_name is not None]
+        )
+        return self.adapter_proposer.propose(adapted) | {
             chunk: Proposal(drafts[chunk], torch.stack(probs[chunk]) if probs[chunk] else None)
             for chunk in proposing
         }
 
-    def _catch_up(self, chunk: ScheduledChunk) -> Query:
+    def _catch_up(self, chunk: ScheduledChunk, is_proposing: bool) -> Query:
         """The chunk's tokens from the first one the draft has not computed; a proposing chunk's
         last row gives the first proposed token."""
         seq, end = chunk.seq, chunk.start + chunk.num_tokens
         start = min(self._computed.get(seq, chunk.start), chunk.start)
         self._computed[seq] = end
-        wants_logits = bool(chunk.num_draft_slots) and chunk.is_sampled
-        return Query(seq, start, seq.tokens_between(start, end), int(wants_logits), chunk.num_tokens == 1)
+        return Query(seq, start, seq.tokens_between(start, end), int(is_proposing), chunk.num_tokens == 1)
 
     @staticmethod
     def _next(chunk: ScheduledChunk, drafted: list[int]) -> Query:

@@ -1,0 +1,271 @@
+"""Running batches: each line through the gateway at the lowest priority, its answer appended to disk.
+
+A batch's lines go through ``Gateway.forward`` like any request of its tenant (its quotas and models
+apply), with ``X-Herd-Priority: BATCH_PRIORITY``: they wait behind every interactive request in the
+gateway's queue and in each engine's, and are preempted first, so a batch fills the capacity that
+interactive traffic leaves. At most ``concurrency`` lines of a batch are in flight at once.
+
+Durability: the batch's record and every answered line are on disk (``BatchStore``) before the next
+step. On start, ``resume`` picks up every batch that had not finished, reads which ``custom_id``
+already have an output or error line, and runs only the others: a restarted gateway loses no batch
+and repeats no line (a line in flight at the crash had written nothing, and runs again).
+
+A refusal that says "not now" (429 or 503: no worker ready yet, the fleet at capacity, a quota's
+minute used up) is no answer to the line: it is sent again after the refusal's ``Retry-After`` (else
+a backoff from ``RETRY_FIRST_S`` doubling to ``RETRY_MAX_S``) until it is answered, the batch is
+cancelled or its completion window ends. A batch is the work that waits for spare capacity, so
+it must not fail because none was spare at the moment a line was tried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from starlette.responses import Response
+
+from herd.api.errors import HttpError
+from herd.orchestrator.admission.tenants import BATCH_PRIORITY, PRIORITY_HEADER, Tenant
+from herd.orchestrator.batch.lines import (
+    BatchLine,
+    InputError,
+    done_ids,
+    error_line,
+    output_line,
+    parse_input,
+)
+from herd.orchestrator.batch.store import BatchRecord, BatchStore, FileRecord, RequestCounts
+
+__all__ = ["BatchRunner", "Forward"]
+
+log = logging.getLogger(__name__)
+
+Forward = Callable[[str, bytes, Mapping[str, str], Tenant], Awaitable[Response]]
+"""``Gateway.forward``."""
+_HEADERS = {PRIORITY_HEADER: str(BATCH_PRIORITY)}
+RETRY_STATUSES = frozenset({429, 503})
+"""Refusals that mean "not now": the line is sent again later."""
+RETRY_FIRST_S = 0.25
+RETRY_MAX_S = 10.0
+
+
+class BatchRunner:
+    def __init__(self, store: BatchStore, forward: Forward, *, concurrency: int = 8) -> None:
+        self.store = store
+        self.forward = forward
+        self.concurrency = concurrency
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._cancelling: set[str] = set()
+
+    def start(self, record: BatchRecord) -> None:
+        task = asyncio.get_running_loop().create_task(self._run(record), name=f"herd-batch-{record.id}")
+        self._tasks[record.id] = task
+        task.add_done_callback(lambda _: self._tasks.pop(record.id, None))
+
+    def resume(self) -> int:
+        """Start every batch a previous process left unfinished; how many."""
+        unfinished = [record for record in self.store.batches() if not record.is_finished]
+        for record in unfinished:
+            self.start(record)
+        return len(unfinished)
+
+    def cancel(self, record: BatchRecord) -> BatchRecord:
+        """Stop starting lines; the lines in flight finish, then the batch is ``cancelled``."""
+        if record.is_finished or record.status == "cancelling":
+            return record
+        self._cancelling.add(record.id)
+        cancelling = record.model_copy(update={"status": "cancelling", "cancelling_at": int(time.time())})
+        self.store.save_batch(cancelling)
+        if record.id not in self._tasks:
+            self.start(cancelling)
+        return cancelling
+
+    async def close(self) -> None:
+        """Stop every batch where it is (``resume`` carries on from there)."""
+        for task in list(self._tasks.values()):
+            task.cancel()
+        for task in list(self._tasks.values()):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _run(self, record: BatchRecord) -> None:
+        try:
+            await _Run(self, record).run()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("batch failed", extra={"batch": record.id})
+
+
+class _Run:
+    """One batch from wherever it is to its end."""
+
+    def __init__(self, runner: BatchRunner, record: BatchRecord) -> None:
+        self.runner = runner
+        self.store = runner.store
+        self.record = record
+        self.output: FileRecord | None = None
+        self.errors: FileRecord | None = None
+
+    async def run(self) -> None:
+        lines = self._validated()
+        if lines is None:
+            return
+        self._open_files()
+        done = self._done()
+        self._save(request_counts=self._counts(len(lines)))
+        pending = [line for line in lines if line.custom_id not in done]
+        limit = asyncio.Semaphore(self.runner.concurrency)
+        async with asyncio.TaskGroup() as group:
+            for line in pending:
+                await limit.acquire()
+                if self._is_stopping():
+                    limit.release()
+                    break
+                task = group.create_task(self._one(line))
+                task.add_done_callback(lambda _: limit.release())
+        self._finish(lines)
+
+    def _validated(self) -> list[BatchLine] | None:
+        tenant = self.record.tenant
+        try:
+            content = self.store.content(self.store.file(self.record.input_file_id, tenant))
+            lines = parse_input(content, self.record.endpoint)
+        except (HttpError, InputError) as error:
+            line = error.line if isinstance(error, InputError) else None
+            code = error.code if isinstance(error, InputError) else "invalid_input_file"
+            errors = {
+                "object": "list",
+                "data": [{"code": code, "message": str(error), "param": None, "line": line}],
+            }
+            self._save(status="failed", failed_at=int(time.time()), errors=errors)
+            return None
+        if self.record.status == "validating":
+            self._save(status="in_progress", in_progress_at=int(time.time()))
+        return lines
+
+    def _open_files(self) -> None:
+        tenant, batch_id = self.record.tenant, self.record.id
+        if self.record.output_file_id is None:
+            output = self.store.add_file(tenant, f"{batch_id}_output.jsonl", "batch_output", b"")
+            errors = self.store.add_file(tenant, f"{batch_id}_error.jsonl", "batch_output", b"")
+            self._save(output_file_id=output.id, error_file_id=errors.id)
+        assert self.record.output_file_id is not None and self.record.error_file_id is not None
+        self.output = self.store.truncate_partial(self.store.file(self.record.output_file_id, tenant))
+        self.errors = self.store.truncate_partial(self.store.file(self.record.error_file_id, tenant))
+
+    def _done(self) -> set[str]:
+        assert self.output is not None and self.errors is not None
+        return done_ids(self.store.content(self.output)) | done_ids(self.store.content(self.errors))
+
+    def _counts(self, total: int) -> RequestCounts:
+        assert self.output is not None and self.errors is not None
+        completed = len(done_ids(self.store.content(self.output)))
+        return RequestCounts(
+            total=total, completed=completed, failed=len(done_ids(self.store.content(self.errors)))
+        )
+
+    def _is_stopping(self) -> bool:
+        return self.record.id in self.runner._cancelling or self.record.status == "cancelling"
+
+    async def _one(self, line: BatchLine) -> None:
+        delay = RETRY_FIRST_S
+        while True:
+            if time.time() >= self.record.expires_at:
+                message = "the batch expired before this request ran"
+                self._write(line, error_line(line.custom_id, None, None, message), ok=False)
+                return
+            answer = await self._send(line)
+            if answer is None:
+                return
+            status, retry_after = answer
+            if status not in RETRY_STATUSES or self._is_stopping():
+                return
+            delay = min(retry_after if retry_after is not None else delay * 2, RETRY_MAX_S)
+            await asyncio.sleep(min(delay, max(0.0, self.record.expires_at - time.time())))
+
+    async def _send(self, line: BatchLine) -> tuple[int, float | None] | None:
+        """Send the line once and write its answer; a "not now" refusal is not written but returned as
+        ``(status, its Retry-After)``, anything else gives ``None``."""
+        try:
+            response = await self.runner.forward(
+                self.record.endpoint, line.body, _HEADERS, self.record.tenant
+            )
+        except HttpError as error:
+            if error.status in RETRY_STATUSES:
+                return error.status, _seconds(error.headers.get("Retry-After"))
+            body = error.envelope().model_dump()
+            self._write(line, error_line(line.custom_id, error.status, body, error.message), ok=False)
+            return None
+        except Exception as error:  # this line fails alone; the batch goes on
+            self._write(
+                line, error_line(line.custom_id, None, None, f"{type(error).__name__}: {error}"), ok=False
+            )
+            return None
+        status, body = response.status_code, _json(bytes(response.body))
+        if status in RETRY_STATUSES:
+            return status, _seconds(response.headers.get("retry-after"))
+        request_id = response.headers.get("x-request-id")
+        if status == 200:
+            self._write(line, output_line(line.custom_id, status, body, request_id), ok=True)
+        else:
+            self._write(
+                line, error_line(line.custom_id, status, body, f"the request was answered {status}"), ok=False
+            )
+        return None
+
+    def _write(self, line: BatchLine, text: bytes, *, ok: bool) -> None:
+        counts = self.record.request_counts
+        if ok:
+            assert self.output is not None
+            self.output = self.store.append(self.output, text)
+            counts = counts.model_copy(update={"completed": counts.completed + 1})
+        else:
+            assert self.errors is not None
+            self.errors = self.store.append(self.errors, text)
+            counts = counts.model_copy(update={"failed": counts.failed + 1})
+        self._save(request_counts=counts)
+
+    def _finish(self, lines: list[BatchLine]) -> None:
+        now = int(time.time())
+        counts = self._counts(len(lines))
+        if self._is_stopping():
+            self._save(status="cancelled", cancelled_at=now, request_counts=counts)
+            self.runner._cancelling.discard(self.record.id)
+        elif now >= self.record.expires_at:
+            self._save(status="expired", expired_at=now, request_counts=counts)
+        else:
+            self._save(status="finalizing", finalizing_at=now, request_counts=counts)
+            self._save(status="completed", completed_at=int(time.time()))
+        if self.errors is not None and self.errors.bytes == 0:
+            self.store.delete_file(self.errors)
+            self._save(error_file_id=None)
+
+    def _save(self, **changes: Any) -> None:
+        stored = self.store.batch(self.record.id, self.record.tenant)
+        if stored.status == "cancelling" and changes.get("status") == "in_progress":
+            changes.pop("status")
+        if stored.status == "cancelling":
+            self.runner._cancelling.add(self.record.id)
+        self.record = stored.model_copy(update=changes)
+        self.store.save_batch(self.record)
+
+
+def _json(content: bytes) -> Any:
+    try:
+        return json.loads(content)
+    except ValueError:
+        return content.decode(errors="replace")
+
+
+def _seconds(value: str | None) -> float | None:
+    """A ``Retry-After`` header in seconds; ``None`` when absent or not a number of seconds."""
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except ValueError:
+        return None

@@ -1,0 +1,211 @@
+"""Files and batches on a directory (a volume on Kubernetes), so that they outlive the gateway.
+
+Layout: ``files/<id>.json`` (the file's record) beside ``files/<id>.data`` (its bytes), and
+``batches/<id>.json`` (the batch's record). Records are replaced atomically (a temporary file
+renamed over the old one); output and error lines are appended and flushed to disk one by one, so
+after a crash a file ends in whole lines, at most one cut short (``lines.done_ids`` ignores it and
+``truncate_partial`` drops it before lines are appended again). Every record names its tenant, and a
+tenant sees only its own files and batches (another's are 404, as if they did not exist).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict
+
+from herd.api.errors import HttpError
+from herd.orchestrator.admission.tenants import Tenant
+
+__all__ = ["BatchRecord", "BatchStore", "FileRecord", "RequestCounts"]
+
+BatchStatus = Literal[
+    "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"
+]
+FINISHED: frozenset[str] = frozenset({"failed", "completed", "expired", "cancelled"})
+_HIDDEN = {"tenant"}
+R = TypeVar("R", bound="_Record")
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tenant: Tenant
+
+    def public(self) -> dict[str, Any]:
+        """What the API answers: everything but the tenant."""
+        return self.model_dump(exclude=_HIDDEN)
+
+
+class FileRecord(_Record):
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+    status: Literal["processed"] = "processed"
+
+
+class RequestCounts(BaseModel):
+    total: int = 0
+    completed: int = 0
+    failed: int = 0
+
+
+class BatchRecord(_Record):
+    id: str
+    object: Literal["batch"] = "batch"
+    endpoint: str
+    input_file_id: str
+    completion_window: str
+    status: BatchStatus
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    errors: dict[str, Any] | None = None
+    created_at: int
+    in_progress_at: int | None = None
+    expires_at: int
+    finalizing_at: int | None = None
+    completed_at: int | None = None
+    failed_at: int | None = None
+    expired_at: int | None = None
+    cancelling_at: int | None = None
+    cancelled_at: int | None = None
+    request_counts: RequestCounts = RequestCounts()
+    metadata: dict[str, str] | None = None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in FINISHED
+
+
+class BatchStore:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        for folder in ("files", "batches"):
+            (root / folder).mkdir(parents=True, exist_ok=True)
+
+    # files
+
+    def add_file(self, tenant: Tenant, filename: str, purpose: str, content: bytes) -> FileRecord:
+        record = FileRecord(
+            tenant=tenant,
+            id=f"file-{secrets.token_hex(12)}",
+            bytes=len(content),
+            created_at=int(time.time()),
+            filename=filename,
+            purpose=purpose,
+        )
+        _write_atomically(self._data(record.id), content)
+        self._save(self._file_path(record.id), record)
+        return record
+
+    def file(self, file_id: str, tenant: Tenant) -> FileRecord:
+        return self._load(self._file_path(file_id), FileRecord, tenant, f"no file {file_id!r}", "file_id")
+
+    def content(self, record: FileRecord) -> bytes:
+        return self._data(record.id).read_bytes()
+
+    def files(self, tenant: Tenant, purpose: str | None = None) -> list[FileRecord]:
+        found = [record for record in self._all("files", FileRecord) if record.tenant.name == tenant.name]
+        return sorted(
+            (record for record in found if purpose is None or record.purpose == purpose),
+            key=lambda record: (record.created_at, record.id),
+            reverse=True,
+        )
+
+    def delete_file(self, record: FileRecord) -> None:
+        self._file_path(record.id).unlink(missing_ok=True)
+        self._data(record.id).unlink(missing_ok=True)
+
+    def append(self, record: FileRecord, line: bytes) -> FileRecord:
+        """Append one whole line, on disk before this returns; the record with its new size."""
+        with self._data(record.id).open("ab") as data:
+            data.write(line)
+            data.flush()
+            os.fsync(data.fileno())
+        grown = record.model_copy(update={"bytes": record.bytes + len(line)})
+        self._save(self._file_path(record.id), grown)
+        return grown
+
+    def truncate_partial(self, record: FileRecord) -> FileRecord:
+        """Drop a last line cut short by a crash; the record with the size that remains."""
+        path = self._data(record.id)
+        content = path.read_bytes()
+        whole = content[: content.rfind(b"\n") + 1]
+        if len(whole) != len(content):
+            with path.open("r+b") as data:
+                data.truncate(len(whole))
+        if record.bytes == len(whole):
+            return record
+        fixed = record.model_copy(update={"bytes": len(whole)})
+        self._save(self._file_path(record.id), fixed)
+        return fixed
+
+    # batches
+
+    def save_batch(self, record: BatchRecord) -> None:
+        self._save(self.root / "batches" / f"{record.id}.json", record)
+
+    def batch(self, batch_id: str, tenant: Tenant) -> BatchRecord:
+        path = self.root / "batches" / f"{batch_id}.json"
+        return self._load(path, BatchRecord, tenant, f"no batch {batch_id!r}", "batch_id")
+
+    def batches(self, tenant: Tenant | None = None) -> list[BatchRecord]:
+        """Newest first; every tenant's when ``tenant`` is None (the runner resuming after a restart)."""
+        found = [
+            record
+            for record in self._all("batches", BatchRecord)
+            if tenant is None or record.tenant.name == tenant.name
+        ]
+        return sorted(found, key=lambda record: (record.created_at, record.id), reverse=True)
+
+    # records
+
+    def _file_path(self, file_id: str) -> Path:
+        return self.root / "files" / f"{_safe(file_id)}.json"
+
+    def _data(self, file_id: str) -> Path:
+        return self.root / "files" / f"{_safe(file_id)}.data"
+
+    def _save(self, path: Path, record: _Record) -> None:
+        _write_atomically(path, record.model_dump_json().encode())
+
+    def _load(self, path: Path, kind: type[R], tenant: Tenant, missing: str, param: str) -> R:
+        try:
+            record = kind.model_validate_json(path.read_bytes())
+        except (OSError, ValueError):
+            raise HttpError(
+                404, f"{missing}; list yours with GET /v1/{path.parent.name}", param=param
+            ) from None
+        if record.tenant.name != tenant.name:
+            raise HttpError(404, f"{missing}; list yours with GET /v1/{path.parent.name}", param=param)
+        return record
+
+    def _all(self, folder: str, kind: type[R]) -> Iterator[R]:
+        for path in (self.root / folder).glob("*.json"):
+            try:
+                yield kind.model_validate_json(path.read_bytes())
+            except (OSError, ValueError):
+                continue  # being replaced, or not ours
+
+
+def _safe(identifier: str) -> str:
+    """An id as a file name: ids are ours (``file-<hex>``), anything else cannot name a file."""
+    if not identifier.replace("-", "").replace("_", "").isalnum():
+        return "invalid"
+    return identifier
+
+
+def _write_atomically(path: Path, content: bytes) -> None:
+    temporary = path.with_suffix(path.suffix + ".tmp")
+    with temporary.open("wb") as handle:
+        handle.write(content)
+        handle.flush()
+        os.fsync(handle.fileno())
+    temporary.replace(path)

@@ -1,0 +1,156 @@
+"""Each worker's time to first token and time per output token, predicted from what it served.
+
+A request's TTFT on a worker is mostly the prefill work ahead of it plus its own: ``LatencyModel``
+fits, per worker, ``ttft ~ a + b * queued_prefill_tokens + c * batch + d * uncached_prompt_tokens``
+and ``tpot ~ e + f * batch + g * queued_prefill_tokens`` (chunked prefill shares each step with the
+decodes) by least squares over what the gateway saw that worker do, each sample's weight decaying by
+``decay`` per newer one so a worker that slows down is followed. Until a worker has ``min_samples``
+of its own, the fit over every worker of the model stands in for it. The features are those of the
+moment of choice (``LatencyFeatures``), observed against the latency the request then had.
+
+Pure and synchronous: ``decide`` predicts with it, the gateway feeds it. Cost per prediction: a
+dot product; per observation, one rank-one update of a 4x4 system (solved again on the next predict).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["LatencyFeatures", "LatencyModel", "OnlineRegression", "Prediction"]
+
+_TOKENS_SCALE = 1000.0
+"""Token counts enter the fit in thousands, so every coefficient has a similar size."""
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyFeatures:
+    """A worker's state when a request was sent to it, and the request's uncached prompt."""
+
+    queued_prefill_tokens: int
+    batch: int
+    uncached_prompt_tokens: int
+
+    def ttft_row(self) -> tuple[float, ...]:
+        return (
+            1.0,
+            self.queued_prefill_tokens / _TOKENS_SCALE,
+            float(self.batch),
+            self.uncached_prompt_tokens / _TOKENS_SCALE,
+        )
+
+    def tpot_row(self) -> tuple[float, ...]:
+        return (1.0, float(self.batch), self.queued_prefill_tokens / _TOKENS_SCALE)
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    ttft_seconds: float
+    tpot_seconds: float
+
+
+class OnlineRegression:
+    """Exponentially weighted ridge least squares, kept as its normal equations."""
+
+    def __init__(self, num_features: int, *, decay: float = 0.99, ridge: float = 1e-6) -> None:
+        self.num_features = num_features
+        self.decay = decay
+        self.ridge = ridge
+        self._xtx = [[0.0] * num_features for _ in range(num_features)]
+        self._xty = [0.0] * num_features
+        self.num_samples = 0
+        self._coefficients: list[float] | None = None
+
+    def observe(self, row: Sequence[float], value: float) -> None:
+        decay = self.decay
+        for i in range(self.num_features):
+            self._xty[i] = self._xty[i] * decay + row[i] * value
+            line = self._xtx[i]
+            for j in range(self.num_features):
+                line[j] = line[j] * decay + row[i] * row[j]
+        self.num_samples += 1
+        self._coefficients = None
+
+    def predict(self, row: Sequence[float]) -> float:
+        if self._coefficients is None:
+            self._coefficients = _solve(self._xtx, self._xty, self.ridge)
+        return sum(c * x for c, x in zip(self._coefficients, row, strict=True))
+
+
+@dataclass(eq=False)
+class _Fits:
+    ttft: OnlineRegression
+    tpot: OnlineRegression
+
+    @classmethod
+    def new(cls, decay: float) -> _Fits:
+        return cls(OnlineRegression(4, decay=decay), OnlineRegression(3, decay=decay))
+
+
+class LatencyModel:
+    """One served model's latency fits: one per worker, and one over all of them."""
+
+    def __init__(self, *, min_samples: int = 8, decay: float = 0.99) -> None:
+        self.min_samples = min_samples
+        self.decay = decay
+        self._pooled = _Fits.new(decay)
+        self._workers: dict[str, _Fits] = {}
+
+    def predict(self, worker_id: str, features: LatencyFeatures) -> Prediction | None:
+        """``None`` while not even the pooled fits have ``min_samples`` of each latency."""
+        ttft = self._fit(worker_id, "ttft")
+        tpot = self._fit(worker_id, "tpot")
+        if ttft is None or tpot is None:
+            return None
+        return Prediction(
+            max(ttft.predict(features.ttft_row()), 0.0), max(tpot.predict(features.tpot_row()), 0.0)
+        )
+
+    def observe_ttft(self, worker_id: str, features: LatencyFeatures, seconds: float) -> None:
+        for fits in (self._pooled, self._of(worker_id)):
+            fits.ttft.observe(features.ttft_row(), seconds)
+
+    def observe_tpot(self, worker_id: str, features: LatencyFeatures, seconds: float) -> None:
+        for fits in (self._pooled, self._of(worker_id)):
+            fits.tpot.observe(features.tpot_row(), seconds)
+
+    def num_samples(self, worker_id: str) -> tuple[int, int]:
+        """The TTFT and TPOT samples of the worker's own fits."""
+        fits = self._workers.get(worker_id)
+        return (0, 0) if fits is None else (fits.ttft.num_samples, fits.tpot.num_samples)
+
+    def forget_worker(self, worker_id: str) -> None:
+        self._workers.pop(worker_id, None)
+
+    def _of(self, worker_id: str) -> _Fits:
+        fits = self._workers.get(worker_id)
+        if fits is None:
+            fits = self._workers[worker_id] = _Fits.new(self.decay)
+        return fits
+
+    def _fit(self, worker_id: str, kind: str) -> OnlineRegression | None:
+        own = self._workers.get(worker_id)
+        for fits in (own, self._pooled):
+            if fits is not None:
+                fit: OnlineRegression = getattr(fits, kind)
+                if fit.num_samples >= self.min_samples:
+                    return fit
+        return None
+
+
+def _solve(matrix: list[list[float]], vector: list[float], ridge: float) -> list[float]:
+    """``(A + ridge * I) x = b`` by Gaussian elimination with partial pivoting (A is small)."""
+    size = len(vector)
+    rows = [[*matrix[i], vector[i]] for i in range(size)]
+    for i in range(size):
+        rows[i][i] += ridge * max(1.0, rows[i][i])
+    for column in range(size):
+        pivot = max(range(column, size), key=lambda r: abs(rows[r][column]))
+        rows[column], rows[pivot] = rows[pivot], rows[column]
+        if abs(rows[column][column]) < 1e-12:
+            continue  # a feature that never varied: its coefficient stays 0
+        for r in range(size):
+            if r != column:
+                factor = rows[r][column] / rows[column][column]
+                rows[r] = [a - factor * b for a, b in zip(rows[r], rows[column], strict=True)]
+    return [rows[i][size] / rows[i][i] if abs(rows[i][i]) >= 1e-12 else 0.0 for i in range(size)]

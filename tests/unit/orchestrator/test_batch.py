@@ -1,0 +1,235 @@
+"""The Batch API through the openai SDK: files, batches, output and error files, cancel, restarts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from support.gateway_fakes import FAST_REGISTRY, MODEL, FakeCluster, FakeWorker, running_gateway, wait_for
+
+from herd.orchestrator.admission.tenants import BATCH_PRIORITY, Tenant
+from herd.orchestrator.app import AppSettings
+from herd.orchestrator.auth import ApiKeys
+from herd.orchestrator.batch.lines import InputError, done_ids, parse_input
+
+ENDPOINT = "/v1/chat/completions"
+
+
+def request_line(custom_id: str, **body: Any) -> dict[str, Any]:
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": custom_id}], **body}
+    return {"custom_id": custom_id, "method": "POST", "url": ENDPOINT, "body": chat}
+
+
+def jsonl(items: list[dict[str, Any]]) -> bytes:
+    return b"".join(json.dumps(item).encode() + b"\n" for item in items)
+
+
+def sdk(client: httpx.AsyncClient, key: str = "k") -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(
+        api_key=key, base_url="http://orchestrator/v1", http_client=client, max_retries=0
+    )
+
+
+def settings(root: Path) -> AppSettings:
+    return AppSettings(registry=FAST_REGISTRY, batch_dir=root)
+
+
+KEYS = ApiKeys.of_tenants([("k", Tenant(name="team")), ("k2", Tenant(name="other"))])
+
+
+async def finished(api: openai.AsyncOpenAI, batch_id: str, within: float = 30.0) -> Any:
+    for _ in range(int(within / 0.05)):
+        batch = await api.batches.retrieve(batch_id)
+        if batch.status in ("completed", "failed", "expired", "cancelled"):
+            return batch
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"batch {batch_id} did not finish within {within}s")
+
+
+@pytest.mark.parametrize(
+    ("content", "line", "code"),
+    [
+        (b"", 0, "empty_file"),
+        (b"not json\n", 1, "invalid_request"),
+        (jsonl([request_line("a"), request_line("a")]), 2, "invalid_request"),
+        (jsonl([{**request_line("a"), "url": "/v1/completions"}]), 1, "mismatched_url"),
+        (jsonl([{**request_line("a"), "method": "GET"}]), 1, "invalid_request"),
+        (jsonl([{**request_line("a"), "body": []}]), 1, "invalid_request"),
+    ],
+    ids=["empty", "not-json", "same-id", "other-url", "not-post", "body-not-object"],
+)
+def test_invalid_input_names_the_line(content: bytes, line: int, code: str) -> None:
+    with pytest.raises(InputError) as raised:
+        parse_input(content, ENDPOINT)
+    assert (raised.value.line, raised.value.code) == (line, code)
+
+
+def test_input_lines_are_sent_unstreamed() -> None:
+    lines = parse_input(jsonl([request_line("a", stream=True)]), ENDPOINT)
+    assert json.loads(lines[0].body)["stream"] is False
+
+
+def test_a_line_cut_short_is_not_done() -> None:
+    assert done_ids(b'{"custom_id":"a"}\n{"custom_id":"b"}\n{"custom_') == {"a", "b"}
+
+
+async def test_a_batch_runs_through_the_sdk(tmp_path: Path) -> None:
+    cluster = FakeCluster([FakeWorker("w0"), FakeWorker("w1")])
+    cluster.workers[1].status = 400  # every line it gets fails: those go to the error file
+    async with running_gateway(cluster, settings=settings(tmp_path), api_keys=KEYS) as (_, client):
+        api = sdk(client)
+        upload = await api.files.create(
+            file=("in.jsonl", jsonl([request_line(f"r{i}") for i in range(6)])), purpose="batch"
+        )
+        assert (upload.purpose, upload.bytes, upload.filename) == (
+            "batch",
+            len(jsonl([request_line(f"r{i}") for i in range(6)])),
+            "in.jsonl",
+        )
+        batch = await api.batches.create(
+            input_file_id=upload.id, endpoint=ENDPOINT, completion_window="24h", metadata={"job": "t"}
+        )
+        assert batch.status in ("validating", "in_progress") and batch.metadata == {"job": "t"}
+        done = await finished(api, batch.id)
+        assert done.status == "completed" and done.request_counts is not None
+        assert (done.request_counts.total, done.request_counts.completed + done.request_counts.failed) == (
+            6,
+            6,
+        )
+        output = (await api.files.content(done.output_file_id)).content if done.output_file_id else b""
+        errors = (await api.files.content(done.error_file_id)).content if done.error_file_id else b""
+        listed = await api.batches.list()
+        assert [item.id for item in listed.data] == [batch.id]
+    good = [json.loads(line) for line in output.splitlines()]
+    bad = [json.loads(line) for line in errors.splitlines()]
+    assert len(good) == done.request_counts.completed and len(bad) == done.request_counts.failed
+    assert {item["custom_id"] for item in good + bad} == {f"r{i}" for i in range(6)}
+    assert all(
+        item["response"]["status_code"] == 200 and item["response"]["body"]["worker"] == "w0" for item in good
+    )
+    assert all(item["response"]["status_code"] == 400 and item["error"]["code"] == "400" for item in bad)
+    sent = [body for worker in cluster.workers for body in worker.bodies]
+    assert all(body["priority"] == BATCH_PRIORITY and body["stream"] is False for body in sent)
+
+
+async def test_a_bad_input_file_fails_the_batch(tmp_path: Path) -> None:
+    async with running_gateway(
+        FakeCluster([FakeWorker("w0")]), settings=settings(tmp_path), api_keys=KEYS
+    ) as (_, client):
+        api = sdk(client)
+        upload = await api.files.create(file=("in.jsonl", b'{"custom_id": "a"}\n'), purpose="batch")
+        batch = await finished(
+            api,
+            (
+                await api.batches.create(input_file_id=upload.id, endpoint=ENDPOINT, completion_window="24h")
+            ).id,
+        )
+    assert batch.status == "failed" and batch.errors is not None and batch.errors.data is not None
+    assert batch.errors.data[0].line == 1 and "method" in (batch.errors.data[0].message or "")
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"endpoint": "/v1/embeddings"}, "endpoint"),
+        ({"completion_window": "1h"}, "completion_window"),
+        ({"input_file_id": "file-nope"}, "file_id"),
+    ],
+    ids=["endpoint", "window", "unknown-file"],
+)
+async def test_create_refuses_what_it_cannot_run(tmp_path: Path, fields: dict[str, str], param: str) -> None:
+    async with running_gateway(
+        FakeCluster([FakeWorker("w0")]), settings=settings(tmp_path), api_keys=KEYS
+    ) as (_, client):
+        api = sdk(client)
+        upload = await api.files.create(file=("in.jsonl", jsonl([request_line("a")])), purpose="batch")
+        wanted = {"input_file_id": upload.id, "endpoint": ENDPOINT, "completion_window": "24h", **fields}
+        with pytest.raises(openai.APIStatusError) as raised:
+            await api.batches.create(**wanted)  # type: ignore[arg-type]
+    assert raised.value.status_code in (400, 404) and raised.value.body["param"] == param  # type: ignore[index]
+
+
+async def test_a_tenant_sees_only_its_own_files_and_batches(tmp_path: Path) -> None:
+    async with running_gateway(
+        FakeCluster([FakeWorker("w0")]), settings=settings(tmp_path), api_keys=KEYS
+    ) as (_, client):
+        mine, theirs = sdk(client, "k"), sdk(client, "k2")
+        upload = await mine.files.create(file=("in.jsonl", jsonl([request_line("a")])), purpose="batch")
+        with pytest.raises(openai.NotFoundError):
+            await theirs.files.retrieve(upload.id)
+        with pytest.raises(openai.NotFoundError):
+            await theirs.batches.create(input_file_id=upload.id, endpoint=ENDPOINT, completion_window="24h")
+        assert [item.id async for item in mine.files.list()] == [upload.id]
+        assert [item.id async for item in theirs.files.list()] == []
+
+
+async def test_cancel_stops_the_batch(tmp_path: Path) -> None:
+    cluster = FakeCluster([FakeWorker("w0", chunk_delay=0.05, num_chunks=20)])
+    lines = [request_line(f"r{i}", stream=True) for i in range(40)]
+    async with running_gateway(
+        cluster, settings=settings(tmp_path), api_keys=KEYS, model_config={"max_in_flight_per_worker": 1}
+    ) as (_, client):
+        api = sdk(client)
+        upload = await api.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+        batch = await api.batches.create(input_file_id=upload.id, endpoint=ENDPOINT, completion_window="24h")
+        await wait_for(lambda: cluster.workers[0].num_requests >= 2)
+        cancelling = await api.batches.cancel(batch.id)
+        assert cancelling.status in ("cancelling", "cancelled")
+        done = await finished(api, batch.id)
+    assert done.status == "cancelled" and done.request_counts is not None
+    assert done.request_counts.completed < 40 and cluster.workers[0].num_requests < 40
+
+
+async def test_a_restarted_gateway_resumes_without_repeating_a_line(tmp_path: Path) -> None:
+    cluster = FakeCluster([FakeWorker("w0")])
+    lines = [request_line(f"r{i}") for i in range(30)]
+    model_config = {"max_in_flight_per_worker": 2}
+    async with running_gateway(
+        cluster, settings=settings(tmp_path), api_keys=KEYS, model_config=model_config
+    ) as (_, client):
+        api = sdk(client)
+        upload = await api.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+        batch = await api.batches.create(input_file_id=upload.id, endpoint=ENDPOINT, completion_window="24h")
+        await wait_for(lambda: cluster.workers[0].num_requests >= 5)
+    # the first gateway is gone mid-batch; a second one over the same folder carries on
+    first_run = cluster.workers[0].num_requests
+    async with running_gateway(
+        cluster, settings=settings(tmp_path), api_keys=KEYS, model_config=model_config
+    ) as (_, client):
+        api = sdk(client)
+        done = await finished(api, batch.id)
+        assert done.output_file_id is not None
+        output = (await api.files.content(done.output_file_id)).content
+    ids = [json.loads(line)["custom_id"] for line in output.splitlines()]
+    assert sorted(ids) == sorted(f"r{i}" for i in range(30)) and len(ids) == len(set(ids))
+    assert (
+        done.status == "completed" and done.request_counts is not None and done.request_counts.completed == 30
+    )
+    assert 5 <= first_run < 30 and cluster.workers[0].num_requests <= 30 + 2
+
+
+async def test_lines_wait_for_a_worker_instead_of_failing(tmp_path: Path) -> None:
+    """No worker ready while the batch runs (every line gets a 503): the lines are sent again until
+    one is, and all of them are answered, none written as failed."""
+    worker = FakeWorker("w0")
+    lines = [request_line(f"r{i}") for i in range(6)]
+    async with running_gateway(FakeCluster([worker]), settings=settings(tmp_path), api_keys=KEYS) as (
+        app,
+        client,
+    ):
+        worker.is_ready = False
+        await wait_for(lambda: not app.state.registry.workers["w0"].is_healthy)
+        api = sdk(client)
+        upload = await api.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+        batch = await api.batches.create(input_file_id=upload.id, endpoint=ENDPOINT, completion_window="24h")
+        await asyncio.sleep(1.5)  # every line tried and refused meanwhile
+        assert worker.num_requests == 0
+        worker.is_ready = True
+        done = await finished(api, batch.id)
+    assert done.status == "completed" and done.request_counts is not None
+    assert (done.request_counts.completed, done.request_counts.failed) == (6, 0)
