@@ -5,16 +5,20 @@ preemption and stops; KV slots of rejected proposals go back to the pool; the co
 The prompts repeat themselves (a passage, then the passage again), as an input-grounded request's
 output repeats its input, so that the n-gram proposer has something to propose. The draft model
 is either the target itself (every proposal accepted) or another tiny random model with the same
-tokenizer (most proposals rejected): both must give the target's own tokens.
+tokenizer (most proposals rejected): both must give the target's own tokens. With the engine's
+other features: LoRA requests (verified with their adapter; n-gram proposals beside a draft model,
+which has none), grammar-constrained requests (no proposals, their masks kept), KV tiers (n-gram);
+an embedding model refuses speculation.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
-from support.engine import GREEDY, make_engine, random_prompts
+from support.engine import GREEDY, generate_with_adapters, make_config, make_engine, random_prompts
 
 from herd.worker.engine import LLMEngine
 from herd.worker.outputs import RequestOutput
@@ -160,8 +164,6 @@ def test_adaptive_speculation_keeps_the_tokens(tiny_llama: Path) -> None:
 
 
 def test_the_simulated_engine_speculates_by_ngram(tiny_llama: Path) -> None:
-    from support.engine import make_config
-
     prompts = grounded_prompts()
     params = SamplingParams(max_tokens=24, temperature=0.0)
     plain = simulated_engine(make_config(tiny_llama, backend="simulated"), num_blocks=256)
@@ -173,7 +175,67 @@ def test_the_simulated_engine_speculates_by_ngram(tiny_llama: Path) -> None:
 
 
 def test_the_simulated_engine_refuses_a_draft_model(tiny_llama: Path) -> None:
-    from support.engine import make_config
-
     with pytest.raises(ValueError, match="simulated"):
         make_config(tiny_llama, backend="simulated", speculative=draft_spec(tiny_llama))
+
+
+@pytest.mark.parametrize("draft", ["ngram", "draft"])
+def test_lora_requests_speculate_with_their_adapter(
+    draft: str, tiny_llama: Path, other_llama: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The target verifies with each sequence's adapter; the draft model has none, so an adapter's
+    sequence gets n-gram proposals from it (its tokens are still the plain LoRA engine's)."""
+    from support.lora import make_peft_adapter
+
+    from herd.worker.model_runner import torch_engine
+
+    adapter = make_peft_adapter(tiny_llama, tmp_path_factory.mktemp("spec-lora"), rank=8, seed=1)
+    prompts = grounded_prompts()
+    requests = [(prompt, "a" if index % 2 == 0 else None) for index, prompt in enumerate(prompts)]
+
+    def engine(**spec: Any) -> LLMEngine:
+        config = make_config(tiny_llama, **spec).model_copy(update={"lora_modules": {"a": adapter}})
+        return torch_engine(config)
+
+    plain = generate_with_adapters(engine(), requests, GREEDY)
+    speculating = engine(speculative=NGRAM if draft == "ngram" else draft_spec(other_llama))
+    assert generate_with_adapters(speculating, requests, GREEDY) == plain
+    assert plain[0] != make_engine(tiny_llama).generate([prompts[0]], GREEDY)[0].new_token_ids  # adapted
+    assert speculating.stats.spec_num_drafts > 0
+
+
+def test_a_constrained_request_decodes_under_its_grammar_beside_speculating_ones(tiny_llama: Path) -> None:
+    """A grammar masks one row a step: its sequence gets no draft slots, the others speculate."""
+    from herd.api.prompt import PromptRenderer
+    from herd.worker.grammar import GrammarCompiler, GrammarSpec
+
+    renderer = PromptRenderer.from_pretrained(tiny_llama)
+    compiler = GrammarCompiler(renderer.tokenizer.to_str(), renderer.vocab_size, renderer.eos_token_ids)
+    regex = SamplingParams(
+        max_tokens=16, temperature=0.0, grammar=compiler.compile(GrammarSpec("regex", "[0-9]{3}-[a-z]{2}"))
+    )
+    prompts = grounded_prompts()
+    params = [regex, *[GREEDY] * (len(prompts) - 1)]
+    engine = assert_same_as_plain(tiny_llama, prompts, params, speculative=NGRAM)
+    assert engine.stats.spec_num_drafts > 0
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", engine.generate(prompts[:1], regex)[0].new_text)
+
+
+def test_ngram_speculation_with_kv_tiers_keeps_the_tokens(tiny_llama: Path) -> None:
+    """Blocks evicted to the host tier and restored on a hit hold accepted tokens' KV only."""
+    prompts = grounded_prompts()
+    tiers = {"hostMemoryGiB": 1 / 64}
+    plain = make_engine(tiny_llama, num_blocks=16).generate(prompts, GREEDY)
+    engine = make_engine(tiny_llama, num_blocks=16, kvCache=tiers, speculative=NGRAM)
+    for _ in range(2):  # the second pass restores the first pass's evicted prompts from the tier
+        assert tokens(engine.generate(prompts, GREEDY)) == tokens(plain)
+    assert engine.stats.kv_tiers.restored.get("host", 0) > 0
+    assert engine.stats.spec_num_accepted_tokens > 0
+
+
+def test_an_embedding_model_refuses_speculation(tiny_bert: Path) -> None:
+    from herd.worker.model_runner import torch_engine
+    from herd.worker.models import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match=r"engine\.speculative applies to generation"):
+        torch_engine(make_config(tiny_bert, speculative=NGRAM))

@@ -1,5 +1,6 @@
 """Tensor parallelism on the CPU (gloo): TP=2 gives the greedy tokens of TP=1, on a tiny random
-Llama (its heads split evenly) and on SmolLM2 (9 query and 3 KV heads: split 2 + 1 KV groups)."""
+Llama (its heads split evenly) and on SmolLM2 (9 query and 3 KV heads: split 2 + 1 KV groups), with
+n-gram speculation too."""
 
 from __future__ import annotations
 
@@ -67,3 +68,21 @@ def test_tp2_matches_tp1_on_the_demo_model(demo_model: Path) -> None:
 def test_a_model_with_fewer_kv_heads_than_ranks_is_refused(tiny_llama: Path) -> None:
     with pytest.raises(UnsupportedModelError, match="2 KV heads cannot split over 3 ranks"):
         torch_engine(engine_config(tiny_llama, tensorParallelSize=3))
+
+
+NGRAM = {"method": "ngram", "numTokens": 3, "adaptive": False, "promptLookupMin": 1}
+
+
+def test_tp2_with_ngram_speculation_matches_tp1(tiny_llama: Path) -> None:
+    """Rank 0 proposes and verifies; the proposed tokens reach every rank in the step's inputs."""
+    passage = [(7 * index) % 300 + 3 for index in range(40)]
+    prompts = [passage + passage[:20], passage[5:] + passage[5:25]]
+    expected = greedy(torch_engine(engine_config(tiny_llama)), prompts)
+    built = torch_engine(engine_config(tiny_llama, tensorParallelSize=2, speculative=NGRAM))
+    try:
+        assert greedy(built, prompts) == expected
+        assert built.stats.spec_num_drafts > 0  # the verification ran under tensor parallelism
+    finally:
+        runner = built.runner
+        assert isinstance(runner, TorchRunner)
+        runner.close()

@@ -68,3 +68,8 @@ def test_a_disaggregated_model_refuses_a_draft_model() -> None:
         ModelDeploymentSpec.model_validate(body)
     body["engine"] = {"speculative": {"method": "ngram"}}
     assert ModelDeploymentSpec.model_validate(body).engine.speculative is not None
+
+
+def test_an_embedding_model_refuses_speculation() -> None:
+    with pytest.raises(ValidationError, match=r"engine\.speculative applies to generation"):
+        EngineSpec.model_validate({"task": "embed", "speculative": {"method": "ngram"}})
