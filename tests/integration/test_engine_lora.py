@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from support.engine import REFERENCE_GREEDY, hf_greedy, make_config, random_prompts
+from support.engine import REFERENCE_GREEDY, generate_with_adapters, hf_greedy, make_config, random_prompts
 from support.lora import make_peft_adapter, merged_checkpoint
 
 from herd.worker.engine import LLMEngine, UnknownLoraError
@@ -40,19 +40,6 @@ def lora_engine(base: Path, adapters: Adapters, **engine: object) -> LLMEngine:
     return torch_engine(config)
 
 
-def run(
-    engine: LLMEngine, requests: list[tuple[list[int], str | None]], params: SamplingParams
-) -> list[list[int]]:
-    """Add every request at once (one batch), step to the end; each request's tokens."""
-    for index, (prompt, lora) in enumerate(requests):
-        engine.add_request(f"r{index}", prompt, params, lora_name=lora)
-    tokens: dict[str, list[int]] = {f"r{index}": [] for index in range(len(requests))}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            tokens[output.request_id].extend(output.new_token_ids)
-    return [tokens[f"r{index}"] for index in range(len(requests))]
-
-
 def assert_matches_merged(
     base: Path, adapters: Adapters, requests: list[tuple[list[int], str | None]], outputs: list[list[int]]
 ) -> None:
@@ -71,7 +58,10 @@ def test_tiny_adapters_alone_match_transformers_merged(tiny_llama: Path, tiny_ad
     [prompt] = random_prompts([23], vocab_size=384)
     for name in tiny_adapters:
         assert_matches_merged(
-            tiny_llama, tiny_adapters, [(prompt, name)], run(engine, [(prompt, name)], REFERENCE_GREEDY)
+            tiny_llama,
+            tiny_adapters,
+            [(prompt, name)],
+            generate_with_adapters(engine, [(prompt, name)], REFERENCE_GREEDY),
         )
 
 
@@ -81,7 +71,9 @@ def test_tiny_adapters_mixed_with_the_base_in_one_batch(tiny_llama: Path, tiny_a
     prompts = random_prompts([19, 3, 40, 7, 25, 11, 64], vocab_size=384)
     loras = [None, "r8", "r16", "r8", None, "r16", "r8"]
     requests = list(zip(prompts, loras, strict=True))
-    outputs = run(lora_engine(tiny_llama, tiny_adapters, maxBatchTokens=32), requests, REFERENCE_GREEDY)
+    outputs = generate_with_adapters(
+        lora_engine(tiny_llama, tiny_adapters, maxBatchTokens=32), requests, REFERENCE_GREEDY
+    )
     assert_matches_merged(tiny_llama, tiny_adapters, requests, outputs)
 
 
@@ -91,7 +83,7 @@ def test_one_slot_runs_adapters_in_turn(tiny_llama: Path, tiny_adapters: Adapter
     prompts = random_prompts([12, 9, 15], vocab_size=384)
     requests = list(zip(prompts, ["r8", "r16", None], strict=True))
     engine = lora_engine(tiny_llama, tiny_adapters, maxLoras=1)
-    outputs = run(engine, requests, REFERENCE_GREEDY)
+    outputs = generate_with_adapters(engine, requests, REFERENCE_GREEDY)
     assert_matches_merged(tiny_llama, tiny_adapters, requests, outputs)
 
 
@@ -100,7 +92,7 @@ def test_the_adapter_is_in_the_block_hash(tiny_llama: Path, tiny_adapters: Adapt
     engine = lora_engine(tiny_llama, tiny_adapters)
     [prompt] = random_prompts([48], vocab_size=384)
     params = SamplingParams(max_tokens=2, temperature=0.0)
-    run(engine, [(prompt, "r8")], params)
+    generate_with_adapters(engine, [(prompt, "r8")], params)
     cached: dict[str | None, int] = {}
     for index, lora in enumerate([None, "r16", "r8"]):
         engine.add_request(f"again-{index}", prompt, params, lora_name=lora)
@@ -114,7 +106,7 @@ def test_unloading_forgets_the_adapters_blocks_and_refuses_its_requests(
 ) -> None:
     engine = lora_engine(tiny_llama, tiny_adapters)
     [prompt] = random_prompts([48], vocab_size=384)
-    run(engine, [(prompt, "r8"), (prompt, None)], SamplingParams(max_tokens=1))
+    generate_with_adapters(engine, [(prompt, "r8"), (prompt, None)], SamplingParams(max_tokens=1))
     num_cached = len(engine.block_manager.cached)
     engine.drain_kv_events()
     engine.unload_lora("r8")
@@ -123,7 +115,7 @@ def test_unloading_forgets_the_adapters_blocks_and_refuses_its_requests(
     with pytest.raises(UnknownLoraError, match="'r8' is not loaded"):
         engine.add_request("late", prompt, SamplingParams(max_tokens=1), lora_name="r8")
     engine.load_lora("r8", tiny_adapters["r8"][0])
-    assert run(engine, [(prompt, "r8")], REFERENCE_GREEDY) == [
+    assert generate_with_adapters(engine, [(prompt, "r8")], REFERENCE_GREEDY) == [
         hf_greedy(tiny_adapters["r8"][1], prompt, 32)[0]
     ]
 
@@ -164,7 +156,9 @@ def test_demo_model_adapters_match_transformers_merged(
     prompts = [renderer.encode(text) for text in texts]
     engine = lora_engine(demo_model, adapters, maxBatchTokens=16)
     for name in adapters:
-        alone = run(engine, [(prompts[0], name)], REFERENCE_GREEDY)
+        alone = generate_with_adapters(engine, [(prompts[0], name)], REFERENCE_GREEDY)
         assert_matches_merged(demo_model, adapters, [(prompts[0], name)], alone)
     mixed = [*zip(prompts, ["r8", None, "r16", "r8"], strict=True), (prompts[1], "r16"), (prompts[2], None)]
-    assert_matches_merged(demo_model, adapters, mixed, run(engine, mixed, REFERENCE_GREEDY))
+    assert_matches_merged(
+        demo_model, adapters, mixed, generate_with_adapters(engine, mixed, REFERENCE_GREEDY)
+    )

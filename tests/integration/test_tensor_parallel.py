@@ -2,7 +2,7 @@
 Llama (its heads split evenly) and on SmolLM2 (9 query and 3 KV heads: split 2 + 1 KV groups), in
 process, as a ``herd worker --tensor-parallel-size 2`` process serving the OpenAI API, and as two
 ``herd worker`` processes that stand for two pods of a LeaderWorkerSet group (a leader serving HTTP
-with rank 0, a follower with rank 1), joined over TCP on loopback."""
+with rank 0, a follower with rank 1), joined over TCP on loopback; with n-gram speculation too."""
 
 from __future__ import annotations
 
@@ -204,3 +204,21 @@ def test_rank_0_stops_waiting_once_a_rank_died() -> None:
 def test_rank_0_names_the_ranks_that_never_joined() -> None:
     with pytest.raises(TimeoutError, match=r"ranks \[1\] did not join rank 0"):
         await_ranks(listen(2), 2, lambda: None, timedelta(seconds=0.5))
+
+
+NGRAM = {"method": "ngram", "numTokens": 3, "adaptive": False, "promptLookupMin": 1}
+
+
+def test_tp2_with_ngram_speculation_matches_tp1(tiny_llama: Path) -> None:
+    """Rank 0 proposes and verifies; the proposed tokens reach every rank in the step's inputs."""
+    passage = [(7 * index) % 300 + 3 for index in range(40)]
+    prompts = [passage + passage[:20], passage[5:] + passage[5:25]]
+    expected = greedy(torch_engine(engine_config(tiny_llama)), prompts)
+    built = torch_engine(engine_config(tiny_llama, tensorParallelSize=2, speculative=NGRAM))
+    try:
+        assert greedy(built, prompts) == expected
+        assert built.stats.spec_num_drafts > 0  # the verification ran under tensor parallelism
+    finally:
+        runner = built.runner
+        assert isinstance(runner, TorchRunner)
+        runner.close()

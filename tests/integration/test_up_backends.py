@@ -104,3 +104,18 @@ def test_a_vllm_worker_is_the_sidecar_on_the_worker_ports_with_vllm_behind_it(
     assert workers[0].engine.url.endswith(f":{vllm_port}")  # type: ignore[union-attr]
     assert sidecar[sidecar.index("--vllm-url") + 1] == f"http://127.0.0.1:{vllm_port}"
     assert sidecar[sidecar.index("--block-size") + 1] == "32"
+
+
+def test_a_draft_model_reaches_the_worker_as_an_absolute_folder(folder: Path, tmp_path_factory: Any) -> None:
+    draft = tmp_path_factory.mktemp("draft")
+    (draft / "config.json").write_text("{}")
+    engine = {"speculative": {"method": "draft", "draftModel": f"file://{draft}", "numTokens": 2}}
+    (worker,) = plan_workers(deployment(folder, engine=engine), "t")
+    sent = json.loads(worker.argv[worker.argv.index("--engine-json") + 1])
+    assert sent["speculative"]["draftModel"] == f"file://{draft.resolve()}"
+
+
+def test_a_draft_model_that_is_not_local_is_refused(folder: Path) -> None:
+    engine = {"speculative": {"method": "draft", "draftModel": "hf://Org/Small"}}
+    with pytest.raises(UpError, match="draftModel"):
+        plan_workers(deployment(folder, engine=engine), "t")

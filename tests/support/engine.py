@@ -44,6 +44,20 @@ def make_engine(path: Path, *, num_blocks: int | None = None, **engine: Any) -> 
     return torch_engine(make_config(path, num_blocks=num_blocks, **engine))
 
 
+def generate_with_adapters(
+    engine: LLMEngine, requests: list[tuple[list[int], str | None]], params: SamplingParams
+) -> list[list[int]]:
+    """Add every request (a prompt and its LoRA adapter, or None) at once, as one batch, and step to
+    the end; each request's tokens."""
+    for index, (prompt, lora) in enumerate(requests):
+        engine.add_request(f"r{index}", prompt, params, lora_name=lora)
+    tokens: dict[str, list[int]] = {f"r{index}": [] for index in range(len(requests))}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            tokens[output.request_id].extend(output.new_token_ids)
+    return [tokens[f"r{index}"] for index in range(len(requests))]
+
+
 def make_config(path: Path, *, num_blocks: int | None = None, **engine: Any) -> EngineConfig:
     """The CPU engine configuration ``make_engine`` runs."""
     kv_cache = dict(engine.pop("kvCache", {}))

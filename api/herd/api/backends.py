@@ -66,9 +66,11 @@ def vllm_server_argv(
     replay_port: int,
     python: str = "python",
     adapters: Mapping[str, str] | None = None,
+    draft_model_path: str | None = None,
 ) -> list[str]:
     """vLLM's OpenAI server for ``engine``, on loopback, publishing its KV events to the sidecar,
-    with LoRA on and ``adapters`` (name -> folder) loaded when there are slots;
+    with LoRA on and ``adapters`` (name -> folder) loaded when there are slots; ``engine.speculative``
+    as vLLM's ``--speculative-config`` (the draft model read from ``draft_model_path``);
     ``engine.vllm.extraArgs`` last, so that they win.
 
     Raises ``ValueError`` for a spec vLLM would refuse: a CPU engine's block size not a multiple of 32.
@@ -96,6 +98,7 @@ def vllm_server_argv(
         "--host", LOOPBACK,
         "--port", str(port),
         "--kv-events-config", _kv_events_config(kv_events_port, replay_port),
+        *_speculative_flags(engine, draft_model_path),
         *_vllm_lora_flags(engine, adapters or {}),
         *(engine.vllm.extra_args if engine.vllm is not None else ()),
     ]  # fmt: skip
@@ -121,6 +124,26 @@ def _kv_pool_flags(engine: EngineSpec) -> list[str]:
     if gib is not None:
         return ["--kv-cache-memory-bytes", str(int(gib * 2**30))]
     return ["--gpu-memory-utilization", str(engine.kv_cache.memory_utilization)]
+
+
+def _speculative_flags(engine: EngineSpec, draft_model_path: str | None) -> list[str]:
+    """vLLM's speculative config: ``ngram`` with its lookup bounds, or ``draft_model`` with its
+    folder. vLLM has no adaptive proposal size; it proposes ``numTokens`` every step."""
+    spec = engine.speculative
+    if spec is None:
+        return []
+    config: dict[str, object] = {"num_speculative_tokens": spec.num_tokens}
+    if spec.method == "ngram":
+        config |= {
+            "method": "ngram",
+            "prompt_lookup_min": spec.prompt_lookup_min,
+            "prompt_lookup_max": spec.prompt_lookup_max,
+        }
+    else:
+        if draft_model_path is None:
+            raise ValueError("engine.speculative.method draft: the draft model's folder is needed for vLLM")
+        config |= {"method": "draft_model", "model": draft_model_path}
+    return ["--speculative-config", json.dumps(config, separators=(",", ":"))]
 
 
 def _kv_events_config(kv_events_port: int, replay_port: int) -> str:

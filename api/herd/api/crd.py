@@ -62,6 +62,7 @@ __all__ = [
     "RoutingSpec",
     "ServingSpec",
     "SimulationSpec",
+    "SpeculativeSpec",
     "StickySessionRouting",
     "StrategyName",
     "TierWeights",
@@ -263,6 +264,50 @@ class VLLMSpec(_Spec):
     )
 
 
+class SpeculativeSpec(_Spec):
+    """Speculative decoding: cheap proposals of the next ``numTokens`` tokens, verified by the model
+    in one forward pass and accepted by rejection sampling, so outputs keep the model's distribution
+    (greedy: the very tokens it decodes without speculation). ``ngram`` looks the last tokens up in
+    the prompt and the output so far (no second model); ``draft`` runs ``draftModel``, a smaller
+    model with the same tokenizer. With ``adaptive`` the engine proposes fewer tokens, down to none,
+    where its measured acceptance and step times say speculation would cost more than it saves
+    (large batches)."""
+
+    method: Literal["ngram", "draft"] = Field(description="How proposals are made: ngram or draft.")
+    draft_model: str | None = Field(
+        default=None,
+        description="method draft only: the draft model's weights, a source as model.source "
+        "(hf://, s3://, pvc://, file://), with the target's tokenizer and vocabulary.",
+    )
+    num_tokens: int = Field(default=4, ge=1, le=16, description="Most tokens proposed per sequence and step.")
+    adaptive: bool = Field(
+        default=True,
+        description="Choose the tokens proposed per step (numTokens down to none) from the batch size, "
+        "the measured acceptance and the measured step cost.",
+    )
+    prompt_lookup_min: int = Field(
+        default=2, ge=1, le=16, description="method ngram: shortest n-gram matched."
+    )
+    prompt_lookup_max: int = Field(
+        default=4, ge=1, le=16, description="method ngram: longest n-gram matched."
+    )
+
+    @model_validator(mode="after")
+    def _check_method(self) -> SpeculativeSpec:
+        if self.method == "draft" and self.draft_model is None:
+            raise ValueError("engine.speculative.method draft needs draftModel: the draft model's source")
+        if self.method == "ngram" and self.draft_model is not None:
+            raise ValueError("engine.speculative.draftModel applies to method draft only: remove it")
+        if self.draft_model is not None:
+            ModelSpec(source=self.draft_model)  # the same schemes as model.source
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"engine.speculative.promptLookupMin ({self.prompt_lookup_min}) exceeds "
+                f"promptLookupMax ({self.prompt_lookup_max})"
+            )
+        return self
+
+
 DEFAULT_MAX_LORAS = 4
 """``engine.maxLoras`` when unset and the worker has adapters to serve."""
 
@@ -305,6 +350,9 @@ class EngineSpec(_Spec):
     kv_cache: KVCacheSpec = Field(default_factory=KVCacheSpec)
     simulation: SimulationSpec | None = Field(default=None, description="backend simulated only.")
     vllm: VLLMSpec | None = Field(default=None, description="backend vllm only.")
+    speculative: SpeculativeSpec | None = Field(
+        default=None, description="Speculative decoding; off if absent."
+    )
 
     def lora_slots(self, *, has_adapters: bool) -> int:
         """``maxLoras`` resolved: as given, else the default when there are adapters, else 0 (off)."""
@@ -317,10 +365,24 @@ class EngineSpec(_Spec):
         for block, backend in BACKEND_BLOCKS.items():
             if getattr(self, block) is not None and self.backend != backend:
                 raise ValueError(backend_block_message(block, backend))
+        if (
+            self.backend == "simulated"
+            and self.speculative is not None
+            and self.speculative.method == "draft"
+        ):
+            raise ValueError(
+                "engine.speculative.method draft needs a model to run: the simulated backend has none; "
+                "use method ngram or backend herd"
+            )
         if self.task == "embed" and self.backend == "simulated":
             raise ValueError(
                 "engine.task embed runs on backend herd or vllm: the simulated engine's cost model "
                 "models generation only"
+            )
+        if self.task == "embed" and self.speculative is not None:
+            raise ValueError(
+                "engine.speculative applies to generation: an embedding model (engine.task embed) decodes "
+                "nothing; remove engine.speculative"
             )
         return self
 
@@ -595,6 +657,12 @@ class ModelDeploymentSpec(_Spec):
             )
         if self.serving.mode == "disaggregated" and self.engine.backend == "vllm":
             raise ValueError(VLLM_DISAGGREGATED)
+        speculative = self.engine.speculative
+        if self.serving.mode == "disaggregated" and speculative is not None and speculative.method == "draft":
+            raise ValueError(
+                "engine.speculative.method draft serves aggregated only (KV blocks handed between pools carry "
+                "the target's KV, not the draft's): use method ngram, or serving.mode: aggregated"
+            )
         size = self.engine.tensor_parallel_size
         for name, pool in self.pools().items():
             pods = pool.pods_per_replica

@@ -21,6 +21,11 @@ GENERATION_TOKENS_TOTAL = "vllm:generation_tokens_total"
 CACHE_CONFIG_INFO = "vllm:cache_config_info"
 NUM_PREEMPTIONS_TOTAL = "vllm:num_preemptions_total"
 REQUEST_SUCCESS_TOTAL = "vllm:request_success_total"
+SPEC_DECODE_NUM_DRAFTS = "vllm:spec_decode_num_drafts"
+SPEC_DECODE_NUM_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
+SPEC_DECODE_NUM_ACCEPTED_TOKENS = "vllm:spec_decode_num_accepted_tokens"
+SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+"""Counters (exposed with ``_total``), as vLLM names them; per position under the label ``position``."""
 LORA_REQUESTS_INFO = "vllm:lora_requests_info"
 
 # Worker (herd's own).
@@ -69,6 +74,10 @@ WORKER_METRICS = (
     CACHE_CONFIG_INFO,
     NUM_PREEMPTIONS_TOTAL,
     REQUEST_SUCCESS_TOTAL,
+    SPEC_DECODE_NUM_DRAFTS,
+    SPEC_DECODE_NUM_DRAFT_TOKENS,
+    SPEC_DECODE_NUM_ACCEPTED_TOKENS,
+    SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS,
     LORA_REQUESTS_INFO,
     HERD_KV_EVENTS_TOTAL,
     HERD_KV_TRANSFER_BYTES_TOTAL,

@@ -145,6 +145,20 @@ def _local_folder(deployment: ModelDeployment, what: str, source: str, marker: s
     return path
 
 
+def _draft_folder(deployment: ModelDeployment) -> Path | None:
+    """The local folder of ``engine.speculative.draftModel``, if the engine speculates with one."""
+    speculative = deployment.spec.engine.speculative
+    if speculative is None or speculative.draft_model is None:
+        return None
+    path = local_model_path(speculative.draft_model)
+    if path is None or not (path / "config.json").exists():
+        raise UpError(
+            f"{deployment.metadata.name}: engine.speculative.draftModel {speculative.draft_model!r} is not a "
+            "local model folder; herd up needs file://PATH to a folder with config.json"
+        )
+    return path
+
+
 def plan_workers(deployment: ModelDeployment, token: str) -> list[LocalWorker]:
     """Every worker process of every pool of the deployment, each on its own free ports: a process
     per worker for herd's engine, one per pool for the simulated backend (``herd worker --replicas``)."""
@@ -203,6 +217,7 @@ def _vllm_worker(
     engine = deployment.spec.engine_for("workers")
     name = f"{deployment.metadata.name}-workers-{number}"
     served_name = deployment.served_name
+    draft = _draft_folder(deployment)
     server = vllm_server_argv(
         engine,
         str(folder),
@@ -212,6 +227,7 @@ def _vllm_worker(
         replay_port,
         python,
         _adapter_folders(deployment),
+        draft_model_path=None if draft is None else str(draft),
     )
     sidecar = sidecar_argv(
         vllm_port=vllm_port,
@@ -267,7 +283,7 @@ def _worker_argv(
         "--port": str(ports[0]),
         "--internal-port": str(ports[1]),
         "--role": endpoint.role,
-        "--engine-json": deployment.spec.engine_for(pool).model_dump_json(by_alias=True),
+        "--engine-json": _engine_json(deployment, pool),
     }
     return (
         sys.executable,
@@ -277,6 +293,16 @@ def _worker_argv(
         *(part for item in flags.items() for part in item),
         *lora_module_args(_adapter_folders(deployment)),
     )
+
+
+def _engine_json(deployment: ModelDeployment, pool: PoolName) -> str:
+    """The pool's engine block; a draft model as its absolute folder (the worker's cwd may differ)."""
+    engine = deployment.spec.engine_for(pool)
+    draft = _draft_folder(deployment)
+    if draft is not None and engine.speculative is not None:
+        speculative = engine.speculative.model_copy(update={"draft_model": f"file://{draft}"})
+        engine = engine.model_copy(update={"speculative": speculative})
+    return engine.model_dump_json(by_alias=True)
 
 
 def _worker_spec(worker: LocalWorker, log_dir: Path) -> ChildSpec:

@@ -16,10 +16,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from herd.api.backends import lora_module_args, sidecar_argv, vllm_server_argv
-from herd.api.crd import POOL_ROLES, ModelDeployment, PoolName, PoolSpec, Resources, VLLMSpec
+from herd.api.crd import POOL_ROLES, ModelDeployment, ModelSpec, PoolName, PoolSpec, Resources, VLLMSpec
 from herd.api.protocol import RENDEZVOUS_PORT, TOKEN_ENV
 from herd.operator.settings import PlanSettings
-from herd.operator.source import ModelSource, adapter_place, plan_source
+from herd.operator.source import DRAFT, ModelSource, adapter_place, plan_source
 
 __all__ = ["HTTP_PORT", "INTERNAL_PORT", "plan_follower_pod_spec", "plan_pod_spec", "worker_argv"]
 
@@ -42,12 +42,19 @@ Object = dict[str, Any]
 
 
 def worker_argv(
-    md: ModelDeployment, pool: PoolName, model_path: str, adapters: Mapping[str, str] | None = None
+    md: ModelDeployment,
+    pool: PoolName,
+    model_path: str,
+    adapters: Mapping[str, str] | None = None,
+    draft_path: str | None = None,
 ) -> list[str]:
-    """The worker command line; the pool's engine settings travel as one camelCase JSON argument,
-    the LoRA adapters (name -> folder in the pod) as ``--lora-modules``. A replica over several pods
-    adds ``--group-size``; each pod's index and the leader's address come from LeaderWorkerSet's env."""
+    """The worker command line; the pool's engine settings travel as one camelCase JSON argument
+    (the speculative draft model as the folder ``draft_path`` it lies in inside the pod), the LoRA
+    adapters (name -> folder in the pod) as ``--lora-modules``. A replica over several pods adds
+    ``--group-size``; each pod's index and the leader's address come from LeaderWorkerSet's env."""
     engine = md.spec.engine_for(pool).model_dump(by_alias=True, mode="json", exclude_none=True)
+    if draft_path is not None:
+        engine["speculative"]["draftModel"] = f"file://{draft_path}"
     pods = md.spec.pools()[pool].pods_per_replica
     return [
         "herd", "worker",
@@ -94,13 +101,22 @@ def plan_sources(
 def plan_pod_spec(md: ModelDeployment, pool_name: PoolName, pool: PoolSpec, settings: PlanSettings) -> Object:
     image = pool.image or settings.worker_image
     source, adapters = plan_sources(md, settings, image)
+    draft = _draft_source(md, settings, image)
+    if draft is not None:
+        source = ModelSource(
+            source.path,
+            [*source.volumes, *draft.volumes],
+            [*source.mounts, *draft.mounts],
+            [*source.init_containers, *draft.init_containers],
+        )
+    draft_path = None if draft is None else draft.path
     if md.spec.engine.backend == "vllm":
         containers = [
-            _vllm_container(md, pool_name, pool, settings, source, adapters),
+            _vllm_container(md, pool_name, pool, settings, source, adapters, draft_path),
             _sidecar_container(md, pool, settings, image, source),
         ]
     else:
-        containers = [_worker_container(md, pool_name, pool, settings, image, source, adapters)]
+        containers = [_worker_container(md, pool_name, pool, settings, image, source, adapters, draft_path)]
     spec: Object = {
         "securityContext": _pod_security(settings),
         "containers": containers,
@@ -128,6 +144,15 @@ def plan_follower_pod_spec(
     return {**spec, "containers": [worker], "terminationGracePeriodSeconds": settings.grace_seconds}
 
 
+def _draft_source(md: ModelDeployment, settings: PlanSettings, image: str) -> ModelSource | None:
+    """The speculative draft model's files (fetched like the model's, into their own volume)."""
+    speculative = md.spec.engine.speculative
+    if speculative is None or speculative.draft_model is None:
+        return None
+    draft = ModelSpec(source=speculative.draft_model, cache=md.spec.model.cache)
+    return plan_source(draft, settings, worker_image=image, place=DRAFT)
+
+
 def _worker_container(
     md: ModelDeployment,
     pool_name: PoolName,
@@ -136,9 +161,10 @@ def _worker_container(
     image: str,
     source: ModelSource,
     adapters: Mapping[str, str],
+    draft_path: str | None,
 ) -> Object:
     """``herd worker``: herd's engine, or the simulated one (the argv's engine JSON says which)."""
-    argv = worker_argv(md, pool_name, source.path, adapters)
+    argv = worker_argv(md, pool_name, source.path, adapters, draft_path)
     container = _serving_container(
         "worker", image, argv, plan_resources(pool.resources), pool, settings, source
     )
@@ -203,6 +229,7 @@ def _vllm_container(
     settings: PlanSettings,
     source: ModelSource,
     adapters: Mapping[str, str],
+    draft_path: str | None,
 ) -> Object:
     """vLLM's server, on the pod's loopback only (the sidecar is its one client): no ports, no
     readiness of its own (the sidecar's says when vLLM serves), liveness by its ``/health``."""
@@ -217,6 +244,7 @@ def _vllm_container(
         VLLM_KV_REPLAY_PORT,
         python="python3",
         adapters=adapters,
+        draft_model_path=draft_path,
     )
     container: Object = {
         "name": "vllm",

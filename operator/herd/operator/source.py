@@ -6,7 +6,8 @@ spec names one, so replicas and restarts share one download; an ``emptyDir`` oth
 relative ``file://path`` is a path inside the worker image. A pool that needs no weights (the
 simulated backend reads the config and tokenizer only) fetches everything else. A LoRA adapter's
 source is planned the same way under its own volume, root folder and init container
-(``adapter_place``), so adapters and the model never share a mount.
+(``adapter_place``), so adapters and the model never share a mount; so is a speculative draft
+model (``engine.speculative.draftModel``, at ``DRAFT``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 from herd.api.crd import ModelSpec
 from herd.operator.settings import PlanSettings
 
-__all__ = ["MODELS_DIR", "WEIGHT_FILES", "ModelSource", "Place", "adapter_place", "plan_source"]
+__all__ = ["DRAFT", "MODELS_DIR", "WEIGHT_FILES", "ModelSource", "Place", "adapter_place", "plan_source"]
 
 MODELS_DIR = "/models"
 ADAPTERS_DIR = "/adapters"
@@ -38,6 +39,10 @@ class Place:
     volume: str = "models"
     root: str = MODELS_DIR
     fetcher: str = "fetch-model"
+
+
+DRAFT = Place("draft-model", "/draft-model", "fetch-draft-model")
+"""The place of the speculative draft model."""
 
 
 def adapter_place(index: int) -> Place:

@@ -192,6 +192,7 @@ print(json.dumps({
     "max_num_seqs": engine.max_num_seqs, "max_num_batched_tokens": engine.max_num_batched_tokens,
     "events": engine.kv_events_config.endpoint, "replay": engine.kv_events_config.replay_endpoint,
     "host": args.host, "port": args.port, "details": args.enable_prompt_tokens_details,
+    "speculative": engine.speculative_config,
     "runner": engine.runner, "convert": engine.convert,
 }))
 """
@@ -232,6 +233,7 @@ def test_vllm_own_parser_takes_the_argv() -> None:
         "host": "127.0.0.1",
         "port": 8000,
         "details": True,
+        "speculative": None,
         "runner": "auto",
         "convert": "auto",
     }
@@ -244,3 +246,47 @@ def test_vllm_own_parser_takes_an_embedding_models_argv() -> None:
         {"task": "embed", "device": "cpu", "maxModelLen": 256, "kvCache": {"blockSize": 32}}
     )
     assert (parsed["runner"], parsed["convert"], parsed["prefix_caching"]) == ("pooling", "embed", False)
+
+
+@pytest.mark.slow
+@skip_without_vllm
+def test_vllm_own_parser_takes_the_speculative_config() -> None:
+    parsed = _parsed_by_vllm(
+        {"device": "cpu", "kvCache": {"blockSize": 32}, "speculative": {"method": "ngram", "numTokens": 3}}
+    )
+    assert parsed["speculative"] == {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_min": 2,
+        "prompt_lookup_max": 4,
+    }
+
+
+@pytest.mark.parametrize(
+    ("speculative", "draft", "expected"),
+    [
+        pytest.param(
+            {"method": "ngram", "numTokens": 5, "promptLookupMax": 3},
+            None,
+            {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 3},
+            id="ngram",
+        ),
+        pytest.param(
+            {"method": "draft", "draftModel": "hf://Org/Small", "numTokens": 3},
+            "/draft-model/hf/Org/Small/main",
+            {"method": "draft_model", "model": "/draft-model/hf/Org/Small/main", "num_speculative_tokens": 3},
+            id="draft",
+        ),
+    ],
+)
+def test_speculation_is_vllms_speculative_config(
+    speculative: dict[str, Any], draft: str | None, expected: dict[str, Any]
+) -> None:
+    spec = EngineSpec.model_validate({"speculative": speculative})
+    argv = vllm_server_argv(spec, "/models/m", "m", 8000, 5557, 5558, draft_model_path=draft)
+    assert json.loads(arg_of(argv, "--speculative-config")) == expected
+    assert "--speculative-config" not in _vllm({})
+
+
+def arg_of(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]

@@ -124,3 +124,37 @@ def test_the_service_is_the_same_for_every_backend() -> None:
         return body
 
     assert service({}) == service({"backend": "vllm"}) == service({"backend": "simulated"})
+
+
+@pytest.mark.parametrize("backend", ["herd", "vllm"])
+def test_a_draft_model_is_fetched_beside_the_model_and_handed_over_as_a_folder(backend: str) -> None:
+    speculative = {"method": "draft", "draftModel": "hf://Org/Small", "numTokens": 3}
+    md = make_md({"backend": backend, "speculative": speculative})
+    spec = pod(md)
+    fetches = {init["name"]: init for init in spec["initContainers"]}
+    assert set(fetches) == {"fetch-model", "fetch-draft-model"}
+    assert "/draft-model/hf/Org/Small/main" in fetches["fetch-draft-model"]["command"]
+    assert {volume["name"] for volume in spec["volumes"]} == {"models", "draft-model"}
+    if backend == "herd":
+        worker = containers(md)["worker"]
+        sent = json.loads(arg(worker["command"], "--engine-json"))
+        assert sent["speculative"]["draftModel"] == "file:///draft-model/hf/Org/Small/main"
+    else:
+        worker = containers(md)["vllm"]
+        config = json.loads(arg(worker["command"], "--speculative-config"))
+        assert config["model"] == "/draft-model/hf/Org/Small/main"
+    mounts = {mount["mountPath"] for mount in worker["volumeMounts"]}
+    assert mounts == {"/models", "/draft-model"}
+
+
+def test_ngram_speculation_travels_in_the_engine_json() -> None:
+    md = make_md({"speculative": {"method": "ngram", "numTokens": 6}})
+    sent = json.loads(arg(containers(md)["worker"]["command"], "--engine-json"))
+    assert sent["speculative"] == {
+        "method": "ngram",
+        "numTokens": 6,
+        "adaptive": True,
+        "promptLookupMin": 2,
+        "promptLookupMax": 4,
+    }
+    assert [init["name"] for init in pod(md)["initContainers"]] == ["fetch-model"]

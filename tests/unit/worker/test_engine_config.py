@@ -68,3 +68,28 @@ def test_dtype_resolution_on_cpu(
     config = EngineConfig(model_path=folder, served_name="m", engine={"dtype": dtype, "device": "cpu"})  # type: ignore[arg-type]
     assert config.device == torch.device("cpu")
     assert config.resolve_dtype(checkpoint) == expected
+
+
+@pytest.mark.parametrize(
+    ("engine", "refused"),
+    [
+        ({"tensorParallelSize": 2}, True),
+        ({"kvCache": {"hostMemoryGiB": 1}}, True),
+        ({"kvCache": {"hostMemoryGiB": 1, "disk": {"path": "/var/tmp", "sizeGiB": 1}}}, True),
+        ({}, False),
+    ],
+    ids=["tensor-parallel", "host-tier", "disk-tier", "alone"],
+)
+def test_a_draft_model_runs_beside_one_devices_pool_only(
+    folder: Path, engine: dict[str, object], refused: bool
+) -> None:
+    """The draft's KV pool mirrors the device pool block for block: not split over ranks, not tiered."""
+    speculative = {"method": "draft", "draftModel": f"file://{folder}"}
+    settings = {"model_path": folder, "served_name": "m", "engine": {**engine, "speculative": speculative}}
+    if refused:
+        with pytest.raises(pydantic.ValidationError, match="method draft runs beside one device's KV pool"):
+            EngineConfig(**settings)  # type: ignore[arg-type]
+    else:
+        assert EngineConfig(**settings).draft_model_path == folder  # type: ignore[arg-type]
+    ngram = {**settings, "engine": {**engine, "speculative": {"method": "ngram"}}}
+    assert EngineConfig(**ngram).engine.speculative is not None  # type: ignore[arg-type]

@@ -169,13 +169,21 @@ class BlockManager:
             seq.num_cached_tokens = seq.num_computed_tokens
         self.append_slots(seq, num_new_tokens)
 
-    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self._num_missing_blocks(seq, num_new_tokens) <= len(self._free)
+    def can_append(self, seq: Sequence, num_new_tokens: int, *, num_kept_free: int = 0) -> bool:
+        """Whether ``num_new_tokens`` more tokens fit with ``num_kept_free`` blocks left over."""
+        return self._num_missing_blocks(seq, num_new_tokens) + num_kept_free <= len(self._free)
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
         """Grow the block table so ``num_new_tokens`` more tokens have slots."""
         for _ in range(self._num_missing_blocks(seq, num_new_tokens)):
             seq.block_table.append(self._take_fresh())
+
+    def trim(self, seq: Sequence) -> None:
+        """Release the blocks past those that hold ``seq``'s computed tokens: slots that were reserved
+        for proposed tokens the target rejected. They were never committed, so they hold no hash."""
+        keep = self._num_blocks(seq.num_computed_tokens)
+        self.release(seq.block_table[keep:])
+        del seq.block_table[keep:]
 
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks, tail first; hashed blocks stay in the cache until evicted."""

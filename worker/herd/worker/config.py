@@ -93,6 +93,40 @@ class EngineConfig(BaseModel):
         return value
 
     @model_validator(mode="after")
+    def _check_draft_model(self) -> EngineConfig:
+        path = self.draft_model_path
+        if path is None:
+            return self
+        if not (path / "config.json").is_file():
+            raise ValueError(
+                f"engine.speculative.draftModel {path} has no config.json: pass a HF-format model folder"
+            )
+        kv_cache = self.engine.kv_cache
+        if self.tensor_parallel_size > 1 or kv_cache.host_memory_gib or kv_cache.disk is not None:
+            # Its KV pool mirrors one device's pool block for block: not split over ranks, not moved
+            # to the tiers (a block restored from one would have no draft KV).
+            raise ValueError(
+                "engine.speculative.method draft runs beside one device's KV pool: it cannot run with "
+                "engine.tensorParallelSize above 1 or a KV tier (kvCache.hostMemoryGiB, kvCache.disk); "
+                "use method ngram, or leave those out"
+            )
+        return self
+
+    @property
+    def draft_model_path(self) -> Path | None:
+        """The folder of ``engine.speculative.draftModel``: a worker reads a ``file://`` source (the
+        operator and ``herd up`` hand it one, having fetched any other)."""
+        spec = self.engine.speculative
+        if spec is None or spec.draft_model is None:
+            return None
+        if not spec.draft_model.startswith("file://"):
+            raise ValueError(
+                f"engine.speculative.draftModel {spec.draft_model!r}: a worker reads the draft model from a "
+                "folder (file://...); the operator fetches other sources into the pod"
+            )
+        return Path(spec.draft_model.removeprefix("file://"))
+
+    @model_validator(mode="after")
     def _check_loras(self) -> EngineConfig:
         if self.lora_modules and self.max_loras == 0:
             raise ValueError(

@@ -10,6 +10,13 @@ Then each sampled sequence is checked for stop tokens, stop strings, ``max_token
 ``max_model_len``, and finished ones free their blocks at once. ``step`` returns a
 ``RequestOutput`` for every sequence that got a token.
 
+With speculative decoding (``engine.speculative``) the policy (``herd.worker.speculative.policy``)
+first chooses how many tokens to propose this step, from the batch and what it measured; the
+scheduler reserves that many draft slots per decoding sequence, the runner proposes and verifies
+them in its one forward and returns the accepted tokens plus the model's own; each is taken through
+the same stop checks in order (a stop drops the rest), and the scheduler releases the slots of the
+rejected ones.
+
 Faults are data, not exceptions unwinding through the loop. One request's fault (its logit edits,
 its draw, its logprobs: returned by the runner in its token's place; its stop checks or
 detokenizer) ends that request with an error output and frees its blocks; the others go on. A
@@ -22,8 +29,9 @@ a live sequence or a lease, or is free); only when that check fails does ``step`
 from __future__ import annotations
 
 import logging
+import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,10 +45,11 @@ from herd.worker.detokenizer import IncrementalDetokenizer
 from herd.worker.kv_tiers import KVTierError
 from herd.worker.outputs import FinishReason, RequestOutput
 from herd.worker.pooling import PoolingConfig
-from herd.worker.runner import PooledOutput, Runner, SampledToken, StepResult
+from herd.worker.runner import PooledOutput, Runner, SampledToken, SpeculatedTokens, StepResult
 from herd.worker.sampling_params import SamplingParams, check_token_ids
-from herd.worker.scheduler import Scheduler, SchedulerOutput
+from herd.worker.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from herd.worker.sequence import Sequence
+from herd.worker.speculative.policy import Choice, SpeculationPolicy
 from herd.worker.stats import EngineStats
 
 if TYPE_CHECKING:
@@ -77,10 +86,18 @@ class LLMEngine:
     """Continuous-batching inference over a paged, prefix-cached KV pool; not thread-safe.
 
     ``runner`` computes the steps (``herd.worker.model_runner.torch_engine`` builds an engine on the
-    torch runner); ``renderer`` gives the stop tokens and the detokenizer.
+    torch runner); ``renderer`` gives the stop tokens and the detokenizer; ``clock`` times the steps
+    for the speculation policy (a simulation passes its virtual clock).
     """
 
-    def __init__(self, config: EngineConfig, runner: Runner, renderer: PromptRenderer) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: Runner,
+        renderer: PromptRenderer,
+        *,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self.config = config
         self.renderer = renderer
         self.runner = runner
@@ -96,10 +113,25 @@ class LLMEngine:
             self.block_manager,
             max_batch_tokens=config.engine.max_batch_tokens,
             max_batch_size=config.engine.max_batch_size,
+            max_model_len=config.max_model_len,
             max_loras=config.max_loras,
             is_chunked=geometry.holds_kv,
         )
-        self.stats = EngineStats(kv_tiers=self.block_manager.counters)
+        speculative = config.engine.speculative
+        self.speculation = (
+            None
+            if speculative is None
+            else SpeculationPolicy(
+                speculative.num_tokens,
+                adaptive=speculative.adaptive,
+                draft_passes=speculative.method == "draft",
+            )
+        )
+        self.clock = clock
+        self.stats = EngineStats(
+            kv_tiers=self.block_manager.counters,
+            spec_accepted_per_pos=[0] * (speculative.num_tokens if speculative else 0),
+        )
         self._count_tier_blocks()
         self.vocab_size = runner.vocab_size
         self.pooling = runner.pooling
@@ -178,7 +210,7 @@ class LLMEngine:
         self.stats.prompt_tokens += len(prompt_token_ids)
         if first_token_id is None:
             return None
-        return self._advance(seq, SampledToken(first_token_id, None))
+        return self._advance(ScheduledChunk(seq, 0), SampledToken(first_token_id, None))
 
     def _check_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if request_id in self._requests:
@@ -258,10 +290,12 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        decision = self.scheduler.schedule()
+        choice = self._speculation_choice()
+        decision = self.scheduler.schedule(choice.num_tokens, choice.num_seqs)
         self._count(decision)
         if decision.is_empty:
             return []
+        started = self.clock()
         try:
             results = self.runner.execute(decision)  # a sequence's own failure comes back as data
         except KVTierError as error:
@@ -269,9 +303,45 @@ class LLMEngine:
             return []
         except Exception as error:
             return self._fail_batch(decision, error)
-        sampled = [chunk.seq for chunk in decision.chunks if chunk.is_sampled]  # before update moves them
+        seconds = self.clock() - started
+        sampled = [chunk for chunk in decision.chunks if chunk.is_sampled]  # before update moves them
         self.scheduler.update(decision)
-        return [self._advance(seq, result) for seq, result in zip(sampled, results, strict=True)]
+        if self.speculation is not None:
+            self._observe_speculation(decision, sampled, results, seconds)
+        return [self._advance(chunk, result) for chunk, result in zip(sampled, results, strict=True)]
+
+    def _speculation_choice(self) -> Choice:
+        if self.speculation is None:
+            return Choice(0)
+        num_decoding = sum(1 for seq in self.scheduler.running if seq.num_uncomputed_tokens == 1)
+        return self.speculation.choose(num_decoding)
+
+    def _observe_speculation(
+        self,
+        decision: SchedulerOutput,
+        sampled: list[ScheduledChunk],
+        results: list[StepResult],
+        seconds: float,
+    ) -> None:
+        """Feed the policy (acceptance, the step's cost) and count drafts under vLLM's metric names."""
+        assert self.speculation is not None
+        num_proposed = 0
+        longest = 0
+        for chunk, result in zip(sampled, results, strict=True):
+            if not chunk.num_draft_slots or isinstance(result, Exception):
+                continue
+            proposed, accepted = (
+                (result.num_proposed, result.num_accepted) if isinstance(result, SpeculatedTokens) else (0, 0)
+            )
+            self.speculation.acceptance.observe(proposed, accepted)
+            num_proposed += proposed
+            longest = max(longest, proposed)
+            self.stats.count_draft(proposed, accepted)
+        if all(chunk.num_tokens == 1 for chunk in decision.chunks):
+            # Only decode steps: the choice is about them, and a prefill chunk's tokens (compute-bound)
+            # cost far more each than a decode's few (bound by reading the weights).
+            num_passes = max(0, longest - 1) if self.speculation.draft_passes else 0
+            self.speculation.step_cost.observe(decision.num_tokens + num_proposed, num_passes, seconds)
 
     def _count(self, decision: SchedulerOutput) -> None:
         if decision.kv_moves:
@@ -286,44 +356,58 @@ class LLMEngine:
             tier.medium: (tier.num_used, tier.num_slots) for tier in self.block_manager.tiers()
         }
 
-    def _advance(self, seq: Sequence, sampled: StepResult) -> RequestOutput:
-        """Take ``seq``'s new token; a failure here (or in its sampling) ends ``seq`` alone."""
+    def _advance(self, chunk: ScheduledChunk, sampled: StepResult) -> RequestOutput:
+        """Take the chunk's new tokens; a failure here (or in its sampling) ends its sequence alone."""
+        seq = chunk.seq
         if isinstance(sampled, Exception):
             return self._fail_request(seq, sampled, stage="sampling")
         if isinstance(sampled, PooledOutput):
             return self._pooled(seq, sampled)
+        tokens = sampled.tokens if isinstance(sampled, SpeculatedTokens) else (sampled,)
         try:
-            return self._append(seq, sampled)
+            output = self._append(seq, tokens)
         except Exception as error:
             return self._fail_request(seq, error, stage="stop checks and detokenization")
+        if chunk.num_draft_slots and not output.finished:
+            self.scheduler.settle_drafts(seq, len(tokens) - 1)
+        return output
 
-    def _append(self, seq: Sequence, sampled: SampledToken) -> RequestOutput:
-        if seq.grammar is not None:
-            seq.grammar.advance(sampled.token_id)
-        seq.append_token(sampled.token_id, sampled.logprob)
-        self.stats.generation_tokens += 1
+    def _append(self, seq: Sequence, tokens: tuple[SampledToken, ...]) -> RequestOutput:
+        """Append ``tokens`` in order, each through the stop checks; a stop drops the ones after it."""
         request = self._requests[seq.request_id]
-        reason = self._finish_reason(seq, sampled.token_id)
-        may_stop = seq.num_output_tokens >= seq.params.min_tokens
-        text = request.detokenizer.add([sampled.token_id], is_last=reason is not None, may_stop=may_stop)
-        if request.detokenizer.is_stopped:
-            reason = "stop"
+        taken: list[SampledToken] = []
+        text = ""
+        reason: FinishReason | None = None
+        for sampled in tokens:
+            if seq.grammar is not None:
+                seq.grammar.advance(sampled.token_id)
+            seq.append_token(sampled.token_id, sampled.logprob)
+            self.stats.generation_tokens += 1
+            taken.append(sampled)
+            reason = self._finish_reason(seq, sampled.token_id)
+            may_stop = seq.num_output_tokens >= seq.params.min_tokens
+            text += request.detokenizer.add([sampled.token_id], is_last=reason is not None, may_stop=may_stop)
+            if request.detokenizer.is_stopped:
+                reason = "stop"
+            if reason is not None:
+                break
         held = None
         if reason is not None:
             seq.finish_reason = reason
             held = self._hold_prompt(seq) if seq.params.hold_prompt_blocks else None
             self.scheduler.finish(seq)
             del self._requests[seq.request_id]
+        logprobs = [sampled.logprob for sampled in taken if sampled.logprob is not None]
         return RequestOutput(
             request_id=seq.request_id,
-            new_token_ids=[sampled.token_id],
+            new_token_ids=[sampled.token_id for sampled in taken],
             new_text=text,
             finished=reason is not None,
             finish_reason=reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
             num_output_tokens=seq.num_output_tokens,
-            logprobs=None if sampled.logprob is None else [sampled.logprob],
+            logprobs=logprobs or None,
             held_block_ids=held,
         )
 

@@ -2,15 +2,46 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
+from typing import Protocol, TypeVar
 
 import torch
 
 from herd.worker.layers.attention import AttentionGroup, AttentionMetadata, WindowView
 from herd.worker.scheduler import ScheduledChunk
+from herd.worker.sequence import Sequence
 
-__all__ = ["StepInputs", "prepare_inputs"]
+__all__ = ["Query", "StepInputs", "prepare_inputs", "prepare_queries"]
+
+
+@dataclass(frozen=True, eq=False)
+class Query:
+    """Tokens ``token_ids`` of ``seq`` at positions ``start..`` whose last ``num_logits`` rows are
+    projected to logits. A decode-like query (a decode, or one with proposed tokens to verify) is
+    batched with others of its length; any other runs alone, as a prefill chunk."""
+
+    seq: Sequence
+    start: int
+    token_ids: list[int]
+    num_logits: int
+    is_decode: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class _Span(Protocol):
+    @property
+    def seq(self) -> Sequence: ...
+    @property
+    def start(self) -> int: ...
+    @property
+    def num_tokens(self) -> int: ...
+
+
+_S = TypeVar("_S", bound=_Span)
 
 
 @dataclass(frozen=True)
@@ -55,32 +86,53 @@ def prepare_inputs(
     block_size: int,
     device: torch.device,
     window_sizes: Collection[int] = (),
+    proposals: Mapping[ScheduledChunk, list[int]] | None = None,
 ) -> StepInputs:
-    """Lay the chunks' tokens out group by group: decodes in groups of similar context length
-    (``decode_groups``), then each prefill chunk alone. Every group is then a contiguous run of
-    rows and no query is padded; ``sample_index`` keeps the chunks' own order for the sampler.
-    Each group carries a mask for each of the model's sliding ``window_sizes``."""
-    decodes = [chunk for chunk in chunks if chunk.num_tokens == 1]
-    prefills = [[chunk] for chunk in chunks if chunk.num_tokens > 1]
+    """The plan's forward (``prepare_queries``): each chunk's tokens, then the tokens ``proposals``
+    puts after a chunk, each with its logits; a sampled chunk's last row gives logits."""
+    proposals = proposals or {}
+    queries = []
+    for chunk in chunks:
+        proposal = proposals.get(chunk, [])
+        own = chunk.seq.tokens_between(chunk.start, chunk.start + chunk.num_tokens)
+        num_logits = len(proposal) + 1 if chunk.is_sampled else 0
+        queries.append(Query(chunk.seq, chunk.start, own + proposal, num_logits, chunk.num_tokens == 1))
+    return prepare_queries(queries, block_size, device, window_sizes)
+
+
+def prepare_queries(
+    queries: list[Query], block_size: int, device: torch.device, window_sizes: Collection[int] = ()
+) -> StepInputs:
+    """Lay the queries' tokens out group by group: decode-like ones of one length in groups of
+    similar context length (``decode_groups``), then each other one alone. Every group is then a
+    contiguous run of rows and no query is padded; ``sample_index`` lists each query's logit rows
+    in the queries' own order. Each group carries a mask for each of the model's sliding
+    ``window_sizes``."""
+    by_length: dict[int, list[Query]] = {}
+    for query in queries:
+        if query.is_decode:
+            by_length.setdefault(query.num_tokens, []).append(query)
+    decodes = [group for same in by_length.values() for group in decode_groups(same, block_size)]
+    prefills = [[query] for query in queries if not query.is_decode]
     token_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
-    last_rows: dict[ScheduledChunk, int] = {}
+    end_rows: dict[Query, int] = {}
     groups: list[AttentionGroup] = []
     lora_rows: list[tuple[str | None, int]] = []
-    for group in [*decode_groups(decodes, block_size), *prefills]:
+    for group in [*decodes, *prefills]:
         groups.append(_group(group, len(token_ids), block_size, device, window_sizes))
-        lora_rows.extend((chunk.seq.lora_name, chunk.num_tokens) for chunk in group)
-        for chunk in group:
-            start, end = chunk.start, chunk.start + chunk.num_tokens
-            token_ids.extend(chunk.seq.tokens_between(start, end))
+        lora_rows.extend((query.seq.lora_name, query.num_tokens) for query in group)
+        for query in group:
+            start, end = query.start, query.start + query.num_tokens
+            token_ids.extend(query.token_ids)
             positions.extend(range(start, end))
-            table = chunk.seq.block_table
+            table = query.seq.block_table
             slots.extend(
                 table[pos // block_size] * block_size + pos % block_size for pos in range(start, end)
             )
-            last_rows[chunk] = len(token_ids) - 1
-    sample_rows = [last_rows[chunk] for chunk in chunks if chunk.is_sampled]
+            end_rows[query] = len(token_ids)
+    sample_rows = [row for q in queries for row in range(end_rows[q] - q.num_logits, end_rows[q])]
     metadata = AttentionMetadata(
         slot_mapping=_tensor(slots, device), groups=tuple(groups), num_tokens=len(token_ids)
     )
@@ -98,7 +150,7 @@ MIN_SPLIT_BLOCKS = 16
 costs more gathers and SDPA calls per layer than padding a few blocks does."""
 
 
-def decode_groups(decodes: list[ScheduledChunk], block_size: int) -> list[list[ScheduledChunk]]:
+def decode_groups(decodes: list[_S], block_size: int) -> list[list[_S]]:
     """The decodes in groups of similar context length, shortest first.
 
     A group pads every context to its longest, so one long context in a batch of short ones would
@@ -107,7 +159,7 @@ def decode_groups(decodes: list[ScheduledChunk], block_size: int) -> list[list[S
     stays under half of each group's work, and the number of groups under log2 of the longest.
     """
     ordered = sorted(decodes, key=lambda chunk: chunk.start)
-    groups: list[list[ScheduledChunk]] = []
+    groups: list[list[_S]] = []
     first_blocks = 0
     for chunk in ordered:
         blocks = chunk.start // block_size + 1
@@ -119,13 +171,13 @@ def decode_groups(decodes: list[ScheduledChunk], block_size: int) -> list[list[S
 
 
 def _group(
-    chunks: list[ScheduledChunk],
+    chunks: list[_S],
     first_row: int,
     block_size: int,
     device: torch.device,
     window_sizes: Collection[int],
 ) -> AttentionGroup:
-    """Decodes (one token each) or a single prefill chunk: ``len(chunks) * query_len`` rows either way."""
+    """Decode-like queries of one length, or a single prefill chunk: ``len(chunks) * query_len`` rows."""
     query_len = chunks[0].num_tokens
     max_blocks = max(-(-(chunk.start + chunk.num_tokens) // block_size) for chunk in chunks)
     query_positions: list[int] = []
@@ -146,9 +198,7 @@ def _group(
     )
 
 
-def _window(
-    chunks: list[ScheduledChunk], positions: torch.Tensor, block_size: int, window: int
-) -> WindowView:
+def _window(chunks: list[_S], positions: torch.Tensor, block_size: int, window: int) -> WindowView:
     """The blocks from each sequence's first block in reach (its first query's position - window + 1),
     as many as the group's widest reach, and the mask over their key positions."""
     first_blocks = [max(0, chunk.start - window + 1) // block_size for chunk in chunks]

@@ -8,6 +8,11 @@ batched forward over every chunk, and samples the rows whose chunk reached its s
 (``herd.worker.sampler``). The tiers below the pool (``kvCache.hostMemoryGiB``, ``kvCache.disk``) are
 ``herd.worker.kv_store``'s; a step makes its plan's moves between them first. ``torch_engine`` builds
 herd's engine on it.
+
+With ``engine.speculative`` the runner also owns a proposer (``herd.worker.speculative``): n-gram
+lookup, or a draft model whose own KV pool, sized block for block with the target's, shares the
+memory budget. The proposals enter the same forward after their chunks' tokens (under tensor
+parallelism, in the inputs every rank gets), and the sampler verifies them.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from herd.worker.cache_geometry import CacheGeometry, bytes_per_block, tier_bloc
 from herd.worker.config import EngineConfig
 from herd.worker.embedding_runner import EmbeddingRunner
 from herd.worker.engine import LLMEngine
-from herd.worker.grammar import MaskFiller
+from herd.worker.grammar import MaskFiller, PendingMasks
 from herd.worker.input_batch import StepInputs, prepare_inputs
 from herd.worker.kv_store import TierStore
 from herd.worker.kv_tiers import KVMove
@@ -38,8 +43,8 @@ from herd.worker.layers.attention import AttentionBackend
 from herd.worker.layers.torch_attention import TorchAttentionBackend
 from herd.worker.loader import is_encoder, load_model, read_model_args
 from herd.worker.lora_model import LoraModel
-from herd.worker.models import UnsupportedModelError
-from herd.worker.models.llama import SINGLE, local_heads
+from herd.worker.models import ModelArgs, UnsupportedModelError
+from herd.worker.models.llama import SINGLE, LlamaForCausalLM, local_heads
 from herd.worker.parallel import (
     TensorParallel,
     announce,
@@ -53,7 +58,9 @@ from herd.worker.parallel import (
 from herd.worker.pooling import PoolingConfig
 from herd.worker.runner import PREFILL_MIN_TOKENS, Measured, StepResult
 from herd.worker.sampler import Sampler
-from herd.worker.scheduler import SchedulerOutput
+from herd.worker.scheduler import ScheduledChunk, SchedulerOutput
+from herd.worker.speculative.draft_model import DraftModelProposer
+from herd.worker.speculative.proposer import NgramProposer, Proposal, Proposer
 
 __all__ = ["DEFAULT_CPU_KV_GIB", "TorchRunner", "follow_leader", "torch_engine"]
 
@@ -80,6 +87,11 @@ def torch_engine(config: EngineConfig) -> LLMEngine:
         if config.tensor_parallel_size > 1:
             raise UnsupportedModelError(
                 "an embedding model runs on one device: leave engine.tensorParallelSize at 1"
+            )
+        if config.engine.speculative is not None:
+            raise UnsupportedModelError(
+                f"engine.speculative applies to generation, and {config.model_path} holds an encoder "
+                "(an embedding model decodes nothing): remove engine.speculative"
             )
         return LLMEngine(config, EmbeddingRunner(config), renderer)
     if config.tensor_parallel_size == 1:
@@ -212,15 +224,9 @@ class TorchRunner:
         )
         self.args = read_model_args(config.model_path)
         self.dtype = config.resolve_dtype(self.args.checkpoint_dtype)
-        self.model = load_model(
-            config.model_path,
-            self.args,
-            backend or TorchAttentionBackend(),
-            max_positions=config.max_model_len,
-            dtype=self.dtype,
-            device=self.device,
-            parallel=parallel,
-        )
+        self.backend = backend or TorchAttentionBackend()
+        self.model = self._load(config.model_path, self.args)
+        self.draft = self._load_draft()
         geometry = self._measure_geometry()
         self.kv_cache = torch.zeros(geometry.shape, dtype=self.dtype, device=self.device)
         self.model.bind_kv_cache(self.kv_cache)
@@ -238,10 +244,53 @@ class TorchRunner:
         self.lora = self._lora_model()
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed), eos_token_ids)
         self.masks = MaskFiller()
+        self.draft_kv_cache: torch.Tensor | None = None
+        self.proposer = self._build_proposer()
 
     @property
     def vocab_size(self) -> int:
         return self.args.vocab_size
+
+    def _load(self, path: Path, args: ModelArgs) -> LlamaForCausalLM:
+        return load_model(
+            path,
+            args,
+            self.backend,
+            max_positions=self.config.max_model_len,
+            dtype=self.dtype,
+            device=self.device,
+            parallel=self.parallel,
+        )
+
+    def _load_draft(self) -> tuple[LlamaForCausalLM, ModelArgs] | None:
+        """The draft model of ``speculative.method: draft``; its vocabulary must be the target's (the
+        config refuses a draft with tensor parallelism or KV tiers)."""
+        path = self.config.draft_model_path
+        if path is None:
+            return None
+        args = read_model_args(path)
+        if args.vocab_size != self.args.vocab_size:
+            raise ValueError(
+                f"the draft model {path} has a vocabulary of {args.vocab_size} tokens, the model "
+                f"{self.args.vocab_size}: speculative.draftModel must share the model's tokenizer"
+            )
+        return self._load(path, args), args
+
+    def _build_proposer(self) -> Proposer | None:
+        spec = self.config.engine.speculative
+        if spec is None:
+            return None
+        ngram = NgramProposer(min_n=spec.prompt_lookup_min, max_n=spec.prompt_lookup_max)
+        if self.draft is None:
+            return ngram
+        model, args = self.draft
+        shape = (args.num_layers, *self.geometry.shape[1:4], args.num_kv_heads, args.head_dim)
+        self.draft_kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        model.bind_kv_cache(self.draft_kv_cache)
+        return DraftModelProposer(
+            model, block_size=self.config.block_size, window_sizes=args.window_sizes, device=self.device,
+            sampler=self.sampler, adapter_proposer=ngram,
+        )  # fmt: skip
 
     def _lora_model(self) -> LoraModel | None:
         if self.config.max_loras == 0:
@@ -284,11 +333,12 @@ class TorchRunner:
         per_block = bytes_per_block(
             dataclasses.replace(self.args, num_kv_heads=num_kv_heads), block_size, self.dtype
         )
-        num_blocks = self.parallel.all_reduce_min(self._kv_budget_bytes() // per_block)
+        draft_per_block = 0 if self.draft is None else bytes_per_block(self.draft[1], block_size, self.dtype)
+        num_blocks = self.parallel.all_reduce_min(self._kv_budget_bytes() // (per_block + draft_per_block))
         if num_blocks < 1:
             raise ValueError(
-                f"the KV budget holds no {per_block}-byte block: raise engine.kvCache.memoryGiB "
-                "or memoryUtilization, or lower blockSize"
+                f"the KV budget holds no {per_block + draft_per_block}-byte block: raise "
+                "engine.kvCache.memoryGiB or memoryUtilization, or lower blockSize"
             )
         return CacheGeometry(
             num_blocks=num_blocks,
@@ -310,18 +360,25 @@ class TorchRunner:
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> list[StepResult]:
-        """The plan's tier moves and block copies, one forward over every chunk, then a token per
-        sampled chunk (the moves are queued first: on CUDA they run while the inputs are prepared);
-        under tensor parallelism the same step goes to every rank first (``follow``)."""
+        """The plan's tier moves and block copies, the proposals, one forward over every chunk and
+        proposed token, then a token per sampled chunk or the verified tokens of a proposal (the moves
+        are queued first: on CUDA they run while the inputs are prepared); under tensor parallelism
+        the same step goes to every rank first (``follow``)."""
         self.move_blocks(plan.kv_moves)
         started = time.perf_counter()
-        sampled = [chunk.seq for chunk in plan.chunks if chunk.is_sampled]
-        masks = self.masks.start([seq.grammar for seq in sampled])  # computed while the forward runs
+        if self.draft_kv_cache is not None and plan.block_copies:
+            sources, targets = zip(*plan.block_copies, strict=True)
+            self.draft_kv_cache[:, :, list(targets)] = self.draft_kv_cache[:, :, list(sources)]
+        proposals = self.proposer.propose(plan) if self.proposer is not None else {}
+        sampled = [chunk for chunk in plan.chunks if chunk.is_sampled]
+        plain = [chunk.seq for chunk in sampled if chunk not in proposals]
+        masks = self.masks.start([seq.grammar for seq in plain])  # computed while the forward runs
+        proposed = {chunk: proposal.token_ids for chunk, proposal in proposals.items()}
+        device = self.device if self.parallel.size == 1 else _CPU
+        inputs = prepare_inputs(plan.chunks, self.config.block_size, device, self.args.window_sizes, proposed)
         if self.parallel.size == 1:
-            inputs = prepare_inputs(plan.chunks, self.config.block_size, self.device, self.args.window_sizes)
             hidden = self._forward(plan.block_copies, inputs)
         else:
-            inputs = prepare_inputs(plan.chunks, self.config.block_size, _CPU, self.args.window_sizes)
             try:
                 self.parallel.broadcast_object((plan.block_copies, inputs))
                 inputs = inputs.to(self.device)
@@ -330,10 +387,38 @@ class TorchRunner:
                 self.is_broken = True
                 raise
         logits = self.model.compute_logits(hidden[inputs.sample_index])
-        results = self.sampler.sample(logits, sampled, masks)
+        if proposals:
+            results = self._sample_and_verify(logits, sampled, proposals, masks)
+        else:
+            results = self.sampler.sample(logits, plain, masks)
         if plan.num_tokens >= PREFILL_MIN_TOKENS:  # sampling read the logits back: the step is done
             self.measured.prefill.add(plan.num_tokens, time.perf_counter() - started)
         return results
+
+    def _sample_and_verify(
+        self,
+        logits: torch.Tensor,
+        sampled: list[ScheduledChunk],
+        proposals: dict[ScheduledChunk, Proposal],
+        masks: PendingMasks | None,
+    ) -> list[StepResult]:
+        """Plain chunks sampled as one batch (with their grammar masks), each proposal verified on its
+        own rows; chunk order. A grammar-constrained sequence never carries a proposal."""
+        starts, row = [], 0
+        for chunk in sampled:
+            starts.append(row)
+            row += 1 + (len(proposals[chunk].token_ids) if chunk in proposals else 0)
+        plain = [index for index, chunk in enumerate(sampled) if chunk not in proposals]
+        plain_results = self.sampler.sample(
+            logits[[starts[i] for i in plain]], [sampled[i].seq for i in plain], masks
+        )
+        results = dict(zip(plain, plain_results, strict=True))
+        for index, chunk in enumerate(sampled):
+            if chunk in proposals:
+                proposal = proposals[chunk]
+                rows = logits[starts[index] : starts[index] + len(proposal.token_ids) + 1]
+                results[index] = self.sampler.verify(rows, chunk.seq, proposal)
+        return [results[index] for index in range(len(sampled))]
 
     def move_blocks(self, moves: list[KVMove]) -> None:
         self.tiers.apply(moves)

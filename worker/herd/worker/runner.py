@@ -34,7 +34,16 @@ if TYPE_CHECKING:
 
     from herd.worker.scheduler import SchedulerOutput
 
-__all__ = ["PREFILL_MIN_TOKENS", "Measured", "PooledOutput", "Rate", "Runner", "SampledToken", "StepResult"]
+__all__ = [
+    "PREFILL_MIN_TOKENS",
+    "Measured",
+    "PooledOutput",
+    "Rate",
+    "Runner",
+    "SampledToken",
+    "SpeculatedTokens",
+    "StepResult",
+]
 
 PREFILL_MIN_TOKENS = 64
 """A step of at least this many tokens counts toward the prefill rate (decode steps would understate it)."""
@@ -78,15 +87,28 @@ class SampledToken:
 
 
 @dataclass(frozen=True)
+class SpeculatedTokens:
+    """A chunk's verified proposal: the accepted proposed tokens, then the target's own token (so
+    ``1 + num_accepted`` tokens), and how many tokens were proposed."""
+
+    tokens: tuple[SampledToken, ...]
+    num_proposed: int
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.tokens) - 1
+
+
+@dataclass(frozen=True)
 class PooledOutput:
     """An embedding model's answer for a whole sequence: its pooled (and normalized) vector."""
 
     embedding: list[float]
 
 
-StepResult = SampledToken | PooledOutput | Exception
-"""One finished chunk's outcome: its sampled token (a generation model), its pooled vector (an
-embedding model), or the exception that failed that sequence alone."""
+StepResult = SampledToken | SpeculatedTokens | PooledOutput | Exception
+"""One finished chunk's outcome: its sampled token (a generation model; or tokens, after a verified
+proposal), its pooled vector (an embedding model), or the exception that failed that sequence alone."""
 
 
 class Runner(Protocol):
@@ -110,8 +132,11 @@ class Runner(Protocol):
 
     def execute(self, plan: SchedulerOutput) -> list[StepResult]:
         """Make ``plan.kv_moves`` (``move_blocks``) and ``plan.block_copies``, run every chunk, and
-        sample: one result per chunk whose ``is_sampled``, in chunk order. Raises only when the batch
-        as a whole failed; ``KVTierError`` when a tier failed before anything of the step ran."""
+        sample: one result per chunk whose ``is_sampled``, in chunk order. A chunk with
+        ``num_draft_slots`` may carry up to that many proposed tokens after its own, verified in the
+        same pass (a ``SpeculatedTokens``); their KV lands in the reserved slots, and the engine rolls
+        back what was rejected. Raises only when the batch as a whole failed; ``KVTierError`` when a
+        tier failed before anything of the step ran."""
         ...
 
     def move_blocks(self, moves: list[KVMove]) -> None:

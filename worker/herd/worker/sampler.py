@@ -9,6 +9,10 @@ the exponential-race trick (``argmax(p / q)``, ``q ~ Exp(1)``) drawn from the se
 sampler keeps those generators, made at a sequence's first draw and dropped with the sequence.
 Logprobs are those of the model's raw distribution, as in vLLM.
 
+``verify`` is the same pipeline over the rows of a chunk that carried proposed tokens: each row's
+edits see the proposed tokens before it as generated, and the tokens come from rejection sampling
+(``herd.worker.speculative.rejection``) with the sequence's generator.
+
 A row is one request: an exception in its logit edits, its draw or its logprobs fails that row only,
 returned in its place instead of a token. Edits and logprobs run row by row anyway; the batched
 draw, if it raises, is repeated one row at a time to find the row at fault (only on that path).
@@ -16,6 +20,7 @@ draw, if it raises, is repeated one row at a time to find the row at fault (only
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Collection
 
@@ -24,8 +29,10 @@ import torch
 from herd.worker.grammar import PendingMasks, apply_bitmask
 from herd.worker.logits_processors import edit_logits
 from herd.worker.outputs import TokenLogprob
-from herd.worker.runner import SampledToken, StepResult
+from herd.worker.runner import SampledToken, SpeculatedTokens, StepResult
 from herd.worker.sequence import Sequence
+from herd.worker.speculative.proposer import Proposal
+from herd.worker.speculative.rejection import accept_greedy, accept_sampled
 
 __all__ = ["Sampler", "filter_logits"]
 
@@ -79,6 +86,30 @@ class Sampler:
         for row, error in failures.items():
             tokens[row] = error
         return tokens
+
+    @torch.inference_mode()
+    def verify(self, logits: torch.Tensor, seq: Sequence, proposal: Proposal) -> StepResult:
+        """The tokens of ``seq`` after verifying ``proposal`` against ``logits`` ``[k + 1, vocab]``
+        (the rows at its last own token and at each proposed one), or the exception that failed it."""
+        try:
+            raw = logits.log_softmax(dim=-1) if seq.params.logprobs is not None else None
+            if seq.params.edits_logits:
+                for row in range(logits.shape[0]):
+                    edit_logits(
+                        logits[row], _as_if_accepted(seq, proposal.token_ids[:row]), self.eos_token_ids
+                    )
+            if seq.params.is_greedy:
+                token_ids = accept_greedy(logits.argmax(dim=-1).tolist(), proposal.token_ids)
+            else:
+                probs = self.probs(logits, [seq] * logits.shape[0])
+                token_ids = accept_sampled(probs, proposal.token_ids, proposal.probs, self.generator_for(seq))
+            tokens = tuple(
+                SampledToken(token_id, _logprob(raw, row, token_id, seq.params.logprobs))
+                for row, token_id in enumerate(token_ids)
+            )
+            return SpeculatedTokens(tokens, num_proposed=len(proposal.token_ids))
+        except Exception as error:
+            return error
 
     def _edit(self, logits: torch.Tensor, seqs: list[Sequence]) -> dict[int, Exception]:
         failures: dict[int, Exception] = {}
@@ -136,13 +167,13 @@ class Sampler:
         if not rows:
             return chosen
         sampled = [seqs[row] for row in rows]
-        probs = self._probs(logits[rows], sampled)
+        probs = self.probs(logits[rows], sampled)
         for index, (row, seq) in enumerate(zip(rows, sampled, strict=True)):
-            race = torch.empty_like(probs[index]).exponential_(generator=self._generator(seq))
+            race = torch.empty_like(probs[index]).exponential_(generator=self.generator_for(seq))
             chosen[row] = (probs[index] / race).argmax()
         return chosen
 
-    def _generator(self, seq: Sequence) -> torch.Generator:
+    def generator_for(self, seq: Sequence) -> torch.Generator:
         """The sequence's own generator when it has a seed, else the shared one."""
         seed = seq.params.seed
         if seed is None:
@@ -154,7 +185,9 @@ class Sampler:
         return generator
 
     @staticmethod
-    def _probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Each row's sampling distribution: temperature, then top-k, top-p and min-p."""
+
         def column(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, dtype=logits.dtype, device=logits.device)
 
@@ -165,6 +198,13 @@ class Sampler:
                 logits, top_k, column([s.params.top_p for s in seqs]), column([s.params.min_p for s in seqs])
             )
         return logits.softmax(dim=-1)
+
+
+def _as_if_accepted(seq: Sequence, proposed: list[int]) -> Sequence:
+    """``seq`` as its logit edits would see it with ``proposed`` generated (penalties, min_tokens)."""
+    if not proposed:
+        return seq
+    return dataclasses.replace(seq, output_token_ids=[*seq.output_token_ids, *proposed], output_logprobs=[])
 
 
 def _logprob(raw: torch.Tensor | None, row: int, token_id: int, num_top: int | None) -> TokenLogprob | None:

@@ -17,7 +17,12 @@ before the forward, as block copies are) and the sequence starts after it. No ad
 step that preempted, so a preempted sequence cannot bounce straight back. With LoRA, the running
 sequences use at most ``max_loras`` distinct adapters (the runner's slots): a waiting sequence whose
 adapter would be one too many is passed over, keeping its place, until a running adapter's last
-sequence finishes. Each chunk's full blocks enter the prefix cache as it is planned, so a prompt admitted
+sequence finishes. With speculative decoding a decoding sequence also gets up to ``num_draft_tokens``
+draft slots (the step's proposal size, chosen by the engine's policy, for at most
+``num_draft_seqs`` sequences): budget and KV slots for the tokens a proposer may put after its own,
+taken only where the blocks are free, so that no one is preempted for them. ``settle_drafts`` then
+counts the accepted ones as computed and releases the slots of the rejected ones. Each chunk's full
+blocks enter the prefix cache as it is planned, so a prompt admitted
 later in the same step already starts after them. The plan is a ``SchedulerOutput``; the engine's
 runner executes it and ``update`` then advances every scheduled sequence. Cost: linear in the number
 of running and admitted sequences.
@@ -37,10 +42,13 @@ __all__ = ["ScheduledChunk", "Scheduler", "SchedulerOutput"]
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """Run tokens ``[seq.num_computed_tokens, + num_tokens)`` of ``seq``; sample if they reach its end."""
+    """Run tokens ``[seq.num_computed_tokens, + num_tokens)`` of ``seq``; sample if they reach its end.
+
+    ``num_draft_slots`` KV slots after them are reserved for proposed tokens to verify in the same pass."""
 
     seq: Sequence
     num_tokens: int
+    num_draft_slots: int = 0
 
     @property
     def start(self) -> int:
@@ -80,6 +88,12 @@ class SchedulerOutput:
         return not self.chunks
 
 
+@dataclass
+class _DraftQuota:
+    num_tokens: int
+    num_seqs: int
+
+
 class Scheduler:
     """Holds the waiting queue and the running list; ``schedule`` plans one step."""
 
@@ -89,12 +103,14 @@ class Scheduler:
         *,
         max_batch_tokens: int,
         max_batch_size: int,
+        max_model_len: int | None = None,
         max_loras: int = 0,
         is_chunked: bool = True,
     ) -> None:
         self.block_manager = block_manager
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_size = max_batch_size
+        self.max_model_len = max_model_len
         self.max_loras = max_loras
         self.is_chunked = is_chunked
         self.waiting: deque[Sequence] = deque()
@@ -112,17 +128,20 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, num_draft_tokens: int = 0, num_draft_seqs: int | None = None) -> SchedulerOutput:
+        """Plan a step; decoding sequences get up to ``num_draft_tokens`` draft slots each, the first
+        ``num_draft_seqs`` of them (all when None)."""
         output = SchedulerOutput()
         self._preempt_for_urgent(output)
-        budget = self._schedule_running(output)
+        quota = _DraftQuota(num_draft_tokens, len(self.running) if num_draft_seqs is None else num_draft_seqs)
+        budget = self._schedule_running(output, quota)
         if not output.preempted:
             self._schedule_waiting(output, budget)
         output.kv_moves, restored = self.block_manager.end_plan()
         output.cached_block_ids.extend(restored)
         return output
 
-    def _schedule_running(self, output: SchedulerOutput) -> int:
+    def _schedule_running(self, output: SchedulerOutput, quota: _DraftQuota) -> int:
         budget = self.max_batch_tokens
         index = 0
         while index < len(self.running) and budget > 0:
@@ -130,11 +149,32 @@ class Scheduler:
             num_tokens = min(seq.num_uncomputed_tokens, budget)
             if not self._make_room(index, num_tokens, output):
                 continue  # it was the least urgent and went: running[index] is the next one now
-            self.block_manager.append_slots(seq, num_tokens)
-            self._plan_chunk(seq, num_tokens, output)
-            budget -= num_tokens
+            num_slots = self._draft_slots(seq, num_tokens, budget, quota, len(self.running) - index - 1)
+            self.block_manager.append_slots(seq, num_tokens + num_slots)
+            self._plan_chunk(seq, num_tokens, output, num_slots)
+            budget -= num_tokens + num_slots
             index += 1
         return budget
+
+    def _draft_slots(
+        self, seq: Sequence, num_tokens: int, budget: int, quota: _DraftQuota, num_after: int
+    ) -> int:
+        """Slots for proposals after a decode's one token: within the quota, the budget, what the
+        request may still generate and the positions the model has; only where the blocks are free
+        with one left for each of the ``num_after`` sequences still to plan, so no one is preempted.
+        A grammar-constrained sequence gets none."""
+        if quota.num_tokens == 0 or quota.num_seqs == 0 or num_tokens != 1 or seq.num_uncomputed_tokens != 1:
+            return 0
+        if seq.grammar is not None:  # its grammar masks one row a step: it decodes without proposals
+            return 0
+        limit = min(quota.num_tokens, budget - 1, seq.params.max_tokens - seq.num_output_tokens - 1)
+        if self.max_model_len is not None:
+            limit = min(limit, self.max_model_len - seq.num_tokens)
+        while limit > 0 and not self.block_manager.can_append(seq, 1 + limit, num_kept_free=num_after):
+            limit -= 1
+        if limit > 0:
+            quota.num_seqs -= 1
+        return max(0, limit)
 
     def _make_room(self, index: int, num_tokens: int, output: SchedulerOutput) -> bool:
         """Preempt the least urgent sequences not yet planned this step (``running[index:]``) until
@@ -202,8 +242,10 @@ class Scheduler:
                 loras.add(seq.lora_name)
         self.waiting.extendleft(reversed(passed_over))
 
-    def _plan_chunk(self, seq: Sequence, num_tokens: int, output: SchedulerOutput) -> None:
-        output.chunks.append(ScheduledChunk(seq, num_tokens))
+    def _plan_chunk(
+        self, seq: Sequence, num_tokens: int, output: SchedulerOutput, num_slots: int = 0
+    ) -> None:
+        output.chunks.append(ScheduledChunk(seq, num_tokens, num_slots))
         cached = self.block_manager.commit(seq, seq.num_computed_tokens + num_tokens)
         output.cached_block_ids.extend(cached)
 
@@ -230,6 +272,12 @@ class Scheduler:
         """After the model ran: advance every scheduled sequence's computed count."""
         for chunk in output.chunks:
             chunk.seq.num_computed_tokens += chunk.num_tokens
+
+    def settle_drafts(self, seq: Sequence, num_accepted: int) -> None:
+        """After a verification (``update`` done, the accepted tokens and the target's own appended):
+        the accepted tokens' KV is computed; the slots past it, rejected proposals', are released."""
+        seq.num_computed_tokens += num_accepted
+        self.block_manager.trim(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Retire ``seq`` (done or aborted) wherever it is, freeing its blocks at once."""

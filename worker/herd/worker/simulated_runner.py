@@ -14,6 +14,12 @@ its grammar allows at that step (``herd.worker.grammar``), a stop token only whe
 allowed, so its output matches its grammar as a real model's does. The KV pool is block ids only: the block manager hands them out as for a real pool;
 ``read_blocks`` answers zeros of the geometry's shape (a placeholder of the right layout, so a KV
 frame encodes) and ``write_blocks`` checks that shape and keeps nothing; block copies are no-ops.
+
+Speculative decoding runs with the n-gram proposer, for real: the proposals are looked up in the
+sequence's tokens, each one verified against the token this runner would sample at its position
+(accepted while they agree, then the runner's own), and a step costs its proposed tokens like any
+other. A draft model cannot run where there is no model: ``simulated_engine`` refuses one.
+
 The tiers below the pool are slots too: a plan's moves between them cost their bytes over the cost
 model's ``hostGBps`` (device <-> host) or ``diskGBps`` (to or from the disk), added to the step. The
 runner reports the rates it models as measured, so a simulated fleet routes on the same figures.
@@ -46,9 +52,10 @@ from herd.worker.loader import read_model_args
 from herd.worker.model_runner import DEFAULT_CPU_KV_GIB
 from herd.worker.outputs import TokenLogprob
 from herd.worker.pooling import PoolingConfig
-from herd.worker.runner import PREFILL_MIN_TOKENS, Measured, SampledToken, StepResult
+from herd.worker.runner import PREFILL_MIN_TOKENS, Measured, SampledToken, SpeculatedTokens, StepResult
 from herd.worker.scheduler import SchedulerOutput
 from herd.worker.sequence import Sequence
+from herd.worker.speculative.proposer import NgramProposer, Proposal
 
 __all__ = [
     "Clock",
@@ -93,10 +100,11 @@ class SleepingClock:
         time.sleep(seconds - busy)
 
 
-def step_seconds(cost: CostModel, plan: SchedulerOutput) -> float:
-    """The plan's modelled duration: each chunk attends to its sequence's context up to its end."""
-    num_context_tokens = sum(chunk.start + chunk.num_tokens for chunk in plan.chunks)
-    return cost.step_seconds(plan.num_tokens, len(plan.chunks), num_context_tokens)
+def step_seconds(cost: CostModel, plan: SchedulerOutput, num_proposed: int = 0) -> float:
+    """The plan's modelled duration: each chunk attends to its sequence's context up to its end;
+    ``num_proposed`` tokens verified after their chunks cost as many more tokens."""
+    num_context_tokens = sum(chunk.start + chunk.num_tokens for chunk in plan.chunks) + num_proposed
+    return cost.step_seconds(plan.num_tokens + num_proposed, len(plan.chunks), num_context_tokens)
 
 
 class SimulatedRunner:
@@ -112,8 +120,10 @@ class SimulatedRunner:
         avoid_token_ids: Collection[int] = (),
         eos_after: int | None = None,
         seed: int = 0,
+        proposer: NgramProposer | None = None,
     ) -> None:
         self.geometry = geometry
+        self.proposer = proposer
         self.vocab_size = vocab_size
         self.pooling: PoolingConfig | None = None  # it models generation only
         self.cost = cost or CostModel()
@@ -135,15 +145,36 @@ class SimulatedRunner:
         self._allowed = [token_id for token_id in range(vocab_size) if token_id not in avoided]
 
     def execute(self, plan: SchedulerOutput) -> list[StepResult]:
-        """Spend the plan's cost (its moves' and its forward's) on the clock; one token per sampled
-        chunk. ``block_copies`` move no data: the pool holds none."""
-        seconds = step_seconds(self.cost, plan)
+        """Spend the plan's cost (its moves' and its forward's, proposed tokens included) on the
+        clock; one token per sampled chunk, or a verified proposal's tokens. ``block_copies`` move no
+        data: the pool holds none."""
+        proposals = self.proposer.propose(plan) if self.proposer is not None else {}
+        num_proposed = sum(len(proposal.token_ids) for proposal in proposals.values())
+        seconds = step_seconds(self.cost, plan, num_proposed)
         if plan.num_tokens >= PREFILL_MIN_TOKENS:
             self.measured.prefill.add(plan.num_tokens, seconds)
         self.clock.advance(self._moves_seconds(plan.kv_moves) + seconds, self.cost.host_share)
-        sampled = [chunk.seq for chunk in plan.chunks if chunk.is_sampled]
-        allowed = self._grammar_allowed(sampled)
-        return [self._sample(seq, allowed.get(row)) for row, seq in enumerate(sampled)]
+        sampled = [chunk for chunk in plan.chunks if chunk.is_sampled]
+        allowed = self._grammar_allowed([chunk.seq for chunk in sampled])
+        return [
+            self._verify(chunk.seq, proposals[chunk])
+            if chunk in proposals
+            else self._sample(chunk.seq, allowed.get(row))
+            for row, chunk in enumerate(sampled)
+        ]
+
+    def _verify(self, seq: Sequence, proposal: Proposal) -> StepResult:
+        """Accept the proposed ids while they are the ones this runner samples, then its own (a
+        grammar-constrained sequence is never proposed for)."""
+        tokens: list[SampledToken] = []
+        for offset in range(len(proposal.token_ids) + 1):
+            own = self._sample(seq, offset=offset)
+            if not isinstance(own, SampledToken):
+                return own
+            tokens.append(own)
+            if offset == len(proposal.token_ids) or own.token_id != proposal.token_ids[offset]:
+                break
+        return SpeculatedTokens(tuple(tokens), len(proposal.token_ids))
 
     def move_blocks(self, moves: list[KVMove]) -> None:
         self.clock.advance(self._moves_seconds(moves), self.cost.host_share)
@@ -169,8 +200,11 @@ class SimulatedRunner:
         bitmask = MaskFiller.fill_now(matchers)
         return {row: allowed_token_ids(bitmask[i], self.vocab_size) for i, row in enumerate(rows)}
 
-    def _sample(self, seq: Sequence, grammar_allowed: list[int] | None = None) -> StepResult:
-        position = seq.num_output_tokens
+    def _sample(
+        self, seq: Sequence, grammar_allowed: list[int] | None = None, *, offset: int = 0
+    ) -> StepResult:
+        """The token at output position ``seq.num_output_tokens + offset``."""
+        position = seq.num_output_tokens + offset
         candidates = self._allowed
         if grammar_allowed is not None:
             avoided = set(self._avoid)
@@ -270,5 +304,21 @@ def simulated_engine(
         clock=clock,
         avoid_token_ids=renderer.eos_token_ids,
         seed=config.seed,
+        proposer=_ngram_proposer(config),
     )
+    if isinstance(runner.clock, VirtualClock):
+        virtual = runner.clock
+        return LLMEngine(config, runner, renderer, clock=lambda: virtual.now)
     return LLMEngine(config, runner, renderer)
+
+
+def _ngram_proposer(config: EngineConfig) -> NgramProposer | None:
+    spec = config.engine.speculative
+    if spec is None:
+        return None
+    if spec.method != "ngram":
+        raise ValueError(
+            f"engine.speculative.method {spec.method} needs a model to run: the simulated engine has none; "
+            "use method ngram"
+        )
+    return NgramProposer(min_n=spec.prompt_lookup_min, max_n=spec.prompt_lookup_max)

@@ -154,6 +154,8 @@ class _EngineCollector(Collector):
         yield self._counter(names.NUM_PREEMPTIONS_TOTAL, "Preemptions.", stats.num_preemptions)
         yield self._counter(names.PROMPT_TOKENS_TOTAL, "Prefilled prompt tokens.", stats.prompt_tokens)
         yield self._counter(names.GENERATION_TOKENS_TOTAL, "Generated tokens.", stats.generation_tokens)
+        if stats.spec_accepted_per_pos:
+            yield from self._speculation(stats)
         yield from self._tiers(stats, load)
         info = self.engine.info
         config = GaugeMetricFamily(
@@ -194,6 +196,24 @@ class _EngineCollector(Collector):
             yield self._gauge(
                 names.HERD_PREFILL_TOKENS_PER_SECOND, "Measured prefill rate.", load.prefill_tokens_per_s
             )
+
+    def _speculation(self, stats: EngineStats) -> Iterator[Metric]:
+        """Speculative decoding's counters, under vLLM's names (only when the engine speculates)."""
+        yield self._counter(names.SPEC_DECODE_NUM_DRAFTS, "Proposals verified.", stats.spec_num_drafts)
+        yield self._counter(
+            names.SPEC_DECODE_NUM_DRAFT_TOKENS, "Tokens proposed.", stats.spec_num_draft_tokens
+        )
+        yield self._counter(
+            names.SPEC_DECODE_NUM_ACCEPTED_TOKENS, "Proposed tokens accepted.", stats.spec_num_accepted_tokens
+        )
+        per_pos = CounterMetricFamily(
+            names.SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS,
+            "Proposed tokens accepted at each position of a proposal.",
+            labels=[*_LABELS, "position"],
+        )
+        for position, count in enumerate(stats.spec_accepted_per_pos):
+            per_pos.add_metric([self.model_name, str(position)], count)
+        yield per_pos
 
     def _gauge(self, name: str, documentation: str, value: float) -> GaugeMetricFamily:
         family = GaugeMetricFamily(name, documentation, labels=list(_LABELS))
