@@ -16,7 +16,8 @@ from typing import Any
 import httpx
 import pytest
 import pytest_asyncio
-from support.disagg import TOKEN, HostDispatch, InProcessWorker, start_worker
+from support.disagg import TOKEN, HostDispatch, InProcessWorker, sentence, start_worker
+from support.disagg import greedy_chat as chat
 
 from herd.api.protocol import INTERNAL_PATHS, TOKEN_HEADER, WorkerInfo
 from herd.worker.kv_transfer import HttpKVTransfer, KVLayout
@@ -25,7 +26,6 @@ pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)
 
 CHAT = "/v1/chat/completions"
 BLOCK = 16
-WORDS = ["the", "cat", "sat", "on", "a", "mat", "while", "seven", "dogs", "ran", "far", "away", "under"]
 
 
 class Fleet:
@@ -48,22 +48,6 @@ async def fleet(tiny_llama: Path) -> AsyncIterator[Fleet]:
 @pytest.fixture(autouse=True)
 def _heal(fleet: Fleet) -> None:
     fleet.dispatch.refused.clear()
-
-
-def chat(text: str, **fields: Any) -> dict[str, Any]:
-    return {
-        "model": "tiny",
-        "messages": [{"role": "user", "content": text}],
-        "max_tokens": 8,
-        "temperature": 0,
-        "ignore_eos": True,
-        **fields,
-    }
-
-
-def sentence(seed: int, num_words: int) -> str:
-    rng = random.Random(seed)
-    return " ".join(rng.choice(WORDS) for _ in range(num_words))
 
 
 async def answer(worker: InProcessWorker, body: dict[str, Any], **headers: str) -> dict[str, Any]:
@@ -97,8 +81,8 @@ async def every_block_free(fleet: Fleet) -> None:
 
 async def test_a_pulled_prefix_gives_the_same_greedy_output_as_computing_it(fleet: Fleet) -> None:
     for number in range(6):
-        shared = sentence(100 + number, 40 + 5 * number)
-        body = chat(shared + " " + sentence(200 + number, 12 + number))
+        shared = sentence(random.Random(100 + number), 40 + 5 * number)
+        body = chat(shared + " " + sentence(random.Random(200 + number), 12 + number))
         await answer(fleet.holder, chat(shared, max_tokens=1))  # the holder caches the prefix
         before = await pulls(fleet.puller, "pulled")
         result = await pulled_from(fleet, body)
@@ -112,7 +96,7 @@ async def test_a_pulled_prefix_gives_the_same_greedy_output_as_computing_it(flee
 
 
 async def test_a_holder_that_dies_between_its_lease_and_the_fetch_costs_a_recompute(fleet: Fleet) -> None:
-    shared = sentence(300, 50)
+    shared = sentence(random.Random(300), 50)
     body = chat(shared + " the end")
     await answer(fleet.holder, chat(shared, max_tokens=1))
     fleet.dispatch.refused.add(("holder.internal", INTERNAL_PATHS.kv_blocks))
@@ -124,7 +108,7 @@ async def test_a_holder_that_dies_between_its_lease_and_the_fetch_costs_a_recomp
 
 
 async def test_a_holder_gone_before_the_pull_costs_a_recompute(fleet: Fleet) -> None:
-    body = chat(sentence(400, 60))
+    body = chat(sentence(random.Random(400), 60))
     fleet.dispatch.refused.add(("holder.internal", None))
     failed = await pulls(fleet.puller, "failed")
     result = await pulled_from(fleet, body)
@@ -133,7 +117,7 @@ async def test_a_holder_gone_before_the_pull_costs_a_recompute(fleet: Fleet) -> 
 
 
 async def test_a_holder_that_no_longer_holds_the_prefix_lends_nothing(fleet: Fleet) -> None:
-    body = chat(sentence(500, 60))  # never sent to the holder
+    body = chat(sentence(random.Random(500), 60))  # never sent to the holder
     empty = await pulls(fleet.puller, "empty")
     result = await pulled_from(fleet, body)
     assert await pulls(fleet.puller, "empty") == empty + 1
@@ -143,7 +127,9 @@ async def test_a_holder_that_no_longer_holds_the_prefix_lends_nothing(fleet: Fle
 
 @pytest.mark.parametrize("token", [None, "a-guess"], ids=["no-token", "wrong-token"])
 async def test_only_the_orchestrator_may_name_a_peer_to_pull_from(fleet: Fleet, token: str | None) -> None:
-    body = chat(sentence(600, 40), kv_transfer_params={"peer_url": fleet.holder.endpoint.internal_url})
+    body = chat(
+        sentence(random.Random(600), 40), kv_transfer_params={"peer_url": fleet.holder.endpoint.internal_url}
+    )
     headers = {} if token is None else {TOKEN_HEADER: token}
     response = await fleet.puller.http.post(fleet.puller.endpoint.url + CHAT, json=body, headers=headers)
     assert response.status_code == 403, response.text

@@ -13,8 +13,9 @@ Counters follow Prometheus' rules, so workers may come, go and restart: a value 
 restarted worker) counts from zero. A series absent from the older snapshot counts from zero if it is
 the orchestrator's own (its counters are created at zero on their first use, often mid-window), and
 from its first sample in the window if it is a worker's (cumulative since the worker started: a worker
-that just came, or whose scrape failed; a worker sampled only once in the window is left out of it).
-Percentiles interpolate within histogram buckets as
+that just came, or whose scrape failed; a worker sampled only once in the window is left out of it);
+a worker's tier or pull counter that first shows on a worker sampled before counts from zero (the
+worker exposes it from its first count on). Percentiles interpolate within histogram buckets as
 Prometheus' ``histogram_quantile`` does. The cost is one pass over the series of the window's
 snapshots per sample (7 at the sampler's defaults).
 """
@@ -131,15 +132,32 @@ class History:
 def _baseline(snapshots: Iterable[Snapshot]) -> Snapshot:
     """The oldest snapshot, with each worker series it lacks at its first value in a later one: a
     worker that came (or whose scrape failed) in the window counts from its first sample there, so a
-    new worker shows after two samples, not a whole window."""
+    new worker shows after two samples, not a whole window. A tier series that first appears on a
+    worker sampled before it started at zero (see ``_tier_baseline``)."""
     oldest, *later = snapshots
+    tiers, sampled = dict(oldest.tier_counters), set(oldest.cache_queries)
+    for snapshot in later:
+        tiers = _tier_baseline(tiers, snapshot.tier_counters, sampled)
+        sampled.update(snapshot.cache_queries)
     return replace(
         oldest,
         cache_queries=_first_values(oldest.cache_queries, [s.cache_queries for s in later]),
         cache_hits=_first_values(oldest.cache_hits, [s.cache_hits for s in later]),
         itl=_first_values(oldest.itl, [s.itl for s in later]),
-        tier_counters=_first_values(oldest.tier_counters, [s.tier_counters for s in later]),
+        tier_counters=tiers,
     )
+
+
+def _tier_baseline(
+    old: Mapping[TierSeries, float], new: Mapping[TierSeries, float], sampled: set[Series]
+) -> dict[TierSeries, float]:
+    """``old`` with each series of ``new`` it lacks: at zero if its worker was ``sampled`` without it
+    (a worker exposes a tier's counter, or a pull outcome's, from its first count on), else at its
+    value in ``new`` (a worker not sampled before: its counters are cumulative from an unknown start)."""
+    baseline = dict(old)
+    for (model, worker, name), value in new.items():
+        baseline.setdefault((model, worker, name), 0.0 if (model, worker) in sampled else value)
+    return baseline
 
 
 def _first_values(
@@ -159,7 +177,8 @@ def point_between(old: Snapshot, new: Snapshot) -> Point:
     queries = counter_increases(new.cache_queries, old.cache_queries)
     ttft = histogram_increases(new.ttft, old.ttft, starts_at_zero=True)
     itl = histogram_increases(new.itl, old.itl)
-    tier_counts = counter_increases(new.tier_counters, old.tier_counters)
+    tier_baseline = _tier_baseline(old.tier_counters, new.tier_counters, set(old.cache_queries))
+    tier_counts = counter_increases(new.tier_counters, tier_baseline)
     series = (*new.requests, *new.ttft, *new.itl, *new.cache_queries, *new.tier_counters, *new.tier_usage)
     models = sorted({model for model, *_ in series})
     return Point(

@@ -22,6 +22,7 @@ from herd.orchestrator.history import (
     ModelPoint,
     Snapshot,
     TierPoint,
+    TierSeries,
     counter_increases,
     histogram_increases,
     point_between,
@@ -237,6 +238,20 @@ def test_old_points_are_evicted_and_since_returns_the_newer() -> None:
     assert history.since(1030.0) == []
 
 
+def test_a_tier_counter_that_appears_on_a_sampled_worker_starts_at_zero() -> None:
+    """A worker exposes a tier's counter from its first count on, mid-window too."""
+    history = History(window_seconds=30.0, num_points=10)
+
+    def tiers(at: float, counters: dict[TierSeries, float]) -> Snapshot:
+        return replace(snap(at, queries={"w0": 0}), tier_counters=counters)
+
+    history.add(tiers(0, {}))
+    history.add(tiers(5, {("m", "w0", "stored:host"): 30}))
+    history.add(tiers(10, {("m", "w0", "stored:host"): 30, ("m", "w0", "restored:host"): 20}))
+    assert [point.models[MODEL].tiers["host"].stored_per_s for point in history.points] == [6.0, 3.0]
+    assert [point.models[MODEL].tiers["host"].restored_per_s for point in history.points] == [0.0, 2.0]
+
+
 def test_a_worker_that_came_mid_window_counts_from_its_first_sample() -> None:
     history = History(window_seconds=30.0, num_points=10)
     history.add(snap(0, queries={"w0": 100}, hits={"w0": 0}))
@@ -297,6 +312,7 @@ def test_a_point_has_each_tiers_mean_usage_and_rates_and_the_pulls() -> None:
     old = Snapshot(
         at=0.0,
         wall=1000.0,
+        cache_queries={("m", "w0"): 0},  # w0 was sampled: a tier series it shows later starts at zero
         tier_counters={("m", "w0", "restored:host"): 10, ("m", "w0", "pulls:pulled"): 1},
         tier_usage={("m", "w0", "host"): 0.2},
     )
@@ -306,6 +322,7 @@ def test_a_point_has_each_tiers_mean_usage_and_rates_and_the_pulls() -> None:
         tier_counters={
             ("m", "w0", "restored:host"): 50,
             ("m", "w1", "restored:host"): 90,  # a worker new in this window: left out
+            ("m", "w0", "stored:host"): 20,  # w0's first offloads
             ("m", "w0", "evicted:device"): 0,
             ("m", "w0", "pulls:pulled"): 6,
         },
@@ -314,7 +331,7 @@ def test_a_point_has_each_tiers_mean_usage_and_rates_and_the_pulls() -> None:
     model = point_between(old, new).models["m"]
     assert model.tiers == {
         "device": TierPoint(usage=1.0, stored_per_s=0.0, restored_per_s=0.0, evicted_per_s=0.0),
-        "host": TierPoint(usage=0.6, stored_per_s=0.0, restored_per_s=4.0, evicted_per_s=0.0),
+        "host": TierPoint(usage=0.6, stored_per_s=2.0, restored_per_s=4.0, evicted_per_s=0.0),
     }
     assert model.pulls_per_s == {"pulled": 0.5}
 

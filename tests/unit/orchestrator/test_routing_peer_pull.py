@@ -4,13 +4,12 @@ the holder, whichever costs the fewest prompt tokens by the workers' measured ra
 from __future__ import annotations
 
 import json
-import random
 from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
 from support.gateway_fakes import MODEL, FakeCluster, FakeWorker, running_gateway, wait_for
-from support.routing_views import context, prompt_hashes, views
+from support.routing_views import context, kv_cache_aware, prompt_hashes, views
 
 from herd.api.crd import KVCacheAwareRouting
 from herd.api.kv_hash import block_hashes
@@ -51,15 +50,7 @@ def _workers(pull: float | None, **fields: Mapping[str, float]) -> list[WorkerVi
 
 
 def _strategy(index: KVIndex, *, peer_pulls: bool = True) -> KVCacheAware:
-    return KVCacheAware(
-        kv_index=index,
-        load_factor=1.25,
-        cache_weight=1.0,
-        load_weight=1.0,
-        block_size=16,
-        rng=random.Random(3),
-        peer_pulls=peer_pulls,
-    )
+    return kv_cache_aware(index, seed=3, peer_pulls=peer_pulls)
 
 
 @pytest.mark.parametrize(

@@ -191,21 +191,15 @@ class PrefillService:
         first = [output async for output in outputs][-1]
         timing.on_tokens()
         self.requests.observe_finished(timing, first.finish_reason or "length")
-        seconds = min(asked.lease_seconds or DEFAULT_LEASE_SECONDS, MAX_LEASE_SECONDS)
         hashes = self._lease_hashes(prompt, salt, lora_name, asked.prompt_block_hashes)
-        lease = self._lease(request_id, hashes, first.held_block_ids or [], seconds)
-        return KVTransferParams(
-            do_remote_prefill=True,
-            remote_engine_id=self.engine.info.epoch,
-            remote_block_ids=lease.block_ids,
-            remote_block_hashes=lease.block_hashes,
-            remote_host=request.url.hostname,
-            remote_port=request.url.port or 80,
-            remote_request_id=request_id,
-            lease_seconds=seconds,
-            first_token_ids=first.new_token_ids,
-            num_prompt_tokens=first.num_prompt_tokens,
-            num_cached_tokens=first.num_cached_tokens,
+        leased = self._lease(request, request_id, hashes, first.held_block_ids or [], asked.lease_seconds)
+        return leased.model_copy(
+            update={
+                "do_remote_prefill": True,
+                "first_token_ids": first.new_token_ids,
+                "num_prompt_tokens": first.num_prompt_tokens,
+                "num_cached_tokens": first.num_cached_tokens,
+            }
         )
 
     def _lease_hashes(
@@ -219,12 +213,29 @@ class PrefillService:
             prompt, info.block_size, model_id=info.model, cache_salt=salt, lora_name=lora_name
         )
 
-    def _lease(self, request_id: str, hashes: list[BlockHash], held: list[int], seconds: float) -> Lease:
-        """Lease the prompt's full blocks the engine held when the prefill finished (its leading
-        cached run) to the decode side."""
+    def _lease(
+        self,
+        request: Request,
+        request_id: str,
+        hashes: list[BlockHash],
+        held: list[int],
+        lease_seconds: float | None,
+    ) -> KVTransferParams:
+        """Lease the blocks the engine holds for ``request_id`` (the leading run of ``hashes``: a
+        prefill's full blocks, or the cached blocks a peer asked to hold) to the puller, and tell it
+        where to fetch them."""
+        seconds = min(lease_seconds or DEFAULT_LEASE_SECONDS, MAX_LEASE_SECONDS)
         lease = self.leases.add(request_id, held, hashes[: len(held)], seconds)
         self._ensure_sweeper()
-        return lease
+        return KVTransferParams(
+            remote_engine_id=self.engine.info.epoch,
+            remote_block_ids=lease.block_ids,
+            remote_block_hashes=lease.block_hashes,
+            remote_host=request.url.hostname,
+            remote_port=request.url.port or 80,
+            remote_request_id=request_id,
+            lease_seconds=seconds,
+        )
 
     def _lora_name(self, payload: dict[str, Any]) -> str | None:
         """The LoRA adapter the body's ``model`` names (``None``: the base model); 404 for another model."""
@@ -243,17 +254,7 @@ class PrefillService:
         held = await self.engine.call(lambda core: core.hold_cached(request_id, body.block_hashes))
         if not held:
             return KVTransferParams(remote_block_hashes=[])
-        seconds = min(body.lease_seconds or DEFAULT_LEASE_SECONDS, MAX_LEASE_SECONDS)
-        lease = self._lease(request_id, body.block_hashes, held, seconds)
-        return KVTransferParams(
-            remote_engine_id=self.engine.info.epoch,
-            remote_block_ids=lease.block_ids,
-            remote_block_hashes=lease.block_hashes,
-            remote_host=request.url.hostname,
-            remote_port=request.url.port or 80,
-            remote_request_id=request_id,
-            lease_seconds=seconds,
-        )
+        return self._lease(request, request_id, body.block_hashes, held, body.lease_seconds)
 
     async def probe(self, request: Request) -> Response:
         body = _parse(ProbeRequest, await request.body())
