@@ -126,17 +126,34 @@ async def _history_after(
                 )
                 transport = httpx.ASGITransport(app)
                 async with httpx.AsyncClient(transport=transport, base_url="http://o", timeout=60) as client:
-                    await asyncio.sleep(2 * SETTINGS.history.interval_seconds)  # the worker's first sample
+                    await _scraped_before_requests(client)
                     await traffic(client)
                     return await _point(client, check)
         finally:
             await worker.engine.stop()
 
 
+async def _points(client: httpx.AsyncClient) -> list[dict[str, Any]]:
+    points: list[dict[str, Any]] = (await client.get("/dashboard/data")).json()["history"]["points"]
+    return points
+
+
+async def _scraped_before_requests(client: httpx.AsyncClient) -> None:
+    """Wait for two more points, so that a snapshot taken while the worker was healthy holds its
+    counters: a worker's series first seen after the requests would count from there, without them
+    (they count since the worker started)."""
+    first = len(await _points(client))
+    for _ in range(100):
+        if len(await _points(client)) >= first + 2:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError("the dashboard history took no sample for 10 s")
+
+
 async def _point(client: httpx.AsyncClient, check: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
     """The newest point passing ``check``, polling /dashboard/data for at most 20 s."""
     for _ in range(200):
-        points = (await client.get("/dashboard/data")).json()["history"]["points"]
+        points = await _points(client)
         passing = [point for point in points if check(point)]
         if passing:
             return passing[-1]
