@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 import pytest_asyncio
-from support.disagg import TOKEN, HostDispatch, InProcessWorker, start_worker
+from support.disagg import TOKEN, HostDispatch, InProcessWorker, greedy_chat, start_worker
 from support.gateway_fakes import wait_for
 from support.upstream_fakes import HttpxUpstream
 from support.worker_server import sse_data
@@ -103,15 +103,7 @@ async def cluster(tiny_llama: Path) -> AsyncIterator[Cluster]:
 
 def chat(num_words: int, seed: int, **fields: Any) -> dict[str, Any]:
     rng = random.Random(seed)
-    text = " ".join(rng.choice(WORDS) for _ in range(num_words))
-    return {
-        "model": "tiny",
-        "messages": [{"role": "user", "content": text}],
-        "max_tokens": 8,
-        "temperature": 0,
-        "ignore_eos": True,
-        **fields,
-    }
+    return greedy_chat(" ".join(rng.choice(WORDS) for _ in range(num_words)), **fields)
 
 
 async def unified_text(cluster: Cluster, body: dict[str, Any]) -> str:

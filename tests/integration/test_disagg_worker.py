@@ -15,7 +15,8 @@ from typing import Any
 import httpx
 import pytest
 import pytest_asyncio
-from support.disagg import HostDispatch, InProcessWorker, start_worker
+from support.disagg import HostDispatch, InProcessWorker, sentence, start_worker
+from support.disagg import greedy_chat as chat
 from support.worker_server import sse_data
 
 from herd.api.kv_hash import block_hashes
@@ -25,7 +26,6 @@ pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)
 
 CHAT = "/v1/chat/completions"
 BLOCK = 16
-WORDS = ["the", "cat", "sat", "on", "a", "mat", "while", "seven", "dogs", "ran", "far", "away", "under"]
 LAYOUT_FIELDS = ("model", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim")
 
 Workers = dict[str, InProcessWorker]
@@ -40,21 +40,6 @@ async def workers(tiny_llama: Path) -> AsyncIterator[Workers]:
         yield built
         for worker in built.values():
             await worker.engine.stop()
-
-
-def chat(text: str, **fields: Any) -> dict[str, Any]:
-    return {
-        "model": "tiny",
-        "messages": [{"role": "user", "content": text}],
-        "max_tokens": 8,
-        "temperature": 0,
-        "ignore_eos": True,
-        **fields,
-    }
-
-
-def sentence(rng: random.Random, num_words: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(num_words))
 
 
 async def prefill(worker: InProcessWorker, body: dict[str, Any], **params: Any) -> dict[str, Any]:

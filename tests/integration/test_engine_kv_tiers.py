@@ -10,22 +10,16 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from support.engine import GREEDY, make_config, make_engine, random_prompts
+from support.engine import GREEDY, make_config, make_engine, random_prompts, tier_gib
 
 from herd.api.kv_hash import block_hashes
 from herd.worker.async_engine import AsyncEngine
 from herd.worker.engine import LLMEngine
-from herd.worker.loader import read_model_args
 from herd.worker.model_runner import TorchRunner, torch_engine
 from herd.worker.server import PublicOptions, build_public_app
 
 POOL_BLOCKS = 12
 """Each prompt below needs 5-6 blocks: a pool of 12 holds two, so cycling four evicts every time."""
-
-
-def tier_gib(path: Path, num_blocks: int) -> float:
-    args = read_model_args(path)
-    return num_blocks * 2 * args.num_layers * 16 * args.num_kv_heads * args.head_dim * 4 / 2**30
 
 
 def tiered_engine(path: Path, host_blocks: int, disk: dict[str, Any] | None = None) -> LLMEngine:

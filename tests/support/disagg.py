@@ -8,6 +8,7 @@ host or a (host, path) pair can be made to refuse connections to play a worker t
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,10 +28,27 @@ from herd.worker.server._disagg_setup import attach_disaggregation
 from support.asgi_stream import StreamingASGITransport
 from support.worker_server import engine_config
 
-__all__ = ["TOKEN", "HostDispatch", "InProcessWorker", "start_worker"]
+__all__ = ["TOKEN", "WORDS", "HostDispatch", "InProcessWorker", "greedy_chat", "sentence", "start_worker"]
 
 TOKEN = "disagg-token"
 MODEL = "tiny"
+WORDS = ["the", "cat", "sat", "on", "a", "mat", "while", "seven", "dogs", "ran", "far", "away", "under"]
+
+
+def greedy_chat(text: str, **fields: Any) -> dict[str, Any]:
+    """A chat request for ``text`` with 8 greedy tokens, EOS ignored (so outputs compare exactly)."""
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+        **fields,
+    }
+
+
+def sentence(rng: random.Random, num_words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(num_words))
 
 
 @dataclass(eq=False)

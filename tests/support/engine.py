@@ -68,6 +68,11 @@ def make_config(path: Path, *, num_blocks: int | None = None, **engine: Any) -> 
     return EngineConfig(model_path=path, served_name="test-model", engine=spec)  # type: ignore[arg-type]
 
 
+def tier_gib(path: Path, num_blocks: int) -> float:
+    """The GiB of ``num_blocks`` blocks of 16 tokens of ``path``'s KV (a tier's size in blocks)."""
+    return num_blocks * _bytes_per_block(path, 16) / 2**30
+
+
 def _bytes_per_block(path: Path, block_size: int) -> int:
     from herd.worker.loader import read_model_args
 

@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 from herd.api.kv_hash import block_hashes
-from herd.orchestrator.routing import RequestContext, WorkerView
+from herd.orchestrator.kv_index import KVIndex
+from herd.orchestrator.routing import KVCacheAware, RequestContext, WorkerView
 
-__all__ = ["context", "prompt_hashes", "views"]
+__all__ = ["context", "kv_cache_aware", "prompt_hashes", "views"]
+
+
+def kv_cache_aware(index: KVIndex, *, seed: int, **settings: Any) -> KVCacheAware:
+    """kv_cache_aware over ``index`` with blocks of 16 tokens, its defaults (load factor 1.25, cache and
+    load weights 1.0) unless ``settings`` name others, ties broken by ``random.Random(seed)``."""
+    defaults: dict[str, Any] = {"load_factor": 1.25, "cache_weight": 1.0, "load_weight": 1.0}
+    return KVCacheAware(kv_index=index, block_size=16, rng=random.Random(seed), **(defaults | settings))
 
 
 def views(*ids: str, **in_flight: int) -> list[WorkerView]:

@@ -548,6 +548,11 @@ class KVCacheAwareRouting(_BoundedLoad):
         "or not at all (device: tier-blind).",
     )
     tier_weights: TierWeights = Field(default_factory=TierWeights)
+    peer_pulls: bool = Field(
+        default=False,
+        description="A worker may pull a prompt's leading blocks from a peer whose device holds them, "
+        "when its measured pull time is below the prefill time they would take (tierCost measured).",
+    )
 
 
 RoutingSpec = Annotated[

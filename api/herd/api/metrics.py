@@ -43,6 +43,9 @@ HERD_KV_TIER_RESTORED_TOTAL = "herd_kv_tier_restored_blocks_total"
 HERD_KV_TIER_EVICTED_TOTAL = "herd_kv_tier_evicted_blocks_total"
 HERD_KV_TIER_RESTORE_BYTES_PER_SECOND = "herd_kv_tier_restore_bytes_per_second"
 HERD_PREFILL_TOKENS_PER_SECOND = "herd_prefill_tokens_per_second"
+HERD_KV_PEER_PULLS_TOTAL = "herd_kv_peer_pulls_total"
+"""Pulls of a prompt's blocks from a peer worker, by outcome: pulled, empty (the peer held none of
+them any more) or failed (the blocks were computed instead)."""
 
 # Orchestrator.
 HERD_ROUTER_REQUESTS_TOTAL = "herd_router_requests_total"
@@ -93,6 +96,7 @@ WORKER_METRICS = (
     HERD_KV_TIER_EVICTED_TOTAL,
     HERD_KV_TIER_RESTORE_BYTES_PER_SECOND,
     HERD_PREFILL_TOKENS_PER_SECOND,
+    HERD_KV_PEER_PULLS_TOTAL,
 )
 ORCHESTRATOR_METRICS = (
     HERD_ROUTER_REQUESTS_TOTAL,

@@ -82,6 +82,8 @@ class _Paths(BaseModel):
     prefill: str = "/internal/prefill"
     kv_blocks: str = "/internal/kv/blocks"
     kv_release: str = "/internal/kv/release"
+    kv_hold: str = "/internal/kv/hold"
+    kv_probe: str = "/internal/kv/probe"
     tokenizer: str = "/internal/tokenizer"
     status: str = "/internal/status"
 
@@ -233,3 +235,7 @@ class KVTransferParams(BaseModel):
     prompt_block_hashes: list[int] | None = None
     """herd: ``herd.api.kv_hash.block_hashes`` of ``prompt_token_ids`` (the orchestrator's), which the
     prefill worker labels its lease with instead of hashing the prompt again."""
+    peer_url: str | None = None
+    """herd: the internal address of a peer worker whose device holds a leading run of the prompt's
+    blocks that this worker lacks: pull them from it before prefilling (the orchestrator's routing
+    decision, when measured cheaper than computing them); a failed pull computes them instead."""

@@ -213,10 +213,24 @@ const CHARTS=[
   {id:"itl",title:"Inter-token latency",series:()=>[["p50",m=>m.itl_p50_ms],["p99",m=>m.itl_p99_ms]],format:ttft},
   {id:"hit_rate",title:"Prefix-cache hit rate",max:1,series:()=>[["hit rate",m=>m.hit_rate]],format:percent},
   {id:"shares",title:"Share of requests per worker",max:1,format:percent,
-    series:points=>workersIn(points).map(w=>[w,m=>w in m.shares?m.shares[w]:null])}];
+    series:points=>workersIn(points).map(w=>[w,m=>w in m.shares?m.shares[w]:null])},
+  // The KV tiers (optional): a chart appears once a worker reports its figures.
+  {id:"tier_usage",optional:true,title:"KV usage per tier",max:1,format:percent,
+    series:points=>keysIn(points,"tiers").map(t=>[t,m=>m.tiers[t]?.usage??null])},
+  {id:"tier_hits",optional:true,title:"Tier hits: blocks restored / s",format:perSecond,
+    series:points=>lowerTiers(points).map(t=>[t,m=>m.tiers[t]?.restored_per_s??null])},
+  {id:"tier_stored",optional:true,title:"Blocks offloaded into a tier / s",format:perSecond,
+    series:points=>lowerTiers(points).map(t=>[t,m=>m.tiers[t]?.stored_per_s??null])},
+  {id:"tier_evictions",optional:true,title:"Blocks evicted / s",format:perSecond,
+    series:points=>keysIn(points,"tiers").map(t=>[t,m=>m.tiers[t]?.evicted_per_s??null])},
+  {id:"pulls",optional:true,title:"Peer pulls / s",format:perSecond,
+    series:points=>keysIn(points,"pulls_per_s").map(o=>[o,m=>m.pulls_per_s[o]??null])}];
 function percent(v){return (v*100).toFixed(v<0.1?1:0)+" %";}
-function workersIn(points){const all=new Set();
-  for(const p of points)for(const w of Object.keys(p.shares))all.add(w);return [...all].sort();}
+function perSecond(v){return v.toFixed(v<10?2:0);}
+function workersIn(points){return keysIn(points,"shares");}
+function keysIn(points,name){const all=new Set();
+  for(const p of points)for(const k of Object.keys(p[name]??{}))all.add(k);return [...all].sort();}
+function lowerTiers(points){return keysIn(points,"tiers").filter(t=>t!=="device");}
 function mergeHistory(h){
   // True when new points came: redrawing every chart each second is wasted work with hundreds of workers.
   HISTORY.span=h.span_seconds;HISTORY.points.push(...h.points);
@@ -276,9 +290,11 @@ function renderHistory(){
     const title=document.createElement("h3");title.textContent=model;section.append(title,grid);
     const points=HISTORY.points.map(p=>({wall:p.wall,model:p.models[model]}));
     const present=points.filter(p=>p.model).map(p=>p.model);
-    for(const chart of CHARTS){const figure=document.createElement("figure"),caption=document.createElement("figcaption");
+    for(const chart of CHARTS){const series=chart.series(present);
+      if(!series.length&&chart.optional)continue;  // no tier reported: no tier chart
+      const figure=document.createElement("figure"),caption=document.createElement("figcaption");
       figure.className="chart";caption.textContent=chart.title;
-      figure.append(caption,...drawChart(chart,chart.series(present),points));grid.append(figure);}
+      figure.append(caption,...drawChart(chart,series,points));grid.append(figure);}
     return section;});
   document.getElementById("history").replaceChildren(...sections);}
 function render(data){

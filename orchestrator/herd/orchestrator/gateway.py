@@ -284,7 +284,18 @@ class Gateway:
         if request.is_two_phase and not request.ctx.is_prefilled:
             await self._hand_off(request, route.prefill_hold)
             request.ctx = dataclasses.replace(request.ctx, is_prefilled=True)
-        return await self._respond(request, route.worker, route.hold, route.decision.features)
+        body = self._with_pull(request, route.decision.pull_from)
+        return await self._respond(request, route.worker, route.hold, route.decision.features, body)
+
+    def _with_pull(self, request: _Request, peer: WorkerView | None) -> bytes:
+        """The body for the chosen worker: with the peer to pull the prompt's cached blocks from
+        (its internal address, which the worker dials with the internal token) when the decision
+        names one, else the request's own (a retry on another worker never inherits a pull)."""
+        state = None if peer is None else self.registry.workers.get(peer.id)
+        if state is None:
+            return request.body
+        params = {"peer_url": state.endpoint.internal_url}
+        return json.dumps({**request.payload, "kv_transfer_params": params}).encode()
 
     async def _load_lora(self, request: _Request, route: Route) -> None:
         """Load the request's adapter on the chosen workers that lack it, when the gateway loaded it
@@ -332,12 +343,17 @@ class Gateway:
         return HttpError(429, message, headers={"Retry-After": retry_after})
 
     async def _respond(
-        self, request: _Request, worker: WorkerView, hold: Hold, features: LatencyFeatures | None
+        self,
+        request: _Request,
+        worker: WorkerView,
+        hold: Hold,
+        features: LatencyFeatures | None,
+        body: bytes,
     ) -> Response:
         """The worker's answer; it releases the worker's ``hold`` exactly when the answer ends. A
         stream's first-token time and pace, from the moment it was sent, fit the latency model."""
         sent = time.perf_counter()
-        upstream = await self._open(request, worker)
+        upstream = await self._open(request, worker, body)
         headers = {**request.quota_headers, WORKER_HEADER: worker.id}
         if request.is_stream and upstream.status_code == httpx.codes.OK:
             hold.prefilled()  # the first chunk is out: the worker's prefill is no longer queued work
@@ -381,11 +397,11 @@ class Gateway:
         await self.quotas.spend(request.ticket.tenant, usage.total_tokens, time.time())
         return Response(content, status, headers=headers)
 
-    async def _open(self, request: _Request, worker: WorkerView) -> Upstream:
+    async def _open(self, request: _Request, worker: WorkerView, body: bytes) -> Upstream:
         """The worker's answer up to its first chunk; ``_NotServedError`` when another worker may take it."""
         try:
             upstream = await self.upstream.post(
-                worker.url + request.path, request.body, request_id=request.request_id
+                worker.url + request.path, body, request_id=request.request_id
             )
         except NotAnsweredError as error:
             self.registry.report_failure(worker.id, str(error))  # a killed worker: eject it now

@@ -125,15 +125,15 @@ class KVIndex:
         self._num_held.pop(worker_id, None)
         self._unexpect_worker(worker_id)
 
-    def match(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
-        """Length of the leading run of ``block_hashes`` each worker holds or is expected to hold
-        (workers with none omitted)."""
+    def match(self, block_hashes: Sequence[BlockHash], *, include_expected: bool = True) -> dict[str, int]:
+        """Length of the leading run of ``block_hashes`` each worker holds on its device or, with
+        ``include_expected``, is expected to hold (workers with none omitted)."""
         self._expire(self._clock())
         run: dict[str, int] = {}
         alive: set[str] | None = None
         for depth, block in enumerate(block_hashes):
             holders = self._holders.get(block)
-            expected = self._expected.get(block)
+            expected = self._expected.get(block) if include_expected else None
             if expected:
                 holders = holders | expected.keys() if holders else set(expected)
             if not holders:

@@ -44,7 +44,7 @@ from herd.api.errors import HttpError
 from herd.api.protocol import KVEventBatch, KVSnapshot, LoadReport, StatusQuery, WorkerStatus
 from herd.orchestrator.breaker import BreakerSettings, CircuitBreaker, Outcome
 from herd.orchestrator.discovery import Membership, ModelConfig, WorkerEndpoint, WorkerSource
-from herd.orchestrator.routing import WorkerView, restore_block_tokens
+from herd.orchestrator.routing import WorkerView, pull_block_tokens, restore_block_tokens
 from herd.orchestrator.served import ServedModel
 from herd.orchestrator.state import IN_FLIGHT_TTL_S, ExpectedBlocks, InFlightCounts, KVPayload, State
 from herd.orchestrator.tokenizer_fetch import TokenizerFetcher
@@ -102,13 +102,15 @@ class WorkerState:
     num_restarts: int = 0
     host_block_tokens: float | None = None
     disk_block_tokens: float | None = None
+    pull_block_tokens: float | None = None
 
     def take_report(self, report: LoadReport) -> None:
-        """A new load report, with the tier restore costs routing reads from it (worked out once here,
+        """A new load report, with the tier restore and peer pull costs routing reads from it (worked out once here,
         not for every decision)."""
         self.report = report
         self.host_block_tokens = restore_block_tokens(report, "host")
         self.disk_block_tokens = restore_block_tokens(report, "disk")
+        self.pull_block_tokens = pull_block_tokens(report)
 
     def view(self, now: float, num_elsewhere: int = 0) -> WorkerView:
         """``num_elsewhere``: the requests other orchestrator replicas have in flight to it."""
@@ -126,6 +128,7 @@ class WorkerState:
             is_healthy=self.is_healthy and not report.is_draining and self.breaker.can_send(now),
             host_block_tokens=self.host_block_tokens,
             disk_block_tokens=self.disk_block_tokens,
+            pull_block_tokens=self.pull_block_tokens,
             max_loras=report.max_loras,
             lora_adapters=frozenset(report.lora_adapters),
             running_lora_adapters=frozenset(report.running_lora_adapters),

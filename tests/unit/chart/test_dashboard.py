@@ -58,6 +58,11 @@ def test_every_queried_metric_is_one_herd_exposes() -> None:
         metrics.HERD_ROUTER_DECISION_SECONDS,
         metrics.HERD_ROUTER_TTFT_SECONDS,
         metrics.HERD_ROUTER_IN_FLIGHT,
+        metrics.HERD_KV_TIER_USAGE_PERC,
+        metrics.HERD_KV_TIER_STORED_TOTAL,
+        metrics.HERD_KV_TIER_RESTORED_TOTAL,
+        metrics.HERD_KV_TIER_EVICTED_TOTAL,
+        metrics.HERD_KV_PEER_PULLS_TOTAL,
     ],
 )
 def test_the_key_serving_metrics_have_a_panel(name: str) -> None:

@@ -21,6 +21,8 @@ from herd.orchestrator.history import (
     History,
     ModelPoint,
     Snapshot,
+    TierPoint,
+    TierSeries,
     counter_increases,
     histogram_increases,
     point_between,
@@ -236,6 +238,28 @@ def test_old_points_are_evicted_and_since_returns_the_newer() -> None:
     assert history.since(1030.0) == []
 
 
+def test_a_tier_counter_that_appears_on_a_sampled_worker_starts_at_zero() -> None:
+    """A worker exposes a tier's counter from its first count on, mid-window too."""
+    history = History(window_seconds=30.0, num_points=10)
+
+    def tiers(at: float, counters: dict[TierSeries, float]) -> Snapshot:
+        return replace(snap(at, queries={"w0": 0}), tier_counters=counters)
+
+    history.add(tiers(0, {}))
+    history.add(tiers(5, {("m", "w0", "stored:host"): 30}))
+    history.add(tiers(10, {("m", "w0", "stored:host"): 30, ("m", "w0", "restored:host"): 20}))
+    assert [point.models[MODEL].tiers["host"].stored_per_s for point in history.points] == [6.0, 3.0]
+    assert [point.models[MODEL].tiers["host"].restored_per_s for point in history.points] == [0.0, 2.0]
+
+
+def test_a_worker_that_came_mid_window_counts_from_its_first_sample() -> None:
+    history = History(window_seconds=30.0, num_points=10)
+    history.add(snap(0, queries={"w0": 100}, hits={"w0": 0}))
+    history.add(snap(5, queries={"w0": 100, "w1": 500}, hits={"w0": 0, "w1": 400}))  # w1 came
+    history.add(snap(10, queries={"w0": 200, "w1": 600}, hits={"w0": 50, "w1": 500}))
+    assert [point.models[MODEL].hit_rate for point in history.points] == [None, 0.75]  # w0 0.5, w1 1.0
+
+
 def test_worker_metrics_are_summed_over_their_series_and_the_rest_ignored() -> None:
     engine = EngineMetrics("engine")
     for label, queries, hits, gaps in (("0", 100, 60, (0.005, 0.05)), ("1", 20, 20, (0.5,))):
@@ -262,6 +286,54 @@ def test_worker_metrics_are_summed_over_their_series_and_the_rest_ignored() -> N
 )
 def test_worker_metric_lines(text: str, expected: WorkerFigures) -> None:
     assert parse_worker_metrics(text) == expected
+
+
+def test_a_workers_tier_figures_are_read_per_medium_and_outcome() -> None:
+    engine = EngineMetrics()
+    engine.device_usage.labels("tiny").set(0.75)
+    engine.tier_usage.labels("tiny", "host").set(0.5)
+    engine.stored.labels("tiny", "host").inc(30)
+    engine.restored.labels("tiny", "host").inc(12)
+    engine.evicted.labels("tiny", "device").inc(30)
+    engine.pulls.labels("tiny", "pulled").inc(2)
+    engine.pulls.labels("tiny", "failed").inc()
+    figures = parse_worker_metrics(engine.text())
+    assert figures.tier_usage == {"device": 0.75, "host": 0.5}
+    assert figures.tier_counters == {
+        "stored:host": 30,
+        "restored:host": 12,
+        "evicted:device": 30,
+        "pulls:pulled": 2,
+        "pulls:failed": 1,
+    }
+
+
+def test_a_point_has_each_tiers_mean_usage_and_rates_and_the_pulls() -> None:
+    old = Snapshot(
+        at=0.0,
+        wall=1000.0,
+        cache_queries={("m", "w0"): 0},  # w0 was sampled: a tier series it shows later starts at zero
+        tier_counters={("m", "w0", "restored:host"): 10, ("m", "w0", "pulls:pulled"): 1},
+        tier_usage={("m", "w0", "host"): 0.2},
+    )
+    new = Snapshot(
+        at=10.0,
+        wall=1010.0,
+        tier_counters={
+            ("m", "w0", "restored:host"): 50,
+            ("m", "w1", "restored:host"): 90,  # a worker new in this window: left out
+            ("m", "w0", "stored:host"): 20,  # w0's first offloads
+            ("m", "w0", "evicted:device"): 0,
+            ("m", "w0", "pulls:pulled"): 6,
+        },
+        tier_usage={("m", "w0", "host"): 0.4, ("m", "w1", "host"): 0.8, ("m", "w0", "device"): 1.0},
+    )
+    model = point_between(old, new).models["m"]
+    assert model.tiers == {
+        "device": TierPoint(usage=1.0, stored_per_s=0.0, restored_per_s=0.0, evicted_per_s=0.0),
+        "host": TierPoint(usage=0.6, stored_per_s=2.0, restored_per_s=4.0, evicted_per_s=0.0),
+    }
+    assert model.pulls_per_s == {"pulled": 0.5}
 
 
 def test_a_malformed_value_is_an_error() -> None:
@@ -316,12 +388,13 @@ async def test_the_app_samples_its_workers_and_serves_the_series() -> None:
         first = await _wait_for_point(client, lambda model: model["request_rate"] == 0.0)
         for _ in range(4):
             assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
+        # Once a point counts the requests, the healthy workers have been scraped before their work.
+        busy = await _wait_for_point(client, lambda model: model["shares"] == {"w0": 0.5, "w1": 0.5})
         for worker, engine in zip(workers, engines.values(), strict=True):
             engine.queries.labels("tiny").inc(100)
             engine.hits.labels("tiny").inc(75)
             engine.itl.labels("tiny").observe(0.05)
             worker.metrics = engine.text()
-        busy = await _wait_for_point(client, lambda model: model["shares"] == {"w0": 0.5, "w1": 0.5})
         cached = await _wait_for_point(client, lambda model: model["hit_rate"] is not None)
         newer = await points(client, since=first["wall"])
     assert busy["models"]["tiny"]["request_rate"] > 0

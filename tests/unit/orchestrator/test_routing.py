@@ -139,12 +139,14 @@ def test_sticky_session_repins_when_the_pinned_worker_dies() -> None:
 
 def test_the_routing_package_exports_the_shared_interface() -> None:
     assert set(base.__all__) == {
+        "PeerPull",
         "Phase",
         "RequestContext",
         "RoutingStrategy",
         "WorkerView",
         "build_strategy",
         "healthy",
+        "pull_block_tokens",
         "restore_block_tokens",
     }
     assert set(base.__all__) <= set(routing.__all__)

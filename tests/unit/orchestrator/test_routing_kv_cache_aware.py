@@ -3,12 +3,11 @@ cache, queued prefill and requests in flight), under the bounded-load cap."""
 
 from __future__ import annotations
 
-import random
 from collections import Counter
 from collections.abc import Mapping
 
 import pytest
-from support.routing_views import context, prompt_hashes, views
+from support.routing_views import context, kv_cache_aware, prompt_hashes, views
 
 from herd.api.protocol import KVSnapshot, LoadReport
 from herd.orchestrator.kv_index import KVIndex
@@ -22,14 +21,7 @@ def _strategy(*, cache_weight: float = 1.0, load_weight: float = 1.0) -> KVCache
     index = KVIndex()
     index.reset("a", KVSnapshot(epoch="e", seq=0, block_size=16, block_hashes=PROMPT[:8]))
     index.reset("b", KVSnapshot(epoch="e", seq=0, block_size=16, block_hashes=[*PROMPT[:16], 7]))
-    return KVCacheAware(
-        kv_index=index,
-        load_factor=1.25,
-        cache_weight=cache_weight,
-        load_weight=load_weight,
-        block_size=16,
-        rng=random.Random(2),
-    )
+    return kv_cache_aware(index, seed=2, cache_weight=cache_weight, load_weight=load_weight)
 
 
 def _workers(**loads: Mapping[str, float]) -> list[WorkerView]:
@@ -124,15 +116,7 @@ def _tiered(tier_cost: str) -> KVCacheAware:
         epoch="e", seq=0, block_size=16, block_hashes=PROMPT[:8], tier_block_hashes={"host": PROMPT[8:24]}
     )
     index.reset("b", b)
-    return KVCacheAware(
-        kv_index=index,
-        load_factor=1.25,
-        cache_weight=1.0,
-        load_weight=1.0,
-        block_size=16,
-        rng=random.Random(2),
-        tier_cost=tier_cost,  # type: ignore[arg-type]
-    )
+    return kv_cache_aware(index, seed=2, tier_cost=tier_cost)
 
 
 @pytest.mark.parametrize(

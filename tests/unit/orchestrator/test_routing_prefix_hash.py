@@ -7,7 +7,7 @@ from collections import Counter
 from collections.abc import Callable
 
 import pytest
-from support.routing_views import context, prompt_hashes, views
+from support.routing_views import context, kv_cache_aware, prompt_hashes, views
 from uhashring import HashRing
 
 from herd.api.protocol import KVSnapshot
@@ -26,14 +26,7 @@ def _prefix_hash(prefix_blocks: int = 4) -> PrefixHash:
 def _kv_cache_aware(hot: list[int]) -> KVCacheAware:
     index = KVIndex()
     index.reset("w3", _snapshot(hot))
-    return KVCacheAware(
-        kv_index=index,
-        load_factor=LOAD_FACTOR,
-        cache_weight=1.0,
-        load_weight=1.0,
-        block_size=16,
-        rng=random.Random(5),
-    )
+    return kv_cache_aware(index, seed=5, load_factor=LOAD_FACTOR)
 
 
 def _snapshot(blocks: list[int]) -> KVSnapshot:

@@ -532,6 +532,7 @@ class LLMEngine:
             bytes_per_block=self.runner.geometry.bytes_per_block,
             prefill_tokens_per_s=self.runner.measured.prefill.per_second,
             restore_bytes_per_s=self.runner.measured.restore_bytes_per_s(),
+            pull_bytes_per_s=self.runner.measured.pull.per_second,
         )
 
     def reset_prefix_cache(self) -> bool:
@@ -565,14 +566,31 @@ class LLMEngine:
         self.block_manager.release(held)
         return len(held)
 
+    def hold_cached(self, request_id: str, block_hashes: list[BlockHash]) -> list[int]:
+        """Hold the leading run of ``block_hashes`` the device cache has, for a peer to pull under a
+        lease named ``request_id`` (``release_held`` ends it); the held block ids."""
+        held = self.block_manager.hold_prefix(block_hashes)
+        if held:
+            self._held[request_id] = held
+        return held
+
+    def record_pull(self, num_bytes: int, seconds: float) -> None:
+        """A fetch of KV blocks from a peer took ``seconds``: the load report's pull bandwidth."""
+        self.runner.measured.pull.add(num_bytes, seconds)
+
     def missing_blocks(self, block_hashes: list[BlockHash]) -> list[int]:
-        """Indexes of the ``block_hashes`` this engine's prefix cache does not hold.
+        """Indexes of the ``block_hashes`` neither this engine's prefix cache nor a tier below it
+        holds (a tier's block is restored, not fetched).
 
         Safe beside a step (each lookup is atomic); the answer may be stale by then, which
         ``write_blocks`` tolerates: it skips blocks cached meanwhile.
         """
-        cached = self.block_manager.cached
-        return [index for index, block_hash in enumerate(block_hashes) if block_hash not in cached]
+        cached, tiers = self.block_manager.cached, self.block_manager.tiers()
+        return [
+            index
+            for index, block_hash in enumerate(block_hashes)
+            if block_hash not in cached and not any(block_hash in tier.slots for tier in tiers)
+        ]
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """A CPU copy of the blocks' KV: ``[layers, 2, len(block_ids), block_size, kv_heads, head_dim]``.

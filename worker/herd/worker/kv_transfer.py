@@ -1,8 +1,11 @@
 """Moving KV blocks between workers: the transfer interface and its HTTP implementation.
 
-A decode worker pulls the blocks it lacks from the prefill worker that holds them under a lease.
-``KVTransfer`` is the interface (a NIXL/UCX or RDMA transport can implement it later);
-``HttpKVTransfer`` speaks the internal protocol's ``kv_blocks`` and ``kv_release`` paths. A block
+A decode worker pulls the blocks it lacks from the prefill worker that holds them under a lease; a
+worker routed a prompt whose leading blocks a peer's device caches asks that peer to hold them
+under a lease first (``hold``), then pulls them the same way. ``KVTransfer`` is the interface (a
+NIXL/UCX or RDMA transport can implement it later); ``HttpKVTransfer`` speaks the internal
+protocol's ``kv_hold``, ``kv_blocks`` and ``kv_release`` paths, and ``kv_probe``, which times the
+transport before any real pull has (a worker's first pull bandwidth). A block
 frame is ``MAGIC | uint32 header length | JSON header | raw tensor bytes``: the header names the
 layout, the block hashes and the tensor shape, the bytes are the KV as the pool stores it, so no
 tensor ever goes through JSON. Both sides compare layouts (model, dtype, block size, layers, KV
@@ -13,25 +16,28 @@ from __future__ import annotations
 
 import asyncio
 import struct
+import time
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Protocol
 
 import httpx
 import torch
-from pydantic import BaseModel
+from pydantic import BaseModel, Field, ValidationError
 
 from herd.api.kv_hash import BlockHash
-from herd.api.protocol import INTERNAL_PATHS, TOKEN_HEADER, WorkerInfo
+from herd.api.protocol import INTERNAL_PATHS, TOKEN_HEADER, KVTransferParams, WorkerInfo
 
 __all__ = [
     "FRAME_MEDIA_TYPE",
     "BlockRequest",
+    "HoldRequest",
     "HttpKVTransfer",
     "KVLayout",
     "KVLayoutError",
     "KVSource",
     "KVTransfer",
     "KVTransferError",
+    "ProbeRequest",
     "ReleaseRequest",
     "check_layout",
     "decode_frame",
@@ -97,6 +103,21 @@ class ReleaseRequest(BaseModel):
     remote_request_id: str
 
 
+class HoldRequest(BaseModel):
+    """Body of ``POST kv_hold``: hold the leading run of these blocks the device caches, for a pull."""
+
+    block_hashes: list[BlockHash] = Field(max_length=65_536)
+    layout: dict[str, Any]
+    lease_seconds: float | None = Field(default=None, gt=0.0)
+
+
+class ProbeRequest(BaseModel):
+    """Body of ``POST kv_probe``: send a frame of this many blocks of zeros in the asker's layout."""
+
+    num_blocks: int = Field(ge=1, le=64)
+    layout: dict[str, Any]
+
+
 class _FrameHeader(BaseModel):
     layout: dict[str, Any]
     block_hashes: list[BlockHash]
@@ -137,11 +158,13 @@ def _product(values: list[int]) -> int:
 
 @dataclass(frozen=True, slots=True)
 class KVSource:
-    """Where leased blocks are: the prefill worker's internal address and its lease id."""
+    """Where leased blocks are: the holding worker's internal address, its lease id and, for a
+    peer's hold, the hashes the lease holds."""
 
     host: str
     port: int
     request_id: str
+    block_hashes: tuple[BlockHash, ...] = ()
 
     @property
     def base_url(self) -> str:
@@ -149,7 +172,13 @@ class KVSource:
 
 
 class KVTransfer(Protocol):
-    """Fetches leased blocks from a peer and ends the lease; implementations may use any transport."""
+    """Holds blocks on a peer, fetches leased blocks and ends the lease; any transport may implement it."""
+
+    async def hold(self, peer_url: str, block_hashes: list[BlockHash], layout: KVLayout) -> KVSource | None:
+        """Lease the leading run of ``block_hashes`` the peer at ``peer_url`` caches; the lease and
+        the hashes it holds (``KVSource.block_hashes``), ``None`` when it holds none of them; raises
+        ``KVTransferError``."""
+        ...
 
     async def fetch(
         self, source: KVSource, block_hashes: list[BlockHash], layout: KVLayout
@@ -161,6 +190,10 @@ class KVTransfer(Protocol):
         """End the lease (best effort: an unreleased lease expires on its own)."""
         ...
 
+    async def probe(self, url: str, layout: KVLayout, num_blocks: int) -> tuple[int, float]:
+        """Bytes and seconds of fetching ``num_blocks`` zero blocks from ``url``; raises ``KVTransferError``."""
+        ...
+
 
 class HttpKVTransfer:
     """``KVTransfer`` over the internal HTTP port, in block frames."""
@@ -170,32 +203,66 @@ class HttpKVTransfer:
         self.headers = {TOKEN_HEADER: token}
         self.timeout = httpx.Timeout(timeout_s, connect=2.0)
 
+    async def hold(self, peer_url: str, block_hashes: list[BlockHash], layout: KVLayout) -> KVSource | None:
+        body = HoldRequest(block_hashes=block_hashes, layout=asdict(layout))
+        response = await self._post(peer_url, INTERNAL_PATHS.kv_hold, body.model_dump_json(), "peer worker")
+        try:
+            params = KVTransferParams.model_validate_json(response.content)
+        except ValidationError as error:
+            raise KVTransferError(f"peer worker {peer_url} answered no lease: {error}") from error
+        held = params.remote_block_hashes or []
+        if not held or params.remote_request_id is None:
+            return None
+        if params.remote_host is None or params.remote_port is None or held != block_hashes[: len(held)]:
+            raise KVTransferError(f"peer worker {peer_url} leased other blocks than asked for")
+        return KVSource(params.remote_host, params.remote_port, params.remote_request_id, tuple(held))
+
+    async def probe(self, url: str, layout: KVLayout, num_blocks: int) -> tuple[int, float]:
+        """Fetch a frame of ``num_blocks`` zero blocks from ``url`` (this worker's own internal
+        port): the bytes and seconds of the transport, frames included, before any real pull."""
+        started = time.perf_counter()
+        body = ProbeRequest(num_blocks=num_blocks, layout=asdict(layout)).model_dump_json()
+        response = await self._post(url, INTERNAL_PATHS.kv_probe, body, "this worker's internal port")
+        try:
+            _, _, kv = await asyncio.to_thread(decode_frame, response.content)
+        except ValidationError as error:
+            raise KVTransferError(f"the probe frame from {url} is malformed: {error}") from error
+        return kv.nbytes, time.perf_counter() - started
+
+    async def _post(self, url: str, path: str, body: str, what: str) -> httpx.Response:
+        """POST ``body`` to ``url + path``: the 200 answer; ``KVLayoutError`` on 409 and
+        ``KVTransferError`` on any other failure."""
+        try:
+            response = await self.http.post(
+                url + path,
+                content=body,
+                headers={**self.headers, "content-type": "application/json"},
+                timeout=self.timeout,
+            )
+        except httpx.HTTPError as error:
+            raise KVTransferError(f"{what} {url} unreachable: {error}") from error
+        if response.status_code == httpx.codes.CONFLICT:
+            raise KVLayoutError(_error_message(response))
+        if response.status_code != httpx.codes.OK:
+            raise KVTransferError(f"{what} {url} answered {response.status_code}: {_error_message(response)}")
+        return response
+
     async def fetch(
         self, source: KVSource, block_hashes: list[BlockHash], layout: KVLayout
     ) -> tuple[KVLayout, torch.Tensor]:
         body = BlockRequest(
             remote_request_id=source.request_id, block_hashes=block_hashes, layout=asdict(layout)
         )
+        response = await self._post(
+            source.base_url, INTERNAL_PATHS.kv_blocks, body.model_dump_json(), "KV holder"
+        )
         try:
-            response = await self.http.post(
-                source.base_url + INTERNAL_PATHS.kv_blocks,
-                content=body.model_dump_json(),
-                headers={**self.headers, "content-type": "application/json"},
-                timeout=self.timeout,
-            )
-        except httpx.HTTPError as error:
-            raise KVTransferError(f"prefill worker {source.base_url} unreachable: {error}") from error
-        if response.status_code == httpx.codes.CONFLICT:
-            raise KVLayoutError(_error_message(response))
-        if response.status_code != httpx.codes.OK:
-            raise KVTransferError(
-                f"prefill worker {source.base_url} answered {response.status_code}: "
-                f"{_error_message(response)}"
-            )
-        remote, hashes, kv = await asyncio.to_thread(decode_frame, response.content)  # copies MBs
-        check_layout(layout, remote, peer=f"prefill worker {source.base_url}")
+            remote, hashes, kv = await asyncio.to_thread(decode_frame, response.content)  # copies MBs
+        except ValidationError as error:
+            raise KVTransferError(f"KV holder {source.base_url} sent a malformed frame: {error}") from error
+        check_layout(layout, remote, peer=f"KV holder {source.base_url}")
         if hashes != block_hashes:
-            raise KVTransferError(f"prefill worker {source.base_url} sent other blocks than asked for")
+            raise KVTransferError(f"KV holder {source.base_url} sent other blocks than asked for")
         return remote, kv
 
     async def release(self, source: KVSource) -> None:

@@ -68,10 +68,12 @@ class Rate:
 @dataclass
 class Measured:
     """What a runner measured of its own work: prefill tokens a second, restore bytes a second per
-    tier restored from; ``None`` / absent until observed."""
+    tier restored from, and bytes a second of KV blocks pulled from peers (the server's fetches,
+    recorded through the engine); ``None`` / absent until observed."""
 
     prefill: Rate = field(default_factory=Rate)
     restore: dict[Medium, Rate] = field(default_factory=dict)
+    pull: Rate = field(default_factory=Rate)
 
     def add_restore(self, medium: Medium, num_bytes: int, seconds: float) -> None:
         self.restore.setdefault(medium, Rate()).add(num_bytes, seconds)

@@ -2,12 +2,14 @@
 strategies, one per module."""
 
 from herd.orchestrator.routing.base import (
+    PeerPull,
     Phase,
     RequestContext,
     RoutingStrategy,
     WorkerView,
     build_strategy,
     healthy,
+    pull_block_tokens,
     restore_block_tokens,
 )
 from herd.orchestrator.routing.decision import (
@@ -32,6 +34,7 @@ __all__ = [
     "Decision",
     "KVCacheAware",
     "LeastRequest",
+    "PeerPull",
     "Phase",
     "Pin",
     "PrefixHash",
@@ -48,5 +51,6 @@ __all__ = [
     "healthy",
     "lora_candidates",
     "pin_key",
+    "pull_block_tokens",
     "restore_block_tokens",
 ]

@@ -52,6 +52,7 @@ def build_strategy(
                 rng=rng,
                 tier_cost=spec.tier_cost,
                 tier_weights=spec.tier_weights,
+                peer_pulls=spec.peer_pulls,
             )
         case _:
             assert_never(spec)

@@ -17,6 +17,7 @@ from typing import ClassVar, Literal
 from herd.api.protocol import LoadReport, Medium, Role
 
 __all__ = [
+    "PeerPull",
     "Phase",
     "RequestContext",
     "RoutingStrategy",
@@ -24,6 +25,7 @@ __all__ = [
     "SloTarget",
     "WorkerView",
     "healthy",
+    "pull_block_tokens",
     "restore_block_tokens",
 ]
 
@@ -66,6 +68,9 @@ class WorkerView:
     prefill meanwhile (``restore_block_tokens``); None until it measured both rates."""
     disk_block_tokens: float | None = None
     """The same for its disk tier."""
+    pull_block_tokens: float | None = None
+    """What pulling one block from a peer costs the worker, in prompt tokens it could prefill
+    meanwhile (``pull_block_tokens``); None until it measured both rates."""
     max_loras: int = 0
     """Distinct LoRA adapters one of its steps runs (0: LoRA is off), from its load report."""
     lora_adapters: frozenset[str] = frozenset()
@@ -103,6 +108,15 @@ class RequestContext:
     """The LoRA adapter the request runs with (``None``: the base model); its hashes carry it."""
 
 
+@dataclass(slots=True, frozen=True)
+class PeerPull:
+    """Where the chosen worker pulls a prompt's leading blocks from: ``peer``, whose device holds the
+    first ``num_blocks`` of them (more than the chosen worker holds in any tier)."""
+
+    peer: WorkerView
+    num_blocks: int
+
+
 class RoutingStrategy(ABC):
     """Chooses a worker for a request.
 
@@ -118,6 +132,13 @@ class RoutingStrategy(ABC):
     def select(self, workers: Sequence[WorkerView], ctx: RequestContext) -> WorkerView | None:
         """Pick one of ``workers`` (healthy, never empty), or ``None`` if none is acceptable."""
 
+    def pull_source(
+        self, choice: WorkerView, workers: Sequence[WorkerView], ctx: RequestContext
+    ) -> PeerPull | None:
+        """The peer among ``workers`` that ``choice`` should pull the prompt's leading blocks from,
+        if any; only a strategy that prices pulls names one."""
+        return None
+
     def forget_worker(self, worker_id: str) -> None:
         """Drop any per-worker state when a worker leaves; stateless strategies need nothing."""
         return
@@ -126,7 +147,16 @@ class RoutingStrategy(ABC):
 def restore_block_tokens(report: LoadReport, medium: Medium) -> float | None:
     """A block restore from ``medium`` in prefill tokens: the worker's measured prefill rate times the
     seconds its measured restore bandwidth takes for a block; None while either is unmeasured."""
-    bandwidth = report.restore_bytes_per_s.get(medium)
+    return _block_tokens(report, report.restore_bytes_per_s.get(medium))
+
+
+def pull_block_tokens(report: LoadReport) -> float | None:
+    """A block pulled from a peer in prefill tokens, as ``restore_block_tokens`` with the worker's
+    measured pull bandwidth."""
+    return _block_tokens(report, report.pull_bytes_per_s)
+
+
+def _block_tokens(report: LoadReport, bandwidth: float | None) -> float | None:
     if not bandwidth or report.prefill_tokens_per_s is None or not report.bytes_per_block:
         return None
     return report.prefill_tokens_per_s * report.bytes_per_block / bandwidth

@@ -9,20 +9,24 @@ from __future__ import annotations
 
 from herd.orchestrator.routing._factory import build_strategy
 from herd.orchestrator.routing._types import (
+    PeerPull,
     Phase,
     RequestContext,
     RoutingStrategy,
     WorkerView,
     healthy,
+    pull_block_tokens,
     restore_block_tokens,
 )
 
 __all__ = [
+    "PeerPull",
     "Phase",
     "RequestContext",
     "RoutingStrategy",
     "WorkerView",
     "build_strategy",
     "healthy",
+    "pull_block_tokens",
     "restore_block_tokens",
 ]

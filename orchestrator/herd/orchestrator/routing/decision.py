@@ -13,7 +13,9 @@
    (``UnroutableError("slo_unmet")``);
 3. for a disaggregated request not yet prefilled, the prefill worker paired with that decode worker
    by the queue-bounded rule of ``pairing.choose_path`` (none: the decode worker prefills locally);
-4. the blocks to expect on the chosen workers, and the session pin to write.
+4. for a unified model, the peer the chosen worker pulls the prompt's leading blocks from, when the
+   strategy prices pulls and found one cheaper than computing them (``RoutingStrategy.pull_source``);
+5. the blocks to expect on the chosen workers, and the session pin to write.
 
 Each edge (the gateway, the routing simulator, an endpoint picker) applies the returned ``Decision``
 in one step: it counts the chosen workers' in-flight at once, before it awaits anything, so the next
@@ -110,6 +112,9 @@ class Decision:
     """The chosen worker's state as the latency model sees it, to fit it with what follows."""
     is_slo_missed: bool = False
     """The request's latency targets are predicted to be missed on ``worker`` (the best there was)."""
+    pull_from: WorkerView | None = None
+    """A peer whose device holds the prompt's leading blocks that ``worker`` lacks: ``worker`` pulls
+    them from it before it prefills (``kv_transfer_params.peer_url``)."""
 
 
 def decide(model: RoutedModel, views: Sequence[WorkerView], request: RequestContext) -> Decision:
@@ -132,16 +137,19 @@ def decide(model: RoutedModel, views: Sequence[WorkerView], request: RequestCont
     if choice is None:
         raise UnroutableError("at_capacity")
     num_cached = matched.get(choice.id, 0)
+    pull = None if is_disaggregated else model.strategy.pull_source(choice, pool, ctx)
+    num_known = num_cached if pull is None else max(num_cached, pull.num_blocks)
     # A prefilled request's decode worker imports the prompt's KV blocks; it computes none of them.
     num_local = 0 if request.is_prefilled else len(request.token_ids)
     decision = Decision(
         choice,
-        num_prefill_tokens=num_uncached_tokens(num_local, num_cached, config.block_size),
+        num_prefill_tokens=num_uncached_tokens(num_local, num_known, config.block_size),
         num_cached_blocks=num_cached,
         expected_blocks=request.block_hashes,
         pin=_pin(model, request, choice),
         features=features_of(choice, len(request.token_ids), num_cached, config.block_size),
         is_slo_missed=is_slo_missed,
+        pull_from=None if pull is None else pull.peer,
     )
     if is_disaggregated and not request.is_prefilled:
         return _paired(model, views, request, decision, matched)

@@ -28,6 +28,18 @@ bytes a second); a tier not yet measured counts as a recompute (``block_size``).
 tier block at a fixed share of a hit instead (llm-d's 1.0 / 0.8); ``device`` ignores the tiers (the
 index's device run only). The eviction term counts the restored blocks too: they take device blocks.
 
+Peer pulls (``peer_pulls``): when another worker's device holds a longer leading run of the prompt
+(``D`` blocks, by the index's events, nothing merely expected) than ``w`` holds in any tier (``r(w)``),
+``w`` may pull the difference over the KV transfer path instead of computing it. Each pulled block
+costs ``pull_block_tokens(w)`` (its prefill rate x a block's bytes / its measured pull bandwidth), so
+
+    uncached(w) -= (D - r(w)) * (block_size - pull_block_tokens(w))   when pull_block_tokens(w) < block_size
+
+and the choice weighs three ways to serve the prompt in one unit: compute it, pull it, or go to the
+holder (whose queue may cost more). ``pull_source`` then names the peer for the chosen worker: the
+longest device run, the fewest in flight among equals. A worker that has not measured its pull
+bandwidth pulls nothing.
+
 Why one unit: the old score weighed a cached share in [0, 1] against a load in [0, 1], so a cached
 prefix outweighed any load below the cap, every tenant stayed on one worker until the cap forced a
 cold copy onto the other at a busy moment, and the loaded worker's steps slowed everyone on it
@@ -53,9 +65,9 @@ from typing import ClassVar, Literal
 from herd.api.crd import TierWeights
 from herd.orchestrator.kv_index import KVIndex, TierRun
 from herd.orchestrator.routing._load import bounded_load_cap
-from herd.orchestrator.routing._types import RequestContext, RoutingStrategy, WorkerView
+from herd.orchestrator.routing._types import PeerPull, RequestContext, RoutingStrategy, WorkerView
 
-__all__ = ["REQUEST_SHARE", "KVCacheAware"]
+__all__ = ["REQUEST_SHARE", "KVCacheAware", "num_pull_blocks"]
 
 REQUEST_SHARE = 1 / 3
 """What a request in flight on a worker counts for, as a share of the new prompt's tokens."""
@@ -76,9 +88,11 @@ class KVCacheAware(RoutingStrategy):
         rng: random.Random,
         tier_cost: Literal["measured", "weights", "device"] = "measured",
         tier_weights: TierWeights | None = None,
+        peer_pulls: bool = False,
     ) -> None:
         self._kv_index = kv_index
         self._tier_cost = tier_cost
+        self._peer_pulls = peer_pulls
         weights = tier_weights or TierWeights()
         self._weighted = (block_size * (1 - weights.host), block_size * (1 - weights.disk))
         self._load_factor = load_factor
@@ -92,6 +106,29 @@ class KVCacheAware(RoutingStrategy):
         best = min(costs)
         tied = [worker for worker, cost in zip(workers, costs, strict=True) if cost == best]
         return tied[0] if len(tied) == 1 else self._emptiest(tied)
+
+    def pull_source(
+        self, choice: WorkerView, workers: Sequence[WorkerView], ctx: RequestContext
+    ) -> PeerPull | None:
+        if not self._peer_pulls or not ctx.block_hashes or choice.pull_block_tokens is None:
+            return None
+        held = self._kv_index.match(ctx.block_hashes, include_expected=False)
+        own = self._own_runs(ctx).get(choice.id, 0)
+        peers = [w for w in workers if w.id != choice.id and held.get(w.id, 0) > own]
+        if not peers:
+            return None
+        peer = max(peers, key=lambda w: (held[w.id], -w.num_in_flight))
+        if not num_pull_blocks(own, held[peer.id], choice.pull_block_tokens, self._block_size):
+            return None
+        return PeerPull(peer, held[peer.id])
+
+    def _own_runs(self, ctx: RequestContext) -> dict[str, int]:
+        """Each worker's leading run of the prompt, over its tiers when they are priced."""
+        if self._tier_cost == "device":
+            return self._kv_index.match(ctx.block_hashes)
+        return {
+            worker_id: run.length for worker_id, run in self._kv_index.match_tiers(ctx.block_hashes).items()
+        }
 
     def _emptiest(self, tied: Sequence[WorkerView]) -> WorkerView:
         """Among equally cheap workers: the fewest in flight, then the fewest cached blocks (held, and
@@ -139,12 +176,13 @@ class KVCacheAware(RoutingStrategy):
         if self._tier_cost != "device" and ctx.block_hashes:
             runs = self._kv_index.match_tiers(ctx.block_hashes)
             if any(run.host or run.disk for run in runs.values()):
-                return self._tiered_tokens(workers, ctx, runs)
+                tokens = self._tiered_tokens(workers, ctx, runs)
+                return self._less_pulls(workers, ctx, tokens, {w: run.length for w, run in runs.items()})
         num_tokens, num_blocks, block_size = len(ctx.token_ids), len(ctx.block_hashes), self._block_size
         matched = self._kv_index.match(ctx.block_hashes) if num_blocks else {}
         held = self._kv_index.held_blocks()
         # The walrus binds m on the left of the sum, before the eviction term reads it.
-        return [
+        tokens = [
             num_tokens
             - block_size * (m := matched.get(w.id, 0))
             + (
@@ -153,6 +191,24 @@ class KVCacheAware(RoutingStrategy):
                 else 0
             )
             for w in workers
+        ]
+        return self._less_pulls(workers, ctx, tokens, matched)
+
+    def _less_pulls(
+        self, workers: Sequence[WorkerView], ctx: RequestContext, tokens: list[float], runs: dict[str, int]
+    ) -> list[float]:
+        """``tokens`` less what pulling the longest peer device run saves each worker whose measured
+        pull is cheaper than computing (``runs``: each worker's own leading run)."""
+        if not self._peer_pulls or not ctx.block_hashes:
+            return tokens
+        best = max(self._kv_index.match(ctx.block_hashes, include_expected=False).values(), default=0)
+        block_size = self._block_size
+        return [
+            t - n * (block_size - w.pull_block_tokens)
+            if w.pull_block_tokens is not None
+            and (n := num_pull_blocks(runs.get(w.id, 0), best, w.pull_block_tokens, block_size))
+            else t
+            for w, t in zip(workers, tokens, strict=True)
         ]
 
     def _tiered_tokens(
@@ -187,3 +243,12 @@ class KVCacheAware(RoutingStrategy):
             host = self._block_size if w.host_block_tokens is None else w.host_block_tokens
             disk = self._block_size if w.disk_block_tokens is None else w.disk_block_tokens
         return run.host * host + run.disk * disk
+
+
+def num_pull_blocks(own_run: int, peer_run: int, pull_block_tokens: float | None, block_size: int) -> int:
+    """Blocks a worker holding ``own_run`` leading blocks should pull from a peer holding
+    ``peer_run``: all it lacks when a pulled block costs fewer prefill tokens than computing it
+    (``block_size``), else none (a pull not measured yet included)."""
+    if pull_block_tokens is None or pull_block_tokens >= block_size or peer_run <= own_run:
+        return 0
+    return peer_run - own_run

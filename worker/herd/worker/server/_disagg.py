@@ -8,7 +8,10 @@ and the lease is labelled with its ``prompt_block_hashes``: the internal port tr
 wrong label only makes the decode side, which hashes the ids itself, refuse the blocks. A body
 without ids (the orchestrator has no tokenizer yet) is rendered here, off the event loop. ``POST kv_blocks`` sends
 leased blocks in a block frame (``herd.worker.kv_transfer``), refusing a foreign layout with 409.
-``POST kv_release`` ends a lease. Leases that nobody releases expire: a sweep task releases their
+``POST kv_release`` ends a lease. ``POST kv_hold`` leases the leading run of a peer's prompt blocks
+this worker's device caches (a peer pull, which the orchestrator chose: the blocks go out through
+``kv_blocks`` like a prefill's), and ``POST kv_probe`` sends a frame of zero blocks so that a worker
+can time the transport before its first pull. Leases that nobody releases expire: a sweep task releases their
 blocks and counts them in ``herd_kv_leases_expired_total``. A prefill counts in the worker's request
 metrics as a one-token request (TTFT = E2E), as a vLLM prefill instance's does: its TTFT is the
 prefill pool's latency, which dashboards and the autoscaler read.
@@ -21,6 +24,7 @@ import logging
 import uuid
 from typing import Any, TypeVar
 
+import torch
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -38,8 +42,10 @@ from herd.worker.kv_lease import DEFAULT_LEASE_SECONDS, MAX_LEASE_SECONDS, Lease
 from herd.worker.kv_transfer import (
     FRAME_MEDIA_TYPE,
     BlockRequest,
+    HoldRequest,
     KVLayout,
     KVLayoutError,
+    ProbeRequest,
     ReleaseRequest,
     check_layout,
     encode_frame,
@@ -83,12 +89,22 @@ class DisaggMetrics:
             buckets=_TRANSFER_BUCKETS,
             registry=registry,
         )
+        self.peer_pulls = Counter(
+            names.HERD_KV_PEER_PULLS_TOTAL,
+            "Pulls of a prompt's blocks from a peer worker, by outcome.",
+            ("model_name", "outcome"),
+            registry=registry,
+        )
         self.leases_expired = Counter(
             names.HERD_KV_LEASES_EXPIRED_TOTAL,
             "KV leases freed unclaimed.",
             ("model_name",),
             registry=registry,
         )
+
+    def pulled(self, outcome: str) -> None:
+        """One peer pull ended: ``pulled``, ``empty`` (the peer held none of the blocks) or ``failed``."""
+        self.peer_pulls.labels(self.model_name, outcome).inc()
 
     def moved(self, direction: str, num_blocks: int, num_bytes: int) -> None:
         self.blocks.labels(self.model_name, direction).inc(num_blocks)
@@ -144,6 +160,8 @@ class PrefillService:
         router.add_api_route(INTERNAL_PATHS.prefill, self.prefill, methods=["POST"])
         router.add_api_route(INTERNAL_PATHS.kv_blocks, self.blocks, methods=["POST"])
         router.add_api_route(INTERNAL_PATHS.kv_release, self.release, methods=["POST"])
+        router.add_api_route(INTERNAL_PATHS.kv_hold, self.hold, methods=["POST"])
+        router.add_api_route(INTERNAL_PATHS.kv_probe, self.probe, methods=["POST"])
         return router
 
     async def prefill(self, request: Request) -> KVTransferParams:
@@ -173,21 +191,15 @@ class PrefillService:
         first = [output async for output in outputs][-1]
         timing.on_tokens()
         self.requests.observe_finished(timing, first.finish_reason or "length")
-        seconds = min(asked.lease_seconds or DEFAULT_LEASE_SECONDS, MAX_LEASE_SECONDS)
         hashes = self._lease_hashes(prompt, salt, lora_name, asked.prompt_block_hashes)
-        lease = self._lease(request_id, hashes, first.held_block_ids or [], seconds)
-        return KVTransferParams(
-            do_remote_prefill=True,
-            remote_engine_id=self.engine.info.epoch,
-            remote_block_ids=lease.block_ids,
-            remote_block_hashes=lease.block_hashes,
-            remote_host=request.url.hostname,
-            remote_port=request.url.port or 80,
-            remote_request_id=request_id,
-            lease_seconds=seconds,
-            first_token_ids=first.new_token_ids,
-            num_prompt_tokens=first.num_prompt_tokens,
-            num_cached_tokens=first.num_cached_tokens,
+        leased = self._lease(request, request_id, hashes, first.held_block_ids or [], asked.lease_seconds)
+        return leased.model_copy(
+            update={
+                "do_remote_prefill": True,
+                "first_token_ids": first.new_token_ids,
+                "num_prompt_tokens": first.num_prompt_tokens,
+                "num_cached_tokens": first.num_cached_tokens,
+            }
         )
 
     def _lease_hashes(
@@ -201,12 +213,29 @@ class PrefillService:
             prompt, info.block_size, model_id=info.model, cache_salt=salt, lora_name=lora_name
         )
 
-    def _lease(self, request_id: str, hashes: list[BlockHash], held: list[int], seconds: float) -> Lease:
-        """Lease the prompt's full blocks the engine held when the prefill finished (its leading
-        cached run) to the decode side."""
+    def _lease(
+        self,
+        request: Request,
+        request_id: str,
+        hashes: list[BlockHash],
+        held: list[int],
+        lease_seconds: float | None,
+    ) -> KVTransferParams:
+        """Lease the blocks the engine holds for ``request_id`` (the leading run of ``hashes``: a
+        prefill's full blocks, or the cached blocks a peer asked to hold) to the puller, and tell it
+        where to fetch them."""
+        seconds = min(lease_seconds or DEFAULT_LEASE_SECONDS, MAX_LEASE_SECONDS)
         lease = self.leases.add(request_id, held, hashes[: len(held)], seconds)
         self._ensure_sweeper()
-        return lease
+        return KVTransferParams(
+            remote_engine_id=self.engine.info.epoch,
+            remote_block_ids=lease.block_ids,
+            remote_block_hashes=lease.block_hashes,
+            remote_host=request.url.hostname,
+            remote_port=request.url.port or 80,
+            remote_request_id=request_id,
+            lease_seconds=seconds,
+        )
 
     def _lora_name(self, payload: dict[str, Any]) -> str | None:
         """The LoRA adapter the body's ``model`` names (``None``: the base model); 404 for another model."""
@@ -217,13 +246,34 @@ class PrefillService:
             return model
         raise HttpError(404, f"model {model!r} is not served here; this worker serves {served!r}")
 
-    async def blocks(self, request: Request) -> Response:
-        body = _parse(BlockRequest, await request.body())
+    async def hold(self, request: Request) -> KVTransferParams:
+        """Lease the leading run of the asked blocks this device caches; none held: no lease."""
+        body = _parse(HoldRequest, await request.body())
+        self._check_layout(body.layout)
+        request_id = f"pull-{uuid.uuid4().hex}"
+        held = await self.engine.call(lambda core: core.hold_cached(request_id, body.block_hashes))
+        if not held:
+            return KVTransferParams(remote_block_hashes=[])
+        return self._lease(request, request_id, body.block_hashes, held, body.lease_seconds)
+
+    async def probe(self, request: Request) -> Response:
+        body = _parse(ProbeRequest, await request.body())
+        local = self._check_layout(body.layout)
+        frame = await asyncio.to_thread(_zero_frame, local, body.num_blocks)
+        return Response(frame, media_type=FRAME_MEDIA_TYPE)
+
+    def _check_layout(self, layout: dict[str, Any]) -> KVLayout:
+        """This worker's layout; 409 when the asking worker's differs."""
         local = KVLayout.of(self.engine.info)
         try:
-            check_layout(local, KVLayout(**body.layout), peer="the decode worker")
+            check_layout(local, KVLayout(**layout), peer="the asking worker")
         except (KVLayoutError, TypeError) as error:
             raise HttpError(409, str(error)) from None
+        return local
+
+    async def blocks(self, request: Request) -> Response:
+        body = _parse(BlockRequest, await request.body())
+        local = self._check_layout(body.layout)
         block_ids = self._leased_ids(body)
 
         def read_frame(core: EngineCore) -> tuple[bytes, int]:
@@ -272,6 +322,11 @@ class PrefillService:
                 )
                 self.metrics.leases_expired.labels(self.metrics.model_name).inc()
                 await self._free(lease)
+
+
+def _zero_frame(layout: KVLayout, num_blocks: int) -> bytes:
+    shape = (layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    return encode_frame(layout, [], torch.zeros(shape, dtype=layout.torch_dtype))
 
 
 def _json_object(raw: bytes) -> dict[str, Any]:

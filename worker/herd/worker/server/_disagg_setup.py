@@ -27,6 +27,11 @@ class Disaggregation:
     router: APIRouter
     http: httpx.AsyncClient
     prefill: PrefillService
+    puller: RemotePrefill
+
+    async def probe(self, internal_url: str) -> None:
+        """Time the KV transport once the worker's ports are up (``RemotePrefill.probe``)."""
+        await self.puller.probe(internal_url)
 
 
 def attach_disaggregation(
@@ -39,10 +44,9 @@ def attach_disaggregation(
     worker_metrics: WorkerMetrics = public.state.metrics
     metrics = DisaggMetrics(worker_metrics.registry, worker_metrics.model_name)
     http = http or httpx.AsyncClient(limits=httpx.Limits(max_connections=64))
-    public.state.remote_prefill = RemotePrefill(
-        engine=engine, transfer=HttpKVTransfer(http, token), metrics=metrics, token=token
-    )
+    puller = RemotePrefill(engine=engine, transfer=HttpKVTransfer(http, token), metrics=metrics, token=token)
+    public.state.remote_prefill = puller
     prefill = PrefillService(
         engine, metrics, worker_metrics, public.state.prompt_threads, public.state.grammars
     )
-    return Disaggregation(prefill.router(), http, prefill)
+    return Disaggregation(prefill.router(), http, prefill, puller)

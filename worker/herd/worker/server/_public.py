@@ -5,7 +5,8 @@ A completion request is parsed once, its ``kv_transfer_params`` validated once (
 and its prompt rendered and tokenized here only when the request does not carry the ids the
 orchestrator rendered (``kv_transfer_params.prompt_token_ids``); handed ids are checked against the
 vocabulary and the context length like any others. A request prefilled on another worker has its
-KV blocks pulled (``RemotePrefill``, set by ``attach_disaggregation``) before it is queued.
+KV blocks pulled (``RemotePrefill``, set by ``attach_disaggregation``) before it is queued, and so has
+one the orchestrator routed with a peer to pull its cached prefix from (``kv_transfer_params.peer_url``).
 """
 
 from __future__ import annotations
@@ -240,18 +241,16 @@ class _PublicRoutes:
     ) -> None:
         """The KV blocks of a prompt prefilled on another worker, once its ids passed every check."""
         remote_prefill: RemotePrefill | None = request.app.state.remote_prefill
-        if (
-            remote_prefill is not None
-            and handoff is not None
-            and handoff.do_remote_prefill
-            and len(prompts) == 1
-        ):
+        if remote_prefill is None or handoff is None or len(prompts) != 1:
+            return
+        token, lora_name = request.headers.get(TOKEN_HEADER, ""), self._lora_name(body)
+        if handoff.do_remote_prefill:
             await remote_prefill.pull(
-                handoff,
-                prompts[0],
-                body.cache_salt,
-                presented_token=request.headers.get(TOKEN_HEADER, ""),
-                lora_name=self._lora_name(body),
+                handoff, prompts[0], body.cache_salt, presented_token=token, lora_name=lora_name
+            )
+        elif handoff.peer_url is not None:
+            await remote_prefill.pull_from_peer(
+                handoff.peer_url, prompts[0], body.cache_salt, presented_token=token, lora_name=lora_name
             )
 
     async def _read(self, request: Request, model: type[R]) -> R:

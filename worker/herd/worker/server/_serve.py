@@ -39,6 +39,7 @@ __all__ = ["ServeOptions", "serve", "serve_many"]
 
 logger = logging.getLogger(__name__)
 
+_PROBE_WAITS = 100
 _EXIT_GRACE_S = 5.0
 """How long a worker whose engine died waits for the answers of its failed requests to go out."""
 
@@ -134,11 +135,23 @@ async def _watch_engine(worker: _Worker) -> None:
         "worker ready",
         extra={"model": worker.served_name, "port": options.port, "internal_port": options.internal_port},
     )
+    if worker.engine.info.embedding_size is None:  # an encoder holds no KV blocks to pull
+        await _probe_transport(worker)
     await engine.wait_failed()
     logger.error("the engine cannot serve any more; exiting so that the supervisor restarts this worker")
     _stop(servers)  # the requests in flight have failed: their answers go out first
     await asyncio.sleep(_EXIT_GRACE_S)
     _stop(servers, force=True)
+
+
+async def _probe_transport(worker: _Worker) -> None:
+    """Time the KV transport over the worker's own internal port once it listens (a bounded wait)."""
+    for _ in range(_PROBE_WAITS):
+        if worker.servers[1].started:
+            await worker.disagg.probe(f"http://{worker.options.host}:{worker.options.internal_port}")
+            return
+        await asyncio.sleep(0.1)
+    logger.warning("the internal port did not start in time; no KV transport probe")
 
 
 def _install_drain(workers: list[_Worker], timeout: float) -> asyncio.Event:

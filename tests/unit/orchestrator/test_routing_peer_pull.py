@@ -1,0 +1,173 @@
+"""Peer pulls in kv_cache_aware and ``decide``: pulling a peer's cached prefix, computing it, or going to
+the holder, whichever costs the fewest prompt tokens by the workers' measured rates."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import pytest
+from support.gateway_fakes import MODEL, FakeCluster, FakeWorker, running_gateway, wait_for
+from support.routing_views import context, kv_cache_aware, prompt_hashes, views
+
+from herd.api.crd import KVCacheAwareRouting
+from herd.api.kv_hash import block_hashes
+from herd.api.prompt import PromptRenderer
+from herd.api.protocol import WORKER_HEADER, KVSnapshot, LoadReport
+from herd.orchestrator.discovery import ModelConfig
+from herd.orchestrator.kv_index import KVIndex
+from herd.orchestrator.routing import KVCacheAware, WorkerView, decide, pull_block_tokens
+from herd.orchestrator.routing.kv_cache_aware import num_pull_blocks
+from herd.orchestrator.served import ServedModel
+from herd.orchestrator.tokens import prompt_token_ids
+from herd.orchestrator.validation import parse_request
+
+PROMPT = prompt_hashes(7, 512)
+"""32 blocks of 16 tokens: "h" holds the first 24 on its device, "p" the first 4, "c" none."""
+HELD = {"h": 24, "p": 4}
+ONE_RUNNING = {"num_running": 1}
+"""A request in flight on a worker counts a third of the 512-token prompt (171 tokens)."""
+
+
+def _index(*, expected_only: bool = False) -> KVIndex:
+    index = KVIndex()
+    for worker_id, num_blocks in HELD.items():
+        blocks = [] if expected_only and worker_id == "h" else PROMPT[:num_blocks]
+        index.reset(worker_id, KVSnapshot(epoch="e", seq=0, block_size=16, block_hashes=blocks))
+    if expected_only:
+        index.expect("h", PROMPT[:24])  # routed there a moment ago: nothing to lease yet
+    return index
+
+
+def _workers(pull: float | None, **fields: Mapping[str, float]) -> list[WorkerView]:
+    workers = views("h", "p", "c")
+    for worker in workers:
+        worker.pull_block_tokens = pull
+        for name, value in fields.get(worker.id, {}).items():
+            setattr(worker, name, value)
+    return workers
+
+
+def _strategy(index: KVIndex, *, peer_pulls: bool = True) -> KVCacheAware:
+    return kv_cache_aware(index, seed=3, peer_pulls=peer_pulls)
+
+
+@pytest.mark.parametrize(
+    ("workers", "peer_pulls", "expected_only", "chosen", "pulled_from"),
+    [
+        # Costs in prompt tokens. h: 512 - 384 = 128 (+171 with a request running); p computes 448 or
+        # pulls 20 blocks at (16 - pull) saved each; c computes 512 or pulls 24 blocks.
+        (_workers(1.0), True, False, "h", None),
+        (_workers(1.0, h=ONE_RUNNING), True, False, "p", "h"),
+        (_workers(1.0, h=ONE_RUNNING), False, False, "h", None),
+        (_workers(16.0, h=ONE_RUNNING), True, False, "h", None),
+        (_workers(None, h=ONE_RUNNING), True, False, "h", None),
+        (_workers(8.0, h=ONE_RUNNING), True, False, "p", "h"),
+        (_workers(12.0, h=ONE_RUNNING), True, False, "h", None),
+        (_workers(1.0, h=ONE_RUNNING, p=ONE_RUNNING), True, False, "c", "h"),
+        (_workers(1.0, h=ONE_RUNNING), True, True, "h", None),
+    ],
+    ids=[
+        "an-idle-holder-beats-a-pull",
+        "a-busy-holder-loses-to-a-cheap-pull",
+        "pulls-off-the-busy-holder-still-wins",
+        "a-pull-as-slow-as-a-prefill-is-never-made",
+        "an-unmeasured-pull-is-never-made",
+        "a-pull-at-half-a-prefill-beats-the-busy-holder",
+        "a-pull-at-three-quarters-loses-to-the-busy-holder",
+        "the-idle-worker-pulls-the-whole-run",
+        "blocks-only-expected-are-not-pulled",
+    ],
+)
+def test_pull_compute_or_go_to_the_holder(
+    workers: list[WorkerView], peer_pulls: bool, expected_only: bool, chosen: str, pulled_from: str | None
+) -> None:
+    strategy = _strategy(_index(expected_only=expected_only), peer_pulls=peer_pulls)
+    choice = strategy.select(workers, context(PROMPT))
+    assert choice is not None
+    pull = strategy.pull_source(choice, workers, context(PROMPT))
+    assert (choice.id, None if pull is None else pull.peer.id) == (chosen, pulled_from)
+
+
+@pytest.mark.parametrize(
+    ("own", "peer", "cost", "expected"),
+    [
+        (4, 24, 1.0, 20),
+        (4, 24, 15.9, 20),
+        (4, 24, 16.0, 0),
+        (4, 24, None, 0),
+        (24, 24, 1.0, 0),
+        (30, 24, 1.0, 0),
+    ],
+    ids=["cheap", "just-cheaper", "as-dear-as-computing", "unmeasured", "nothing-to-gain", "longer-own-run"],
+)
+def test_num_pull_blocks(own: int, peer: int, cost: float | None, expected: int) -> None:
+    assert num_pull_blocks(own, peer, cost, 16) == expected
+
+
+def test_the_longest_peer_run_is_pulled_and_the_least_busy_among_equals() -> None:
+    index = _index()
+    index.reset("g", KVSnapshot(epoch="e", seq=0, block_size=16, block_hashes=PROMPT[:24]))
+    index.reset("f", KVSnapshot(epoch="e", seq=0, block_size=16, block_hashes=PROMPT[:20]))
+    workers = [*_workers(1.0, h={"num_in_flight": 3}), *views("g", "f", g=1)]
+    pull = _strategy(index).pull_source(workers[2], workers, context(PROMPT))
+    assert pull is not None and (pull.peer.id, pull.num_blocks) == ("g", 24)
+
+
+def test_a_pull_cost_is_the_prefill_the_worker_does_while_a_block_arrives() -> None:
+    report = LoadReport(prefill_tokens_per_s=500.0, bytes_per_block=720 * 1024, pull_bytes_per_s=300e6)
+    assert pull_block_tokens(report) == pytest.approx(500 * 720 * 1024 / 300e6)
+    assert pull_block_tokens(LoadReport(prefill_tokens_per_s=500.0, bytes_per_block=1024)) is None
+
+
+def test_the_decision_names_the_peer_and_counts_only_the_tokens_left_to_compute() -> None:
+    routing = KVCacheAwareRouting(strategy="kv_cache_aware", peer_pulls=True)
+    served = ServedModel(ModelConfig("m", routing, block_size=16))
+    for worker_id, num_blocks in HELD.items():
+        snapshot = KVSnapshot(epoch="e", seq=0, block_size=16, block_hashes=PROMPT[:num_blocks])
+        served.kv_index.reset(worker_id, snapshot)
+    workers = _workers(1.0, h=ONE_RUNNING)
+    decision = decide(served, workers, context(PROMPT))
+    assert decision.worker.id == "p" and decision.pull_from is not None and decision.pull_from.id == "h"
+    assert (decision.num_cached_blocks, decision.num_prefill_tokens) == (4, 512 - 24 * 16)
+
+
+def test_a_disaggregated_model_never_pulls_from_a_peer() -> None:
+    routing = KVCacheAwareRouting(strategy="kv_cache_aware", peer_pulls=True)
+    served = ServedModel(ModelConfig("m", routing, block_size=16, mode="disaggregated"))
+    served.kv_index.reset("h", KVSnapshot(epoch="e", seq=0, block_size=16, block_hashes=PROMPT[:24]))
+    workers = [WorkerView(id=i, url=f"http://{i}", role="decode", pull_block_tokens=1.0) for i in ("h", "p")]
+    workers[0].num_running = 1
+    assert decide(served, workers, context(PROMPT, is_prefilled=True)).pull_from is None
+
+
+MEASURED = LoadReport(prefill_tokens_per_s=500.0, bytes_per_block=1000, pull_bytes_per_s=1e6)
+"""A pulled block costs 0.5 prefill tokens: far cheaper than computing its 16."""
+
+
+@pytest.mark.parametrize(
+    ("puller_load", "expected"),
+    [(MEASURED, {"peer_url": "http://h.internal"}), (LoadReport(), None)],
+    ids=["measured-pull", "unmeasured-pull"],
+)
+async def test_the_gateway_tells_the_chosen_worker_where_to_pull_from(
+    tiny_llama: Path, puller_load: LoadReport, expected: dict[str, str] | None
+) -> None:
+    renderer = PromptRenderer.from_pretrained(tiny_llama)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "a long shared system prompt " * 30}]}
+    parsed = parse_request("/v1/chat/completions", json.dumps(body).encode())
+    hashes = block_hashes(prompt_token_ids(renderer, parsed.request, max_model_len=4096), 16, model_id=MODEL)
+    busy = LoadReport(num_running=3, prefill_tokens_per_s=500.0)
+    holder = FakeWorker("h", load=busy, snapshot_blocks=list(hashes))
+    puller = FakeWorker("p", load=puller_load)
+    routing = KVCacheAwareRouting(strategy="kv_cache_aware", peer_pulls=True)
+    config = {"model_path": tiny_llama, "block_size": 16}
+    cluster = FakeCluster([holder, puller])
+    async with running_gateway(cluster, routing=routing, model_config=config) as (app, client):
+        registry = app.state.registry
+        await wait_for(lambda: registry.models[MODEL].kv_index.match(hashes).get("h", 0) == len(hashes))
+        await wait_for(lambda: registry.workers["p"].report == puller_load)
+        response = await client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200 and response.headers[WORKER_HEADER] == "p"
+    assert puller.bodies[-1].get("kv_transfer_params") == expected
