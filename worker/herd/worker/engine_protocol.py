@@ -10,7 +10,7 @@ against it alone, so another front can serve the same routes.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from herd.api.kv_hash import BlockHash
@@ -50,6 +50,7 @@ class EngineCore(Protocol):
         *,
         cache_salt: str | None = None,
         first_token_id: int | None = None,
+        resumed_token_ids: Sequence[int] = (),
     ) -> RequestOutput | None: ...
 
     def abort_request(self, request_id: str) -> None: ...
@@ -124,6 +125,7 @@ class ServingEngine(Protocol):
         params: SamplingParams,
         cache_salt: str | None = None,
         first_token_id: int | None = None,
+        resumed_token_ids: Sequence[int] = (),
     ) -> AsyncGenerator[RequestOutput, None]: ...
 
     def check_accepting(self) -> None: ...

@@ -138,18 +138,26 @@ class Sampler:
         sampled = [seqs[row] for row in rows]
         probs = self._probs(logits[rows], sampled)
         for index, (row, seq) in enumerate(zip(rows, sampled, strict=True)):
-            race = torch.empty_like(probs[index]).exponential_(generator=self._generator(seq))
+            race = torch.empty_like(probs[index])
+            race.exponential_(generator=self._generator(seq, race))
             chosen[row] = (probs[index] / race).argmax()
         return chosen
 
-    def _generator(self, seq: Sequence) -> torch.Generator:
-        """The sequence's own generator when it has a seed, else the shared one."""
+    def _generator(self, seq: Sequence, race: torch.Tensor) -> torch.Generator:
+        """The sequence's own generator when it has a seed, else the shared one.
+
+        A seeded sequence's generator is made at its first draw here. A sequence that already has
+        output tokens then (a stream resumed from another worker, ``herd.api.resume``) had each of
+        them drawn with a generator of the same seed, one race the size of ``race`` per token: the
+        new one replays those draws, so it stands where the other worker's stood."""
         seed = seq.params.seed
         if seed is None:
             return self.generator
         generator = self._seeded.get(seq)
         if generator is None:
             generator = torch.Generator(device=self.generator.device).manual_seed(seed)
+            for _ in range(seq.num_output_tokens):
+                race.exponential_(generator=generator)
             self._seeded[seq] = generator
         return generator
 

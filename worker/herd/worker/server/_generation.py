@@ -41,7 +41,11 @@ class Generation:
     async def outputs(self) -> AsyncGenerator[tuple[Choice, RequestOutput], None]:
         """Every choice's outputs, merged in arrival order, until all choices finish."""
         merged: asyncio.Queue[tuple[Choice, RequestOutput] | BaseException] = asyncio.Queue()
-        tasks = [asyncio.create_task(self._pump(choice, merged)) for choice in self.choices]
+        for choice in self.choices:
+            if choice.is_finished:
+                self.last[choice.index] = _finished_before(choice)
+        running = [choice for choice in self.choices if not choice.is_finished]
+        tasks = [asyncio.create_task(self._pump(choice, merged)) for choice in running]
         try:
             num_running = len(tasks)
             while num_running:
@@ -63,12 +67,17 @@ class Generation:
         engine_id = f"{self.request_id}-{choice.index}-{uuid.uuid4().hex[:8]}"
         timing = RequestTiming()
         stream = self.engine.generate(
-            engine_id, choice.prompt_token_ids, choice.params, self.cache_salt, choice.first_token_id
+            engine_id,
+            choice.prompt_token_ids,
+            choice.params,
+            self.cache_salt,
+            choice.first_token_id,
+            choice.resumed_token_ids,
         )
         try:
             async with aclosing(stream):
                 async for output in stream:
-                    if output.new_token_ids:
+                    if output.new_token_ids and not output.is_resumed:
                         timing.on_tokens()
                     if output.finished:
                         self.metrics.observe_finished(timing, output.finish_reason or "stop")
@@ -90,3 +99,17 @@ class Generation:
                 cached_tokens=sum(output.num_cached_tokens for output in prompts)
             ),
         )
+
+
+def _finished_before(choice: Choice) -> RequestOutput:
+    """What a choice that finished on the worker that began the stream counts in the usage."""
+    return RequestOutput(
+        request_id="",
+        new_token_ids=[],
+        new_text="",
+        finished=True,
+        finish_reason=None,
+        num_prompt_tokens=len(choice.prompt_token_ids),
+        num_cached_tokens=0,
+        num_output_tokens=len(choice.resumed_token_ids),
+    )

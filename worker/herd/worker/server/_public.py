@@ -11,8 +11,9 @@ KV blocks pulled (``RemotePrefill``, set by ``attach_disaggregation``) before it
 from __future__ import annotations
 
 import asyncio
+import secrets
 from collections.abc import AsyncGenerator, Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -24,6 +25,7 @@ from herd.api.errors import HttpError
 from herd.api.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SamplingFields
 from herd.api.prompt import PromptRenderer, PromptThreads
 from herd.api.protocol import TOKEN_HEADER, KVTransferParams
+from herd.api.resume import RESUMABLE_HEADER, RESUME_FIELD, ResumeParams
 from herd.worker.engine_protocol import ServingEngine
 from herd.worker.outputs import RequestOutput
 from herd.worker.sampling_params import InvalidParamError, check_token_ids
@@ -43,6 +45,7 @@ from herd.worker.server._params import (
     handoff_params,
     plan_choices,
     prompt_errors,
+    resume_params,
 )
 from herd.worker.server._peer_routes import RenderedPrompt, RenderedPrompts, Route, peer_routes
 from herd.worker.server._remote_prefill import RemotePrefill
@@ -90,6 +93,8 @@ CLIENT_CLOSED = 499
 class PublicOptions:
     served_name: str
     max_body_bytes: int = 4 * 1024 * 1024
+    internal_token: str = ""
+    """The token herd's gateway presents (``X-Herd-Token``): only it may resume a stream."""
 
 
 def build_public_app(engine: ServingEngine, options: PublicOptions) -> FastAPI:
@@ -174,6 +179,7 @@ class _PublicRoutes:
         handoff: KVTransferParams | None,
     ) -> Response:
         is_handed = handed_prompt(handoff) is not None
+        resume = self._resume(request, body)
         grammar = await self._grammars.compile_for(body)
         choices = plan_choices(
             body,
@@ -184,12 +190,33 @@ class _PublicRoutes:
             prompt_param=HANDED_PROMPT_PARAM if is_handed else endpoint.prompt_param,
             handoff=handoff,
             grammar=grammar,
+            resume=resume,
         )
         await self._pull(request, handoff, prompts, body.cache_salt)
         context = self._context(request, body, choices, prefix=endpoint.id_prefix)
         if body.stream:
-            return await _stream(context, endpoint.chunks)
+            has_marks = self._is_internal(request) and RESUMABLE_HEADER in request.headers
+            if resume is not None and resume.created is not None:
+                context = replace(context, created=resume.created, is_opened=True)
+            return await _stream(replace(context, has_marks=has_marks), endpoint.chunks)
         return await _json_unless_disconnected(request, endpoint.whole(context))
+
+    def _is_internal(self, request: Request) -> bool:
+        """Whether ``request`` carries the internal token (herd's gateway sent it)."""
+        presented = request.headers.get(TOKEN_HEADER, "").encode()
+        return secrets.compare_digest(presented, self.options.internal_token.encode())
+
+    def _resume(self, request: Request, body: SamplingFields) -> ResumeParams | None:
+        """The request's ``herd_resume``; 403 unless herd's gateway sent it."""
+        resume = resume_params(body)
+        if resume is not None and not self._is_internal(request):
+            raise HttpError(
+                403,
+                f"{RESUME_FIELD} continues a stream with tokens as this model's own output, which only "
+                f"herd's orchestrator may do (it sends the {TOKEN_HEADER} header); leave {RESUME_FIELD} out",
+                param=RESUME_FIELD,
+            )
+        return resume
 
     async def _pull(
         self, request: Request, handoff: KVTransferParams | None, prompts: list[list[int]], salt: str | None
@@ -299,8 +326,9 @@ def _tokenize(renderer: PromptRenderer, body: TokenizeRequest) -> list[int]:
 
 async def _stream(context: ResponseContext, chunks: _Chunks) -> StreamingResponse:
     outputs = await primed(context.generation.outputs())
+    headers = {**_SSE_HEADERS, RESUMABLE_HEADER: "1"} if context.has_marks else _SSE_HEADERS
     return StreamingResponse(
-        with_error_event(chunks(context, outputs)), media_type="text/event-stream", headers=_SSE_HEADERS
+        with_error_event(chunks(context, outputs)), media_type="text/event-stream", headers=headers
     )
 
 

@@ -90,7 +90,9 @@ class _Worker:
         self.engine = AsyncEngine(factory)
         self.served_name = served_name
         self.options = options
-        public = build_public_app(self.engine, PublicOptions(served_name, options.max_body_bytes))
+        public = build_public_app(
+            self.engine, PublicOptions(served_name, options.max_body_bytes, options.internal_token)
+        )
         self.disagg = attach_disaggregation(public, self.engine, options.internal_token)
         internal = build_internal_app(self.engine, options.internal_token, routers=[self.disagg.router])
         self.servers = [
