@@ -91,6 +91,8 @@ def load_source(args: argparse.Namespace) -> WorkerSource:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        if args.max_resumes < 0:
+            raise ValueError(f"--max-resumes must be 0 or more, got {args.max_resumes}")
         source = load_source(args)
         api_keys = load_api_keys(args.api_keys_file)
     except (ManifestError, ValueError, OSError) as error:
@@ -102,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
         internal_token=args.internal_token or os.environ.get(TOKEN_ENV),
         max_body_bytes=args.max_body_bytes,
         body_timeout=args.body_timeout,
-        gateway=GatewaySettings(request_timeout=args.request_timeout),
+        gateway=GatewaySettings(request_timeout=args.request_timeout, max_resumes=args.max_resumes),
         registry=RegistrySettings(poll_interval=args.poll_interval),
         ready_when_synced=args.kubernetes,
         batch_dir=args.batch_dir,
@@ -163,6 +165,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     parser.add_argument(
         "--request-timeout", type=float, default=600.0, help="seconds to wait for a worker's next byte"
+    )
+    parser.add_argument(
+        "--max-resumes",
+        type=int,
+        default=2,
+        help="times a stream whose worker failed mid-answer goes on from another worker (0: never)",
     )
     parser.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     parser.add_argument(

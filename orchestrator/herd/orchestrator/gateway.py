@@ -18,6 +18,11 @@
    envelope: a request that broke one worker is never handed to the next.
 4. Every attempt's outcome feeds the worker's circuit breaker (``Hold.release``), which stops routing
    to a worker whose requests keep failing.
+5. A stream is asked of the worker as resumable (``herd.api.resume``): when the worker's connection
+   breaks mid-stream, ``_StreamResume`` sends the request, with the output tokens the client already
+   has, to another worker, and the client's stream goes on from that worker's answer (up to
+   ``max_resumes`` times). A worker that sends a stream without resume marks (the vLLM sidecar's)
+   keeps rule 3: its failure ends the stream with an error event.
 
 When every healthy worker is at its in-flight limit, or every attempt got 429, the client gets 429
 with ``Retry-After``.
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -37,6 +43,7 @@ from starlette.responses import Response
 
 from herd.api.errors import HttpError, enveloped
 from herd.api.protocol import REQUEST_ID_HEADER, WORKER_HEADER, is_valid_request_id
+from herd.api.resume import RESUMABLE_HEADER, RESUME_FIELD
 from herd.orchestrator.admission.gate import DEFAULT_EXPECTED_OUTPUT, Admission, Ticket
 from herd.orchestrator.admission.quotas import Quotas
 from herd.orchestrator.admission.targets import slo_target
@@ -56,6 +63,7 @@ from herd.orchestrator.model_metrics import ModelMetrics
 from herd.orchestrator.prepare import INLINE_PREPARE_BYTES, Preparer
 from herd.orchestrator.proxy import RelayResponse, StreamEnd
 from herd.orchestrator.registry import Hold, Registry
+from herd.orchestrator.resume import StreamLedger
 from herd.orchestrator.routing import RequestContext, UnroutableError, WorkerView, decide
 from herd.orchestrator.routing._types import SloMiss
 from herd.orchestrator.routing.latency import LatencyFeatures
@@ -73,7 +81,10 @@ from herd.orchestrator.validation import ParsedRequest
 
 __all__ = ["Gateway", "GatewaySettings"]
 
+log = logging.getLogger(__name__)
+
 _NOTHING_USED = Usage(0, 0)
+_RESUMABLE = {RESUMABLE_HEADER: "1"}
 _STREAM_ENDS: dict[StreamEnd, tuple[int, Outcome]] = {
     "complete": (200, "success"),
     "worker_failed": (502, "failure"),
@@ -96,6 +107,9 @@ class GatewaySettings:
     slo_miss: SloMiss = "route"
     """What happens to a request with latency targets no worker is predicted to meet, unless its
     ``x-slo-policy`` header says (``herd.orchestrator.routing.SloTarget``)."""
+    max_resumes: int = 2
+    """Times one stream is taken over by another worker after its worker failed mid-answer; 0 ends
+    such a stream with an error event. A bound, so a request that kills workers kills few."""
 
 
 @dataclass(eq=False)
@@ -323,18 +337,20 @@ class Gateway:
             if request.prefill_seconds is not None:
                 self.disagg.observe_decode(request.served, ttft - request.prefill_seconds)
             tally = StreamTally()
+            resume = _StreamResume(self, request, hold, upstream)
             return RelayResponse(
                 upstream,
                 headers=headers,
                 on_done=lambda ending: self._stream_done(
                     request,
-                    hold,
+                    resume.hold,
                     ending,
                     ttft,
                     tally.total(request.ticket.num_prompt_tokens),
-                    (features, first),
+                    (None if resume.num_resumes else features, first),
                 ),
                 on_chunk=tally.observe,
+                resumer=resume if resume.is_resumable else None,
             )
         try:
             content = await upstream.read_rest()
@@ -355,11 +371,17 @@ class Gateway:
         await self.quotas.spend(request.ticket.tenant, usage.total_tokens, time.time())
         return Response(content, status, headers=headers)
 
-    async def _open(self, request: _Request, worker: WorkerView) -> Upstream:
-        """The worker's answer up to its first chunk; ``_NotServedError`` when another worker may take it."""
+    async def _open(
+        self, request: _Request, worker: WorkerView, body: bytes | None = None, request_id: str | None = None
+    ) -> Upstream:
+        """The worker's answer up to its first chunk (to ``body``, by default the request's own);
+        ``_NotServedError`` when another worker may take it."""
         try:
             upstream = await self.upstream.post(
-                worker.url + request.path, request.body, request_id=request.request_id
+                worker.url + request.path,
+                request.body if body is None else body,
+                request_id=request_id or request.request_id,
+                headers=_RESUMABLE if request.is_stream else None,
             )
         except NotAnsweredError as error:
             self.registry.report_failure(worker.id, str(error))  # a killed worker: eject it now
@@ -378,6 +400,28 @@ class Gateway:
                 self._unavailable(request.served, worker, upstream.status_code, retry_after), "none"
             )
         return upstream
+
+    async def reopen(
+        self, request: _Request, body: bytes, request_id: str | None, tried: set[str]
+    ) -> tuple[Hold, Upstream]:
+        """A resumed stream's answer from a worker not in ``tried`` (``_StreamResume``): routed as the
+        request was, its admission not charged again, its prefill (if any) done by that worker."""
+        ticket = dataclasses.replace(request.ticket, num_prompt_tokens=0, num_expected_output=0)
+        for _ in range(self.settings.max_attempts):
+            route = await self.admission.route(
+                request.served.name, ticket, lambda: self._routed(request, tried)
+            )
+            tried.add(route.worker.id)
+            if route.prefill_hold is not None:
+                route.prefill_hold.release("none")
+            try:
+                return route.hold, await self._open(request, route.worker, body, request_id)
+            except _NotServedError as not_served:
+                route.hold.release(not_served.outcome)
+            except BaseException:
+                route.hold.release("none")
+                raise
+        raise HttpError(503, "no worker took the resumed stream")
 
     def _unavailable(
         self, served: ServedModel, worker: WorkerView, status: int, retry_after: str
@@ -424,6 +468,71 @@ class Gateway:
         metrics.e2e.observe(time.perf_counter() - request.started)
         metrics.in_flight.dec()
         self.telemetry.recent.record(ttft)
+
+
+class _StreamResume:
+    """One stream's side of ``herd.api.resume`` in the gateway: the ``StreamLedger`` of what its
+    client has and, when its worker fails mid-answer, the same request with those tokens sent to
+    another worker (``Gateway.reopen``). ``hold`` is the worker serving the stream now."""
+
+    def __init__(self, gateway: Gateway, request: _Request, hold: Hold, upstream: Upstream) -> None:
+        self.gateway = gateway
+        self.request = request
+        self.hold = hold
+        self.is_resumable = _is_resumable(upstream)
+        self.request_id = upstream.headers.get(REQUEST_ID_HEADER.lower())
+        """The worker's id for the response, so the next worker's chunks carry the same ``id``."""
+        self.ledger = StreamLedger()
+        self.tried = {hold.worker_id}
+        self.num_resumes = 0
+
+    async def resume(self, error: UpstreamError) -> Upstream | None:
+        gateway, request = self.gateway, self.request
+        failed = self.hold.worker_id
+        gateway.registry.report_failure(failed, f"its stream broke mid-answer ({error})")
+        self.hold.release("failure")
+        if self.num_resumes >= gateway.settings.max_resumes:
+            self._failed(failed, "the stream was resumed as often as allowed")
+            return None
+        self.num_resumes += 1
+        try:
+            self.hold, upstream = await gateway.reopen(request, self._body(), self.request_id, self.tried)
+        except (HttpError, UnroutableError) as refusal:
+            self._failed(failed, str(refusal))
+            return None
+        if upstream.status_code != httpx.codes.OK or not _is_resumable(upstream):
+            await upstream.aclose()
+            self.hold.release("failure")
+            self._failed(failed, f"worker {self.hold.worker_id} answered {upstream.status_code}")
+            return None
+        gateway.telemetry.resumes.labels(request.served.name, "resumed").inc()
+        log.info(
+            "stream resumed on another worker",
+            extra={
+                "model": request.served.name,
+                "failed_worker": failed,
+                "worker": self.hold.worker_id,
+                "num_tokens_sent": self.ledger.num_tokens,
+            },
+        )
+        return upstream
+
+    def _body(self) -> bytes:
+        """The request as first sent, with the client's tokens (and, disaggregated, the prompt ids
+        the gateway rendered: the new worker prefills them itself)."""
+        request = self.request
+        payload = {**request.payload, RESUME_FIELD: self.ledger.resume_params().model_dump()}
+        if request.served.config.mode == "disaggregated" and request.ctx.token_ids:
+            payload["kv_transfer_params"] = {"prompt_token_ids": request.ctx.token_ids}
+        return json.dumps(payload).encode()
+
+    def _failed(self, worker_id: str, reason: str) -> None:
+        self.gateway.telemetry.resumes.labels(self.request.served.name, "failed").inc()
+        log.warning("a broken stream was not resumed", extra={"failed_worker": worker_id, "reason": reason})
+
+
+def _is_resumable(upstream: Upstream) -> bool:
+    return upstream.headers.get(RESUMABLE_HEADER.lower()) == "1"
 
 
 def _ticket(
