@@ -12,6 +12,8 @@ from pathlib import Path
 from herd.api.logs import configure_logging
 from herd.api.manifest import ManifestError, load_manifest
 from herd.api.protocol import TOKEN_ENV, Role
+from herd.api.tracing import configure_tracing
+from herd.orchestrator.access_log import enable_access_log
 from herd.orchestrator.app import AppSettings, build_app
 from herd.orchestrator.auth import load_api_keys
 from herd.orchestrator.discovery import ModelConfig, StaticSource, WorkerEndpoint, WorkerSource
@@ -99,12 +101,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"herd orchestrator: {error}", file=sys.stderr)
         return 2
     configure_logging("orchestrator", args.log_level)
+    configure_tracing("herd-orchestrator", args.otlp_traces_endpoint)
+    enable_access_log(args.access_log)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health poll otherwise
     settings = AppSettings(
         internal_token=args.internal_token or os.environ.get(TOKEN_ENV),
         max_body_bytes=args.max_body_bytes,
         body_timeout=args.body_timeout,
-        gateway=GatewaySettings(request_timeout=args.request_timeout, max_resumes=args.max_resumes),
+        gateway=GatewaySettings(
+            request_timeout=args.request_timeout,
+            max_resumes=args.max_resumes,
+            access_log_prompts=args.access_log_prompts,
+        ),
         registry=RegistrySettings(poll_interval=args.poll_interval),
         ready_when_synced=args.kubernetes,
         batch_dir=args.batch_dir,
@@ -190,4 +198,21 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="seconds an idle client connection stays open (longer than clients keep one)",
     )
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        help="export OpenTelemetry spans over OTLP/HTTP to this URL (default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; "
+        "none: tracing off)",
+    )
+    parser.add_argument(
+        "--access-log",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="one JSON line per request on the herd.access logger (tenant, model, worker, tokens, TTFT, status)",
+    )
+    parser.add_argument(
+        "--access-log-prompts",
+        action="store_true",
+        help="put each request's messages or prompt in its access line",
+    )
     parser.set_defaults(func=run)

@@ -57,17 +57,19 @@ async def client(vllm: _VLLM) -> AsyncIterator[httpx.AsyncClient]:
         yield client
 
 
-async def test_herd_only_fields_and_the_token_do_not_reach_vllm(
+async def test_herd_only_fields_and_the_token_do_not_reach_vllm_and_the_trace_does(
     vllm: _VLLM, client: httpx.AsyncClient
 ) -> None:
     body = {"model": "m", "messages": [], "kv_transfer_params": {"prompt_token_ids": [1]}}
-    headers = {TOKEN_HEADER: "secret", "X-Request-Id": "r-1"}
+    traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    headers = {TOKEN_HEADER: "secret", "X-Request-Id": "r-1", "traceparent": traceparent}
     response = await client.post("/v1/chat/completions?x=1", json=body, headers=headers)
     assert response.status_code == 200 and response.json() == {"ok": True}
     sent = vllm.requests[-1]
     assert (sent.url.path, sent.url.query) == ("/v1/chat/completions", b"x=1")
     assert json.loads(vllm.bodies[-1]) == {"model": "m", "messages": []}
     assert TOKEN_HEADER.lower() not in sent.headers and sent.headers["x-request-id"] == "r-1"
+    assert sent.headers["traceparent"] == traceparent  # vLLM's own tracing joins the gateway's trace
 
 
 async def test_a_stream_is_never_resumable_and_a_continuation_is_refused(

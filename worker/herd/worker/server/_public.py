@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry.trace import Span, SpanKind, StatusCode, set_span_in_context
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
@@ -26,6 +27,7 @@ from herd.api.openai import ChatCompletionRequest, CompletionRequest, ModelCard,
 from herd.api.prompt import PromptRenderer, PromptThreads
 from herd.api.protocol import TOKEN_HEADER, KVTransferParams
 from herd.api.resume import RESUMABLE_HEADER, RESUME_FIELD, ResumeParams
+from herd.api.tracing import context_from, tracer
 from herd.worker.engine_protocol import ServingEngine
 from herd.worker.outputs import RequestOutput
 from herd.worker.sampling_params import InvalidParamError, check_token_ids
@@ -84,6 +86,8 @@ _COMPLETIONS = _Endpoint("cmpl", "prompt", completion_chunks, completion_respons
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 """Keep proxies (nginx, ingress controllers) from buffering a token stream."""
+
+_tracer = tracer(__name__)
 
 CLIENT_CLOSED = 499
 """nginx's status for a request whose client went away; nobody reads it, the logs do."""
@@ -178,6 +182,30 @@ class _PublicRoutes:
         endpoint: _Endpoint,
         handoff: KVTransferParams | None,
     ) -> Response:
+        span = _tracer.start_span(
+            "herd.worker.request",
+            context=context_from(request.headers),
+            kind=SpanKind.SERVER,
+            attributes={"http.route": request.url.path, "herd.request_id": request_id(request)},
+        )
+        try:
+            return await self._traced_generate(request, body, prompts, endpoint, handoff, span)
+        except BaseException as error:
+            if span.is_recording():  # else the generation ended it already
+                span.set_status(StatusCode.ERROR, f"{type(error).__name__}: {error}")
+                span.end()
+            raise
+
+    async def _traced_generate(
+        self,
+        request: Request,
+        body: ChatCompletionRequest | CompletionRequest,
+        prompts: list[list[int]],
+        endpoint: _Endpoint,
+        handoff: KVTransferParams | None,
+        span: Span,
+    ) -> Response:
+        """``_generate`` under the request's ``span``, which the generation ends when it does."""
         is_handed = handed_prompt(handoff) is not None
         resume = self._resume(request, body)
         grammar = await self._grammars.compile_for(body)
@@ -192,8 +220,10 @@ class _PublicRoutes:
             grammar=grammar,
             resume=resume,
         )
-        await self._pull(request, handoff, prompts, body.cache_salt)
-        context = self._context(request, body, choices, prefix=endpoint.id_prefix)
+        if handoff is not None and handoff.do_remote_prefill:
+            with _tracer.start_as_current_span("herd.worker.kv_transfer", context=set_span_in_context(span)):
+                await self._pull(request, handoff, prompts, body.cache_salt)
+        context = self._context(request, body, choices, prefix=endpoint.id_prefix, span=span)
         if body.stream:
             has_marks = self._is_internal(request) and RESUMABLE_HEADER in request.headers
             if resume is not None and resume.created is not None:
@@ -245,10 +275,10 @@ class _PublicRoutes:
         return body
 
     def _context(
-        self, request: Request, body: SamplingFields, choices: list[Choice], *, prefix: str
+        self, request: Request, body: SamplingFields, choices: list[Choice], *, prefix: str, span: Span
     ) -> ResponseContext:
         rid = request_id(request)
-        generation = Generation(self.engine, self._metrics, rid, choices, body.cache_salt)
+        generation = Generation(self.engine, self._metrics, rid, choices, body.cache_salt, span)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         tool_choice = body.effective_tool_choice if isinstance(body, ChatCompletionRequest) else "none"
         return ResponseContext(
