@@ -95,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.max_resumes < 0:
             raise ValueError(f"--max-resumes must be 0 or more, got {args.max_resumes}")
+        if args.batch_concurrency < 1:
+            raise ValueError(f"--batch-concurrency must be at least 1, got {args.batch_concurrency}")
         source = load_source(args)
         api_keys = load_api_keys(args.api_keys_file)
     except (ManifestError, ValueError, OSError) as error:
@@ -116,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
         registry=RegistrySettings(poll_interval=args.poll_interval),
         ready_when_synced=args.kubernetes,
         batch_dir=args.batch_dir,
+        batch_concurrency=args.batch_concurrency,
     )
     app = build_app(source, settings=settings, state=build_state(args.redis), api_keys=api_keys)
     limits = ServerLimits(max_header_bytes=args.max_header_bytes, keep_alive_timeout=args.keep_alive_timeout)
@@ -170,6 +173,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         type=Path,
         default=None,
         help="serve the Batch API (/v1/files, /v1/batches), keeping its state in this folder",
+    )
+    parser.add_argument(
+        "--batch-concurrency", type=int, default=8, help="lines of one batch in flight at once (at least 1)"
     )
     parser.add_argument(
         "--request-timeout", type=float, default=600.0, help="seconds to wait for a worker's next byte"

@@ -47,15 +47,13 @@ from herd.api.protocol import REQUEST_ID_HEADER, WORKER_HEADER, is_valid_request
 from herd.api.resume import RESUMABLE_HEADER, RESUME_FIELD
 from herd.api.tracing import TRACE_HEADERS, context_from, trace_headers, tracer
 from herd.orchestrator.access_log import AccessEntry
-from herd.orchestrator.admission.gate import DEFAULT_EXPECTED_OUTPUT, Admission, Ticket
+from herd.orchestrator.admission.gate import Admission, Ticket, ticket_for
 from herd.orchestrator.admission.quotas import Quotas
 from herd.orchestrator.admission.targets import slo_target
 from herd.orchestrator.admission.tenants import (
     ANONYMOUS,
     LOWEST_PRIORITY,
-    PRIORITY_HEADER,
     Tenant,
-    effective_priority,
 )
 from herd.orchestrator.admission.usage import StreamTally, Usage, usage_of
 from herd.orchestrator.admission.waiting import QueueSettings
@@ -244,7 +242,7 @@ class Gateway:
         served, parsed, ctx = prepared.served, prepared.parsed, prepared.ctx
         span.set_attributes({"herd.model": served.name, "herd.tenant": tenant.name})
         tenant.check_model(served.name)
-        ticket = _ticket(tenant, parsed, headers, len(body), len(ctx.token_ids))
+        ticket = ticket_for(tenant, parsed.request, headers, len(body), len(ctx.token_ids))
         use = await self.quotas.admit(tenant, time.time())
         body = _with_priority(parsed, body, ticket.priority)
         if (target := slo_target(headers, self.settings.slo_miss)) is not None:
@@ -657,16 +655,6 @@ class _StreamResume:
 
 def _is_resumable(upstream: Upstream) -> bool:
     return upstream.headers.get(RESUMABLE_HEADER.lower()) == "1"
-
-
-def _ticket(
-    tenant: Tenant, parsed: ParsedRequest, headers: Mapping[str, str], size: int, num_prompt_tokens: int
-) -> Ticket:
-    """The request's admission ticket; an untokenized prompt counts as ``size / 4`` tokens."""
-    request = parsed.request
-    priority = effective_priority(tenant, request.priority, headers.get(PRIORITY_HEADER))
-    num_output = request.output_limit or DEFAULT_EXPECTED_OUTPUT
-    return Ticket(tenant, priority, num_prompt_tokens or size // 4, num_output * request.n)
 
 
 def _with_priority(parsed: ParsedRequest, body: bytes, priority: int) -> bytes:
