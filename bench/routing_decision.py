@@ -12,7 +12,12 @@ thread's CPU time (``thread_time_ns``, the work itself). On a shared, oversubscr
 wall-clock tail is dominated by the scheduler taking the core away mid-decision (4 ms ticks);
 the CPU-time figures show what the routing core costs apart from that.
 
+``--tiers`` (issue 20) times kv_cache_aware's three tier costs (measured, weights, device) on a fleet
+whose holders also keep the rest of each prompt in their host tier, each worker with its own measured
+restore cost, so every decision prices restores.
+
     .venv/bin/python bench/routing_decision.py            # writes bench/results/routing.json
+    .venv/bin/python bench/routing_decision.py --tiers --out bench/results/routing_decision_tiers.json
 """
 
 from __future__ import annotations
@@ -52,6 +57,9 @@ class Fleet:
     requests: list[RequestContext]
 
 
+TIER_COSTS = ["measured", "weights", "device"]
+
+
 def make_workers(num_workers: int, rng: random.Random) -> list[WorkerView]:
     return [
         WorkerView(
@@ -63,6 +71,7 @@ def make_workers(num_workers: int, rng: random.Random) -> list[WorkerView]:
             num_waiting_prefill_tokens=rng.randrange(4096),
             num_total_blocks=rng.randrange(64, 256),
             is_healthy=rng.random() > 0.02,
+            host_block_tokens=rng.uniform(0.2, 2.0),
         )
         for i in range(num_workers)
     ]
@@ -72,18 +81,28 @@ def make_prompt(tenant_prefix: list[int], rng: random.Random) -> list[int]:
     return tenant_prefix + rng.choices(range(32000), k=PROMPT_TOKENS - PREFIX_TOKENS)
 
 
-def make_fleet(num_workers: int, num_requests: int, seed: int) -> Fleet:
+def make_fleet(num_workers: int, num_requests: int, seed: int, *, tiers: bool = False) -> Fleet:
     rng = random.Random(seed)
     workers = make_workers(num_workers, rng)
     prefixes = [rng.choices(range(32000), k=PREFIX_TOKENS) for _ in range(2 * num_workers)]
     kv_index = KVIndex()
     held: dict[str, list[int]] = {worker.id: [] for worker in workers}
+    host: dict[str, list[int]] = {worker.id: [] for worker in workers}
     for prefix in prefixes:
         hashes = block_hashes(make_prompt(prefix, rng), BLOCK_SIZE, model_id="bench")
         for worker in rng.sample(workers, 3):
-            held[worker.id].extend(hashes[: rng.randrange(8, len(hashes) + 1)])
+            on_device = rng.randrange(8, len(hashes) + 1)
+            held[worker.id].extend(hashes[:on_device])
+            host[worker.id].extend(hashes[on_device:] if tiers else [])
     for worker_id, blocks in held.items():
-        kv_index.reset(worker_id, KVSnapshot(epoch="e", seq=0, block_size=BLOCK_SIZE, block_hashes=blocks))
+        snapshot = KVSnapshot(
+            epoch="e",
+            seq=0,
+            block_size=BLOCK_SIZE,
+            block_hashes=blocks,
+            tier_block_hashes={"host": host[worker_id]},
+        )
+        kv_index.reset(worker_id, snapshot)
     requests = [make_request(rng.choice(prefixes), workers, rng) for _ in range(num_requests)]
     return Fleet(workers, kv_index, requests)
 
@@ -129,14 +148,17 @@ def percentile(samples: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def measure(name: str, num_workers: int, num_decisions: int, seed: int) -> dict[str, object]:
-    fleet = make_fleet(num_workers, num_decisions + 200, seed)
-    spec = TypeAdapter(RoutingSpec).validate_python({"strategy": name})
+def measure(
+    name: str, num_workers: int, num_decisions: int, seed: int, tier_cost: str | None = None
+) -> dict[str, object]:
+    fleet = make_fleet(num_workers, num_decisions + 200, seed, tiers=tier_cost is not None)
+    settings = {"strategy": name} | ({"tierCost": tier_cost} if tier_cost else {})
+    spec = TypeAdapter(RoutingSpec).validate_python(settings)
     strategy = build_strategy(spec, kv_index=fleet.kv_index, block_size=BLOCK_SIZE, rng=random.Random(seed))
     wall, cpu = time_decisions(strategy, fleet, num_warmup=200, seed=seed)
     target = TARGET_P99_US[num_workers]
     return {
-        "strategy": name,
+        "strategy": name if tier_cost is None else f"{name} (tiers: {tier_cost})",
         "workers": num_workers,
         "decisions": len(wall),
         "wall_mean_us": round(statistics.fmean(wall), 1),
@@ -171,9 +193,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, nargs="+", default=[64, 1000], choices=sorted(TARGET_P99_US))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench/results/routing.json"))
+    parser.add_argument("--tiers", action="store_true", help="kv_cache_aware's tier costs on a tiered fleet")
     args = parser.parse_args(argv)
     load_before = os.getloadavg()[0]
-    results = [measure(name, n, args.decisions, args.seed) for n in args.workers for name in STRATEGIES]
+    if args.tiers:
+        cases = [("kv_cache_aware", n, cost) for n in args.workers for cost in TIER_COSTS]
+    else:
+        cases = [(name, n, None) for n in args.workers for name in STRATEGIES]
+    results = [measure(name, n, args.decisions, args.seed, cost) for name, n, cost in cases]
     command = " ".join([".venv/bin/python bench/routing_decision.py", *sys.argv[1:]])
     report = {
         "command": command,

@@ -23,11 +23,16 @@ load it really puts on the fleet; "100 %" is the load a cache-blind router satur
 **One machine, many workers.** All processes share 2 cores, which carry a few tens of requests a
 second however many workers there are. So the workers are slowed (the unit cost model, an
 accelerator's shape, multiplied by ``dilation``) until a fleet of ``--base-size`` workers has a
-capacity of ``--capacity-rps``; herd's poll period is dilated with them (and stretched beyond 32
-workers). The same worker serves every fleet size, and the loads refer to the base fleet: the size
-sweep offers the same request rate to 8, 32, 128 and 256 workers (each cell records its share of
-that fleet's capacity), the load sweep at ``--sweep-size`` (the base fleet) goes past capacity. TTFT
-is also reported in cold prefills (TTFT over an idle worker's time to prefill the mean prompt).
+capacity of ``--capacity-rps``; herd's status period is dilated with them. The same worker serves
+every fleet size, and the loads refer to the base fleet: the size sweep offers the same request rate
+to 8, 32, 128 and 256 workers (each cell records its share of that fleet's capacity), the load sweep
+at ``--sweep-size`` (the base fleet) goes past capacity. TTFT is also reported in cold prefills
+(TTFT over an idle worker's time to prefill the mean prompt).
+
+**Traces grow with the fleet** (``TRACE_OPTIONS``): a fixed number of prefix groups, sessions or
+applications per worker, so that on every fleet a router can both keep each prefix on one worker and
+keep every worker busy; each worker's pool holds the same number of blocks at every size.
+``--fixed-traces`` replays one trace at every size, as the runs before this did.
 
 Every run starts from cold caches without restarting the fleet: each run sends its own
 ``cache_salt``, which both the workers and herd's gateway mix into the first block's hash (the
@@ -149,13 +154,18 @@ class Shape:
 
 @dataclass(frozen=True, slots=True)
 class Case:
-    """One trace on one fleet size, replayed at each of ``loads`` (fractions of capacity)."""
+    """One trace on one fleet size, replayed at each of ``loads`` (fractions of capacity).
+
+    ``base_shape`` is the trace's shape at ``--base-size`` (the fleet's workers are slowed from it, so
+    the same worker serves every size) and ``num_blocks`` each worker's KV pool (see ``make_case``)."""
 
     kind: str
     trace: Path
     shape: Shape
     num_workers: int
     loads: tuple[float, ...]
+    base_shape: Shape
+    num_blocks: int
 
 
 @dataclass(slots=True)
@@ -200,26 +210,30 @@ def fleet_dilation(shape: Shape, args: argparse.Namespace) -> float:
 
 
 def poll_interval_s(fleet: Fleet) -> float:
-    """herd's poll period: the default dilated with the workers, and stretched beyond 32 workers so
-    that the registry polls about 32 workers a (dilated) 0.25 s: at 0.25 s, 256 workers would be
-    3,000 polls a second on this machine's 2 cores (see the notes in docs/routing-at-scale.md)."""
-    return BASE_POLL_S * fleet.dilation * max(1.0, len(fleet.public) / 32)
+    """herd's status-line period (``--poll-interval``): the default dilated with the workers. Before the
+    status stream (when the registry polled each worker three times a period) it was also stretched
+    beyond 32 workers, to about 32 workers a period; a stream needs no stretch."""
+    return BASE_POLL_S * fleet.dilation
 
 
 # Each kind of trace scaled down from `herd bench trace`'s defaults to fit the simulated KV pools and
-# the 2 cores: about a hundred requests of a few hundred tokens and short answers.
+# the 2 cores: at --base-size (8) workers, about sixty requests of a few hundred tokens and short answers.
+# The options in PER_WORKER grow with the fleet (x size / base size): a fleet serves a fixed number of
+# prefix groups, sessions or applications per worker, as real fleets serve many more prefixes than
+# workers (SGLang's generated-shared-prefix default is 64 groups x 16 prompts). A trace with fewer
+# groups than workers cannot be balanced by a router that keeps each group on one worker.
 TRACE_OPTIONS: dict[str, dict[str, str]] = {
     "shared-prefix": {
         "num_groups": "16",
-        "prompts_per_group": "8",
+        "prompts_per_group": "4",
         "system_prompt_len": "256",
         "question_len": "32",
         "output_len": "8",
     },
-    "multi-turn": {"num_sessions": "24", "num_turns": "4", "user_len": "32", "output_len": "8"},
+    "multi-turn": {"num_sessions": "16", "num_turns": "4", "user_len": "32", "output_len": "8"},
     "mooncake": {
-        "num_requests": "128",
-        "num_apps": "4",
+        "num_requests": "64",
+        "num_apps": "2",
         "app_context_len": "256",
         "tool_calls": "3:6",
         "task_len": "16:32",
@@ -229,14 +243,39 @@ TRACE_OPTIONS: dict[str, dict[str, str]] = {
         "output_len": "4:12",
     },
     "hot-burst": {
-        "num_requests": "96",
-        "num_prefixes": "8",
+        "num_requests": "64",
+        "num_prefixes": "16",
         "prefix_len": "256",
         "question_len": "32",
         "output_len": "8",
         "burst_requests": "32",
     },
 }
+PER_WORKER: dict[str, tuple[str, ...]] = {
+    "shared-prefix": ("num_groups",),
+    "multi-turn": ("num_sessions",),
+    "mooncake": ("num_requests", "num_apps"),
+    "hot-burst": ("num_requests", "num_prefixes"),
+}
+"""The options that grow with the fleet (the hot burst's size does not: one burst on one prefix)."""
+# The traces before they grew with the fleet (the results files before it keep them): 16 groups x 8
+# prompts, 24 sessions, 128 Mooncake requests over 4 applications, 96 hot-burst requests over 8
+# prefixes, whatever the fleet; `--fixed-traces` replays those.
+FIXED_TRACE_OPTIONS: dict[str, dict[str, str]] = {
+    "shared-prefix": {**TRACE_OPTIONS["shared-prefix"], "prompts_per_group": "8"},
+    "multi-turn": {**TRACE_OPTIONS["multi-turn"], "num_sessions": "24"},
+    "mooncake": {**TRACE_OPTIONS["mooncake"], "num_requests": "128", "num_apps": "4"},
+    "hot-burst": {**TRACE_OPTIONS["hot-burst"], "num_requests": "96", "num_prefixes": "8"},
+}
+
+
+def trace_options(kind: str, size: int, args: argparse.Namespace) -> dict[str, str]:
+    """The options of the trace replayed on ``size`` workers (see ``TRACE_OPTIONS``)."""
+    if args.fixed_traces:
+        return FIXED_TRACE_OPTIONS[kind]
+    scale = size / args.base_size
+    grown = {name: str(max(1, round(int(TRACE_OPTIONS[kind][name]) * scale))) for name in PER_WORKER[kind]}
+    return {**TRACE_OPTIONS[kind], **grown}
 
 
 def herd_cli(*arguments: str) -> str:
@@ -248,14 +287,37 @@ def herd_cli(*arguments: str) -> str:
     return done.stdout
 
 
-def write_trace(kind: str, args: argparse.Namespace, out_dir: Path) -> Path:
-    """The trace of ``kind`` with its scaled options, written by ``herd bench trace``."""
-    path = out_dir / f"{kind}.jsonl"
+def write_trace(kind: str, size: int, args: argparse.Namespace, out_dir: Path) -> Path:
+    """The trace of ``kind`` for ``size`` workers, written by ``herd bench trace``."""
+    path = out_dir / f"{kind}-{size}.jsonl"
     options = [
-        item for name, value in TRACE_OPTIONS[kind].items() for item in (f"--{name.replace('_', '-')}", value)
+        item
+        for name, value in trace_options(kind, size, args).items()
+        for item in (f"--{name.replace('_', '-')}", value)
     ]
     herd_cli("bench", "trace", "--kind", kind, "--out", str(path), "--seed", str(args.seed), *options)
     return path
+
+
+def make_case(
+    kind: str, size: int, loads: tuple[float, ...], args: argparse.Namespace, out_dir: Path
+) -> Case:
+    """``kind``'s trace for ``size`` workers. Each worker's pool holds ``--cache-share`` of the
+    working set of the trace at ``--base-size`` (a quarter of the base trace's prefixes: twice a
+    worker's fair share of them, whatever the size, since the trace grows with the fleet) plus room
+    for the requests it runs; with ``--fixed-traces``, of the replayed trace's working set."""
+    trace = write_trace(kind, size, args, out_dir)
+    shape = trace_shape(trace, args.model)
+    base_shape = (
+        shape
+        if size == args.base_size
+        else trace_shape(write_trace(kind, args.base_size, args, out_dir), args.model)
+    )
+    working_set = shape.working_set_blocks if args.fixed_traces else base_shape.working_set_blocks
+    batch: int = args.batch
+    running = batch * math.ceil((shape.prompt_tokens + shape.output_tokens) / BLOCK_SIZE + 1)
+    num_blocks = math.ceil(args.cache_share * working_set) + running
+    return Case(kind, trace, shape, size, loads, base_shape, num_blocks)
 
 
 def trace_shape(path: Path, model: Path) -> Shape:
@@ -297,15 +359,6 @@ def oracle(trace: Path, num_workers: int, num_blocks: int, model: Path) -> dict[
     return {key: report[key] for key in ("oracle_hit_rate", "ceiling_hit_rate", "num_requests")}
 
 
-def blocks_per_worker(shape: Shape, args: argparse.Namespace) -> int:
-    """A share of the trace's working set (so it does not fit one worker) plus room for the
-    requests a worker runs at once."""
-    batch: int = args.batch
-    running = batch * math.ceil((shape.prompt_tokens + shape.output_tokens) / BLOCK_SIZE + 1)
-    cache_share: float = args.cache_share
-    return math.ceil(cache_share * shape.working_set_blocks) + running
-
-
 def engine_block(cost: dict[str, float], num_blocks: int, args: argparse.Namespace) -> dict[str, Any]:
     """The simulated workers' engine: exactly ``num_blocks`` KV blocks (half a block of slack)."""
     memory_gib = (num_blocks + 0.5) * BYTES_PER_TOKEN * BLOCK_SIZE / 2**30
@@ -329,8 +382,8 @@ def fleet(
     """One ``herd worker --replicas N`` process on consecutive loopback ports; the unit cost model
     dilated for the fleet's size unless ``cost`` is given."""
     count = case.num_workers
-    factor = 1.0 if cost else fleet_dilation(case.shape, args)
-    cost, num_blocks = cost or dilated(UNIT_COST, factor), blocks_per_worker(case.shape, args)
+    factor = 1.0 if cost else fleet_dilation(case.base_shape, args)
+    cost, num_blocks = cost or dilated(UNIT_COST, factor), case.num_blocks
     engine = engine_block(cost, num_blocks, args)
     ports = free_port_block(2 * count)
     argv = herd_worker_argv(
@@ -473,6 +526,7 @@ def measure(
         timeout_s=args.request_timeout,
         extra_body={"cache_salt": salt},
     )
+    warm_up(urls, salt)
     before = worker_counters(fleet.public)
     report = run_load(config, transport=(lambda: RoundRobinTransport(urls)) if len(urls) > 1 else None)
     after = worker_counters(fleet.public)
@@ -480,6 +534,21 @@ def measure(
         **summary(report, cold_prefill_ms(fleet.cost, case.shape)),
         **balance(before, after, report["duration_s"]),
     }
+
+
+def warm_up(urls: Sequence[str], salt: str) -> None:
+    """One short request through each router URL before the run, not counted: a fresh router's first
+    request pays its one-time costs (herd's gateway loads the tokenizer then, about 0.7 s on a quiet
+    host and many seconds on a starved one, and every request arriving meanwhile waits behind it).
+    Its own salt keeps it out of the run's cache."""
+    body = {
+        "model": SERVED_NAME,
+        "messages": [{"role": "user", "content": "warm up"}],
+        "max_tokens": 1,
+        "cache_salt": f"{salt}-warm-up",
+    }
+    for url in urls:
+        httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300).raise_for_status()
 
 
 def summary(report: dict[str, Any], cold_ms: float) -> dict[str, Any]:
@@ -515,13 +584,11 @@ def cases_of(args: argparse.Namespace, out_dir: Path) -> list[Case]:
     """Per trace: the size sweep at ``--load`` and the load sweep at ``--sweep-size`` (a cross, not a grid)."""
     cases = []
     for kind in args.traces:
-        trace = write_trace(kind, args, out_dir)
-        shape = trace_shape(trace, args.model)
         for size in sorted({*args.sizes, args.sweep_size}):
             loads = {args.load} if size in args.sizes else set()
             loads |= set(args.loads) if size == args.sweep_size else set()
             if loads:
-                cases.append(Case(kind, trace, shape, size, tuple(sorted(loads))))
+                cases.append(make_case(kind, size, tuple(sorted(loads)), args, out_dir))
     return cases
 
 
@@ -548,6 +615,7 @@ def new_cell(case: Case, running: Fleet, load: float, args: argparse.Namespace) 
         "request_rate": round(load * args.capacity_rps, 3),
         "fleet_load": round(load * args.base_size / case.num_workers, 4),
         "poll_interval_s": round(poll_interval_s(running), 3),
+        "trace_options": trace_options(case.kind, case.num_workers, args),
         "shape": asdict(case.shape),
         "dilation": round(running.dilation, 3),
         "blocks_per_worker": running.blocks_per_worker,
@@ -595,8 +663,7 @@ def run_gateways(
     requests round robin over them; counts alternate within each round."""
     from support.procs import redis_server
 
-    trace = write_trace(args.gateway_trace, args, out_dir)
-    case = Case(args.gateway_trace, trace, trace_shape(trace, args.model), args.gateway_size, (args.load,))
+    case = make_case(args.gateway_trace, args.gateway_size, (args.load,), args, out_dir)
     with fleet(case, args, log_dir) as running, redis_server(log_dir) as redis_url:
         cell = {**new_cell(case, running, args.load, args), "gateways": {}}
         del cell["routers"]
@@ -632,8 +699,7 @@ def run_harnesses(
 ) -> None:
     """The same trace through herd's kv_cache_aware, replayed by ``herd bench`` and by ``aiperf``
     (its own venv) at the same rate, alternating over the rounds."""
-    trace = write_trace(args.harness_trace, args, out_dir)
-    case = Case(args.harness_trace, trace, trace_shape(trace, args.model), args.harness_size, (args.load,))
+    case = make_case(args.harness_trace, args.harness_size, (args.load,), args, out_dir)
     with fleet(case, args, log_dir) as running:
         cell = {**new_cell(case, running, args.load, args), "harnesses": {}}
         del cell["routers"]
@@ -731,8 +797,7 @@ def run_overhead(args: argparse.Namespace, out_dir: Path, log_dir: Path) -> dict
     """Each router's added latency per request: one simulated worker whose steps cost nothing, the
     same client sending the same small chat request to the worker directly and through the router,
     interleaved, routers alternating over the rounds."""
-    trace = write_trace("shared-prefix", args, out_dir)
-    case = Case("overhead", trace, trace_shape(trace, args.model), 1, (1.0,))
+    case = make_case("shared-prefix", 1, (1.0,), args, out_dir)
     results: dict[str, Any] = {}
     with fleet(case, args, log_dir, cost=dict.fromkeys(UNIT_COST, 0.0)) as running:
         for round_number in range(args.rounds):
@@ -857,6 +922,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     add("--harness-trace", default="shared-prefix")
     add("--harness-size", type=int, default=8)
+    add(
+        "--fixed-traces",
+        action="store_true",
+        help="replay the same trace at every size (before traces grew with the fleet; see TRACE_OPTIONS)",
+    )
     add("--seed", type=int, default=0)
     add("--request-timeout", type=float, default=300.0)
     add(
@@ -940,7 +1010,11 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_info(),
         "settings": settings,
         "unit_cost_model": UNIT_COST,
-        "trace_options": {kind: TRACE_OPTIONS[kind] for kind in {*args.traces, args.gateway_trace}},
+        "trace_options": {
+            f"{kind}@{size}": trace_options(kind, size, args)
+            for kind in args.traces
+            for size in sorted({*args.sizes, args.sweep_size})
+        },
         "cells": [],
     }
     record = recorder(document, args.out)

@@ -266,21 +266,28 @@ class Simulation:
     def run(self) -> dict[str, Any]:
         for _ in range(self.shape.concurrency):
             self._send()
-        self._at(self.shape.poll_ms, "poll", None)
-        while len(self.done) < len(self.turns):
-            self.now, _, kind, payload = heapq.heappop(self.events)
-            if kind == "step":
-                self._step(payload)
-            elif kind == "first_token":
-                worker, request = payload
-                self.prefill_in_flight[worker.id] -= request.num_prefill_tokens
-            elif kind == "finish":
-                self._finish(*payload)
-            elif kind == "poll":
-                self._poll()
-                self._at(self.now + self.shape.poll_ms, "poll", None)
+        self._run_until(len(self.turns))
         first, end = self.shape.warmup, self.shape.warmup + self.shape.measured
         return self._summary([request for request in self.done if first <= request.number < end])
+
+    def _run_until(self, num_done: int) -> None:
+        """The event loop, polls included, until ``num_done`` requests have finished."""
+        self._at(self.shape.poll_ms, "poll", None)
+        while len(self.done) < num_done:
+            self.now, _, kind, payload = heapq.heappop(self.events)
+            self._handle(kind, payload)
+
+    def _handle(self, kind: str, payload: Any) -> None:
+        if kind == "step":
+            self._step(payload)
+        elif kind == "first_token":
+            worker, request = payload
+            self.prefill_in_flight[worker.id] -= request.num_prefill_tokens
+        elif kind == "finish":
+            self._finish(*payload)
+        elif kind == "poll":
+            self._poll()
+            self._at(self.now + self.shape.poll_ms, "poll", None)
 
     def _at(self, when: float, kind: str, payload: Any) -> None:
         heapq.heappush(self.events, (when, next(self.counter), kind, payload))

@@ -18,9 +18,10 @@ from herd.api.prompt import PromptRenderer
 from herd.api.protocol import KVEvent
 from herd.worker.cache_geometry import CacheGeometry
 from herd.worker.engine import LLMEngine
+from herd.worker.kv_tiers import KVMove
 from herd.worker.model_runner import TorchRunner
 from herd.worker.outputs import RequestOutput
-from herd.worker.runner import Runner, StepResult
+from herd.worker.runner import Measured, Runner, StepResult
 from herd.worker.sampling_params import SamplingParams
 from herd.worker.scheduler import SchedulerOutput
 from herd.worker.simulated_runner import SimulatedRunner, VirtualClock, simulated_engine
@@ -50,6 +51,13 @@ class RecordingRunner:
     @property
     def vocab_size(self) -> int:
         return self.runner.vocab_size
+
+    @property
+    def measured(self) -> Measured:
+        return self.runner.measured
+
+    def move_blocks(self, moves: list[KVMove]) -> None:
+        self.runner.move_blocks(moves)
 
     def execute(self, plan: SchedulerOutput) -> list[StepResult]:
         chunks = tuple((chunk.seq.request_id, chunk.start, chunk.num_tokens) for chunk in plan.chunks)

@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 import pytest_asyncio
+from support.lora import make_peft_adapter
 from support.worker_server import engine_config
 
 from herd.api import PromptRenderer, block_hashes
@@ -30,8 +31,13 @@ LONG_SYSTEM = "You are a careful assistant. " * 6
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def worker(tiny_llama: Path) -> AsyncIterator[tuple[httpx.AsyncClient, httpx.AsyncClient]]:
-    engine = AsyncEngine(lambda: torch_engine(engine_config(tiny_llama, maxModelLen=1024)))  # room for tools
+async def worker(
+    tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[tuple[httpx.AsyncClient, httpx.AsyncClient]]:
+    adapter = make_peft_adapter(tiny_llama, tmp_path_factory.mktemp("hash-lora") / "sql", rank=4, seed=1)
+    config = engine_config(tiny_llama, maxModelLen=1024)  # room for tools
+    config = config.model_copy(update={"lora_modules": {"sql": adapter}})
+    engine = AsyncEngine(lambda: torch_engine(config))
     engine.start()
     await engine.wait_loaded()
     public = httpx.ASGITransport(app=build_public_app(engine, PublicOptions("tiny", max_body_bytes=1 << 20)))
@@ -80,8 +86,9 @@ async def worker(tiny_llama: Path) -> AsyncIterator[tuple[httpx.AsyncClient, htt
                 {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
             ],
         },
+        {"prompt": LONG_SYSTEM + "Once upon a time", "model": "sql"},
     ],
-    ids=["chat", "chat-parts-salted", "completion", "chat-tools"],
+    ids=["chat", "chat-parts-salted", "completion", "chat-tools", "lora-adapter"],
 )
 async def test_orchestrator_hashes_equal_the_workers(
     worker: tuple[httpx.AsyncClient, httpx.AsyncClient], tiny_llama: Path, body: dict[str, Any]
@@ -96,12 +103,17 @@ async def test_orchestrator_hashes_equal_the_workers(
     token_ids = prompt_token_ids(
         PromptRenderer.from_pretrained(tiny_llama), WIRE_MODELS[path].model_validate(request)
     )
+    lora_name = None if request["model"] == "tiny" else request["model"]
     expected = block_hashes(
-        token_ids, snapshot["block_size"], model_id="tiny", cache_salt=request.get("cache_salt")
+        token_ids,
+        snapshot["block_size"],
+        model_id="tiny",
+        cache_salt=request.get("cache_salt"),
+        lora_name=lora_name,
     )
     assert len(expected) >= 4, "the prompt should span several full blocks"
     assert response.json()["usage"]["prompt_tokens"] == len(token_ids)
     assert set(expected) <= set(snapshot["block_hashes"])
     unsalted = block_hashes(token_ids, snapshot["block_size"], model_id="tiny")
-    if request.get("cache_salt"):
+    if request.get("cache_salt") or lora_name:
         assert not set(unsalted) & set(expected)

@@ -106,12 +106,29 @@ def test_plan_workers_for_each_pool(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("source", "message"),
-    [("hf://Org/Name", "herd up needs a local model"), ("file:///nonexistent", "holds no model")],
+    [("hf://Org/Name", "herd up needs a local model"), ("file:///nonexistent", "holds no config.json")],
     ids=["remote-source", "missing-folder"],
 )
 def test_plan_workers_rejects_unusable_sources(source: str, message: str) -> None:
     with pytest.raises(UpError, match=message):
         plan_workers(deployment(source), "t")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        (
+            "pvc://loras/sql",
+            "adapter 'sql' source 'pvc://loras/sql' is not local; herd up needs local adapters",
+        ),
+        ("file:///nonexistent", "holds no adapter_config.json"),
+    ],
+    ids=["remote-adapter", "missing-adapter-folder"],
+)
+def test_plan_workers_rejects_unusable_adapter_sources(tiny_llama: Path, source: str, message: str) -> None:
+    md = deployment(f"file://{tiny_llama}", adapters=[{"name": "sql", "source": source}])
+    with pytest.raises(UpError, match=message):
+        plan_workers(md, "t")  # type: ignore[arg-type]
 
 
 @pytest.mark.e2e

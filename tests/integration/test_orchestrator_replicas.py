@@ -19,7 +19,7 @@ from herd.api.openai import ChatCompletionRequest
 from herd.api.protocol import WORKER_HEADER, KVEvent
 from herd.orchestrator.app import AppSettings
 from herd.orchestrator.kv_index import KVIndex
-from herd.orchestrator.registry import RegistrySettings
+from herd.orchestrator.registry import Registry, RegistrySettings
 from herd.orchestrator.state import RedisState
 from herd.orchestrator.tokens import prompt_token_ids
 
@@ -36,7 +36,13 @@ async def replica(
     poll_interval: float,
     model_config: dict[str, object] | None = None,
 ) -> AsyncIterator[tuple[FastAPI, httpx.AsyncClient]]:
-    settings = AppSettings(registry=RegistrySettings(poll_interval=poll_interval))
+    # A long poll_interval makes a replica that reads its status streams' first lines, then nothing.
+    registry = RegistrySettings(
+        poll_interval=poll_interval,
+        heartbeat=max(poll_interval, 1.0),
+        silence_timeout=max(3 * poll_interval, 3.0),
+    )
+    settings = AppSettings(registry=registry)
     state = RedisState(redis_url, retry_seconds=0.2)
     async with running_gateway(
         cluster,
@@ -71,7 +77,8 @@ async def test_replicas_hold_the_same_kv_index(redis_url: str) -> None:
     worker = FakeWorker("w0", snapshot_blocks=[11, 12])
     cluster = FakeCluster([worker, FakeWorker("w1")])
     routing = KVCacheAwareRouting(strategy="kv_cache_aware")
-    # The second replica polls once, then not for minutes: new events can only reach it through Redis.
+    # The second replica reads its streams' first lines, then nothing for minutes: new events can only
+    # reach it through Redis.
     async with (
         replica(cluster, redis_url, routing, 0.05) as (polling, _),
         replica(cluster, redis_url, routing, 600.0) as (listening, _),
@@ -93,7 +100,7 @@ async def test_replicas_hold_the_same_kv_index(redis_url: str) -> None:
 async def test_replicas_share_the_blocks_a_decision_expects(redis_url: str, tiny_llama: Path) -> None:
     """A prompt routed by one replica is expected on its worker by the other within a stream read,
     long before any worker reports the blocks (the fake workers never do, and the second replica
-    polls once): the second replica's kv_cache_aware sends the same prompt to the same worker."""
+    reads only its status streams' first lines): the second replica's kv_cache_aware sends the same prompt to the same worker."""
     cluster = FakeCluster(
         [FakeWorker("w0", snapshot_blocks=[11]), *(FakeWorker(f"w{n}") for n in range(1, 4))]
     )
@@ -117,10 +124,35 @@ async def test_replicas_share_the_blocks_a_decision_expects(redis_url: str, tiny
             assert again.headers[WORKER_HEADER] == chosen, topic
 
 
-async def until_listening(worker: FakeWorker, index: KVIndex) -> None:
-    """Restart ``worker`` (a new epoch, same blocks) until the replica that does not poll sees it.
+async def test_replicas_count_each_others_requests_in_flight(redis_url: str) -> None:
+    """A request one replica has in flight on a worker counts in the other's views (its cap and its
+    load terms) within a stream read, and stops counting once released."""
+    cluster = FakeCluster([FakeWorker("w0"), FakeWorker("w1")])
+    routing = KVCacheAwareRouting(strategy="kv_cache_aware")
+    async with (
+        replica(cluster, redis_url, routing, 0.05) as (first, _),
+        replica(cluster, redis_url, routing, 0.05) as (second, _),
+    ):
+        registries = [app.state.registry for app in (first, second)]
 
-    The polling replica publishes each restart's snapshot to Redis; the other replica's consumer
+        def in_flight(registry: Registry) -> dict[str, int]:
+            return {view.id: view.num_in_flight for view in registry.views(MODEL)}
+
+        # The second replica's consumer tails the stream from when it connected: hold until it counts.
+        holds = [registries[0].hold("w0") for _ in range(3)]
+        await wait_for(lambda: in_flight(registries[1]) == {"w0": 3, "w1": 0}, within=WITHIN_S)
+        assert in_flight(registries[0]) == {"w0": 3, "w1": 0}  # its own, not twice
+        registries[1].hold("w1")
+        await wait_for(lambda: in_flight(registries[0]) == {"w0": 3, "w1": 1}, within=WITHIN_S)
+        for hold in holds:
+            hold.release("success")
+        await wait_for(lambda: in_flight(registries[1]) == {"w0": 0, "w1": 1}, within=WITHIN_S)
+
+
+async def until_listening(worker: FakeWorker, index: KVIndex) -> None:
+    """Restart ``worker`` (a new epoch, same blocks) until the replica that does not follow it sees it.
+
+    The following replica publishes each restart's snapshot to Redis; the other replica's consumer
     reads the stream from its end once connected, so only what is published after that reaches it.
     A restart it sees proves it is tailing; a fixed wait would guess how long connecting takes.
     """

@@ -14,6 +14,7 @@ import httpx
 import pytest
 import pytest_asyncio
 from fastapi import FastAPI
+from support.asgi_stream import StreamingASGITransport
 from support.gateway_fakes import wait_for
 from support.upstream_fakes import HttpxUpstream
 from support.worker_server import engine_config
@@ -45,7 +46,7 @@ CHAT = {
 class _ByHost(httpx.AsyncBaseTransport):
     """One upstream client for the orchestrator, reaching each in-process app by host name."""
 
-    def __init__(self, apps: dict[str, httpx.ASGITransport]) -> None:
+    def __init__(self, apps: dict[str, httpx.AsyncBaseTransport]) -> None:
         self.apps = apps
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
@@ -87,11 +88,11 @@ async def test_the_route_serves_what_the_worker_renders_with(engine: AsyncEngine
 async def test_an_orchestrator_without_the_folder_hashes_as_the_worker(
     engine: AsyncEngine, tiny_llama: Path
 ) -> None:
-    apps = {
+    apps: dict[str, httpx.AsyncBaseTransport] = {
         "worker.test": httpx.ASGITransport(
             app=build_public_app(engine, PublicOptions("tiny", max_body_bytes=1 << 20))
         ),
-        "worker.internal": httpx.ASGITransport(app=build_internal_app(engine, TOKEN)),
+        "worker.internal": StreamingASGITransport(build_internal_app(engine, TOKEN)),
     }
     model = ModelConfig("tiny", KVCacheAwareRouting(strategy="kv_cache_aware"), block_size=16)
     endpoint = WorkerEndpoint("w0", "tiny", "http://worker.test", "http://worker.internal")

@@ -11,10 +11,11 @@ from typing import Any
 import httpx
 import pytest
 import pytest_asyncio
+from support.asgi_stream import StreamingASGITransport
 from support.worker_server import engine_config, sse_data
 
 from herd.api.prompt import PromptRenderer
-from herd.api.protocol import INTERNAL_PATHS, TOKEN_HEADER
+from herd.api.protocol import INTERNAL_PATHS, TOKEN_HEADER, KVSnapshot, WorkerStatus
 from herd.worker.async_engine import AsyncEngine
 from herd.worker.config import EngineConfig
 from herd.worker.engine import LLMEngine
@@ -316,6 +317,34 @@ async def test_kv_events_long_poll_returns_nothing_new(internal: httpx.AsyncClie
     too_long = await internal.get(INTERNAL_PATHS.kv_events, params={"wait": 60})
     assert too_long.status_code == 400
     assert too_long.json()["error"]["param"] == "query.wait"
+
+
+async def test_the_status_stream_resumes_after_a_position_and_carries_new_events(
+    engine: AsyncEngine, client: httpx.AsyncClient
+) -> None:
+    """The stream the orchestrator follows: from its position it sends only newer events (no
+    snapshot), with the load; a request's blocks arrive on it as events, in order."""
+    transport = StreamingASGITransport(build_internal_app(engine, TOKEN))
+    async with httpx.AsyncClient(
+        transport=transport, base_url="http://worker", headers={TOKEN_HEADER: TOKEN}
+    ) as internal:
+        snapshot = KVSnapshot.model_validate_json((await internal.get(INTERNAL_PATHS.kv_snapshot)).content)
+        query = {"epoch": snapshot.epoch, "after": snapshot.seq, "interval": 0.01, "heartbeat": 0.05}
+        statuses: list[WorkerStatus] = []
+        async with internal.stream("GET", INTERNAL_PATHS.status, params=query) as response:
+            lines = response.aiter_lines()
+            statuses.append(WorkerStatus.model_validate_json(await anext(lines)))
+            prompt = [{"role": "user", "content": "Llamas carry packs over the mountain passes. " * 4}]
+            await client.post(CHAT, json=chat_body(messages=prompt))
+            async for line in lines:
+                statuses.append(status := WorkerStatus.model_validate_json(line))
+                if status.events:
+                    break
+    first, last = statuses[0], statuses[-1]
+    assert first.is_ready and first.snapshot is None and first.epoch == snapshot.epoch
+    assert first.load.num_total_blocks > 0
+    assert not any(status.snapshot for status in statuses)
+    assert last.events[0].seq == snapshot.seq + 1 and last.events[0].kind == "stored"
 
 
 class HeldEngine(LLMEngine):

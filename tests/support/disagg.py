@@ -24,6 +24,7 @@ from herd.worker.engine import LLMEngine
 from herd.worker.model_runner import torch_engine
 from herd.worker.server import PublicOptions, build_internal_app, build_public_app
 from herd.worker.server._disagg_setup import attach_disaggregation
+from support.asgi_stream import StreamingASGITransport
 from support.worker_server import engine_config
 
 __all__ = ["TOKEN", "HostDispatch", "InProcessWorker", "start_worker"]
@@ -34,13 +35,13 @@ MODEL = "tiny"
 
 @dataclass(eq=False)
 class HostDispatch(httpx.AsyncBaseTransport):
-    apps: dict[str, httpx.ASGITransport] = field(default_factory=dict)
+    apps: dict[str, StreamingASGITransport] = field(default_factory=dict)
     refused: set[tuple[str, str | None]] = field(default_factory=set)
     """``(host, None)`` refuses every path of the host, ``(host, path)`` that one path."""
     num_refused: int = 0
 
     def add(self, host: str, app: Any) -> None:
-        self.apps[host] = httpx.ASGITransport(app=app)
+        self.apps[host] = StreamingASGITransport(app)
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         host = request.url.host
@@ -117,10 +118,12 @@ async def start_worker(
     dispatch: HostDispatch,
     http: httpx.AsyncClient,
     build: Callable[[EngineConfig], LLMEngine] = torch_engine,
+    lora_modules: dict[str, Path] | None = None,
 ) -> InProcessWorker:
-    """A loaded engine (``build``: on the torch runner by default) with both apps registered in
-    ``dispatch`` under the worker's two hosts."""
+    """A loaded engine (``build``: on the torch runner by default; with ``lora_modules`` loaded)
+    with both apps registered in ``dispatch`` under the worker's two hosts."""
     config = engine_config(model, maxModelLen=512, kvCache={"blockSize": 16, "memoryGiB": 0.02})
+    config = config.model_copy(update={"lora_modules": lora_modules or {}})
     engine = AsyncEngine(lambda: build(config))
     engine.start()
     await engine.wait_loaded()

@@ -19,7 +19,8 @@ from fastapi import FastAPI
 
 from herd.api.crd import RoundRobinRouting, RoutingSpec
 from herd.api.openai import ErrorResponse
-from herd.api.protocol import INTERNAL_PATHS, KVEvent, KVEventBatch, KVSnapshot, LoadReport, Role
+from herd.api.protocol import INTERNAL_PATHS, KVEvent, KVSnapshot, LoadReport, Role, StatusQuery
+from herd.api.worker_status import StatusSource, status_lines
 from herd.orchestrator.app import AppSettings, build_app
 from herd.orchestrator.discovery import ModelConfig, StaticSource, WorkerEndpoint
 from herd.orchestrator.registry import RegistrySettings
@@ -48,6 +49,28 @@ class FakeStream(httpx.AsyncByteStream):
         self.worker.num_streams_closed += 1
 
 
+class FakeStatusStream(httpx.AsyncByteStream):
+    """The worker's status stream (``herd.api.worker_status``, as real workers serve it) over the
+    fake's fields; it breaks as a killed process's would once the fake goes down, and stalls (sends
+    nothing, keeps the connection) while ``is_stalled``."""
+
+    def __init__(self, worker: FakeWorker, query: StatusQuery) -> None:
+        self.worker, self.query = worker, query
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        worker = self.worker
+        async for line in status_lines(worker.status_source(), self.query):
+            await asyncio.sleep(worker.line_delay)
+            for _ in range(60_000):  # a stall lasts at most 10 minutes
+                if not (worker.is_stalled and worker.is_up):
+                    break
+                await asyncio.sleep(0.01)
+            if not worker.is_up:
+                raise httpx.RemoteProtocolError("peer closed connection (fake worker killed)")
+            worker.num_status_lines += 1
+            yield line
+
+
 @dataclass(eq=False)
 class FakeWorker:
     id: str
@@ -65,7 +88,10 @@ class FakeWorker:
     epoch: str = "e1"
     events: list[KVEvent] = field(default_factory=list)
     snapshot_blocks: list[int] = field(default_factory=list)
-    is_kv_broken: bool = False
+    is_stalled: bool = False
+    """Keep the status stream open but send nothing (a hung process)."""
+    line_delay: float = 0.0
+    """Seconds each status line is late (a slow worker, or a busy one)."""
     metrics: str = ""
     """The Prometheus text its ``/metrics`` answers."""
     prefill_delay: float = 0.0
@@ -76,6 +102,8 @@ class FakeWorker:
     """The OpenAI request bodies it received."""
     num_requests: int = 0
     num_snapshots: int = 0
+    num_status_streams: int = 0
+    num_status_lines: int = 0
     num_streams_closed: int = 0
 
     @property
@@ -106,20 +134,32 @@ class FakeWorker:
 
     def _internal(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
-        if path == "/internal/load":
-            return httpx.Response(200, content=self.load.model_dump_json())
         if path == INTERNAL_PATHS.prefill:
             return self._prefill(json.loads(request.content))
-        if self.is_kv_broken:
-            return httpx.Response(500)
-        if path == "/internal/kv/snapshot":
+        if path == INTERNAL_PATHS.status:
+            self.num_status_streams += 1
+            query = StatusQuery.model_validate(dict(request.url.params))
+            stream = FakeStatusStream(self, query)
+            return httpx.Response(200, headers={"content-type": "application/x-ndjson"}, stream=stream)
+        return httpx.Response(404)
+
+    def status_source(self) -> StatusSource:
+        async def probe() -> tuple[bool, LoadReport]:
+            return self.is_ready, self.load
+
+        async def events_after(seq: int, wait: float) -> list[KVEvent]:
+            for _ in range(max(1, round(wait / 0.005))):  # a poll of the list stands in for a wakeup
+                if events := [event for event in self.events if event.seq > seq]:
+                    return events
+                await asyncio.sleep(0.005)
+            return [event for event in self.events if event.seq > seq]
+
+        async def snapshot() -> KVSnapshot:
             self.num_snapshots += 1
             seq = self.events[-1].seq if self.events else 0
-            snapshot = KVSnapshot(epoch=self.epoch, seq=seq, block_size=4, block_hashes=self.snapshot_blocks)
-            return httpx.Response(200, content=snapshot.model_dump_json())
-        after = int(request.url.params.get("after", "0"))
-        batch = KVEventBatch(epoch=self.epoch, events=[event for event in self.events if event.seq > after])
-        return httpx.Response(200, content=batch.model_dump_json())
+            return KVSnapshot(epoch=self.epoch, seq=seq, block_size=4, block_hashes=self.snapshot_blocks)
+
+        return StatusSource(lambda: self.epoch, probe, events_after, snapshot)
 
     def _prefill(self, payload: dict[str, object]) -> httpx.Response:
         """A prefill's ``kv_transfer_params`` after ``prefill_delay`` (the body's halves apart)."""

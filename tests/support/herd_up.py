@@ -53,8 +53,8 @@ class Up:
 
 
 @contextlib.contextmanager
-def herd_up_of(manifest: Path, folder: Path) -> Iterator[Up]:
-    """``herd up MANIFEST`` until it serves; stopped by its pid on exit."""
+def herd_up_of(manifest: Path, folder: Path, env: dict[str, str] | None = None) -> Iterator[Up]:
+    """``herd up MANIFEST`` until it serves (``env`` added to its environment); stopped by its pid on exit."""
     port = free_port()
     argv = [
         sys.executable,
@@ -70,7 +70,7 @@ def herd_up_of(manifest: Path, folder: Path) -> Iterator[Up]:
         "300",
     ]
     log = folder / "up.log"
-    with running(argv, log=log, env={"OMP_NUM_THREADS": "1"}) as process:
+    with running(argv, log=log, env={"OMP_NUM_THREADS": "1", **(env or {})}) as process:
 
         def ready() -> bool:
             assert process.poll() is None, f"herd up exited: {log.read_text()[-2000:]}"

@@ -57,6 +57,7 @@ class ScriptedEngine:
     requests: dict[str, _Request] = field(default_factory=dict)
     aborted: list[str] = field(default_factory=list)
     stats: EngineStats = field(default_factory=EngineStats)
+    lora_adapters: dict[str, Path] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.gate.set()
@@ -86,6 +87,7 @@ class ScriptedEngine:
         cache_salt: str | None = None,
         first_token_id: int | None = None,
         resumed_token_ids: Sequence[int] = (),
+        lora_name: str | None = None,
     ) -> RequestOutput | None:
         if first_token_id is not None or resumed_token_ids:
             raise ValueError("the scripted engine takes no handed-over or resumed tokens")

@@ -12,7 +12,7 @@ event batches it missed.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from herd.api.crd import EngineSpec
 from herd.api.protocol import Role
@@ -23,6 +23,7 @@ __all__ = [
     "KV_EVENTS_TOPIC",
     "LOOPBACK",
     "VLLM_SERVER_MODULE",
+    "lora_module_args",
     "sidecar_argv",
     "vllm_server_argv",
 ]
@@ -40,6 +41,22 @@ CPU_BLOCK_SIZE_MULTIPLE = 32
 minutes of loading, on others)."""
 
 
+def lora_module_args(adapters: Mapping[str, str]) -> list[str]:
+    """``--lora-modules NAME=PATH ...`` for the LoRA adapters a worker loads at start: vLLM's flag,
+    which ``herd worker`` takes as well; nothing without adapters."""
+    if not adapters:
+        return []
+    return ["--lora-modules", *(f"{name}={path}" for name, path in adapters.items())]
+
+
+def _vllm_lora_flags(engine: EngineSpec, adapters: Mapping[str, str]) -> list[str]:
+    slots = engine.lora_slots(has_adapters=bool(adapters))
+    if not slots:
+        return []
+    flags = ["--enable-lora", "--max-loras", str(slots), "--max-lora-rank", str(engine.max_lora_rank)]
+    return [*flags, *lora_module_args(adapters)]
+
+
 def vllm_server_argv(
     engine: EngineSpec,
     model_path: str,
@@ -48,8 +65,10 @@ def vllm_server_argv(
     kv_events_port: int,
     replay_port: int,
     python: str = "python",
+    adapters: Mapping[str, str] | None = None,
 ) -> list[str]:
-    """vLLM's OpenAI server for ``engine``, on loopback, publishing its KV events to the sidecar;
+    """vLLM's OpenAI server for ``engine``, on loopback, publishing its KV events to the sidecar,
+    with LoRA on and ``adapters`` (name -> folder) loaded when there are slots;
     ``engine.vllm.extraArgs`` last, so that they win.
 
     Raises ``ValueError`` for a spec vLLM would refuse: a CPU engine's block size not a multiple of 32.
@@ -76,6 +95,7 @@ def vllm_server_argv(
         "--host", LOOPBACK,
         "--port", str(port),
         "--kv-events-config", _kv_events_config(kv_events_port, replay_port),
+        *_vllm_lora_flags(engine, adapters or {}),
         *(engine.vllm.extra_args if engine.vllm is not None else ()),
     ]  # fmt: skip
 

@@ -15,10 +15,12 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
+from herd.api.openai import LORA_NAME_PATTERN
 from herd.api.protocol import Role
 
 __all__ = [
     "API_VERSION",
+    "DEFAULT_MAX_LORAS",
     "GROUP",
     "KIND",
     "PLURAL",
@@ -26,6 +28,8 @@ __all__ = [
     "SHORT_NAME",
     "VERSION",
     "Accelerator",
+    "AdapterSpec",
+    "AdapterStatus",
     "AutoscalingObserved",
     "AutoscalingPoolStatus",
     "AutoscalingSpec",
@@ -39,6 +43,7 @@ __all__ = [
     "GatewaySpec",
     "KVCacheAwareRouting",
     "KVCacheSpec",
+    "KVDiskSpec",
     "LeastRequestRouting",
     "ModelDeployment",
     "ModelDeploymentSpec",
@@ -59,6 +64,7 @@ __all__ = [
     "SimulationSpec",
     "StickySessionRouting",
     "StrategyName",
+    "TierWeights",
     "VLLMSpec",
 ]
 
@@ -92,6 +98,15 @@ class CacheSpec(_Spec):
     pvc: str = Field(description="A PersistentVolumeClaim shared by every pool as the model cache.")
 
 
+def _check_source(value: str, where: str) -> str:
+    if not value.startswith(SOURCE_SCHEMES) or value in SOURCE_SCHEMES:
+        raise ValueError(
+            f"{where} {value!r} has no known scheme: use one of "
+            + ", ".join(f"{scheme}..." for scheme in SOURCE_SCHEMES)
+        )
+    return value
+
+
 class ModelSpec(_Spec):
     source: str = Field(
         description="Where the weights are: hf://Org/Name, s3://bucket/prefix, pvc://claim/path or file:///path."
@@ -105,12 +120,7 @@ class ModelSpec(_Spec):
     @field_validator("source")
     @classmethod
     def _check_source(cls, value: str) -> str:
-        if not value.startswith(SOURCE_SCHEMES) or value in SOURCE_SCHEMES:
-            raise ValueError(
-                f"model.source {value!r} has no known scheme: use one of "
-                + ", ".join(f"{scheme}..." for scheme in SOURCE_SCHEMES)
-            )
-        return value
+        return _check_source(value, "model.source")
 
     @property
     def scheme(self) -> str:
@@ -120,6 +130,35 @@ class ModelSpec(_Spec):
     def location(self) -> str:
         """The source without its scheme: ``Org/Name``, ``bucket/prefix``, ``claim/path``, ``/path``."""
         return self.source.split("://", 1)[1]
+
+
+class KVDiskSpec(_Spec):
+    """The local-disk KV tier: one preallocated file of ``sizeGiB`` in ``path`` (a fast local disk, an
+    emptyDir or a hostPath). A full or failing disk turns the tier off with one log line."""
+
+    path: str = Field(min_length=1, description="Folder for the tier's file; created if missing.")
+    size_gib: float = Field(alias="sizeGiB", gt=0.0, description="Size of the tier's file in GiB.")
+
+
+class AdapterSpec(_Spec):
+    """A LoRA adapter (PEFT format) of the base model, served under its own ``name``."""
+
+    name: str = Field(pattern=LORA_NAME_PATTERN, description="The OpenAI `model` that selects the adapter.")
+    source: str = Field(
+        description="Where the adapter is, with the model's schemes (hf://, s3://, pvc://, file://)."
+    )
+    rank: int | None = Field(
+        default=None, ge=1, description="Its LoRA rank, checked against engine.maxLoraRank."
+    )
+
+    @field_validator("source")
+    @classmethod
+    def _check_source(cls, value: str) -> str:
+        return _check_source(value, "adapters[].source")
+
+    def as_model(self) -> ModelSpec:
+        """The adapter's source as a ``ModelSpec``, to be fetched or mounted as a model is."""
+        return ModelSpec(source=self.source)
 
 
 class KVCacheSpec(_Spec):
@@ -134,6 +173,24 @@ class KVCacheSpec(_Spec):
         description="KV pool size in GiB; overrides memoryUtilization (CPU default 1).",
     )
     prefix_caching: bool = True
+    host_memory_gib: float = Field(
+        default=0.0,
+        alias="hostMemoryGiB",
+        ge=0.0,
+        description="Host-memory tier in GiB: blocks evicted from the KV pool move here and are restored "
+        "on a prefix hit instead of recomputed; 0 turns it off.",
+    )
+    disk: KVDiskSpec | None = Field(
+        default=None, description="A local-disk tier below the host tier (needs hostMemoryGiB > 0)."
+    )
+
+    @model_validator(mode="after")
+    def _check_tiers(self) -> KVCacheSpec:
+        if self.disk is not None and self.host_memory_gib == 0:
+            raise ValueError(
+                "engine.kvCache.disk takes the blocks the host tier evicts: set engine.kvCache.hostMemoryGiB > 0"
+            )
+        return self
 
     @field_validator("block_size")
     @classmethod
@@ -150,7 +207,8 @@ class CostModel(_Spec):
     reads its sequences' whole KV); ``hostShare`` says how much of that time the host's CPU works.
     ``herd bench calibrate`` fits it from the real engine; the
     defaults are near SmolLM2-135M in fp32 on one CPU thread (a 300-token prefill about 0.5 s, a
-    decode step 60 ms)."""
+    decode step 60 ms; a block restored from host memory in 0.11 ms, from a disk file in the page cache
+    in 1.2 ms)."""
 
     step_ms: float = Field(default=60.0, ge=0.0, description="Fixed cost of a step.")
     seq_ms: float = Field(default=0.0, ge=0.0, description="Cost per sequence in the batch.")
@@ -166,6 +224,20 @@ class CostModel(_Spec):
         "step's wall time); a simulated worker spins for that share, holding a core and the GIL as the "
         "real step does, and sleeps the rest. 0 models an accelerator that leaves the host idle.",
     )
+
+    host_gbps: float = Field(
+        default=6.5,
+        alias="hostGBps",
+        gt=0.0,
+        description="GB a second moved between the KV pool and the host tier (either way).",
+    )
+    disk_gbps: float = Field(
+        default=0.6, alias="diskGBps", gt=0.0, description="GB a second moved to or from the disk tier."
+    )
+
+    def move_seconds(self, num_bytes: int, *, disk: bool) -> float:
+        """The modelled time of moving ``num_bytes`` of KV between tiers (through the disk or not)."""
+        return num_bytes / ((self.disk_gbps if disk else self.host_gbps) * 1e9)
 
     def step_seconds(self, num_tokens: int, num_seqs: int = 0, num_context_tokens: int = 0) -> float:
         """The modelled duration of a step, in seconds."""
@@ -191,6 +263,10 @@ class VLLMSpec(_Spec):
     )
 
 
+DEFAULT_MAX_LORAS = 4
+"""``engine.maxLoras`` when unset and the worker has adapters to serve."""
+
+
 class EngineSpec(_Spec):
     backend: BackendName = Field(
         default="herd",
@@ -205,9 +281,25 @@ class EngineSpec(_Spec):
         default=8192, ge=16, description="Chunked-prefill token budget per engine step."
     )
     max_queue_len: int = Field(default=1024, ge=1, description="Waiting requests before 429.")
+    max_loras: int | None = Field(
+        default=None,
+        ge=0,
+        le=256,
+        description="LoRA adapters one engine step may run (the adapter slots on the device); 0 turns "
+        f"LoRA off. Unset: {DEFAULT_MAX_LORAS} when the deployment lists adapters, else off.",
+    )
+    max_lora_rank: int = Field(
+        default=16, ge=1, le=512, description="The largest adapter rank a worker loads."
+    )
     kv_cache: KVCacheSpec = Field(default_factory=KVCacheSpec)
     simulation: SimulationSpec | None = Field(default=None, description="backend simulated only.")
     vllm: VLLMSpec | None = Field(default=None, description="backend vllm only.")
+
+    def lora_slots(self, *, has_adapters: bool) -> int:
+        """``maxLoras`` resolved: as given, else the default when there are adapters, else 0 (off)."""
+        if self.max_loras is not None:
+            return self.max_loras
+        return DEFAULT_MAX_LORAS if has_adapters else 0
 
     @model_validator(mode="after")
     def _check_backend_blocks(self) -> EngineSpec:
@@ -346,10 +438,25 @@ class StickySessionRouting(_Routing):
     session_ttl_seconds: int = Field(default=3600, ge=1)
 
 
+class TierWeights(_Spec):
+    """What a block held in a tier below the device counts for, as a share of a device hit
+    (``tierCost: weights``; llm-d's scorer weighs the host tier 0.8)."""
+
+    host: float = Field(default=0.8, ge=0.0, le=1.0)
+    disk: float = Field(default=0.8, ge=0.0, le=1.0)
+
+
 class KVCacheAwareRouting(_BoundedLoad):
     strategy: Literal["kv_cache_aware"]
     cache_weight: float = Field(default=1.0, ge=0.0, description="Weight of the cached-prefix share.")
     load_weight: float = Field(default=1.0, ge=0.0, description="Weight of the worker's load.")
+    tier_cost: Literal["measured", "weights", "device"] = Field(
+        default="measured",
+        description="How a prefix held in a worker's host or disk tier counts: its restore time from the "
+        "worker's measured bandwidths (measured), a fixed share of a device hit (weights, tierWeights), "
+        "or not at all (device: tier-blind).",
+    )
+    tier_weights: TierWeights = Field(default_factory=TierWeights)
 
 
 RoutingSpec = Annotated[
@@ -414,6 +521,25 @@ class ModelDeploymentSpec(_Spec):
     )
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
     gateway: GatewaySpec = Field(default_factory=GatewaySpec)
+    adapters: list[AdapterSpec] = Field(
+        default_factory=list,
+        description="LoRA adapters every worker of every pool loads at start (more load at runtime).",
+    )
+
+    @model_validator(mode="after")
+    def _check_adapters(self) -> ModelDeploymentSpec:
+        names = [adapter.name for adapter in self.adapters]
+        if len(set(names)) < len(names):
+            raise ValueError(f"adapters[].name must be unique, got {names}")
+        if self.engine.max_loras == 0 and self.adapters:
+            raise ValueError("adapters need LoRA slots: leave engine.maxLoras unset or set it above 0")
+        for adapter in self.adapters:
+            if adapter.rank is not None and adapter.rank > self.engine.max_lora_rank:
+                raise ValueError(
+                    f"adapter {adapter.name!r} has rank {adapter.rank}, above engine.maxLoraRank "
+                    f"{self.engine.max_lora_rank}: raise maxLoraRank"
+                )
+        return self
 
     @model_validator(mode="after")
     def _check_pools(self) -> ModelDeploymentSpec:
@@ -541,6 +667,17 @@ class AutoscalingStatus(AutoscalingPoolStatus):
     )
 
 
+class AdapterStatus(BaseModel):
+    """Where one of ``spec.adapters`` is loaded: the Ready worker pods started with it (a worker
+    loads every adapter of its command line before it reports Ready). Adapters loaded or unloaded at
+    runtime through the gateway are not counted here; the gateway's ``/v1/models`` lists them."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True)
+    name: str
+    source: str
+    loaded_on: list[str] = Field(default_factory=list, description="Ready worker pods that loaded it.")
+
+
 class ModelDeploymentStatus(BaseModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True)
     observed_generation: int | None = None
@@ -550,6 +687,9 @@ class ModelDeploymentStatus(BaseModel):
     selector: str = ""
     endpoint: str | None = None
     autoscaling: AutoscalingStatus | None = None
+    adapters: list[AdapterStatus] | None = Field(
+        default=None, description="spec.adapters: where each is loaded."
+    )
 
 
 class ModelDeployment(BaseModel):
@@ -571,6 +711,12 @@ class ModelDeployment(BaseModel):
     @property
     def served_name(self) -> str:
         return self.spec.model.served_name or self.metadata.name
+
+    @model_validator(mode="after")
+    def _check_adapter_names(self) -> ModelDeployment:
+        if any(adapter.name == self.served_name for adapter in self.spec.adapters):
+            raise ValueError(f"an adapter is named {self.served_name!r}, the served model's name: rename it")
+        return self
 
 
 _SPEC_KEYS = ("apiVersion", "kind", "metadata", "spec")

@@ -10,7 +10,7 @@ from collections.abc import AsyncGenerator, Iterable
 from typing import Literal
 
 from herd.api.kv_hash import BlockHash
-from herd.api.protocol import KVEvent
+from herd.api.protocol import KVEvent, Medium
 
 __all__ = ["KVEventBuffer", "KVEventFeed"]
 
@@ -32,12 +32,17 @@ class KVEventBuffer:
         """The ``seq`` of the newest event recorded (0 before any)."""
         return self._last_seq
 
-    def record(self, kind: Literal["stored", "removed", "cleared"], hashes: Iterable[BlockHash]) -> None:
+    def record(
+        self,
+        kind: Literal["stored", "removed", "cleared"],
+        hashes: Iterable[BlockHash],
+        medium: Medium = "device",
+    ) -> None:
         block_hashes = list(hashes)
         if not block_hashes and kind != "cleared":
             return
         self._last_seq += 1
-        self._pending.append(KVEvent(seq=self._last_seq, kind=kind, block_hashes=block_hashes))
+        self._pending.append(KVEvent(seq=self._last_seq, kind=kind, block_hashes=block_hashes, medium=medium))
 
     def drain(self) -> list[KVEvent]:
         events = list(self._pending)

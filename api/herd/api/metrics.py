@@ -21,6 +21,7 @@ GENERATION_TOKENS_TOTAL = "vllm:generation_tokens_total"
 CACHE_CONFIG_INFO = "vllm:cache_config_info"
 NUM_PREEMPTIONS_TOTAL = "vllm:num_preemptions_total"
 REQUEST_SUCCESS_TOTAL = "vllm:request_success_total"
+LORA_REQUESTS_INFO = "vllm:lora_requests_info"
 
 # Worker (herd's own).
 HERD_KV_EVENTS_TOTAL = "herd_kv_events_total"
@@ -30,6 +31,13 @@ HERD_KV_TRANSFER_SECONDS = "herd_kv_transfer_seconds"
 HERD_KV_LEASES_EXPIRED_TOTAL = "herd_kv_leases_expired_total"
 HERD_ENGINE_STEP_SECONDS = "herd_engine_step_seconds"
 HERD_REQUESTS_REJECTED_TOTAL = "herd_requests_rejected_total"
+HERD_KV_TIER_USAGE_PERC = "herd_kv_tier_usage_perc"
+HERD_KV_TIER_BLOCKS = "herd_kv_tier_blocks"
+HERD_KV_TIER_STORED_TOTAL = "herd_kv_tier_stored_blocks_total"
+HERD_KV_TIER_RESTORED_TOTAL = "herd_kv_tier_restored_blocks_total"
+HERD_KV_TIER_EVICTED_TOTAL = "herd_kv_tier_evicted_blocks_total"
+HERD_KV_TIER_RESTORE_BYTES_PER_SECOND = "herd_kv_tier_restore_bytes_per_second"
+HERD_PREFILL_TOKENS_PER_SECOND = "herd_prefill_tokens_per_second"
 
 # Orchestrator.
 HERD_ROUTER_REQUESTS_TOTAL = "herd_router_requests_total"
@@ -60,6 +68,7 @@ WORKER_METRICS = (
     CACHE_CONFIG_INFO,
     NUM_PREEMPTIONS_TOTAL,
     REQUEST_SUCCESS_TOTAL,
+    LORA_REQUESTS_INFO,
     HERD_KV_EVENTS_TOTAL,
     HERD_KV_TRANSFER_BYTES_TOTAL,
     HERD_KV_TRANSFER_BLOCKS_TOTAL,
@@ -67,6 +76,13 @@ WORKER_METRICS = (
     HERD_KV_LEASES_EXPIRED_TOTAL,
     HERD_ENGINE_STEP_SECONDS,
     HERD_REQUESTS_REJECTED_TOTAL,
+    HERD_KV_TIER_USAGE_PERC,
+    HERD_KV_TIER_BLOCKS,
+    HERD_KV_TIER_STORED_TOTAL,
+    HERD_KV_TIER_RESTORED_TOTAL,
+    HERD_KV_TIER_EVICTED_TOTAL,
+    HERD_KV_TIER_RESTORE_BYTES_PER_SECOND,
+    HERD_PREFILL_TOKENS_PER_SECOND,
 )
 ORCHESTRATOR_METRICS = (
     HERD_ROUTER_REQUESTS_TOTAL,

@@ -40,6 +40,7 @@ __all__ = [
     "FunctionDefinition",
     "JsonSchemaFormat",
     "LengthError",
+    "LoadLoraAdapterRequest",
     "Logprobs",
     "ModelCard",
     "ModelList",
@@ -55,6 +56,7 @@ __all__ = [
     "ToolCall",
     "ToolCallDelta",
     "TopLogprob",
+    "UnloadLoraAdapterRequest",
     "Usage",
     "new_request_id",
     "now",
@@ -553,16 +555,38 @@ class CompletionResponse(BaseModel):
 
 
 class ModelCard(BaseModel):
+    """A served model; a LoRA adapter names its base model in ``parent`` and its folder in ``root``
+    (vLLM's fields)."""
+
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=now)
     owned_by: str = "herd"
+    root: str | None = None
+    parent: str | None = None
     max_model_len: int | None = None
 
 
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+LORA_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$"
+"""A LoRA adapter's name, which requests send as their ``model``."""
+
+
+class LoadLoraAdapterRequest(_Tolerant):
+    """vLLM's ``POST /v1/load_lora_adapter`` body: the adapter's name and its PEFT folder on the worker."""
+
+    lora_name: str = Field(pattern=LORA_NAME_PATTERN)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoraAdapterRequest(_Tolerant):
+    """vLLM's ``POST /v1/unload_lora_adapter`` body."""
+
+    lora_name: str = Field(pattern=LORA_NAME_PATTERN)
 
 
 ErrorType = Literal[

@@ -18,6 +18,7 @@ __all__ = [
     "LABEL_MANAGED_BY",
     "LABEL_ROLE",
     "MANAGED_BY",
+    "MEDIA",
     "REQUEST_ID_HEADER",
     "TOKEN_ENV",
     "TOKEN_HEADER",
@@ -27,13 +28,21 @@ __all__ = [
     "KVSnapshot",
     "KVTransferParams",
     "LoadReport",
+    "Medium",
     "Role",
+    "StatusQuery",
     "TokenizerFiles",
     "WorkerInfo",
+    "WorkerStatus",
     "is_valid_request_id",
 ]
 
 Role = Literal["unified", "prefill", "decode"]
+Medium = Literal["device", "host", "disk"]
+"""Where a KV block lives: the accelerator's pool, the host-memory tier, or the local disk tier
+(vLLM's KV events call the same field ``medium``: its ``GPU`` is herd's ``device``, ``CPU`` is ``host``)."""
+MEDIA: tuple[Medium, ...] = ("device", "host", "disk")
+"""Every medium, fastest first."""
 
 TOKEN_HEADER = "X-Herd-Token"
 """Carries the shared internal token on every internal request."""
@@ -70,6 +79,7 @@ class _Paths(BaseModel):
     kv_blocks: str = "/internal/kv/blocks"
     kv_release: str = "/internal/kv/release"
     tokenizer: str = "/internal/tokenizer"
+    status: str = "/internal/status"
 
 
 INTERNAL_PATHS = _Paths()
@@ -103,6 +113,10 @@ class TokenizerFiles(BaseModel):
 
 
 class LoadReport(BaseModel):
+    """A worker's load as of its last step. The LoRA fields follow the Gateway API Inference
+    Extension's ``vllm:lora_requests_info``: adapters loaded, running and waiting, and ``max_loras``,
+    the distinct adapters one step may run (0: LoRA is off)."""
+
     num_running: int = 0
     num_waiting: int = 0
     num_waiting_prefill_tokens: int = Field(default=0, description="Uncached prompt tokens queued.")
@@ -110,12 +124,32 @@ class LoadReport(BaseModel):
     num_free_blocks: int = 0
     num_total_blocks: int = 0
     is_draining: bool = False
+    bytes_per_block: int = Field(default=0, ge=0, description="One KV block's size; 0 if not reported.")
+    prefill_tokens_per_s: float | None = Field(
+        default=None, gt=0.0, description="Measured prefill rate (tokens a second); None until measured."
+    )
+    restore_bytes_per_s: dict[Medium, float] = Field(
+        default_factory=dict,
+        description="Measured bandwidth of restoring blocks onto the device, per tier it restores from.",
+    )
+    pull_bytes_per_s: float | None = Field(
+        default=None, gt=0.0, description="Measured bandwidth of pulling blocks from a peer worker."
+    )
+    max_loras: int = 0
+    lora_adapters: list[str] = Field(default_factory=list, description="LoRA adapters loaded.")
+    running_lora_adapters: list[str] = Field(default_factory=list)
+    waiting_lora_adapters: list[str] = Field(default_factory=list)
 
 
 class KVEvent(BaseModel):
+    """Blocks entering (``stored``) or leaving (``removed``) one tier, ``medium``, of a worker's cache;
+    ``cleared`` empties every tier. A block may sit in several tiers at once (a restored block keeps
+    its host copy), so each tier's holdings are tracked apart."""
+
     seq: int
     kind: Literal["stored", "removed", "cleared"]
     block_hashes: list[int] = Field(default_factory=list)
+    medium: Medium = "device"
 
 
 class KVEventBatch(BaseModel):
@@ -130,6 +164,37 @@ class KVSnapshot(BaseModel):
     seq: int
     block_size: int
     block_hashes: list[int]
+    tier_block_hashes: dict[Medium, list[int]] = Field(default_factory=dict)
+    """The blocks each tier below the device holds (``host``, ``disk``); ``block_hashes`` is the device's."""
+
+
+class StatusQuery(BaseModel):
+    """The status stream's query parameters (see ``WorkerStatus``), with their bounds."""
+
+    epoch: str | None = Field(default=None, description="The epoch the receiver's `after` belongs to.")
+    after: int = Field(default=-1, description="The last KV event seq the receiver holds; -1: none.")
+    interval: float = Field(default=0.25, ge=0.01, le=3600.0, description="Least seconds between lines.")
+    heartbeat: float = Field(default=1.0, ge=0.05, le=3600.0, description="Most seconds between lines.")
+
+
+class WorkerStatus(BaseModel):
+    """One line of a worker's status stream (``GET INTERNAL_PATHS.status``, newline-delimited JSON).
+
+    The orchestrator holds one such stream open per worker instead of polling readiness, load and KV
+    events separately. Query parameters: ``epoch`` and ``after`` (the receiver's KV position: the
+    stream starts with the events after ``after`` when ``epoch`` is the worker's, else with a
+    snapshot), ``interval`` (at most one line per ``interval`` seconds while the load or the cache
+    changes) and ``heartbeat`` (a line at least every ``heartbeat`` seconds even when nothing does, so
+    that a silent stream means a stalled worker). A line carries a snapshot whenever the worker's epoch
+    changes under the stream (its engine restarted); ``events`` continue from the last line's.
+    """
+
+    epoch: str
+    is_ready: bool
+    """What the public port's ``/ready`` says: the worker takes requests."""
+    load: LoadReport = Field(default_factory=LoadReport)
+    events: list[KVEvent] = Field(default_factory=list)
+    snapshot: KVSnapshot | None = None
 
 
 class KVTransferParams(BaseModel):

@@ -15,7 +15,7 @@ from herd.api.protocol import TOKEN_ENV, Role
 from herd.api.tracing import configure_tracing
 from herd.orchestrator.access_log import enable_access_log
 from herd.orchestrator.app import AppSettings, build_app
-from herd.orchestrator.auth import load_api_keys
+from herd.orchestrator.auth import ADMIN_API_KEYS_ENV, load_api_keys
 from herd.orchestrator.discovery import ModelConfig, StaticSource, WorkerEndpoint, WorkerSource
 from herd.orchestrator.gateway import GatewaySettings
 from herd.orchestrator.registry import RegistrySettings
@@ -99,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--batch-concurrency must be at least 1, got {args.batch_concurrency}")
         source = load_source(args)
         api_keys = load_api_keys(args.api_keys_file)
+        admin_keys = load_api_keys(args.admin_api_keys_file, ADMIN_API_KEYS_ENV)
     except (ManifestError, ValueError, OSError) as error:
         print(f"herd orchestrator: {error}", file=sys.stderr)
         return 2
@@ -120,7 +121,9 @@ def run(args: argparse.Namespace) -> int:
         batch_dir=args.batch_dir,
         batch_concurrency=args.batch_concurrency,
     )
-    app = build_app(source, settings=settings, state=build_state(args.redis), api_keys=api_keys)
+    app = build_app(
+        source, settings=settings, state=build_state(args.redis), api_keys=api_keys, admin_keys=admin_keys
+    )
     limits = ServerLimits(max_header_bytes=args.max_header_bytes, keep_alive_timeout=args.keep_alive_timeout)
     run_server(app, host=args.host, port=args.port, limits=limits)
     return 0
@@ -147,13 +150,20 @@ def add_source_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--redis", default=None, help="redis://HOST:PORT/DB to share sessions and KV events")
     parser.add_argument(
+        "--admin-api-keys-file",
+        type=Path,
+        default=None,
+        help=f"admin API keys for runtime LoRA loading, one per line (or {ADMIN_API_KEYS_ENV})",
+    )
+    parser.add_argument(
         "--internal-token", default=None, help=f"the workers' shared internal token (or {TOKEN_ENV})"
     )
     parser.add_argument(
         "--poll-interval",
         type=float,
         default=RegistrySettings().poll_interval,
-        help="seconds between a worker's health, load and KV polls (raise it for fleets of hundreds)",
+        help="least seconds between a worker's status lines (its load and KV events go out at most this "
+        "often; readiness changes and heartbeats come regardless), and the first retry delay",
     )
 
 

@@ -30,7 +30,7 @@ from types import FrameType
 
 import httpx
 
-from herd.api.backends import LOOPBACK, sidecar_argv, vllm_server_argv
+from herd.api.backends import LOOPBACK, lora_module_args, sidecar_argv, vllm_server_argv
 from herd.api.crd import POOL_ROLES, ModelDeployment, PoolName
 from herd.api.logs import configure_logging
 from herd.api.manifest import ManifestError, load_manifest
@@ -111,16 +111,34 @@ def _is_free(port: int) -> bool:
 
 
 def _model_folder(deployment: ModelDeployment) -> Path:
-    path = local_model_path(deployment.spec.model.source)
+    hint = "a local model: use file://PATH (e.g. `herd model prepare smollm2`)"
+    return _local_folder(deployment, "model.source", deployment.spec.model.source, "config.json", hint)
+
+
+def _adapter_folders(deployment: ModelDeployment) -> dict[str, str]:
+    """Each adapter's local folder (``file://`` sources only, as for the model)."""
+    return {
+        adapter.name: str(
+            _local_folder(
+                deployment,
+                f"adapter {adapter.name!r} source",
+                adapter.source,
+                "adapter_config.json",
+                "local adapters: use file://PATH",
+            )
+        )
+        for adapter in deployment.spec.adapters
+    }
+
+
+def _local_folder(deployment: ModelDeployment, what: str, source: str, marker: str, hint: str) -> Path:
+    """The local folder of ``source``, which must hold ``marker``; ``UpError`` naming ``what`` otherwise."""
+    name = deployment.metadata.name
+    path = local_model_path(source)
     if path is None:
-        raise UpError(
-            f"{deployment.metadata.name}: model.source {deployment.spec.model.source!r} is not local; "
-            "herd up needs a local model: use file://PATH (e.g. `herd model prepare smollm2`)"
-        )
-    if not (path / "config.json").exists():
-        raise UpError(
-            f"{deployment.metadata.name}: {path} holds no model (no config.json); check model.source"
-        )
+        raise UpError(f"{name}: {what} {source!r} is not local; herd up needs {hint}")
+    if not (path / marker).exists():
+        raise UpError(f"{name}: {path} holds no {marker}; check {what}")
     return path
 
 
@@ -182,7 +200,16 @@ def _vllm_worker(
     engine = deployment.spec.engine_for("workers")
     name = f"{deployment.metadata.name}-workers-{number}"
     served_name = deployment.served_name
-    server = vllm_server_argv(engine, str(folder), served_name, vllm_port, events_port, replay_port, python)
+    server = vllm_server_argv(
+        engine,
+        str(folder),
+        served_name,
+        vllm_port,
+        events_port,
+        replay_port,
+        python,
+        _adapter_folders(deployment),
+    )
     sidecar = sidecar_argv(
         vllm_port=vllm_port,
         kv_events_port=events_port,
@@ -245,6 +272,7 @@ def _worker_argv(
         "herd.cli.main",
         "worker",
         *(part for item in flags.items() for part in item),
+        *lora_module_args(_adapter_folders(deployment)),
     )
 
 

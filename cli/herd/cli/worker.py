@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from herd.worker.config import EngineConfig
     from herd.worker.server import ServeOptions
 
-__all__ = ["engine_spec", "register"]
+__all__ = ["engine_spec", "lora_modules", "register"]
 
 # flag -> where it lands in the camelCase EngineSpec document
 _OVERRIDES: dict[str, tuple[str, ...]] = {
@@ -72,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
             role=args.role,
             engine=spec,
             seed=args.seed,
+            lora_modules=lora_modules(args.lora_modules or []),
         )
     except (ValidationError, ValueError) as error:
         print(f"herd worker: invalid settings: {error}", file=sys.stderr)
@@ -81,6 +82,19 @@ def run(args: argparse.Namespace) -> int:
     return serve_many(
         [(config, _options(args, token, number)) for number in range(args.replicas)], _renderer(config)
     )
+
+
+def lora_modules(values: list[str]) -> dict[str, Path]:
+    """``--lora-modules``' ``NAME=PATH`` pairs (vLLM's form) as a name -> folder map."""
+    modules: dict[str, Path] = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(
+                f"--lora-modules {value!r} is not NAME=PATH: name the adapter and its PEFT folder"
+            )
+        modules[name] = Path(path)
+    return modules
 
 
 def _check_backend(spec: EngineSpec, replicas: int) -> None:
@@ -127,6 +141,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--role", choices=["unified", "prefill", "decode"], default="unified")
     parser.add_argument("--engine-json", help="the manifest's engine block as camelCase JSON")
     parser.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT folders) to load at start, each served as the model NAME",
+    )
     parser.add_argument(
         "--replicas",
         type=int,

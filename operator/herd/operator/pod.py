@@ -10,13 +10,14 @@ readiness are the same for every backend.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
-from herd.api.backends import sidecar_argv, vllm_server_argv
+from herd.api.backends import lora_module_args, sidecar_argv, vllm_server_argv
 from herd.api.crd import POOL_ROLES, ModelDeployment, PoolName, PoolSpec, Resources, VLLMSpec
 from herd.api.protocol import TOKEN_ENV
 from herd.operator.settings import PlanSettings
-from herd.operator.source import ModelSource, plan_source
+from herd.operator.source import ModelSource, adapter_place, plan_source
 
 __all__ = ["HTTP_PORT", "INTERNAL_PORT", "plan_pod_spec", "worker_argv"]
 
@@ -38,8 +39,11 @@ _CONTAINER_SECURITY = {
 Object = dict[str, Any]
 
 
-def worker_argv(md: ModelDeployment, pool: PoolName, model_path: str) -> list[str]:
-    """The worker command line; the pool's engine settings travel as one camelCase JSON argument."""
+def worker_argv(
+    md: ModelDeployment, pool: PoolName, model_path: str, adapters: Mapping[str, str] | None = None
+) -> list[str]:
+    """The worker command line; the pool's engine settings travel as one camelCase JSON argument,
+    the LoRA adapters (name -> folder in the pod) as ``--lora-modules``."""
     engine = md.spec.engine_for(pool).model_dump(by_alias=True, mode="json", exclude_none=True)
     return [
         "herd", "worker",
@@ -50,20 +54,48 @@ def worker_argv(md: ModelDeployment, pool: PoolName, model_path: str) -> list[st
         "--host", "0.0.0.0",  # the worker binds loopback by default; probes and peers come from outside
         "--port", str(HTTP_PORT),
         "--internal-port", str(INTERNAL_PORT),
+        *lora_module_args(adapters or {}),
     ]  # fmt: skip
+
+
+def plan_sources(
+    md: ModelDeployment, settings: PlanSettings, image: str
+) -> tuple[ModelSource, dict[str, str]]:
+    """The model's source and every adapter's in one (volumes, mounts and fetchers together), and
+    each adapter's folder in the pod."""
+    needs_weights = md.spec.engine.backend != "simulated"
+    model = plan_source(md.spec.model, settings, worker_image=image, needs_weights=needs_weights)
+    adapters = [
+        plan_source(
+            adapter.as_model(),
+            settings,
+            worker_image=image,
+            needs_weights=needs_weights,
+            place=adapter_place(index),
+        )
+        for index, adapter in enumerate(md.spec.adapters)
+    ]
+    merged = ModelSource(
+        model.path,
+        [volume for source in (model, *adapters) for volume in source.volumes],
+        [mount for source in (model, *adapters) for mount in source.mounts],
+        [init for source in (model, *adapters) for init in source.init_containers],
+    )
+    return merged, {
+        adapter.name: source.path for adapter, source in zip(md.spec.adapters, adapters, strict=True)
+    }
 
 
 def plan_pod_spec(md: ModelDeployment, pool_name: PoolName, pool: PoolSpec, settings: PlanSettings) -> Object:
     image = pool.image or settings.worker_image
-    needs_weights = md.spec.engine.backend != "simulated"
-    source = plan_source(md.spec.model, settings, worker_image=image, needs_weights=needs_weights)
+    source, adapters = plan_sources(md, settings, image)
     if md.spec.engine.backend == "vllm":
         containers = [
-            _vllm_container(md, pool_name, pool, settings, source),
+            _vllm_container(md, pool_name, pool, settings, source, adapters),
             _sidecar_container(md, pool, settings, image, source),
         ]
     else:
-        containers = [_worker_container(md, pool_name, pool, settings, image, source)]
+        containers = [_worker_container(md, pool_name, pool, settings, image, source, adapters)]
     spec: Object = {
         "securityContext": _pod_security(settings),
         "containers": containers,
@@ -86,9 +118,10 @@ def _worker_container(
     settings: PlanSettings,
     image: str,
     source: ModelSource,
+    adapters: Mapping[str, str],
 ) -> Object:
     """``herd worker``: herd's engine, or the simulated one (the argv's engine JSON says which)."""
-    argv = worker_argv(md, pool_name, source.path)
+    argv = worker_argv(md, pool_name, source.path, adapters)
     return _serving_container("worker", image, argv, plan_resources(pool.resources), pool, settings, source)
 
 
@@ -141,7 +174,12 @@ def _serving_container(
 
 
 def _vllm_container(
-    md: ModelDeployment, pool_name: PoolName, pool: PoolSpec, settings: PlanSettings, source: ModelSource
+    md: ModelDeployment,
+    pool_name: PoolName,
+    pool: PoolSpec,
+    settings: PlanSettings,
+    source: ModelSource,
+    adapters: Mapping[str, str],
 ) -> Object:
     """vLLM's server, on the pod's loopback only (the sidecar is its one client): no ports, no
     readiness of its own (the sidecar's says when vLLM serves), liveness by its ``/health``."""
@@ -155,6 +193,7 @@ def _vllm_container(
         VLLM_KV_EVENTS_PORT,
         VLLM_KV_REPLAY_PORT,
         python="python3",
+        adapters=adapters,
     )
     container: Object = {
         "name": "vllm",

@@ -12,13 +12,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from herd.api.crd import POOL_ROLES, Condition, ModelDeployment, PoolName, PoolStatus
+from herd.api.crd import POOL_ROLES, AdapterStatus, Condition, ModelDeployment, PoolName, PoolStatus
 from herd.api.protocol import LABEL_ROLE
 from herd.operator.conditions import DEGRADED, PROGRESSING, READY, Reason, condition, merge_conditions
 from herd.operator.plan import LABEL_TEMPLATE_HASH, Plan, pool_labels, selector_string
 from herd.operator.settings import PlanSettings
 
-__all__ = ["Problem", "blocked_status", "find_problem", "is_pod_ready", "plan_status", "pool_status"]
+__all__ = [
+    "Problem",
+    "adapter_status",
+    "blocked_status",
+    "find_problem",
+    "is_pod_ready",
+    "plan_status",
+    "pool_status",
+]
 
 Object = dict[str, Any]
 _WAITING_REASONS = {
@@ -91,7 +99,13 @@ def plan_status(
     conditions = _conditions(pools, plan.replicas, find_problem(pods, deployments), generation)
     scaled: PoolName = "decode" if "decode" in pools else "workers"
     namespace = settings.orchestrator_namespace or md.metadata.namespace
+    adapters = (
+        {"adapters": [a.model_dump(by_alias=True) for a in adapter_status(md, pods)]}
+        if md.spec.adapters
+        else {}
+    )
     return {
+        **adapters,
         "observedGeneration": generation,
         "conditions": merge_conditions(conditions, previous.get("conditions") or [], now),
         "pools": {name: pool.model_dump(by_alias=True) for name, pool in pools.items()},
@@ -99,6 +113,34 @@ def plan_status(
         "selector": selector_string(pool_labels(md.metadata.name, scaled)),
         "endpoint": f"http://{settings.orchestrator_service}.{namespace}.svc:8000/v1",
     }
+
+
+def adapter_status(md: ModelDeployment, pods: list[Object]) -> list[AdapterStatus]:
+    """Each of ``spec.adapters`` with the Ready pods whose command line loads it (``--lora-modules``)."""
+    ready = [pod for pod in pods if is_pod_ready(pod)]
+    loaded = {pod["metadata"]["name"]: _lora_modules(pod) for pod in ready}
+    return [
+        AdapterStatus(
+            name=adapter.name,
+            source=adapter.source,
+            loaded_on=sorted(pod for pod, names in loaded.items() if adapter.name in names),
+        )
+        for adapter in md.spec.adapters
+    ]
+
+
+def _lora_modules(pod: Object) -> set[str]:
+    """The adapter names a pod's containers load at start: the NAME of each ``--lora-modules`` NAME=PATH."""
+    names: set[str] = set()
+    for container in pod.get("spec", {}).get("containers") or []:
+        command = list(container.get("command") or [])
+        if "--lora-modules" not in command:
+            continue
+        for value in command[command.index("--lora-modules") + 1 :]:
+            if value.startswith("--"):
+                break
+            names.add(value.partition("=")[0])
+    return names
 
 
 def blocked_status(

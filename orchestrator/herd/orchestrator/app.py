@@ -15,16 +15,18 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
-from herd.api.body import BodyError, check_content_type, read_limited
-from herd.api.errors import HttpError
-from herd.api.openai import ModelCard, ModelList
+from herd.api.body import BodyError, check_content_type, json_object, read_limited
+from herd.api.errors import HttpError, invalid_request
+from herd.api.openai import LoadLoraAdapterRequest, ModelCard, ModelList, UnloadLoraAdapterRequest
 from herd.orchestrator.auth import ApiKeys, RequireApiKey, tenant_of
 from herd.orchestrator.batch.routes import add_batch_routes
 from herd.orchestrator.batch.runner import BatchRunner
@@ -34,6 +36,7 @@ from herd.orchestrator.discovery import WorkerSource
 from herd.orchestrator.errors import install_error_handlers
 from herd.orchestrator.gateway import Gateway, GatewaySettings
 from herd.orchestrator.history_sampler import HistorySampler, HistorySettings
+from herd.orchestrator.lora_admin import ADMIN_PATHS, LOAD_LORA_PATH, UNLOAD_LORA_PATH, LoraAdmin
 from herd.orchestrator.openapi import build_openapi, route_docs
 from herd.orchestrator.proxy import build_http_client
 from herd.orchestrator.registry import Registry, RegistrySettings, WorkerState
@@ -75,11 +78,13 @@ def build_app(
     settings: AppSettings | None = None,
     state: State | None = None,
     api_keys: ApiKeys | None = None,
+    admin_keys: ApiKeys | None = None,
     http: httpx.AsyncClient | None = None,
     upstream: UpstreamClient | None = None,
 ) -> FastAPI:
     """The orchestrator app. ``upstream`` replaces the proxy's client and ``http`` the one for every
-    other call to workers (tests pass fakes); the app closes the clients it creates."""
+    other call to workers (tests pass fakes); the app closes the clients it creates. ``admin_keys``
+    guard the runtime LoRA routes (``lora_admin``); without them those routes refuse."""
     settings = settings or AppSettings()
     api_keys = api_keys or ApiKeys([])
     client = http or build_http_client(connect_timeout=settings.gateway.connect_timeout)
@@ -113,6 +118,7 @@ def build_app(
     _add_openai_routes(app, gateway, settings)
     if runner is not None:
         add_batch_routes(app, runner.store, runner, max_file_bytes=settings.max_batch_file_bytes)
+    _add_lora_admin_routes(app, LoraAdmin(registry, admin_keys or ApiKeys([])), settings)
     _add_ops_routes(
         app,
         registry,
@@ -122,7 +128,7 @@ def build_app(
         ready_when_synced=settings.ready_when_synced,
     )
     if api_keys.is_enabled:
-        app.add_middleware(RequireApiKey, keys=api_keys)
+        app.add_middleware(RequireApiKey, keys=api_keys, exempt=ADMIN_PATHS)
     install_error_handlers(app)  # last: its catch-all wraps everything else
     return app
 
@@ -177,17 +183,55 @@ def _add_openai_routes(app: FastAPI, gateway: Gateway, settings: AppSettings) ->
         return await gateway.forward(request.scope["path"], body, request.headers, tenant_of(request.scope))
 
     async def models(request: Request) -> Response:
+        """Each served model the tenant may use, then its LoRA adapters with the model as their ``parent``."""
         tenant = tenant_of(request.scope)
-        cards = [
-            ModelCard(id=name, max_model_len=served.config.max_model_len)
-            for name, served in sorted(gateway.registry.models.items())
-            if tenant.may_use(name)
-        ]
+        cards = []
+        for name, served in sorted(gateway.registry.models.items()):
+            if not tenant.may_use(name):
+                continue
+            max_model_len = served.config.max_model_len
+            cards.append(ModelCard(id=name, max_model_len=max_model_len))
+            cards += [
+                ModelCard(
+                    id=adapter, parent=name, root=served.lora_paths.get(adapter), max_model_len=max_model_len
+                )
+                for adapter in sorted(gateway.registry.adapters_of(name))
+            ]
         return JSONResponse(ModelList(data=cards).model_dump())
 
     for path in ("/v1/chat/completions", "/v1/completions"):
         app.add_api_route(path, proxy, methods=["POST"], **route_docs(path))
     app.add_api_route("/v1/models", models, methods=["GET"], **route_docs("/v1/models"))
+
+
+def _add_lora_admin_routes(app: FastAPI, admin: LoraAdmin, settings: AppSettings) -> None:
+    """vLLM's runtime LoRA routes, for operators with an admin key (left out of the OpenAPI document,
+    which describes the clients' API)."""
+
+    async def load(request: Request) -> Response:
+        admin.check(request.headers.get("authorization"))
+        body = _validated(LoadLoraAdapterRequest, await _read_body(request, settings))
+        return PlainTextResponse(await admin.load(body))
+
+    async def unload(request: Request) -> Response:
+        admin.check(request.headers.get("authorization"))
+        body = _validated(UnloadLoraAdapterRequest, await _read_body(request, settings))
+        return PlainTextResponse(await admin.unload(body))
+
+    app.add_api_route(LOAD_LORA_PATH, load, methods=["POST"], include_in_schema=False)
+    app.add_api_route(UNLOAD_LORA_PATH, unload, methods=["POST"], include_in_schema=False)
+
+
+_M = TypeVar("_M", bound=BaseModel)
+
+
+def _validated(model: type[_M], raw: bytes) -> _M:
+    try:
+        return model.model_validate(json_object(raw))
+    except BodyError as error:
+        raise HttpError(error.status, str(error)) from None
+    except ValidationError as error:
+        raise invalid_request(error.errors(include_url=False)) from None
 
 
 def _add_ops_routes(

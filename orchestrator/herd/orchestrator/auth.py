@@ -19,10 +19,20 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from herd.orchestrator.admission.tenants import ANONYMOUS, DEFAULT_TENANT, Tenant, parse_tenants
 from herd.orchestrator.errors import error_response
 
-__all__ = ["API_KEYS_ENV", "OPEN_PATHS", "ApiKeys", "RequireApiKey", "load_api_keys", "tenant_of"]
+__all__ = [
+    "ADMIN_API_KEYS_ENV",
+    "API_KEYS_ENV",
+    "OPEN_PATHS",
+    "ApiKeys",
+    "RequireApiKey",
+    "load_api_keys",
+    "tenant_of",
+]
 
 API_KEYS_ENV = "HERD_API_KEYS"
 """Comma-separated keys, used when no keys file is given."""
+ADMIN_API_KEYS_ENV = "HERD_ADMIN_API_KEYS"
+"""The same for the admin keys (runtime LoRA adapters)."""
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 """What probes and Prometheus read without a key."""
 UNAUTHORIZED = "missing or invalid API key: send `Authorization: Bearer <key>` with a key this server accepts"
@@ -63,9 +73,9 @@ class ApiKeys:
         return self.tenant(authorization) is not None
 
 
-def load_api_keys(path: Path | None = None) -> ApiKeys:
+def load_api_keys(path: Path | None = None, env: str = API_KEYS_ENV) -> ApiKeys:
     """Keys from ``path`` (a tenants YAML document, or one key per line with blank lines and ``#``
-    comments skipped), else from the environment. ``ValueError`` for an invalid tenants document."""
+    comments skipped), else from the variable ``env``. ``ValueError`` for an invalid tenants document."""
     if path is not None:
         text = path.read_text()
         pairs = parse_tenants(text, source=str(path))
@@ -73,7 +83,7 @@ def load_api_keys(path: Path | None = None) -> ApiKeys:
             return ApiKeys.of_tenants(pairs)
         lines = (line.strip() for line in text.splitlines())
         return ApiKeys([line for line in lines if line and not line.startswith("#")])
-    return ApiKeys([key.strip() for key in os.environ.get(API_KEYS_ENV, "").split(",")])
+    return ApiKeys([key.strip() for key in os.environ.get(env, "").split(",")])
 
 
 def tenant_of(scope: Scope) -> Tenant:
@@ -84,14 +94,15 @@ def tenant_of(scope: Scope) -> Tenant:
 
 class RequireApiKey:
     """ASGI middleware: a request outside ``OPEN_PATHS`` without an accepted key gets 401; an accepted
-    one carries its tenant in its scope."""
+    one carries its tenant in its scope. The ``exempt`` paths check keys of their own (the admin routes)."""
 
-    def __init__(self, app: ASGIApp, keys: ApiKeys) -> None:
+    def __init__(self, app: ASGIApp, keys: ApiKeys, exempt: frozenset[str] = frozenset()) -> None:
         self.app = app
         self.keys = keys
+        self.skipped = OPEN_PATHS | exempt
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+        if scope["type"] == "http" and scope["path"] not in self.skipped:
             authorization = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
             tenant = self.keys.tenant(authorization.decode("latin-1"))
             if tenant is None:

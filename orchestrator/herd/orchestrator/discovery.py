@@ -57,6 +57,8 @@ class ModelConfig:
     mode: Mode = "aggregated"
     prefill_threshold_tokens: int = 256
     max_in_flight_per_worker: int = 0
+    adapters: tuple[str, ...] = ()
+    """The LoRA adapters its manifest lists (every worker loads them at start)."""
 
     @classmethod
     def from_deployment(cls, deployment: ModelDeployment, *, model_path: Path | None = None) -> ModelConfig:
@@ -72,6 +74,7 @@ class ModelConfig:
             mode=spec.serving.mode,
             prefill_threshold_tokens=spec.serving.prefill_threshold_tokens,
             max_in_flight_per_worker=serving.max_batch_size + serving.max_queue_len,
+            adapters=tuple(adapter.name for adapter in spec.adapters),
         )
 
 

@@ -343,10 +343,22 @@ class Gateway:
 
     async def _serve(self, request: _Request, route: Route) -> Response:
         """The prefill phase of a disaggregated request first (once), then the worker's answer."""
+        await self._load_lora(request, route)
         if request.served.config.mode == "disaggregated" and not request.ctx.is_prefilled:
             await self._hand_off(request, route.prefill_hold)
             request.ctx = dataclasses.replace(request.ctx, is_prefilled=True)
         return await self._respond(request, route.worker, route.hold, route.decision.features)
+
+    async def _load_lora(self, request: _Request, route: Route) -> None:
+        """Load the request's adapter on the chosen workers that lack it, when the gateway loaded it
+        at runtime and so knows its folder (a manifest's adapters are on every worker from its start)."""
+        name = request.ctx.lora_name
+        path = None if name is None else request.served.lora_paths.get(name)
+        if name is None or path is None:
+            return
+        for view in (route.worker, route.decision.prefill):
+            if view is not None and name not in view.lora_adapters:
+                await self.registry.change_lora(view.id, "load", {"lora_name": name, "lora_path": path})
 
     async def _hand_off(self, request: _Request, prefill: Hold | None) -> None:
         """Prefill on the decision's prefill worker, or hand the prompt ids to the decode worker."""

@@ -4,8 +4,11 @@ metrics and each healthy worker's ``/metrics`` (the edge: ``herd.orchestrator.hi
 The orchestrator sees TTFT and which worker answered; inter-token latency and realized prefix-cache
 hits only the workers know, under vLLM's metric names that every backend exposes. A scrape is one GET
 per worker per interval with a short timeout and bounded concurrency, and only the lines of the three
-samples used are read (about 35 us for a herd worker's page, which takes it 0.5 ms to render). A worker whose
-scrape fails is left out of the windows it misses (see ``History``).
+samples used are read (about 35 us for a herd worker's page, which takes it 0.5 ms to render). The
+scrapes of one point are spread over the first half of the interval, each worker at its own offset,
+as Prometheus spreads its targets: a fleet of hundreds is never asked at the same instant (each
+worker's counters are still read once a point, at the same phase, so their rates stay exact). A
+worker whose scrape fails is left out of the windows it misses (see ``History``).
 """
 
 from __future__ import annotations
@@ -79,11 +82,12 @@ class HistorySampler:
 
     async def run(self) -> None:
         while True:
+            started = time.monotonic()
             try:
                 self.history.add(await self.snapshot())
             except Exception:  # the page loses a point, not its history: the next interval tries again
                 log.exception("dashboard history sample failed; the next interval tries again")
-            await asyncio.sleep(self.settings.interval_seconds)
+            await asyncio.sleep(max(0.0, self.settings.interval_seconds - (time.monotonic() - started)))
 
     async def snapshot(self) -> Snapshot:
         at, wall = time.monotonic(), time.time()
@@ -95,7 +99,10 @@ class HistorySampler:
             for (model,), buckets in histogram_buckets(self.telemetry.ttft, "model").items()
         }
         healthy = [worker for worker in self.registry.workers.values() if worker.is_healthy]
-        scraped = await asyncio.gather(*(self._scrape(worker) for worker in healthy))
+        gap = self.settings.interval_seconds / 2 / max(1, len(healthy))
+        scraped = await asyncio.gather(
+            *(self._scrape(worker, delay=number * gap) for number, worker in enumerate(healthy))
+        )
         figures = {
             (worker.endpoint.model, worker.endpoint.id): found
             for worker, found in zip(healthy, scraped, strict=True)
@@ -111,8 +118,9 @@ class HistorySampler:
             itl={key: found.itl for key, found in figures.items()},
         )
 
-    async def _scrape(self, worker: WorkerState) -> WorkerFigures | None:
+    async def _scrape(self, worker: WorkerState, *, delay: float) -> WorkerFigures | None:
         worker_id = worker.endpoint.id
+        await asyncio.sleep(delay)
         try:
             async with self._limit:
                 response = await self.http.get(

@@ -15,6 +15,12 @@ anywhere and go by load alone, duplicating the prefix on another worker. ``expec
 routed request's blocks are about to exist on its worker; ``match`` counts them until the worker's
 own events take over, a ``removed`` event or resync drops them, or ``expected_ttl_s`` passes.
 
+Tiers: a worker's events name the tier (``medium``) a block entered or left. The device's holdings
+are the index above; the tiers below it (host, disk) are kept apart, per worker, in a second map
+whose values say which of them hold the block. ``match`` counts the device (and expected blocks);
+``match_tiers`` counts the leading run in any tier and how much of it each worker would restore from
+its host and its disk tier, which routing by cost prices with the worker's measured bandwidths.
+
 Cost: ``apply`` is O(blocks in the batch), ``reset`` and ``remove_worker`` O(blocks the worker holds),
 ``match`` O(k x w) for the leading run of k matched blocks over the w workers still matching (it
 stops at the first block no worker holds), ``num_blocks`` and ``held_blocks`` O(1). Memory: one dict entry per distinct
@@ -29,9 +35,25 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from herd.api.kv_hash import BlockHash
-from herd.api.protocol import KVEvent, KVEventBatch, KVSnapshot
+from herd.api.protocol import KVEvent, KVEventBatch, KVSnapshot, Medium
 
-__all__ = ["KVIndex"]
+__all__ = ["KVIndex", "TierRun"]
+
+_TIER_BITS: dict[Medium, int] = {"host": 1, "disk": 2}
+
+
+@dataclass(slots=True, frozen=True)
+class TierRun:
+    """A worker's leading run of a prompt's blocks over every tier: ``length`` blocks, of which
+    ``host`` and ``disk`` are held only there (a restore brings them back); the rest on the device."""
+
+    length: int
+    host: int = 0
+    disk: int = 0
+
+    @property
+    def device(self) -> int:
+        return self.length - self.host - self.disk
 
 
 @dataclass(slots=True)
@@ -39,6 +61,7 @@ class _WorkerState:
     epoch: str
     last_seq: int
     blocks: set[BlockHash] = field(default_factory=set)
+    tiers: dict[Medium, set[BlockHash]] = field(default_factory=dict)
 
 
 class KVIndex:
@@ -46,10 +69,14 @@ class KVIndex:
 
     def __init__(self, *, expected_ttl_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
         self._holders: dict[BlockHash, set[str]] = {}
+        self._lower: dict[BlockHash, dict[str, int]] = {}
+        """Block -> worker -> the tiers below its device holding it (``_TIER_BITS`` or'ed)."""
         self._workers: dict[str, _WorkerState] = {}
         self._num_held: dict[str, int] = {}
         """``len(blocks)`` of every worker's state, kept for the routing score's read of every worker."""
         self._expected: dict[BlockHash, dict[str, float]] = {}
+        self._num_expected: dict[str, int] = {}
+        """Blocks expected per worker (an entry of ``_expected``), kept as ``_num_held`` is."""
         self._expiries: deque[tuple[float, str, Sequence[BlockHash]]] = deque()
         self._expected_ttl_s = expected_ttl_s
         self._clock = clock
@@ -60,7 +87,10 @@ class KVIndex:
         self._expire(now)
         deadline = now + self._expected_ttl_s
         for block in block_hashes:
-            self._expected.setdefault(block, {})[worker_id] = deadline
+            workers = self._expected.setdefault(block, {})
+            if worker_id not in workers:
+                self._num_expected[worker_id] = self._num_expected.get(worker_id, 0) + 1
+            workers[worker_id] = deadline
         self._expiries.append((deadline, worker_id, block_hashes))
 
     def apply(self, worker_id: str, batch: KVEventBatch) -> bool:
@@ -83,12 +113,15 @@ class KVIndex:
         state = _WorkerState(epoch=snapshot.epoch, last_seq=snapshot.seq)
         self._workers[worker_id] = state
         self._store(worker_id, state, snapshot.block_hashes)
+        for medium, blocks in snapshot.tier_block_hashes.items():
+            self._store_tier(worker_id, state, medium, blocks)
 
     def remove_worker(self, worker_id: str) -> None:
         """Forget a worker that left (or is about to be resynced)."""
         state = self._workers.pop(worker_id, None)
         if state is not None:
             self._remove(worker_id, state, list(state.blocks))
+            self._clear_tiers(worker_id, state)
         self._num_held.pop(worker_id, None)
         self._unexpect_worker(worker_id)
 
@@ -112,12 +145,48 @@ class KVIndex:
                 run[worker_id] = depth + 1
         return run
 
+    def match_tiers(self, block_hashes: Sequence[BlockHash]) -> dict[str, TierRun]:
+        """Each worker's leading run of ``block_hashes`` held in any tier (or expected on its
+        device), with how many of its blocks only a lower tier holds (workers with none omitted)."""
+        if not self._lower:
+            return {worker_id: TierRun(length) for worker_id, length in self.match(block_hashes).items()}
+        self._expire(self._clock())
+        run: dict[str, int] = {}
+        restores: dict[str, list[int]] = {}
+        alive: set[str] | None = None
+        for depth, block in enumerate(block_hashes):
+            device = self._holders.get(block, set())
+            expected = self._expected.get(block)
+            if expected:
+                device = device | expected.keys()
+            lower = self._lower.get(block, {})
+            holders = device | lower.keys() if lower else device
+            alive = set(holders) if alive is None else alive & holders
+            if not alive:
+                break
+            for worker_id in alive:
+                run[worker_id] = depth + 1
+                if worker_id not in device:  # the host tier first: the faster restore
+                    restores.setdefault(worker_id, [0, 0])[0 if lower[worker_id] & 1 else 1] += 1
+        return {
+            worker_id: TierRun(length, *restores.get(worker_id, (0, 0))) for worker_id, length in run.items()
+        }
+
+    def tier_blocks(self, worker_id: str) -> dict[Medium, int]:
+        """Blocks each tier below the device holds for ``worker_id``."""
+        state = self._workers.get(worker_id)
+        return {} if state is None else {medium: len(blocks) for medium, blocks in state.tiers.items()}
+
     def num_blocks(self, worker_id: str) -> int:
         return self._num_held.get(worker_id, 0)
 
     def held_blocks(self) -> Mapping[str, int]:
         """Blocks held per worker (workers with none may be absent): a live view, to read, not to keep."""
         return self._num_held
+
+    def expected_blocks(self) -> Mapping[str, int]:
+        """Blocks expected per worker (``expect``; workers with none may be absent): a live view."""
+        return self._num_expected
 
     def workers(self) -> list[str]:
         return sorted(self._workers)
@@ -128,13 +197,51 @@ class KVIndex:
         return None if state is None else (state.epoch, state.last_seq)
 
     def _apply_event(self, worker_id: str, state: _WorkerState, event: KVEvent) -> None:
-        if event.kind == "stored":
-            self._store(worker_id, state, event.block_hashes)
-        elif event.kind == "removed":
-            self._remove(worker_id, state, event.block_hashes)
-        else:
+        if event.kind == "cleared":
             self._remove(worker_id, state, list(state.blocks))
+            self._clear_tiers(worker_id, state)
             self._unexpect_worker(worker_id)
+        elif event.medium != "device":
+            store = event.kind == "stored"
+            (self._store_tier if store else self._remove_tier)(
+                worker_id, state, event.medium, event.block_hashes
+            )
+        elif event.kind == "stored":
+            self._store(worker_id, state, event.block_hashes)
+        else:
+            self._remove(worker_id, state, event.block_hashes)
+
+    def _store_tier(
+        self, worker_id: str, state: _WorkerState, medium: Medium, blocks: Iterable[BlockHash]
+    ) -> None:
+        bit = _TIER_BITS[medium]
+        held = state.tiers.setdefault(medium, set())
+        for block in blocks:
+            held.add(block)
+            workers = self._lower.setdefault(block, {})
+            workers[worker_id] = workers.get(worker_id, 0) | bit
+
+    def _remove_tier(
+        self, worker_id: str, state: _WorkerState, medium: Medium, blocks: Iterable[BlockHash]
+    ) -> None:
+        bit = _TIER_BITS[medium]
+        held = state.tiers.get(medium, set())
+        for block in blocks:
+            held.discard(block)
+            workers = self._lower.get(block)
+            if workers is None or worker_id not in workers:
+                continue
+            mask = workers[worker_id] & ~bit
+            if mask:
+                workers[worker_id] = mask
+            else:
+                del workers[worker_id]
+                if not workers:
+                    del self._lower[block]
+
+    def _clear_tiers(self, worker_id: str, state: _WorkerState) -> None:
+        for medium, blocks in list(state.tiers.items()):
+            self._remove_tier(worker_id, state, medium, list(blocks))
 
     def _store(self, worker_id: str, state: _WorkerState, blocks: Iterable[BlockHash]) -> None:
         for block in blocks:
@@ -156,7 +263,10 @@ class KVIndex:
 
     def _unexpect(self, worker_id: str, block: BlockHash) -> None:
         expected = self._expected.get(block)
-        if expected is not None and expected.pop(worker_id, None) is not None and not expected:
+        if expected is None or expected.pop(worker_id, None) is None:
+            return
+        self._num_expected[worker_id] -= 1
+        if not expected:
             del self._expected[block]
 
     def _unexpect_worker(self, worker_id: str) -> None:

@@ -4,9 +4,10 @@ Every edge over the decision (herd's gateway, the endpoint picker) prepares a re
 so the same body yields the same ``RequestContext`` and so the same choice:
 
 1. the body is parsed with its route's OpenAI wire model (``herd.orchestrator.validation``);
-2. its model is looked up among those served (404 naming the served ones otherwise);
+2. its model is looked up among those served, or among their LoRA adapters (404 naming the served
+   ones otherwise);
 3. a model that routes by tokens, or serves disaggregated, has its prompt rendered, tokenized,
-   length-checked against maxModelLen and hashed, once. A body of ``inline_bytes`` or more is parsed
+   length-checked against maxModelLen and hashed (with its LoRA adapter, as the workers hash it), once. A body of ``inline_bytes`` or more is parsed
    and tokenized on a small thread pool, so a multi-MB prompt never stalls the event loop
    (tokenization releases the GIL); a smaller one costs less inline than the hop to a thread, whose
    lowered priority makes it wait behind every busy process on a contended host;
@@ -74,24 +75,34 @@ class Preparer:
         """``body`` of route ``path`` parsed and tokenized for its model; ``HttpError`` when it cannot be.
         ``headers`` is looked up by lower-case name (the session header)."""
         parsed = await self._threads.run_sized(len(body), parse_request, path, body)
-        served = self.served(parsed.request.model)
-        return Prepared(served, parsed, await self._context(served, parsed, headers, len(body)))
+        served, lora_name = self.served(parsed.request.model)
+        ctx = await self._context(served, parsed, headers, len(body), lora_name)
+        return Prepared(served, parsed, ctx)
 
-    def served(self, model: str) -> ServedModel:
-        served = self.registry.models.get(model)
-        if served is None:
+    def served(self, model: str) -> tuple[ServedModel, str | None]:
+        """The served model ``model`` names, and its LoRA adapter when it names one; 404 otherwise."""
+        resolved = self.registry.resolve(model)
+        if resolved is None:
             known = ", ".join(sorted(self.registry.models)) or "none"
             raise HttpError(
                 404,
-                f"model {model!r} is not served here (served: {known}); see GET /v1/models",
+                f"model {model!r} is not served here, neither a model nor a LoRA adapter (served: {known}); "
+                "see GET /v1/models",
                 param="model",
             )
-        return served
+        return resolved
 
     async def _context(
-        self, served: ServedModel, parsed: ParsedRequest, headers: Mapping[str, str], size: int
+        self,
+        served: ServedModel,
+        parsed: ParsedRequest,
+        headers: Mapping[str, str],
+        size: int,
+        lora_name: str | None,
     ) -> RequestContext:
-        token_ids, hashes = await self._tokens(served, parsed, size) if served.needs_tokens else ((), ())
+        token_ids, hashes = (
+            await self._tokens(served, parsed, size, lora_name) if served.needs_tokens else ((), ())
+        )
         session_key = headers.get(served.session_header)
         pinned = None
         if served.strategy.pins_sessions and session_key:
@@ -103,18 +114,19 @@ class Preparer:
             session_key=session_key,
             pinned_worker_id=pinned,
             headers=headers,  # the caller's read-only mapping: no copy per request
+            lora_name=lora_name,
         )
 
     async def _tokens(
-        self, served: ServedModel, parsed: ParsedRequest, size: int
+        self, served: ServedModel, parsed: ParsedRequest, size: int, lora_name: str | None
     ) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The prompt's token ids and block hashes; none (the strategy's load-only fallback) while no
         tokenizer is known."""
         threads = self._threads
         try:
             if not served.has_renderer:  # the first prompt loads the tokenizer (~0.7 s): never on the loop
-                return await threads.run(_tokenize, served, parsed)
-            return await threads.run_sized(size, _tokenize, served, parsed)
+                return await threads.run(_tokenize, served, parsed, lora_name)
+            return await threads.run_sized(size, _tokenize, served, parsed, lora_name)
         except RendererUnavailableError as error:
             if served not in self._untokenized:
                 self._untokenized.add(served)
@@ -129,12 +141,18 @@ class Preparer:
             raise HttpError(400, str(error), param=parsed.prompt_param) from None
 
 
-def _tokenize(served: ServedModel, parsed: ParsedRequest) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _tokenize(
+    served: ServedModel, parsed: ParsedRequest, lora_name: str | None
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The prompt's token ids, checked against maxModelLen, and its block hashes (may run on a thread)."""
     config = served.config
     token_ids = tuple(prompt_token_ids(served.renderer, parsed.request, max_model_len=config.max_model_len))
     check_length(parsed, len(token_ids), config.max_model_len)
     hashes = block_hashes(
-        token_ids, config.block_size, model_id=served.name, cache_salt=parsed.request.cache_salt
+        token_ids,
+        config.block_size,
+        model_id=served.name,
+        cache_salt=parsed.request.cache_salt,
+        lora_name=lora_name,
     )
     return token_ids, tuple(hashes)

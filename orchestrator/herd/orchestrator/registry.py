@@ -1,15 +1,28 @@
 """The worker registry: membership from a ``WorkerSource``, health, load and KV events per worker.
 
-One polling task per worker runs every ``poll_interval`` seconds: ``/ready`` on the public port
-(``failures_to_eject`` failures in a row eject it, one success re-admits it), then the load report,
-then KV events after the index's last ``seq`` (every model keeps an index: cache-aware routing scores
-with it, and the dashboard and the predicted-hit metric show it for any strategy). A new epoch, a gap or a
-re-admission makes the next poll fetch a snapshot. KV payloads go through ``State.publish_kv`` so
-that with Redis every replica's index receives them; ``receive_kv`` applies them here. A proxy
-error ejects a worker at once (``report_failure``) instead of waiting for the next poll. Beside the
-polling, each worker's ``CircuitBreaker`` hears the outcome of every request sent to it (a ``Hold``,
-taken when the request is routed there and released with its outcome) and stops routing to a worker
-whose requests keep failing even while its ``/ready`` says yes.
+One task per worker holds the worker's status stream open (``INTERNAL_PATHS.status``, see
+``herd.api.protocol.WorkerStatus``): readiness, the load report and KV events arrive together, as
+they change and at least every ``heartbeat`` seconds, instead of three polls per worker per period.
+That is what lets one orchestrator follow hundreds of workers: it reads lines when they come, so a
+worker (or its own event loop) that is slow to answer is late, not failed.
+
+Health: a line that says ready admits the worker at once (re-admission included); one that says not
+ready takes it out of routing at once. A failure is a stream that could not open, broke, or stayed
+silent for ``silence_timeout`` seconds; ``failures_to_eject`` of them in a row eject a worker. A
+dead worker's connection breaks at once and its reconnect is refused, so it is ejected within a
+fraction of a second. A silence (several heartbeats: a stalled worker or a partition, not a slow
+one), or a connection not accepted within ``connect_timeout``, ejects at once, but only up to
+``max_silent_share`` of the model's workers at a time; a timeout is never shorter than that, so a worker, or an orchestrator loop, that is merely busy for a second is
+late rather than failed. Retries back off from ``poll_interval`` to
+``max_retry_delay``. A proxy error ejects a worker at once too
+(``report_failure``).
+
+KV: the stream resumes after the index's last ``seq`` of the worker's epoch (the worker sends a
+snapshot when it cannot: a new epoch, no position); a gap in the events reopens it for a snapshot.
+KV payloads go through ``State.publish_kv`` so that with Redis every replica's index receives them;
+``receive_kv`` applies them here. Beside the stream, each worker's ``CircuitBreaker`` hears the
+outcome of every request sent to it (a ``Hold``, taken when the request is routed there and released
+with its outcome) and stops routing to a worker whose requests keep failing even while it says ready.
 A new KV epoch is a restarted worker process: it is counted (``on_restart``) and its breaker closed.
 A model that needs token ids but has no local folder gets its tokenizer from its first healthy
 worker (``TokenizerFetcher``).
@@ -27,12 +40,13 @@ from types import TracebackType
 
 import httpx
 
-from herd.api.protocol import KVSnapshot, LoadReport
+from herd.api.errors import HttpError
+from herd.api.protocol import KVEventBatch, KVSnapshot, LoadReport, StatusQuery, WorkerStatus
 from herd.orchestrator.breaker import BreakerSettings, CircuitBreaker, Outcome
 from herd.orchestrator.discovery import Membership, ModelConfig, WorkerEndpoint, WorkerSource
-from herd.orchestrator.routing import WorkerView
+from herd.orchestrator.routing import WorkerView, restore_block_tokens
 from herd.orchestrator.served import ServedModel
-from herd.orchestrator.state import ExpectedBlocks, KVPayload, State
+from herd.orchestrator.state import IN_FLIGHT_TTL_S, ExpectedBlocks, InFlightCounts, KVPayload, State
 from herd.orchestrator.tokenizer_fetch import TokenizerFetcher
 from herd.orchestrator.worker_client import WorkerClient
 
@@ -43,11 +57,31 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class RegistrySettings:
-    """Polling cadence (the defaults eject an unreachable worker within 2 s) and the circuit breakers."""
+    """How the registry follows its workers (the defaults eject a dead worker within a second and a
+    silent one within ``silence_timeout``), and the circuit breakers."""
 
     poll_interval: float = 0.25
+    """Least seconds between a worker's status lines (its load and KV events go out at most this
+    often), and the first retry delay after a failure."""
+    heartbeat: float = 1.0
+    """Most seconds between a worker's status lines when nothing changes."""
+    silence_timeout: float = 3.0
+    """Seconds without a line after which a stream counts as failed."""
+    connect_timeout: float = 2.0
     failures_to_eject: int = 2
+    max_silent_share: float = 0.1
+    """At most this share of a model's workers (at least one) is ejected for silence at a time, as
+    Envoy caps outlier ejection: a silence that hits many workers at once is more likely this
+    orchestrator's own stall, or the host's, than theirs. Beyond it a silence only reopens the stream;
+    a worker that is really gone still fails its connection or its requests, which eject it."""
+    max_retry_delay: float = 1.0
+    """Retries after failures in a row back off, doubling from ``poll_interval`` up to this."""
     breaker: BreakerSettings = field(default_factory=BreakerSettings)
+
+    def retry_delay(self, num_failures: int) -> float:
+        """Seconds before reopening a stream after ``num_failures`` failures in a row."""
+        doubled = self.poll_interval * float(2 ** min(max(num_failures - 1, 0), 16))
+        return min(doubled, max(self.max_retry_delay, self.poll_interval))
 
 
 @dataclass(eq=False)
@@ -63,22 +97,47 @@ class WorkerState:
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     epoch: str | None = None
     """The worker process's KV epoch as last seen; a new one means it restarted."""
+    is_silent: bool = False
+    """Ejected for a silent stream and not heard from since."""
     num_restarts: int = 0
+    host_block_tokens: float | None = None
+    disk_block_tokens: float | None = None
 
-    def view(self, now: float) -> WorkerView:
+    def take_report(self, report: LoadReport) -> None:
+        """A new load report, with the tier restore costs routing reads from it (worked out once here,
+        not for every decision)."""
+        self.report = report
+        self.host_block_tokens = restore_block_tokens(report, "host")
+        self.disk_block_tokens = restore_block_tokens(report, "disk")
+
+    def view(self, now: float, num_elsewhere: int = 0) -> WorkerView:
+        """``num_elsewhere``: the requests other orchestrator replicas have in flight to it."""
         report = self.report
         return WorkerView(
             id=self.endpoint.id,
             url=self.endpoint.url,
             role=self.endpoint.role,
-            num_in_flight=self.num_in_flight,
+            num_in_flight=self.num_in_flight + num_elsewhere,
             num_prefill_tokens_in_flight=self.num_prefill_tokens_in_flight,
             num_running=report.num_running,
             num_waiting=report.num_waiting,
             num_waiting_prefill_tokens=report.num_waiting_prefill_tokens,
             num_total_blocks=report.num_total_blocks,
             is_healthy=self.is_healthy and not report.is_draining and self.breaker.can_send(now),
+            host_block_tokens=self.host_block_tokens,
+            disk_block_tokens=self.disk_block_tokens,
+            max_loras=report.max_loras,
+            lora_adapters=frozenset(report.lora_adapters),
+            running_lora_adapters=frozenset(report.running_lora_adapters),
         )
+
+
+def _message_of(answer: httpx.Response) -> str:
+    """The message of a worker's error answer (the OpenAI envelope's, else its text)."""
+    try:
+        return str(answer.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return answer.text[:300] or f"status {answer.status_code}"
 
 
 class Registry:
@@ -104,6 +163,10 @@ class Registry:
         self.on_room: Callable[[str], None] | None = None
         """Told a model's name when one of its workers may have room: a request on it ended, or a
         worker was admitted (the gateway's admission queue wakes its next request)."""
+        self._own_in_flight: dict[str, int] = {}
+        """This replica's requests in flight per worker, shared with the other replicas (``State``)."""
+        self._elsewhere = _SharedCounts()
+        """The other replicas' requests in flight per worker, as they last shared them."""
 
     async def run(self, source: WorkerSource) -> None:
         """Follow the source until cancelled; every worker task stops with it."""
@@ -134,10 +197,54 @@ class Registry:
         role = "decode" if self.models[model].config.mode == "disaggregated" else "unified"
         return [view for view in self.all_views(model) if view.role == role]
 
+    def adapters_of(self, model: str) -> set[str]:
+        """The LoRA adapters of ``model``: its manifest's, those loaded through the gateway, and
+        those its workers report loaded."""
+        served = self.models[model]
+        names = {*served.config.adapters, *served.lora_paths}
+        for worker in self.model_workers(model):
+            names.update(worker.report.lora_adapters)
+        return names
+
+    def resolve(self, name: str) -> tuple[ServedModel, str | None] | None:
+        """The served model a request's ``model`` names, and the LoRA adapter when it names one."""
+        if (served := self.models.get(name)) is not None:
+            return served, None
+        for model, served in self.models.items():
+            if name in self.adapters_of(model):
+                return served, name
+        return None
+
+    async def change_lora(self, worker_id: str, action: str, body: dict[str, str]) -> None:
+        """Load or unload (``action``) a LoRA adapter on a worker; ``HttpError`` with the worker's
+        status and message when it refuses, 502 when it cannot be reached. A load shows in the
+        worker's view at once, before its next load report."""
+        worker = self.workers.get(worker_id)
+        if worker is None:
+            raise HttpError(503, f"worker {worker_id} left before its LoRA adapter could change; retry")
+        try:
+            answer = await self.client.change_lora(worker.endpoint, action, body)
+        except httpx.HTTPError as error:
+            raise HttpError(502, f"worker {worker_id} could not {action} LoRA adapter: {error}") from None
+        if answer.status_code != httpx.codes.OK:
+            raise HttpError(
+                answer.status_code, f"worker {worker_id}: {_message_of(answer)}", param="lora_name"
+            )
+        loaded = worker.report.lora_adapters
+        name = body["lora_name"]
+        if action == "load" and name not in loaded:
+            loaded.append(name)
+        elif action == "unload" and name in loaded:
+            loaded.remove(name)
+
     def all_views(self, model: str) -> list[WorkerView]:
-        """Views of every worker of the model, both pools of a disaggregated one (what ``decide`` takes)."""
+        """Views of every worker of the model, both pools of a disaggregated one (what ``decide`` takes),
+        counting in flight the requests this replica sent and those the other replicas shared."""
         now = time.monotonic()
-        return [worker.view(now) for worker in self.model_workers(model)]
+        elsewhere = self._elsewhere.totals(now)
+        return [
+            worker.view(now, elsewhere.get(worker.endpoint.id, 0)) for worker in self.model_workers(model)
+        ]
 
     def hold(self, worker_id: str, *, num_prefill_tokens: int = 0) -> Hold:
         """Count a request routed to the worker now (in the breaker's half-open state, it is the probe);
@@ -146,7 +253,12 @@ class Registry:
             worker.num_in_flight += 1
             worker.num_prefill_tokens_in_flight += num_prefill_tokens
             worker.breaker.on_send(time.monotonic())
+            self._share_in_flight(worker)
         return Hold(self, worker_id, num_prefill_tokens)
+
+    def _share_in_flight(self, worker: WorkerState) -> None:
+        self._own_in_flight[worker.endpoint.id] = worker.num_in_flight
+        self.state.share_in_flight(self._own_in_flight)
 
     def _prefilled(self, worker_id: str, num_prefill_tokens: int) -> None:
         if (worker := self.workers.get(worker_id)) is not None:
@@ -158,6 +270,7 @@ class Registry:
         if (worker := self.workers.get(worker_id)) is None:
             return
         worker.num_in_flight = max(0, worker.num_in_flight - 1)
+        self._share_in_flight(worker)
         self._prefilled(worker_id, num_prefill_tokens)
         self._room(worker)
         breaker = worker.breaker
@@ -182,7 +295,10 @@ class Registry:
 
     def receive_kv(self, worker_id: str, payload: KVPayload) -> None:
         """Apply a worker's KV batch or snapshot, or the blocks another replica expects on it, to its
-        model's index (the ``State`` sink)."""
+        model's index; keep another replica's in-flight counts (the ``State`` sink)."""
+        if isinstance(payload, InFlightCounts):
+            self._elsewhere.update(payload, time.monotonic())
+            return
         worker = self.workers.get(worker_id)
         served = None if worker is None else self.models.get(worker.endpoint.model)
         if worker is None or served is None:
@@ -209,7 +325,7 @@ class Registry:
 
     def _add_worker(self, endpoint: WorkerEndpoint) -> None:
         worker = WorkerState(endpoint, breaker=CircuitBreaker(self.settings.breaker))
-        worker.task = asyncio.create_task(self._poll_forever(worker), name=f"herd-poll-{endpoint.id}")
+        worker.task = asyncio.create_task(self._follow(worker), name=f"herd-status-{endpoint.id}")
         self.workers[endpoint.id] = worker
         log.info("worker joined", extra={"worker": endpoint.id, "model": endpoint.model, "url": endpoint.url})
 
@@ -217,6 +333,7 @@ class Registry:
         worker = self.workers.pop(worker_id, None)
         if worker is None:
             return
+        self._own_in_flight.pop(worker_id, None)
         if worker.task is not None:
             worker.task.cancel()
         served = self.models.get(worker.endpoint.model)
@@ -237,69 +354,101 @@ class Registry:
         await self.tokenizers.close()
         await self.state.close()
 
-    async def _poll_forever(self, worker: WorkerState) -> None:
+    async def _follow(self, worker: WorkerState) -> None:
+        """Hold the worker's status stream open until the worker leaves; reopen it after a failure."""
         while True:
-            await self.poll_once(worker)
-            await asyncio.sleep(self.settings.poll_interval)
+            try:
+                await self._read_status(worker)
+            except httpx.TimeoutException as error:
+                self._record_silence(worker, f"{type(error).__name__}: {error}")
+            except (httpx.HTTPError, ValueError) as error:
+                self._record_failure(worker, f"{type(error).__name__}: {error}")
+            else:
+                if worker.needs_snapshot:
+                    continue  # a gap in the events: reopen at once for a snapshot
+                self._record_failure(worker, "the worker ended its status stream (draining or stopping)")
+            await asyncio.sleep(self.settings.retry_delay(worker.num_failures))
 
-    async def poll_once(self, worker: WorkerState) -> None:
-        """One health, load and KV round for a worker; never raises for a worker's failure."""
-        try:
-            is_ready = await self.client.is_ready(worker.endpoint)
-            if is_ready:
-                worker.report = await self.client.load(worker.endpoint)
-        except (httpx.HTTPError, ValueError) as error:
-            self._record_failure(worker, f"{type(error).__name__}: {error}")
+    async def _read_status(self, worker: WorkerState) -> None:
+        """Apply the stream's lines until it ends, or until the KV index needs a snapshot."""
+        settings = self.settings
+        served = self.models.get(worker.endpoint.model)
+        position = None if served is None else served.kv_index.position(worker.endpoint.id)
+        if worker.needs_snapshot:
+            position = None
+        worker.needs_snapshot = False
+        query = StatusQuery(
+            epoch=None if position is None else position[0],
+            after=-1 if position is None else position[1],
+            interval=settings.poll_interval,
+            heartbeat=settings.heartbeat,
+        )
+        async with self.client.status(
+            worker.endpoint,
+            query,
+            silence_timeout=settings.silence_timeout,
+            connect_timeout=settings.connect_timeout,
+        ) as lines:
+            async for status in lines:
+                await self._apply_status(worker, status)
+                if worker.needs_snapshot:
+                    return
+
+    async def _apply_status(self, worker: WorkerState, status: WorkerStatus) -> None:
+        worker.take_report(status.load)
+        if status.is_ready:
+            self._record_success(worker)
+        else:
+            self._mark_not_ready(worker)
+        self._note_epoch(worker, status.epoch)
+        if status.snapshot is not None:
+            await self.state.publish_kv(worker.endpoint.id, status.snapshot)
+        if status.events:
+            await self.state.publish_kv(
+                worker.endpoint.id, KVEventBatch(epoch=status.epoch, events=status.events)
+            )
+
+    def _record_silence(self, worker: WorkerState, reason: str) -> None:
+        """Silence past several heartbeats on an open connection, or a connection not accepted within
+        ``connect_timeout``, is a stalled worker (a hung process or host, a partition), not a slow one:
+        out at once rather than after more silence, within the cap. A dead process refuses or resets
+        the connection instead, which counts as a plain failure."""
+        model = worker.endpoint.model
+        workers = self.model_workers(model)
+        cap = max(1, int(self.settings.max_silent_share * len(workers)))
+        if worker.is_silent or sum(other.is_silent for other in workers) >= cap:
             return
-        if not is_ready:
-            self._record_failure(worker, "/ready answered not ready")
-            return
-        self._record_success(worker)
-        if (served := self.models.get(worker.endpoint.model)) is not None:
-            self.tokenizers.offer(served, worker.endpoint)
-        try:
-            await self._sync_kv(worker)
-        except (httpx.HTTPError, ValueError) as error:
-            # A KV feed problem costs routing quality only: keep serving, resync on the next poll.
-            worker.needs_snapshot = True
-            log.debug("KV sync failed", extra={"worker": worker.endpoint.id, "error": str(error)})
+        if worker.is_healthy:
+            worker.is_silent = True
+        self._record_failure(worker, reason, is_conclusive=True)
 
     def _record_success(self, worker: WorkerState) -> None:
         worker.num_failures = 0
+        worker.is_silent = False
         if not worker.is_healthy:
             worker.is_healthy = True
             log.info("worker admitted", extra={"worker": worker.endpoint.id})
             self._room(worker)
             if (served := self.models.get(worker.endpoint.model)) is not None:
                 self.tokenizers.forget_source(served, worker.endpoint.id)  # it may have restarted
+        if (served := self.models.get(worker.endpoint.model)) is not None:
+            self.tokenizers.offer(served, worker.endpoint)
 
-    def _record_failure(self, worker: WorkerState, reason: str) -> None:
-        worker.num_failures += 1
+    def _mark_not_ready(self, worker: WorkerState) -> None:
+        """The worker says it takes no requests (loading, draining): out of routing at once."""
+        worker.num_failures = 0
+        if worker.is_healthy:
+            worker.is_healthy = False
+            log.warning("worker not ready", extra={"worker": worker.endpoint.id})
+
+    def _record_failure(self, worker: WorkerState, reason: str, *, is_conclusive: bool = False) -> None:
+        worker.num_failures = max(worker.num_failures + 1, self.settings.failures_to_eject * is_conclusive)
         if worker.is_healthy and worker.num_failures >= self.settings.failures_to_eject:
             self._eject(worker, reason)
 
     def _eject(self, worker: WorkerState, reason: str) -> None:
         worker.is_healthy = False
-        worker.needs_snapshot = True
         log.warning("worker ejected", extra={"worker": worker.endpoint.id, "reason": reason})
-
-    async def _sync_kv(self, worker: WorkerState) -> None:
-        served = self.models.get(worker.endpoint.model)
-        if served is None:
-            return
-        position = served.kv_index.position(worker.endpoint.id)
-        if position is not None and not worker.needs_snapshot:
-            batch = await self.client.kv_events(worker.endpoint, after=position[1])
-            self._note_epoch(worker, batch.epoch)
-            if batch.epoch == position[0]:
-                if batch.events:
-                    await self.state.publish_kv(worker.endpoint.id, batch)
-                if not worker.needs_snapshot:
-                    return
-        worker.needs_snapshot = False
-        snapshot = await self.client.kv_snapshot(worker.endpoint)
-        self._note_epoch(worker, snapshot.epoch)
-        await self.state.publish_kv(worker.endpoint.id, snapshot)
 
     def _note_epoch(self, worker: WorkerState, epoch: str) -> None:
         """A new epoch is a new worker process (its supervisor or the kubelet restarted it)."""
@@ -310,6 +459,37 @@ class Registry:
             if self.on_restart is not None:
                 self.on_restart(worker)
         worker.epoch = epoch
+
+
+class _SharedCounts:
+    """The other replicas' in-flight counts: each replica's latest, summed per worker; a replica not
+    heard from for ``IN_FLIGHT_TTL_S`` is dropped (it stopped, or lost Redis)."""
+
+    def __init__(self) -> None:
+        self._by_origin: dict[str, tuple[float, dict[str, int]]] = {}
+        self._totals: dict[str, int] = {}
+
+    def update(self, counts: InFlightCounts, now: float) -> None:
+        self._drop(counts.origin)
+        self._by_origin[counts.origin] = (now, counts.counts)
+        for worker_id, count in counts.counts.items():
+            self._totals[worker_id] = self._totals.get(worker_id, 0) + count
+
+    def totals(self, now: float) -> dict[str, int]:
+        """Per worker; an empty dict (nothing to add) with one replica."""
+        for origin in [origin for origin, (at, _) in self._by_origin.items() if now - at > IN_FLIGHT_TTL_S]:
+            self._drop(origin)
+        return self._totals
+
+    def _drop(self, origin: str) -> None:
+        if (entry := self._by_origin.pop(origin, None)) is None:
+            return
+        for worker_id, count in entry[1].items():
+            left = self._totals[worker_id] - count
+            if left:
+                self._totals[worker_id] = left
+            else:
+                del self._totals[worker_id]
 
 
 class Hold:

@@ -29,6 +29,9 @@ class ServedModel:
     session_header: str = field(init=False)
     """The lower-cased header that carries a session key (``X-Session-ID`` unless the routing names one)."""
     _renderer: PromptRenderer | None = field(default=None, init=False, repr=False)
+    lora_paths: dict[str, str] = field(default_factory=dict)
+    """LoRA adapters loaded at runtime through the gateway (name -> folder on the workers): a
+    worker routed one it lacks is asked to load it first."""
 
     def __post_init__(self) -> None:
         self.strategy = build_strategy(

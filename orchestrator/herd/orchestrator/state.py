@@ -18,6 +18,13 @@ Quota windows (``add_to_window``) are counters with an expiry: a dict here, ``IN
 ``EXPIRE`` in one round trip on Redis, so every replica counts a tenant's requests and tokens in
 the same minute.
 
+It also carries each replica's requests in flight per worker (``share_in_flight``): the latest
+counts, written with the expectations whenever they changed (and again every second while any is
+above zero), so that every replica's bounded-load cap and load terms count the requests the other
+replicas have on a worker, not only its own (``InFlightCounts``; a replica whose counts stop coming
+is forgotten after ``IN_FLIGHT_TTL_S``). Absolute counts rather than increments: a lost or repeated
+entry is corrected by the next.
+
 Redis going away never stops routing. Every call has a short socket timeout and no client-side
 retries, so a request waits at most one timeout on a dead Redis; the first failure switches the
 replica to its local ``MemoryState`` (logged once), and requests stop touching Redis until the KV
@@ -37,7 +44,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 import redis.asyncio as aioredis
@@ -48,7 +55,17 @@ from redis.exceptions import RedisError
 
 from herd.api.protocol import KVEventBatch, KVSnapshot
 
-__all__ = ["ExpectedBlocks", "KVPayload", "KVSink", "MemoryState", "RedisState", "State", "build_state"]
+__all__ = [
+    "IN_FLIGHT_TTL_S",
+    "ExpectedBlocks",
+    "InFlightCounts",
+    "KVPayload",
+    "KVSink",
+    "MemoryState",
+    "RedisState",
+    "State",
+    "build_state",
+]
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +76,14 @@ class ExpectedBlocks(BaseModel):
     block_hashes: list[int]
 
 
-KVPayload = KVEventBatch | KVSnapshot | ExpectedBlocks
+class InFlightCounts(BaseModel):
+    """One replica's requests in flight, per worker id, as of when it wrote them."""
+
+    origin: str
+    counts: dict[str, int]
+
+
+KVPayload = KVEventBatch | KVSnapshot | ExpectedBlocks | InFlightCounts
 KVSink = Callable[[str, KVPayload], None]
 """Receives ``(worker_id, batch, snapshot or expected blocks)`` for the local KV index."""
 
@@ -67,10 +91,15 @@ _T = TypeVar("_T")
 _STREAM = "herd:kv"
 _PIN_PREFIX = "herd:pin:"
 _STREAM_MAXLEN = 100_000
+_TRIM: dict[str, Any] = {"maxlen": _STREAM_MAXLEN, "approximate": True}
 _MAX_EXPECTED_QUEUED = 10_000
 """Expectations waiting for the writer beyond this are dropped: they age out within seconds anyway."""
 _MAX_LOCAL_WINDOWS = 10_000
 """Quota counters kept in memory before the expired ones are dropped."""
+_IN_FLIGHT_REFRESH_S = 1.0
+"""Non-zero counts are written again this often, unchanged, so that receivers know they still hold."""
+IN_FLIGHT_TTL_S = 3.0
+"""A replica's counts not refreshed for this long are dropped (the replica stopped or lost Redis)."""
 _CLOSE_TIMEOUT_S = 3.0
 """How long close() waits for the KV consumer to finish its current read (250 ms) or retry pause."""
 
@@ -91,6 +120,10 @@ class State(Protocol):
 
     async def add_to_window(self, key: str, amount: int, ttl_seconds: int) -> int:
         """Add ``amount`` to the counter ``key`` (made with ``ttl_seconds`` to live); its new value."""
+
+    def share_in_flight(self, counts: Mapping[str, int]) -> None:
+        """Tell the other replicas this one's requests in flight per worker; ``counts`` is a live
+        mapping, read when written (the latest counts win)."""
 
 
 class MemoryState:
@@ -151,6 +184,9 @@ class MemoryState:
         self._windows[key] = (value + amount, expiry)
         return value + amount
 
+    def share_in_flight(self, counts: Mapping[str, int]) -> None:
+        """One replica: its own counts are the only ones."""
+
 
 class RedisState:
     """Pins and KV events in Redis, degrading to a local ``MemoryState`` while Redis is away."""
@@ -175,6 +211,8 @@ class RedisState:
         self._origin = uuid.uuid4().hex
         """Names this replica's expectations on the stream, so that its consumer skips them."""
         self._expected: list[tuple[str, Sequence[int]]] = []
+        self._in_flight: Mapping[str, int] | None = None
+        self._in_flight_written: dict[str, int] = {}
         self._expected_ready = asyncio.Event()
         self._writer: asyncio.Task[None] | None = None
 
@@ -260,27 +298,45 @@ class RedisState:
         self._expected.append((worker_id, block_hashes))
         self._expected_ready.set()
 
+    def share_in_flight(self, counts: Mapping[str, int]) -> None:
+        self._in_flight = counts
+        self._expected_ready.set()
+
     async def _write_expected(self) -> None:
-        """Write the queued expectations, all in one pipeline, whenever there are some."""
+        """Write the queued expectations and the in-flight counts, in one pipeline, whenever there are
+        some (and the non-zero counts every ``_IN_FLIGHT_REFRESH_S`` regardless)."""
         while not self._is_closing:
-            await self._expected_ready.wait()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._expected_ready.wait(), _IN_FLIGHT_REFRESH_S)
             self._expected_ready.clear()
             batch, self._expected = self._expected, []
-            if not batch or self._is_degraded:
+            counts = self._counts_to_write()
+            if (not batch and counts is None) or self._is_degraded:
                 continue
             try:
                 async with self._redis.pipeline(transaction=False) as pipe:
                     for worker_id, hashes in batch:
-                        fields = {
-                            "worker": worker_id,
-                            "kind": "expected",
-                            "origin": self._origin,
-                            "data": ExpectedBlocks(block_hashes=list(hashes)).model_dump_json(),
-                        }
-                        pipe.xadd(_STREAM, fields, maxlen=_STREAM_MAXLEN, approximate=True)  # type: ignore[arg-type]
+                        data = ExpectedBlocks(block_hashes=list(hashes)).model_dump_json()
+                        pipe.xadd(_STREAM, self._fields(worker_id, "expected", data), **_TRIM)
+                    if counts is not None:
+                        data = InFlightCounts(origin=self._origin, counts=counts).model_dump_json()
+                        pipe.xadd(_STREAM, self._fields("", "in_flight", data), **_TRIM)
                     await pipe.execute()
             except (RedisError, OSError) as error:
                 self._mark_degraded(error)
+                continue
+            if counts is not None:
+                self._in_flight_written = counts
+
+    def _counts_to_write(self) -> dict[str, int] | None:
+        """The counts to write now: changed since the last write, or non-zero (a refresh); else None."""
+        if self._in_flight is None:
+            return None
+        counts = {worker_id: count for worker_id, count in self._in_flight.items() if count}
+        return counts if counts or counts != self._in_flight_written else None
+
+    def _fields(self, worker_id: str, kind: str, data: str) -> dict[Any, Any]:
+        return {"worker": worker_id, "kind": kind, "origin": self._origin, "data": data}
 
     async def _either(self, remote: Callable[[], Awaitable[_T]], local: Callable[[], Awaitable[_T]]) -> _T:
         """Run ``remote`` unless Redis is known to be away; fall back to ``local`` on failure."""
@@ -353,10 +409,11 @@ def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-_MODELS: dict[bytes, type[KVEventBatch | KVSnapshot | ExpectedBlocks]] = {
+_MODELS: dict[bytes, type[KVEventBatch | KVSnapshot | ExpectedBlocks | InFlightCounts]] = {
     b"batch": KVEventBatch,
     b"snapshot": KVSnapshot,
     b"expected": ExpectedBlocks,
+    b"in_flight": InFlightCounts,
 }
 
 

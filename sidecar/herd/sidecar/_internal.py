@@ -8,18 +8,21 @@ from collections.abc import Awaitable, Callable
 from typing import Annotated
 
 from fastapi import Depends, FastAPI, Query, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from herd.api.errors import HttpError
 from herd.api.protocol import (
     INTERNAL_PATHS,
     TOKEN_HEADER,
+    KVEvent,
     KVEventBatch,
     KVSnapshot,
     LoadReport,
+    StatusQuery,
     TokenizerFiles,
     WorkerInfo,
 )
+from herd.api.worker_status import StatusSource, status_lines
 from herd.sidecar._kv_state import KVState
 from herd.sidecar._proxy import error_response
 
@@ -34,8 +37,11 @@ def build_internal_app(
     info: Callable[[], WorkerInfo],
     load: Callable[[], Awaitable[LoadReport]],
     tokenizer: TokenizerFiles,
+    is_ready: Callable[[], bool],
 ) -> FastAPI:
-    """``info`` and ``load`` raise ``HttpError`` (503) until vLLM is up."""
+    """``info`` and ``load`` raise ``HttpError`` (503) until vLLM is up; ``is_ready`` is the sidecar's
+    own half of ``/ready`` (vLLM learned, not draining), the status stream's other half being that
+    vLLM's metrics answer."""
 
     async def check_token(request: Request) -> None:
         given = request.headers.get(TOKEN_HEADER, "")
@@ -72,8 +78,37 @@ def build_internal_app(
     async def kv_snapshot() -> KVSnapshot:
         return kv.snapshot()
 
+    @app.get(INTERNAL_PATHS.status)
+    async def status(query: Annotated[StatusQuery, Query()]) -> StreamingResponse:
+        """Readiness, load and KV events as they change (``herd.api.protocol.WorkerStatus``)."""
+        await load()  # a 503 until vLLM is up: no stream before the worker can say its load
+        source = _status_source(kv, load, is_ready)
+        return StreamingResponse(status_lines(source, query), media_type="application/x-ndjson")
+
     @app.get(INTERNAL_PATHS.tokenizer)
     async def get_tokenizer() -> TokenizerFiles:
         return tokenizer
 
     return app
+
+
+def _status_source(
+    kv: KVState, load: Callable[[], Awaitable[LoadReport]], is_ready: Callable[[], bool]
+) -> StatusSource:
+    last = LoadReport()
+
+    async def probe() -> tuple[bool, LoadReport]:
+        nonlocal last
+        try:
+            last = await load()
+        except HttpError:  # vLLM's metrics did not answer: not ready, as its /ready would say
+            return False, last
+        return is_ready(), last
+
+    async def events_after(seq: int, wait: float) -> list[KVEvent]:
+        return await kv.feed.after(seq, wait=wait)
+
+    async def snapshot() -> KVSnapshot:
+        return kv.snapshot()
+
+    return StatusSource(lambda: kv.epoch, probe, events_after, snapshot)

@@ -47,4 +47,5 @@ class KVState:
             seq=self._buffer.last_seq,
             block_size=self._translator.block_size,
             block_hashes=self._translator.block_hashes,
+            tier_block_hashes=self._translator.tier_block_hashes,
         )

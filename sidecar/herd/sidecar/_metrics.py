@@ -4,7 +4,10 @@ vLLM labels each sample with its engine (one per data-parallel rank): counts are
 engines, KV usage averaged. ``vllm:cache_config_info`` carries the cache settings as labels, among
 them ``block_size`` and ``num_gpu_blocks`` (the pool's size, on a CPU too). vLLM does not say how many
 prompt tokens wait for prefill, so ``num_waiting_prefill_tokens`` stays 0: the gateway's own
-in-flight counts and ``num_waiting`` carry that load.
+in-flight counts and ``num_waiting`` carry that load. With LoRA on, ``vllm:lora_requests_info`` (the
+newest sample: its value is the time of the reading) gives ``max_loras`` and the running and waiting
+adapters; vLLM names no other loaded adapter there, so the report's loaded adapters are those two
+(a lower bound: routing then prefers a vLLM worker that runs the adapter already).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from herd.api.metrics import (
     CACHE_CONFIG_INFO,
     KV_CACHE_USAGE_PERC,
+    LORA_REQUESTS_INFO,
     NUM_REQUESTS_RUNNING,
     NUM_REQUESTS_WAITING,
 )
@@ -65,6 +69,7 @@ def load_report(text: str, num_blocks: int, *, is_draining: bool = False) -> Loa
     usage = values(KV_CACHE_USAGE_PERC)
     kv_usage = min(max(sum(usage) / len(usage), 0.0), 1.0) if usage else 0.0
     return LoadReport(
+        **_lora_fields(samples.get(LORA_REQUESTS_INFO, [])),
         num_running=round(sum(values(NUM_REQUESTS_RUNNING))),
         num_waiting=round(sum(values(NUM_REQUESTS_WAITING))),
         kv_usage=kv_usage,
@@ -72,3 +77,18 @@ def load_report(text: str, num_blocks: int, *, is_draining: bool = False) -> Loa
         num_total_blocks=num_blocks,
         is_draining=is_draining,
     )
+
+
+def _lora_fields(infos: list[tuple[dict[str, str], float]]) -> dict[str, object]:
+    """``max_loras`` and the adapters of the newest ``vllm:lora_requests_info`` sample (none: LoRA off)."""
+    if not infos:
+        return {}
+    labels, _ = max(infos, key=lambda info: info[1])
+    running = [name for name in labels.get("running_lora_adapters", "").split(",") if name]
+    waiting = [name for name in labels.get("waiting_lora_adapters", "").split(",") if name]
+    return {
+        "max_loras": int(labels.get("max_lora", "0") or 0),
+        "lora_adapters": list(dict.fromkeys([*running, *waiting])),
+        "running_lora_adapters": running,
+        "waiting_lora_adapters": waiting,
+    }

@@ -82,15 +82,12 @@ async def _serve(options: SidecarOptions) -> int:
         view = VLLMView(
             vllm, served_name=options.served_name, role="unified", layout=model_layout(options.model_path)
         )
+        is_ready = lambda: view.is_learned and not view.is_draining  # noqa: E731
         servers = [
-            _server(
-                build_public_app(vllm, lambda: view.is_learned and not view.is_draining),
-                options.host,
-                options.port,
-            ),
+            _server(build_public_app(vllm, is_ready), options.host, options.port),
             _server(
                 build_internal_app(
-                    options.internal_token, kv, lambda: view.info(kv.epoch), view.load, tokenizer
+                    options.internal_token, kv, lambda: view.info(kv.epoch), view.load, tokenizer, is_ready
                 ),
                 options.host,
                 options.internal_port,

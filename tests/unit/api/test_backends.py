@@ -80,6 +80,42 @@ def test_vllm_argv_follows_the_engine_spec(engine: dict[str, Any], expected: dic
     assert ("--kv-cache-memory-bytes" in flags) != ("--gpu-memory-utilization" in flags)
 
 
+@pytest.mark.parametrize(
+    ("engine", "adapters", "expected"),
+    [
+        ({}, {}, []),
+        (
+            {},
+            {"sql": "/a/sql", "poet": "/a/poet"},
+            [
+                "--enable-lora",
+                "--max-loras",
+                "4",
+                "--max-lora-rank",
+                "16",
+                "--lora-modules",
+                "sql=/a/sql",
+                "poet=/a/poet",
+            ],
+        ),
+        (
+            {"maxLoras": 2, "maxLoraRank": 64},
+            {},
+            ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "64"],
+        ),
+    ],
+    ids=["no-lora", "adapters-default-slots", "runtime-only"],
+)
+def test_vllm_gets_lora_flags_for_adapters_and_slots(
+    engine: dict[str, Any], adapters: dict[str, str], expected: list[str]
+) -> None:
+    argv = vllm_server_argv(
+        EngineSpec.model_validate(engine), "/models/m", "m", 8000, 5557, 5558, adapters=adapters
+    )
+    start = argv.index("--enable-lora") if "--enable-lora" in argv else len(argv)
+    assert argv[start : start + len(expected)] == expected
+
+
 def test_a_cpu_block_size_vllm_refuses_is_refused_here() -> None:
     with pytest.raises(ValueError, match="blockSize 16 does not suit vLLM on a CPU"):
         _vllm({"device": "cpu"})

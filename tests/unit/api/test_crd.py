@@ -77,6 +77,21 @@ def test_scale_target_overrides_the_scalable_pool() -> None:
             {"workers": {"engine": {"maxBatchTokens": 8}}},
             "spec.workers.engine.maxBatchTokens: Input should be",
         ),
+        ({"adapters": [{"name": "a", "source": "gs://x"}]}, "adapters[].source 'gs://x' has no known scheme"),
+        ({"adapters": [{"name": "a b", "source": "file:///a"}]}, "spec.adapters.0.name"),
+        (
+            {"adapters": [{"name": "a", "source": "file:///a"}, {"name": "a", "source": "file:///b"}]},
+            "adapters[].name must be unique",
+        ),
+        (
+            {"adapters": [{"name": "a", "source": "file:///a", "rank": 32}]},
+            "rank 32, above engine.maxLoraRank 16: raise maxLoraRank",
+        ),
+        (
+            {"engine": {"maxLoras": 0}, "adapters": [{"name": "a", "source": "file:///a"}]},
+            "adapters need LoRA slots",
+        ),
+        ({"adapters": [{"name": "demo", "source": "file:///a"}]}, "the served model's name: rename it"),
     ],
     ids=[
         "disagg-without-pools",
@@ -92,6 +107,12 @@ def test_scale_target_overrides_the_scalable_pool() -> None:
         "pool-max-model-len-snake-case",
         "pool-block-size",
         "pool-chunk-too-small",
+        "adapter-scheme",
+        "adapter-name",
+        "adapter-names-unique",
+        "adapter-rank",
+        "adapters-without-slots",
+        "adapter-named-as-the-model",
     ],
 )
 def test_invalid_specs_name_the_field(spec: dict[str, Any], expected: str) -> None:

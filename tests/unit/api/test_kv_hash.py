@@ -25,13 +25,21 @@ def test_chain_links_each_block_to_its_parent() -> None:
         ({"model_id": "m"}, {"model_id": "other-model"}),
         ({"model_id": "m"}, {"model_id": "m", "cache_salt": "tenant-a"}),
         ({"model_id": "m", "cache_salt": "tenant-a"}, {"model_id": "m", "cache_salt": "tenant-b"}),
+        ({"model_id": "m"}, {"model_id": "m", "lora_name": "support-bot"}),
+        ({"model_id": "m", "lora_name": "a"}, {"model_id": "m", "lora_name": "b"}),
+        ({"model_id": "m", "cache_salt": "x", "lora_name": "a"}, {"model_id": "m", "cache_salt": "xa"}),
     ],
-    ids=["model-identity", "salt-vs-none", "salt-vs-salt"],
+    ids=["model-identity", "salt-vs-none", "salt-vs-salt", "lora-vs-base", "lora-vs-lora", "lora-vs-salt"],
 )
 def test_identity_and_salt_change_every_hash(kwargs: dict[str, str], other: dict[str, str]) -> None:
     first = block_hashes(TOKENS, 16, **kwargs)  # type: ignore[arg-type]
     second = block_hashes(TOKENS, 16, **other)  # type: ignore[arg-type]
     assert not set(first) & set(second)
+
+
+def test_a_base_model_root_is_unchanged_by_adapters() -> None:
+    """Adapters came later: a base-model prompt hashes as it did before (caches and peers agree)."""
+    assert root_hash("m", "s", None) == root_hash("m", "s") == 0x2CD0AE418242AB67
 
 
 @pytest.mark.parametrize(

@@ -50,6 +50,7 @@ def test_every_module_declares_all() -> None:
         "prompt",
         "protocol",
         "tools",
+        "worker_status",
     ):
         assert hasattr(importlib.import_module(f"herd.api.{name}"), "__all__"), name
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from herd.api.crd import ModelDeployment
+from herd.api.crd import CostModel, ModelDeployment
 from herd.operator.plan import plan
 from herd.operator.pod import HTTP_PORT, INTERNAL_PORT, VLLM_PORT
 from herd.operator.settings import PlanSettings
@@ -71,13 +71,8 @@ def test_each_backend_renders_its_containers(
 def test_a_simulated_worker_gets_its_cost_model_in_the_engine_json() -> None:
     md = make_md({"backend": "simulated", "simulation": {"costModel": {"stepMs": 7, "seqMs": 0.5}}})
     sent = json.loads(arg(containers(md)["worker"]["command"], "--engine-json"))
-    assert sent["simulation"]["costModel"] == {
-        "stepMs": 7.0,
-        "seqMs": 0.5,
-        "tokenMs": 1.5,
-        "contextUs": 0.0,
-        "hostShare": 0.0,
-    }
+    given = CostModel.model_validate({"stepMs": 7, "seqMs": 0.5})
+    assert sent["simulation"]["costModel"] == given.model_dump(by_alias=True)  # defaults spelled out
     assert containers(md)["worker"]["image"] == "herd/worker:1"
 
 

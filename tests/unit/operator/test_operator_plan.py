@@ -276,6 +276,26 @@ def test_model_source(
     assert all(not mount["readOnly"] for init in inits for mount in init["volumeMounts"])
 
 
+def test_adapters_are_mounted_or_fetched_apart_and_passed_to_the_worker() -> None:
+    adapters = [
+        {"name": "sql", "source": "pvc://loras/sql"},
+        {"name": "poet", "source": "hf://Org/poet-lora"},
+        {"name": "local", "source": "file:///mnt/loras/local"},
+    ]
+    pod = deployments(make_md(adapters=adapters))["chat-workers"]["spec"]["template"]["spec"]
+    argv = pod["containers"][0]["command"]
+    modules = argv[argv.index("--lora-modules") + 1 :]
+    assert modules == [
+        "sql=/adapters/0/pvc/loras/sql",
+        "poet=/adapters/1/hf/Org/poet-lora/main",
+        "local=/mnt/loras/local",
+    ]
+    assert [volume["name"] for volume in pod["volumes"]] == ["models", "adapter-0", "adapter-1", "adapter-2"]
+    assert [init["name"] for init in pod["initContainers"]] == ["fetch-adapter-1"]
+    mounts = {mount["mountPath"] for mount in pod["containers"][0]["volumeMounts"]}
+    assert {"/adapters/0/pvc/loras", "/adapters/1", "/mnt/loras/local"} <= mounts
+
+
 def test_headless_service_per_pool() -> None:
     services = [obj.body for obj in plan(make_md(**DISAGG), SETTINGS).objects if obj.kind == "Service"]
     assert [svc["metadata"]["name"] for svc in services] == ["chat-prefill", "chat-decode"]

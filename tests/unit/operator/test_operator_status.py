@@ -170,3 +170,23 @@ def test_a_second_pass_with_the_same_pods_changes_nothing() -> None:
     first = status_of(MD, pods)
     again = plan_status(MD, plan(MD, SETTINGS), (pods, []), first, now="later", settings=SETTINGS)
     assert again == first
+
+
+def test_adapters_list_the_ready_pods_started_with_them() -> None:
+    """A worker loads every adapter of its command line before it is Ready: the status names those
+    pods; a pod that is not Ready, or was started before the adapter was added, is not counted."""
+    adapters = [{"name": "sql", "source": "pvc://loras/sql"}, {"name": "poet", "source": "file:///l/poet"}]
+    md = make_md(adapters=adapters)
+    template = next(obj for obj in plan(md, SETTINGS).objects if obj.kind == "Deployment")
+    command = template.body["spec"]["template"]["spec"]["containers"][0]["command"]
+
+    def started(name: str, argv: list[str], ready: bool = True) -> dict[str, Any]:
+        return {**pod(md, name, ready=ready), "spec": {"containers": [{"name": "worker", "command": argv}]}}
+
+    old = [*command[: command.index("--lora-modules")], "--lora-modules", "sql=/adapters/0/pvc/loras/sql"]
+    pods = [started("a", command), started("b", command, ready=False), started("c", old)]
+    assert status_of(md, pods)["adapters"] == [
+        {"name": "sql", "source": "pvc://loras/sql", "loadedOn": ["a", "c"]},
+        {"name": "poet", "source": "file:///l/poet", "loadedOn": ["a"]},
+    ]
+    assert "adapters" not in status_of(MD, [pod(MD, "a")])

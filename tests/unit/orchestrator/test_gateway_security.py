@@ -12,6 +12,7 @@ from support.gateway_fakes import MODEL, FakeCluster, FakeWorker, running_gatewa
 
 from herd.orchestrator.app import AppSettings
 from herd.orchestrator.auth import OPEN_PATHS, ApiKeys
+from herd.orchestrator.lora_admin import ADMIN_PATHS
 from herd.orchestrator.registry import RegistrySettings
 
 KEY = "sk-herd-key-7f3a9c"
@@ -46,9 +47,13 @@ async def test_every_route_but_the_probes_needs_a_key() -> None:
         ("/ready", "GET"): 200,
         ("/metrics", "GET"): 200,
     }
-    refused = {route: status for route, status in without.items() if route[0] not in OPEN_PATHS}
+    refused = {route: status for route, status in without.items() if route[0] not in OPEN_PATHS | ADMIN_PATHS}
     assert refused and set(refused.values()) == {401}
-    assert all(response.status_code != 401 for response in with_key.values())
+    assert all(
+        response.status_code != 401 for route, response in with_key.items() if route[0] not in ADMIN_PATHS
+    )
+    # The admin routes take admin keys only, and there are none here.
+    assert {status for route, status in without.items() if route[0] in ADMIN_PATHS} == {403}
     assert unknown.status_code == 401 and unknown.headers["www-authenticate"] == "Bearer"
     assert unknown.json()["error"]["type"] == "authentication_error"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from herd.api.protocol import KVEvent, KVEventBatch, KVSnapshot
-from herd.orchestrator.kv_index import KVIndex
+from herd.orchestrator.kv_index import KVIndex, TierRun
 
 
 def _snapshot(blocks: list[int], *, seq: int = 0, epoch: str = "e1") -> KVSnapshot:
@@ -109,3 +109,57 @@ def test_match_counts_the_leading_run_only(
 ) -> None:
     index.reset("c", _snapshot([2, 3]))
     assert index.match(query) == expected
+
+
+def _tier_event(seq: int, kind: str, blocks: list[int], medium: str) -> KVEventBatch:
+    return KVEventBatch(
+        epoch="e1",
+        events=[KVEvent(seq=seq, kind=kind, block_hashes=blocks, medium=medium)],  # type: ignore[arg-type]
+    )
+
+
+@pytest.mark.parametrize(
+    ("events", "expected"),
+    [
+        ([], {"a": TierRun(3), "b": TierRun(2)}),
+        ([(6, "stored", [3, 4], "host")], {"a": TierRun(3), "b": TierRun(4, host=2)}),
+        ([(6, "stored", [3], "host"), (7, "stored", [4], "disk")], {"a": TierRun(3), "b": TierRun(4, 1, 1)}),
+        (
+            [(6, "stored", [3], "disk"), (7, "stored", [3], "host")],
+            {"a": TierRun(3), "b": TierRun(3, host=1)},
+        ),
+        ([(6, "stored", [3], "host"), (7, "removed", [3], "host")], {"a": TierRun(3), "b": TierRun(2)}),
+        (
+            [(6, "stored", [3], "host"), (7, "removed", [3], "device")],
+            {"a": TierRun(3), "b": TierRun(3, host=1)},
+        ),
+        ([(6, "stored", [3], "host"), (7, "cleared", [], "device")], {"a": TierRun(3)}),
+    ],
+    ids=[
+        "device-only",
+        "host-extends",
+        "host-then-disk",
+        "host-beats-disk",
+        "host-removed",
+        "device-removed-keeps-host",
+        "cleared-all",
+    ],
+)
+def test_tier_runs_count_each_tier(
+    index: KVIndex, events: list[tuple[int, str, list[int], str]], expected: dict[str, TierRun]
+) -> None:
+    index.reset("b", _snapshot([1, 2], seq=5))
+    for seq, kind, blocks, medium in events:
+        assert index.apply("b", _tier_event(seq, kind, blocks, medium))
+    assert index.match_tiers([1, 2, 3, 4]) == expected
+    assert index.match([1, 2, 3, 4])["a"] == 3
+
+
+def test_a_snapshot_carries_the_tiers() -> None:
+    index = KVIndex()
+    snapshot = _snapshot([1], seq=2).model_copy(update={"tier_block_hashes": {"host": [2], "disk": [3]}})
+    index.reset("a", snapshot)
+    assert index.match_tiers([1, 2, 3]) == {"a": TierRun(3, host=1, disk=1)}
+    assert index.tier_blocks("a") == {"host": 1, "disk": 1}
+    index.remove_worker("a")
+    assert index.match_tiers([1, 2, 3]) == {}

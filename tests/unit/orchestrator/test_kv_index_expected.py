@@ -86,3 +86,17 @@ def test_kv_cache_aware_keeps_a_tenant_together_before_any_event(index: KVIndex)
     busy = {first.id: 1}
     second = strategy.select(views("a", "b", **busy), context(prompt_hashes(7001, shared=256)))
     assert second is not None and second.id == first.id
+
+
+def test_expected_blocks_are_counted_per_worker_until_removed_or_expired(
+    index: KVIndex, clock: Clock
+) -> None:
+    index.expect("a", [1, 2, 3])
+    index.expect("a", [2, 3, 4])  # renewed ones count once
+    index.expect("b", [1])
+    assert dict(index.expected_blocks()) == {"a": 4, "b": 1}
+    index.apply("a", KVEventBatch(epoch="e", events=[KVEvent(seq=1, kind="removed", block_hashes=[4])]))
+    assert index.expected_blocks()["a"] == 3
+    clock.now = 11.0
+    index.expect("b", [9])  # expiry runs on the next expect
+    assert dict(index.expected_blocks()) == {"a": 0, "b": 1}

@@ -11,17 +11,35 @@ import httpx
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from support.procs import free_port
 
 from herd.api.crd import RoundRobinRouting
-from herd.api.protocol import KVEventBatch, KVSnapshot, LoadReport
+from herd.api.protocol import INTERNAL_PATHS, KVEvent, KVSnapshot, LoadReport, StatusQuery
+from herd.api.worker_status import StatusSource, status_lines
 from herd.orchestrator.app import AppSettings, build_app
 from herd.orchestrator.discovery import ModelConfig, StaticSource, WorkerEndpoint
 from herd.orchestrator.registry import RegistrySettings
 
 CHUNK_PAUSE = 0.3
+
+
+async def _ready() -> tuple[bool, LoadReport]:
+    return True, LoadReport()
+
+
+async def _no_events(_: int, wait: float) -> list[KVEvent]:
+    await asyncio.sleep(wait)
+    return []
+
+
+async def _empty() -> KVSnapshot:
+    return KVSnapshot(epoch="e", seq=0, block_size=16, block_hashes=[])
+
+
+_IDLE = StatusSource(lambda: "e", _ready, _no_events, _empty)
+"""A worker with nothing cached, always ready."""
 
 
 class SlowWorker:
@@ -31,21 +49,14 @@ class SlowWorker:
         self.was_cancelled = asyncio.Event()
         self.app = Starlette(
             routes=[
-                Route("/ready", lambda _: Response(status_code=200)),
-                Route("/internal/load", lambda _: JSONResponse(LoadReport().model_dump())),
-                Route(
-                    "/internal/kv/events",
-                    lambda _: JSONResponse(KVEventBatch(epoch="e", events=[]).model_dump()),
-                ),
-                Route(
-                    "/internal/kv/snapshot",
-                    lambda _: JSONResponse(
-                        KVSnapshot(epoch="e", seq=0, block_size=16, block_hashes=[]).model_dump()
-                    ),
-                ),
+                Route(INTERNAL_PATHS.status, self.status),
                 Route("/v1/chat/completions", self.stream, methods=["POST"]),
             ]
         )
+
+    async def status(self, request: Request) -> Response:
+        query = StatusQuery.model_validate(dict(request.query_params))
+        return StreamingResponse(status_lines(_IDLE, query), media_type="application/x-ndjson")
 
     async def stream(self, _: Request) -> Response:
         async def chunks() -> AsyncIterator[bytes]:

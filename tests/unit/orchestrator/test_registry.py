@@ -1,19 +1,22 @@
-"""The registry over fake workers: ejection after two failed probes (within 2 s), re-admission, load, KV sync and resync."""
+"""The registry over fake workers' status streams: ejection of a dead or a silent worker, not of a slow one,
+re-admission, load, KV sync, resume and resync."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 
 import httpx
+import pytest
 from support.gateway_fakes import MODEL, FakeCluster, FakeWorker, wait_for
 
 from herd.api.crd import KVCacheAwareRouting
-from herd.api.protocol import KVEvent, LoadReport
+from herd.api.protocol import INTERNAL_PATHS, KVEvent, LoadReport
 from herd.orchestrator.discovery import Membership, ModelConfig
 from herd.orchestrator.registry import Registry, RegistrySettings
-from herd.orchestrator.state import MemoryState
+from herd.orchestrator.state import IN_FLIGHT_TTL_S, InFlightCounts, MemoryState
 from herd.orchestrator.worker_client import WorkerClient
 
 KV_AWARE = KVCacheAwareRouting(strategy="kv_cache_aware")
@@ -37,16 +40,16 @@ async def registry_for(
                 await task
 
 
-async def test_ejects_after_two_failed_probes_within_two_seconds_and_readmits() -> None:
+async def test_a_dead_worker_is_ejected_by_its_broken_stream_and_refused_reconnect_then_readmitted() -> None:
     cluster = FakeCluster([FakeWorker("w0"), FakeWorker("w1")])
     down = cluster.workers[0]
     registries: list[Registry] = []
-    admitted_at_failed_probe: list[bool] = []  # per failed /ready probe of w0: was it still admitted?
+    admitted_at_refusal: list[bool] = []  # per refused reconnect of w0: was it still admitted?
 
     def handle(request: httpx.Request) -> httpx.Response:
         worker = next(worker for worker in cluster.workers if request.url.host.startswith(f"{worker.id}."))
-        if worker is down and not worker.is_up and request.url.path == "/ready":
-            admitted_at_failed_probe.append(registries[0].workers["w0"].is_healthy)
+        if worker is down and not worker.is_up and request.url.path == INTERNAL_PATHS.status:
+            admitted_at_refusal.append(registries[0].workers["w0"].is_healthy)
         return worker.handle(request)
 
     async with registry_for(cluster, transport=httpx.MockTransport(handle)) as registry:
@@ -57,17 +60,44 @@ async def test_ejects_after_two_failed_probes_within_two_seconds_and_readmits() 
         assert registry.workers["w1"].is_healthy
         down.is_up = True
         await wait_for(lambda: registry.workers["w0"].is_healthy)
-    # Counted in probes, not seconds, so a loaded machine cannot fail it: the probe that ejects is the
-    # `failures_to_eject`-th in a row, and the defaults space that many probes well within 2 s.
+    # Counted in attempts, not seconds, so a loaded machine cannot fail it: the broken stream is the
+    # first failure and the first refused reconnect, `retry_delay(1)` later, the second, which ejects.
     defaults = RegistrySettings()
-    num_admitted = admitted_at_failed_probe.count(True)
-    assert (
-        admitted_at_failed_probe[:num_admitted]
-        == [True] * num_admitted
-        == [True] * defaults.failures_to_eject
-    )
-    assert not any(admitted_at_failed_probe[num_admitted:])
-    assert defaults.failures_to_eject * defaults.poll_interval <= 1.0
+    assert admitted_at_refusal[:1] == [True] and not any(admitted_at_refusal[1:])
+    assert defaults.failures_to_eject == 2 and defaults.retry_delay(1) <= 0.5
+
+
+async def test_a_silent_stream_ejects_at_once_and_a_slow_one_does_not() -> None:
+    cluster = FakeCluster([FakeWorker("w0"), FakeWorker("w1", line_delay=0.3)])
+    settings = RegistrySettings(poll_interval=0.02, heartbeat=0.05, silence_timeout=2.0)
+    async with registry_for(cluster, settings) as registry:
+        await wait_for(lambda: all(view.is_healthy for view in registry.views(MODEL)))
+        cluster.workers[0].is_stalled = True
+        await wait_for(lambda: not registry.workers["w0"].is_healthy)
+        assert registry.workers["w1"].is_healthy and registry.workers["w1"].num_failures == 0
+        cluster.workers[0].is_stalled = False
+        await wait_for(lambda: registry.workers["w0"].is_healthy)
+        assert registry.workers["w1"].num_failures == 0 and cluster.workers[1].num_status_streams == 1
+
+
+async def test_silence_ejects_at_most_the_capped_share_of_workers_at_a_time() -> None:
+    cluster = FakeCluster([FakeWorker(f"w{n}") for n in range(3)])
+    settings = RegistrySettings(poll_interval=0.02, heartbeat=0.05, silence_timeout=0.3, max_silent_share=0.1)
+    async with registry_for(cluster, settings) as registry:
+        await wait_for(lambda: all(view.is_healthy for view in registry.views(MODEL)))
+        for worker in cluster.workers:
+            worker.is_stalled = True  # all at once: more likely the orchestrator's stall than theirs
+        # Counted, not slept: every stream timed out and was reopened at least twice.
+        await wait_for(lambda: all(worker.num_status_streams >= 3 for worker in cluster.workers))
+        assert sorted(view.is_healthy for view in registry.views(MODEL)) == [False, True, True]
+        for worker in cluster.workers:
+            worker.is_stalled = False
+        await wait_for(lambda: all(view.is_healthy for view in registry.views(MODEL)))
+
+
+@pytest.mark.parametrize(("num_failures", "expected"), [(0, 0.25), (1, 0.25), (2, 0.5), (3, 1.0), (9, 1.0)])
+def test_retries_back_off_to_a_bound(num_failures: int, expected: float) -> None:
+    assert RegistrySettings().retry_delay(num_failures) == expected
 
 
 async def test_not_ready_worker_is_ejected_and_draining_is_unhealthy() -> None:
@@ -124,12 +154,28 @@ async def test_a_hold_counts_its_prefill_tokens_until_the_worker_has_computed_th
         assert [*counted, view.num_prefill_tokens_in_flight, view.num_in_flight] == [350, 50, 0, 0]
 
 
-async def test_a_broken_kv_feed_does_not_eject_the_worker() -> None:
-    worker = FakeWorker("w0", snapshot_blocks=[5], is_kv_broken=True)
+async def test_a_reopened_stream_resumes_the_kv_events_without_a_snapshot() -> None:
+    worker = FakeWorker("w0", snapshot_blocks=[5])
     async with registry_for(FakeCluster([worker]), RegistrySettings(poll_interval=0.02)) as registry:
-        await wait_for(lambda: registry.workers["w0"].is_healthy)
         index = registry.models[MODEL].kv_index
-        assert index.match([5]) == {}
-        worker.is_kv_broken = False
         await wait_for(lambda: index.match([5]) == {"w0": 1})
-        assert registry.workers["w0"].is_healthy
+        worker.is_up = False
+        await wait_for(lambda: not registry.workers["w0"].is_healthy)
+        worker.events.append(KVEvent(seq=1, kind="stored", block_hashes=[6]))
+        worker.is_up = True
+        await wait_for(lambda: index.match([5, 6]) == {"w0": 2})
+        assert registry.workers["w0"].is_healthy and worker.num_snapshots == 1
+
+
+async def test_the_other_replicas_in_flight_counts_add_to_the_views_until_they_go_stale() -> None:
+    cluster = FakeCluster([FakeWorker("w0"), FakeWorker("w1")])
+    async with registry_for(cluster) as registry:
+        registry.hold("w0")
+        registry.receive_kv("", InFlightCounts(origin="r2", counts={"w0": 2, "w1": 1}))
+        registry.receive_kv("", InFlightCounts(origin="r3", counts={"w1": 4}))
+        registry.receive_kv(
+            "", InFlightCounts(origin="r2", counts={"w0": 1})
+        )  # r2's latest replaces its first
+        assert {view.id: view.num_in_flight for view in registry.views(MODEL)} == {"w0": 2, "w1": 4}
+        stale = time.monotonic() + IN_FLIGHT_TTL_S + 1
+        assert registry._elsewhere.totals(stale) == {}

@@ -25,6 +25,7 @@ from herd.orchestrator.routing import (
     build_strategy,
     healthy,
 )
+from herd.orchestrator.routing._load import bounded_load_cap
 
 
 def _build(strategy: str, **fields: object) -> RoutingStrategy:
@@ -144,6 +145,19 @@ def test_the_routing_package_exports_the_shared_interface() -> None:
         "WorkerView",
         "build_strategy",
         "healthy",
+        "restore_block_tokens",
     }
     assert set(base.__all__) <= set(routing.__all__)
     assert all(getattr(routing, name) is getattr(base, name) for name in base.__all__)
+
+
+@pytest.mark.parametrize(
+    ("in_flight", "expected"),
+    [([0] * 32, 2), ([1] + [0] * 31, 2), ([4] * 8, 6), ([0] * 8, 2), ([2, 2], 4)],
+    ids=["idle-fleet-floor", "one-request-on-32-floor", "busy-fleet-paper-bound", "idle-8", "two-workers"],
+)
+def test_the_bounded_load_cap_has_a_floor_of_two(in_flight: list[int], expected: int) -> None:
+    workers = views(*(f"w{number}" for number in range(len(in_flight))))
+    for worker, count in zip(workers, in_flight, strict=True):
+        worker.num_in_flight = count
+    assert bounded_load_cap(workers, 1.25) == expected

@@ -10,9 +10,9 @@ from collections.abc import Mapping
 import pytest
 from support.routing_views import context, prompt_hashes, views
 
-from herd.api.protocol import KVSnapshot
+from herd.api.protocol import KVSnapshot, LoadReport
 from herd.orchestrator.kv_index import KVIndex
-from herd.orchestrator.routing import KVCacheAware, RequestContext, WorkerView
+from herd.orchestrator.routing import KVCacheAware, RequestContext, WorkerView, restore_block_tokens
 
 PROMPT = prompt_hashes(42, 512)
 """32 blocks: "a" caches the first 8, "b" the first 16, "c" none."""
@@ -101,12 +101,85 @@ def test_a_prompt_without_a_full_block_goes_by_load() -> None:
     assert chosen.id == "c"
 
 
-def test_ties_go_to_the_fewest_in_flight_then_at_random() -> None:
+def test_ties_go_to_the_fewest_in_flight_then_the_fewest_cached_blocks_then_at_random() -> None:
     strategy = _strategy()
-    uncached = prompt_hashes(43, 512)
+    uncached = prompt_hashes(43, 512)  # costs the same on every idle worker with room
     workers = _workers(a={"num_running": 2, "num_in_flight": 0}, b={"num_running": 2, "num_in_flight": 1})
-    picks = Counter(strategy.select(workers, context(uncached)).id for _ in range(1))  # type: ignore[union-attr]
-    assert picks == Counter({"c": 1})
-    tied = _workers()
-    picks = Counter(strategy.select(tied, context(uncached)).id for _ in range(60))  # type: ignore[union-attr]
-    assert set(picks) == {"a", "b", "c"}
+    assert strategy.select(workers, context(uncached)).id == "c"  # type: ignore[union-attr]
+    picks = Counter(strategy.select(_workers(), context(uncached)).id for _ in range(20))  # type: ignore[union-attr]
+    assert picks == Counter({"c": 20}), "c caches nothing: the new prefix goes to the emptiest pool"
+    picks = Counter(strategy.select(_workers()[:2], context(uncached)).id for _ in range(20))  # type: ignore[union-attr]
+    assert picks == Counter({"a": 20}), "a caches 8 blocks, b 17"
+    empty = views("c", "d", "e")
+    picks = Counter(strategy.select(empty, context(uncached)).id for _ in range(60))  # type: ignore[union-attr]
+    assert set(picks) == {"c", "d", "e"}
+
+
+def _tiered(tier_cost: str) -> KVCacheAware:
+    """'a' holds the first 8 blocks on its device; 'b' the first 8 on its device and the next 16 in
+    its host tier; 'c' none."""
+    index = KVIndex()
+    index.reset("a", KVSnapshot(epoch="e", seq=0, block_size=16, block_hashes=PROMPT[:8]))
+    b = KVSnapshot(
+        epoch="e", seq=0, block_size=16, block_hashes=PROMPT[:8], tier_block_hashes={"host": PROMPT[8:24]}
+    )
+    index.reset("b", b)
+    return KVCacheAware(
+        kv_index=index,
+        load_factor=1.25,
+        cache_weight=1.0,
+        load_weight=1.0,
+        block_size=16,
+        rng=random.Random(2),
+        tier_cost=tier_cost,  # type: ignore[arg-type]
+    )
+
+
+@pytest.mark.parametrize(
+    ("tier_cost", "b_load", "expected"),
+    [
+        ("measured", {"host_block_tokens": 0.5}, "b"),
+        ("measured", {"host_block_tokens": 0.5, "num_waiting_prefill_tokens": 200}, "b"),
+        ("measured", {"host_block_tokens": 14.0, "num_waiting_prefill_tokens": 200}, "a"),
+        ("measured", {"num_waiting_prefill_tokens": 1}, "a"),
+        ("weights", {"host_block_tokens": 0.5, "num_waiting_prefill_tokens": 260}, "a"),
+        ("weights", {}, "b"),
+        ("device", {"host_block_tokens": 0.5, "num_waiting_prefill_tokens": 1}, "a"),
+    ],
+    ids=[
+        "a-cheap-restore-wins",
+        "a-cheap-restore-outweighs-a-queue",
+        "a-slow-restore-loses-to-the-queue",
+        "an-unmeasured-tier-counts-as-recompute",
+        "fixed-weights-ignore-the-bandwidth",
+        "fixed-weights-count-the-host",
+        "tier-blind-sees-the-device-only",
+    ],
+)
+def test_a_lower_tier_counts_by_its_cost(tier_cost: str, b_load: dict[str, float], expected: str) -> None:
+    workers = _workers(b=b_load)
+    chosen = _tiered(tier_cost).select(workers, context(PROMPT))
+    assert chosen is not None and chosen.id == expected
+
+
+@pytest.mark.parametrize(
+    ("report", "expected"),
+    [
+        ({}, None),
+        ({"bytes_per_block": 10**6, "prefill_tokens_per_s": 1000.0}, None),
+        ({"bytes_per_block": 10**6, "restore_bytes_per_s": {"host": 1e9}}, None),
+        (
+            {"bytes_per_block": 10**6, "prefill_tokens_per_s": 1000.0, "restore_bytes_per_s": {"host": 1e9}},
+            1.0,
+        ),
+        (
+            {"bytes_per_block": 10**6, "prefill_tokens_per_s": 500.0, "restore_bytes_per_s": {"host": 1e8}},
+            5.0,
+        ),
+    ],
+    ids=["nothing-measured", "no-bandwidth", "no-prefill-rate", "1-ms-at-1000-tok-s", "10-ms-at-500-tok-s"],
+)
+def test_a_restore_costs_the_tokens_the_worker_prefills_meanwhile(
+    report: dict[str, object], expected: float | None
+) -> None:
+    assert restore_block_tokens(LoadReport.model_validate(report), "host") == expected

@@ -13,6 +13,7 @@ from uhashring import HashRing
 from herd.api.protocol import KVSnapshot
 from herd.orchestrator.kv_index import KVIndex
 from herd.orchestrator.routing import KVCacheAware, PrefixHash, RoutingStrategy, WorkerView
+from herd.orchestrator.routing._load import MIN_CAP
 
 IDS = [f"w{i}" for i in range(8)]
 LOAD_FACTOR = 1.25
@@ -100,7 +101,8 @@ def _hammer(
     strategy: RoutingStrategy, prompts: list[list[int]], *, num_in_flight: int, steps: int
 ) -> list[str]:
     """Route ``steps`` requests keeping ``num_in_flight`` open (a random one finishes each step);
-    check the bounded-load guarantee after every decision and return the chosen ids."""
+    check the bounded-load guarantee (with the cap's floor) after every decision and return the
+    chosen ids."""
     rng = random.Random(11)
     workers = views(*IDS)
     open_requests: list[WorkerView] = []
@@ -113,7 +115,7 @@ def _hammer(
         open_requests.append(chosen)
         chosen_ids.append(chosen.id)
         mean = sum(worker.num_in_flight for worker in workers) / len(workers)
-        assert max(worker.num_in_flight for worker in workers) <= LOAD_FACTOR * mean + 1
+        assert max(worker.num_in_flight for worker in workers) <= max(MIN_CAP, LOAD_FACTOR * mean + 1)
     return chosen_ids
 
 

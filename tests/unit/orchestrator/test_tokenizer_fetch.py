@@ -33,7 +33,7 @@ CHAT = {
 ROUTING = KVCacheAwareRouting(strategy="kv_cache_aware")
 WITHIN_S = 30.0
 """Budget for background work (a tokenizer built off the loop): generous when loaded, free when quick."""
-SETTINGS = AppSettings(internal_token="s3cret", registry=RegistrySettings(poll_interval=0.02))
+SETTINGS = AppSettings(internal_token="s3cret", registry=RegistrySettings(poll_interval=0.02, heartbeat=0.05))
 
 
 @dataclass(eq=False)
@@ -45,14 +45,15 @@ class TokenizerCluster(FakeCluster):
     gate: asyncio.Event = field(default_factory=asyncio.Event)
     model_path: Path | None = None
     tokens_seen: list[str | None] = field(default_factory=list)
-    num_ready_probes: int = 0
+
+    @property
+    def num_status_lines(self) -> int:
+        return sum(worker.num_status_lines for worker in self.workers)
 
     def transport(self) -> httpx.MockTransport:
         workers = super().transport()
 
         async def handle(request: httpx.Request) -> httpx.Response:
-            if request.url.path == "/ready":
-                self.num_ready_probes += 1
             if request.url.path != INTERNAL_PATHS.tokenizer:
                 return await workers.handle_async_request(request)
             self.tokens_seen.append(request.headers.get(TOKEN_HEADER))
@@ -80,10 +81,10 @@ def expected_hashes(tiny_llama: Path) -> list[int]:
 
 
 async def more_polls(cluster: TokenizerCluster, num_rounds: int) -> None:
-    """Wait for ``num_rounds`` more registry polls of every worker: counted, not slept, so a loaded
-    machine cannot pass a "nothing more happens" check by polling less."""
-    target = cluster.num_ready_probes + num_rounds * len(cluster.workers)
-    await wait_for(lambda: cluster.num_ready_probes >= target, within=WITHIN_S)
+    """Wait for ``num_rounds`` more status lines from every worker (each offers the fetch again):
+    counted, not slept, so a loaded machine cannot pass a "nothing more happens" check by reading less."""
+    target = cluster.num_status_lines + num_rounds * len(cluster.workers)
+    await wait_for(lambda: cluster.num_status_lines >= target, within=WITHIN_S)
 
 
 async def chosen_workers(client: httpx.AsyncClient, num_requests: int) -> list[str]:

@@ -1,5 +1,6 @@
 """The sidecar's internal port over a vLLM answered by ``httpx.MockTransport`` (its recorded
-/metrics and model list): the token, info and load once vLLM is learned, KV events and snapshot."""
+/metrics and model list): the token, info and load once vLLM is learned, KV events and snapshot, the
+status stream as a herd worker serves it."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from support.asgi_stream import StreamingASGITransport
 
-from herd.api.protocol import INTERNAL_PATHS, TOKEN_HEADER, TokenizerFiles
+from herd.api.protocol import INTERNAL_PATHS, TOKEN_HEADER, TokenizerFiles, WorkerStatus
 from herd.sidecar._internal import build_internal_app
 from herd.sidecar._kv_state import KVState
 from herd.sidecar._vllm import VLLMView, model_layout
@@ -36,8 +38,9 @@ async def parts(tmp_path: Path) -> AsyncIterator[tuple[httpx.AsyncClient, VLLMVi
     async with httpx.AsyncClient(base_url="http://127.0.0.1:1", transport=httpx.MockTransport(_vllm)) as vllm:
         view = VLLMView(vllm, served_name="smollm2", role="unified", layout=model_layout(tmp_path))
         files = TokenizerFiles(files={"tokenizer.json": "{}"})
-        app = build_internal_app(TOKEN, kv, lambda: view.info(kv.epoch), view.load, files)
-        transport = httpx.ASGITransport(app)
+        is_ready = lambda: view.is_learned and not view.is_draining  # noqa: E731
+        app = build_internal_app(TOKEN, kv, lambda: view.info(kv.epoch), view.load, files, is_ready)
+        transport = StreamingASGITransport(app)
         async with httpx.AsyncClient(
             base_url="http://sidecar", transport=transport, headers={TOKEN_HEADER: TOKEN}
         ) as client:
@@ -46,7 +49,12 @@ async def parts(tmp_path: Path) -> AsyncIterator[tuple[httpx.AsyncClient, VLLMVi
 
 async def test_every_route_wants_the_token(parts: tuple[httpx.AsyncClient, VLLMView, KVState]) -> None:
     client, _, _ = parts
-    for path in (INTERNAL_PATHS.info, INTERNAL_PATHS.kv_snapshot, INTERNAL_PATHS.tokenizer):
+    for path in (
+        INTERNAL_PATHS.info,
+        INTERNAL_PATHS.kv_snapshot,
+        INTERNAL_PATHS.tokenizer,
+        INTERNAL_PATHS.status,
+    ):
         response = await client.get(path, headers={TOKEN_HEADER: "wrong"})
         assert response.status_code == 401 and TOKEN_HEADER in response.json()["error"]["message"]
 
@@ -82,3 +90,31 @@ async def test_kv_events_and_snapshot(parts: tuple[httpx.AsyncClient, VLLMView, 
     assert (await client.get(INTERNAL_PATHS.kv_events, params={"after": 1, "wait": 0.05})).json()[
         "events"
     ] == []
+
+
+def _stored(block_hash: int) -> BlockStored:
+    tokens = list(range(32 * block_hash, 32 * block_hash + 32))
+    return BlockStored(block_hashes=[block_hash], parent_block_hash=None, token_ids=tokens, block_size=32)
+
+
+async def test_the_status_stream_carries_readiness_load_and_kv_events_until_the_drain(
+    parts: tuple[httpx.AsyncClient, VLLMView, KVState],
+) -> None:
+    client, view, kv = parts
+    params = {"interval": 0.01, "heartbeat": 30.0}  # no line but for a change
+    assert (await client.get(INTERNAL_PATHS.status, params=params)).status_code == 503  # vLLM not learned
+    await view.learn()
+    kv.apply([_stored(1)])
+    statuses: list[WorkerStatus] = []
+    async with client.stream("GET", INTERNAL_PATHS.status, params=params) as response:
+        async for line in response.aiter_lines():
+            statuses.append(WorkerStatus.model_validate_json(line))
+            if len(statuses) == 1:
+                kv.apply([_stored(2)])
+            elif len(statuses) == 2:
+                view.is_draining = True
+    first, second, last = statuses
+    assert first.is_ready and first.snapshot is not None and first.snapshot.seq == 1 and not first.events
+    assert first.epoch == kv.epoch and first.load.num_total_blocks == 1456
+    assert [event.seq for event in second.events] == [2] and second.snapshot is None
+    assert not last.is_ready and last.load.is_draining  # the last line: the stream ended after it

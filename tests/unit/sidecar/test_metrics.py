@@ -16,6 +16,12 @@ WAITING = 'vllm:num_requests_waiting{engine="0",model_name="smollm2"} 0.0'
 USAGE = 'vllm:kv_cache_usage_perc{engine="0",model_name="smollm2"} 0.0'
 
 
+LORA_INFO = """# TYPE vllm:lora_requests_info gauge
+vllm:lora_requests_info{max_lora="4",running_lora_adapters="sql",waiting_lora_adapters=""} 1.7e9
+vllm:lora_requests_info{max_lora="4",running_lora_adapters="sql,poet",waiting_lora_adapters="chef"} 1.8e9
+"""
+
+
 def _with(*replacements: tuple[str, str]) -> str:
     text = IDLE
     for old, new in replacements:
@@ -44,6 +50,12 @@ def _with(*replacements: tuple[str, str]) -> str:
             _with((USAGE, USAGE.replace("0.0", "1.5"))),
             LoadReport(kv_usage=1.0, num_free_blocks=0, num_total_blocks=1456),
             id="usage-clamped",
+        ),
+        pytest.param(
+            IDLE + LORA_INFO,
+            LoadReport(num_free_blocks=1456, num_total_blocks=1456, max_loras=4, lora_adapters=["sql", "poet", "chef"],
+                       running_lora_adapters=["sql", "poet"], waiting_lora_adapters=["chef"]),
+            id="lora-newest-sample",
         ),
     ],
 )  # fmt: skip

@@ -83,8 +83,8 @@ CASES: list[tuple[str, list[VLLMEvent], list[Translated | None], list[int]]] = [
     (
         "salt-after-the-lora-name",
         [stored([1], None, PROMPT[:4], lora_name="ad", extra_keys=[["ad", "tenant-a"]])],
-        [("stored", [hash_block(root_hash("ad", "tenant-a"), PROMPT[:4])])],
-        [hash_block(root_hash("ad", "tenant-a"), PROMPT[:4])],
+        [("stored", [hash_block(root_hash(MODEL, "tenant-a", "ad"), PROMPT[:4])])],
+        [hash_block(root_hash(MODEL, "tenant-a", "ad"), PROMPT[:4])],
     ),
     (
         "cleared-forgets-everything",
@@ -93,11 +93,17 @@ CASES: list[tuple[str, list[VLLMEvent], list[Translated | None], list[int]]] = [
         [],
     ),
     (
-        "other-tiers-are-not-tracked",
-        [stored([1], None, PROMPT[:4], medium="CPU"), BlockRemoved(block_hashes=[1], medium="CPU"),
-         stored([1], None, PROMPT[:4], medium="GPU")],
-        [None, None, ("stored", H[:1])],
-        H[:1],
+        "cpu-offload-is-the-host-tier",
+        [stored([1, 2], None, PROMPT[:8], medium="GPU"), stored([1, 2], None, [], medium="CPU"),
+         BlockRemoved(block_hashes=[1, 2], medium="GPU"), BlockRemoved(block_hashes=[2], medium="CPU")],
+        [("stored", H[:2]), ("stored", H[:2], "host"), ("removed", H[:2]), ("removed", H[1:2], "host")],
+        [],
+    ),
+    (
+        "an-unnamed-offload-is-skipped-unknown-media-ignored",
+        [stored([9], None, [], medium="CPU"), stored([1], None, PROMPT[:4], medium="NVME")],
+        [("stored", [], "host"), None],
+        [],
     ),
 ]  # fmt: skip
 
@@ -109,6 +115,15 @@ def test_translation(events: list[VLLMEvent], expected: list[Translated | None],
     translator = KVTranslator(MODEL, BS)
     assert [translator.translate(event) for event in events] == expected
     assert sorted(translator.block_hashes) == sorted(held)
+
+
+def test_the_host_tier_is_in_the_snapshot() -> None:
+    translator = KVTranslator(MODEL, BS)
+    translator.translate(stored([1, 2, 3], None, PROMPT))
+    translator.translate(stored([1, 3], None, [], medium="CPU"))
+    assert {medium: sorted(held) for medium, held in translator.tier_block_hashes.items()} == {
+        "host": sorted([H[0], H[2]])
+    }
 
 
 def test_skipped_blocks_are_counted() -> None:

@@ -21,7 +21,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 from herd.api.kv_events import KVEventFeed
@@ -156,8 +157,10 @@ class AsyncEngine:
         cache_salt: str | None = None,
         first_token_id: int | None = None,
         resumed_token_ids: Sequence[int] = (),
+        lora_name: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Add a request and yield its outputs until it finishes.
+        """Add a request (with LoRA adapter ``lora_name``, or the base model) and yield its outputs
+        until it finishes.
 
         A ``first_token_id`` handed over by a prefill worker, or the ``resumed_token_ids`` of a stream
         another worker began (one output, ``is_resumed``), is yielded as soon as the request is
@@ -183,6 +186,7 @@ class AsyncEngine:
                         cache_salt=cache_salt,
                         first_token_id=first_token_id,
                         resumed_token_ids=resumed_token_ids,
+                        lora_name=lora_name,
                     )
                 )
             except Exception:
@@ -264,6 +268,11 @@ class AsyncEngine:
     @property
     def stats(self) -> EngineStats:
         return self._require_engine().stats
+
+    @property
+    def lora_adapters(self) -> Mapping[str, Path]:
+        """The adapters loaded (changed only by commands on the engine thread; a read is atomic)."""
+        return self._require_engine().lora_adapters
 
     def load_report(self) -> LoadReport:
         """The load as of the last step (no wait on the engine thread)."""

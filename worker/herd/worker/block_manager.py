@@ -11,6 +11,12 @@ bumping reference counts. A block whose count drops to zero keeps its hash and j
 is evicted first and shared prefixes survive longest. Blocks that were never hashed go to the head,
 so they are reused before any cached block is evicted. Registering and evicting a hash emit
 ``stored`` / ``removed`` events. Cost: one dict lookup and one token comparison per prompt block.
+
+Tiers (``herd.worker.kv_tiers``): with a host tier, a hashed block the device evicts is copied there
+first (the plan's ``KVMove``s, made by the runner before the forward that reuses the block), and the
+host tier's own LRU victims go on to the disk tier when there is one. A prompt whose device hit ends
+continues its walk in the host tier, then the disk tier: every further block found there is restored
+onto a fresh device block (a move into it) instead of computed. Events name the tier (``medium``).
 """
 
 from __future__ import annotations
@@ -21,9 +27,21 @@ from dataclasses import dataclass, field
 
 from herd.api.kv_events import KVEventBuffer
 from herd.api.kv_hash import BlockHash, hash_block
+from herd.api.protocol import Medium
+from herd.worker.kv_tiers import KVMove, TierCache, TierHit
 from herd.worker.sequence import Sequence
 
-__all__ = ["Block", "BlockManager"]
+__all__ = ["Block", "BlockManager", "TierCounters"]
+
+
+@dataclass
+class TierCounters:
+    """Blocks moved per tier since start: ``stored`` into it, ``restored`` from it onto the device,
+    ``evicted`` out of it for room (device evictions included)."""
+
+    stored: Counter[Medium] = field(default_factory=Counter)
+    restored: Counter[Medium] = field(default_factory=Counter)
+    evicted: Counter[Medium] = field(default_factory=Counter)
 
 
 @dataclass(eq=False)
@@ -32,12 +50,21 @@ class Block:
     ref_count: int = 0
     block_hash: BlockHash | None = None
     token_ids: list[int] = field(default_factory=list)
+    lora_name: str | None = None  # the adapter whose KV it holds: unloading the adapter forgets it
 
 
 class BlockManager:
     """Owns the block pool: allocation, reference counts, the prefix cache and its events."""
 
-    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_prefix_caching: bool = True,
+        num_host_blocks: int = 0,
+        num_disk_blocks: int = 0,
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV pool needs at least one block, got {num_blocks}: raise the KV memory")
         self.block_size = block_size
@@ -45,7 +72,13 @@ class BlockManager:
         self.blocks = [Block(block_id) for block_id in range(num_blocks)]
         self.cached: dict[BlockHash, int] = {}
         self.events = KVEventBuffer()
+        self.counters = TierCounters()
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        has_host = enable_prefix_caching and num_host_blocks > 0
+        self.host = TierCache("host", num_host_blocks) if has_host else None
+        self.disk = TierCache("disk", num_disk_blocks) if has_host and num_disk_blocks > 0 else None
+        self._moves: list[KVMove] = []
+        self._restored: list[int] = []
 
     @property
     def num_total_blocks(self) -> int:
@@ -63,6 +96,40 @@ class BlockManager:
     def cached_hashes(self) -> list[BlockHash]:
         return list(self.cached)
 
+    def tiers(self) -> list[TierCache]:
+        """The tiers below the device, fastest first."""
+        return [tier for tier in (self.host, self.disk) if tier is not None]
+
+    def tier_hits(self, seq: Sequence, start: int) -> list[TierHit]:
+        """Blocks of ``seq`` from block ``start`` (its device hit's end) on, found in a lower tier:
+        the run a restore brings back; at least one token is left to compute."""
+        if self.host is None:
+            return []
+        hits: list[TierHit] = []
+        hashes = self._hashes(seq, (seq.num_tokens - 1) // self.block_size)
+        for index in range(start, len(hashes)):
+            tokens = seq.block_tokens(index, self.block_size)
+            hit = next(
+                (
+                    TierHit(tier.medium, slot, hashes[index])
+                    for tier in self.tiers()
+                    if (slot := tier.lookup(hashes[index], tokens)) is not None
+                ),
+                None,
+            )
+            if hit is None:
+                break
+            hits.append(hit)
+        return hits
+
+    def end_plan(self) -> tuple[list[KVMove], list[int]]:
+        """The moves the plan now complete needs, in order, and the device blocks it restores into."""
+        moves, restored = self._moves, self._restored
+        self._moves, self._restored = [], []
+        for tier in self.tiers():
+            tier.end_plan()
+        return moves, restored
+
     def computed_blocks(self, seq: Sequence) -> list[int]:
         """Leading blocks of ``seq`` already in the cache; at least one token is left to compute."""
         if not self.enable_prefix_caching:
@@ -77,18 +144,27 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def can_allocate(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> bool:
-        num_fresh = self._num_blocks(len(hits) * self.block_size + num_new_tokens) - len(hits)
+    def can_allocate(
+        self, seq: Sequence, hits: list[int], num_new_tokens: int, num_restores: int = 0
+    ) -> bool:
+        num_cached = len(hits) + num_restores
+        num_fresh = self._num_blocks(num_cached * self.block_size + num_new_tokens) - len(hits)
         num_revived = sum(1 for block_id in hits if self.blocks[block_id].ref_count == 0)
         return num_fresh + num_revived <= len(self._free)
 
-    def allocate(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> None:
-        """Give a waiting ``seq`` its cached ``hits`` plus fresh blocks for ``num_new_tokens``."""
+    def allocate(
+        self, seq: Sequence, hits: list[int], num_new_tokens: int, restores: list[TierHit] | None = None
+    ) -> None:
+        """Give a waiting ``seq`` its cached ``hits``, its ``restores`` (from ``tier_hits``) on fresh
+        blocks, and fresh blocks for ``num_new_tokens``."""
+        restores = restores or []
         for block_id in hits:
             self._take(block_id)
-        seq.block_table = list(hits)
-        seq.num_computed_tokens = len(hits) * self.block_size
-        seq.num_committed_blocks = len(hits)
+        for hit in restores:  # pinned first: the restores' own evictions must not take their sources
+            self._tier(hit.medium).use(hit.slot)
+        seq.block_table = [*hits, *(self._restore(hit) for hit in restores)]
+        seq.num_committed_blocks = len(seq.block_table)
+        seq.num_computed_tokens = seq.num_committed_blocks * self.block_size
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = seq.num_computed_tokens
         self.append_slots(seq, num_new_tokens)
@@ -133,10 +209,13 @@ class BlockManager:
         return len(self._free) == len(self.blocks)
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached block (all are free: ``can_reset_prefix_cache``); one ``cleared`` event."""
+        """Forget every cached block in every tier (all device blocks are free:
+        ``can_reset_prefix_cache``); one ``cleared`` event."""
         for block in self.blocks:
             block.block_hash, block.token_ids = None, []
         self.cached.clear()
+        for tier in self.tiers():
+            tier.clear()
         self.events.record("cleared", [])
 
     def hold_prefix(self, block_hashes: list[BlockHash]) -> list[int]:
@@ -150,7 +229,9 @@ class BlockManager:
             held.append(block_id)
         return held
 
-    def import_block(self, block_hash: BlockHash, token_ids: list[int]) -> int | None:
+    def import_block(
+        self, block_hash: BlockHash, token_ids: list[int], lora_name: str | None = None
+    ) -> int | None:
         """Register a block received from a peer under ``block_hash``, held once; ``None`` if cached or full.
 
         The caller writes the block's KV, then ``release``s it: it stays cached, most recently used.
@@ -159,7 +240,7 @@ class BlockManager:
             return None
         block_id = self._take_fresh()
         block = self.blocks[block_id]
-        block.block_hash, block.token_ids = block_hash, list(token_ids)
+        block.block_hash, block.token_ids, block.lora_name = block_hash, list(token_ids), lora_name
         self.cached[block_hash] = block_id
         self.events.record("stored", [block_hash])
         return block_id
@@ -176,11 +257,20 @@ class BlockManager:
             block = self.blocks[seq.block_table[index]]
             if block.block_hash is None and hashes[index] not in self.cached:
                 block.block_hash, block.token_ids = hashes[index], seq.block_tokens(index, self.block_size)
+                block.lora_name = seq.lora_name
                 self.cached[hashes[index]] = block.block_id
                 stored.append(index)
         seq.num_committed_blocks = num_full
         self.events.record("stored", [hashes[index] for index in stored])
         return [seq.block_table[index] for index in stored]
+
+    def lora_blocks(self, lora_name: str) -> list[int]:
+        """The cached blocks holding ``lora_name``'s KV (to ``forget`` when the adapter goes)."""
+        return [
+            block.block_id
+            for block in self.blocks
+            if block.block_hash is not None and block.lora_name == lora_name
+        ]
 
     def forget(self, block_ids: list[int]) -> None:
         """Drop the hashes of ``block_ids`` (registered by a step that failed, so their KV is not
@@ -196,6 +286,85 @@ class BlockManager:
             if block.ref_count == 0:
                 self._free.move_to_end(block_id, last=False)
         self.events.record("removed", removed)
+
+    def forget_moves(self, moves: list[KVMove]) -> None:
+        """Drop what ``moves`` wrote into the tiers below the device (a step that failed or was
+        abandoned may not have made them); device targets are ``forget``'s."""
+        for move in moves:
+            tier = self._tier_or_none(move.dst)
+            dropped = tier.drop_slot(move.dst_slot) if tier is not None else None
+            if dropped is not None:
+                self.events.record("removed", [dropped], move.dst)
+
+    def disable_disk(self) -> None:
+        """The disk tier failed: drop it and everything it held (one ``removed`` event)."""
+        if self.disk is not None:
+            self.events.record("removed", self.disk.clear(), "disk")
+            self.disk = None
+
+    def _tier(self, medium: Medium) -> TierCache:
+        tier = self._tier_or_none(medium)
+        if tier is None:
+            raise ValueError(f"no {medium} tier")
+        return tier
+
+    def _tier_or_none(self, medium: Medium) -> TierCache | None:
+        return self.host if medium == "host" else self.disk if medium == "disk" else None
+
+    def _restore(self, hit: TierHit) -> int:
+        """A fresh device block for ``hit``, registered under its hash; the plan copies it in."""
+        _, token_ids = self._tier(hit.medium).entry(hit.slot)
+        block_id = self._take_fresh()
+        block = self.blocks[block_id]
+        block.block_hash, block.token_ids = hit.block_hash, list(token_ids)
+        self.cached[hit.block_hash] = block_id
+        self.events.record("stored", [hit.block_hash])
+        self._moves.append(KVMove(hit.medium, hit.slot, "device", block_id))
+        self._restored.append(block_id)
+        self.counters.restored[hit.medium] += 1
+        return block_id
+
+    def _offload(self, block: Block) -> None:
+        """``block`` leaves the device: copy it to the host tier (unless held there already)."""
+        assert block.block_hash is not None
+        host = self.host
+        if host is None:
+            return
+        if (slot := host.slots.get(block.block_hash)) is not None:
+            host.use(slot)
+            return
+        slot = host.victim()
+        if slot is None:
+            return
+        self._demote(slot)
+        replaced = host.store(slot, block.block_hash, block.token_ids)
+        if replaced is not None:
+            self.events.record("removed", [replaced], "host")
+            self.counters.evicted["host"] += 1
+        self._moves.append(KVMove("device", block.block_id, "host", slot))
+        self.events.record("stored", [block.block_hash], "host")
+        self.counters.stored["host"] += 1
+
+    def _demote(self, host_slot: int) -> None:
+        """The host tier's block in ``host_slot`` is about to be replaced: copy it to the disk tier."""
+        assert self.host is not None
+        disk = self.disk
+        if disk is None or not self.host.holds(host_slot):
+            return
+        block_hash, token_ids = self.host.entry(host_slot)
+        if (slot := disk.slots.get(block_hash)) is not None:
+            disk.use(slot)
+            return
+        slot = disk.victim()
+        if slot is None:
+            return
+        replaced = disk.store(slot, block_hash, token_ids)
+        if replaced is not None:
+            self.events.record("removed", [replaced], "disk")
+            self.counters.evicted["disk"] += 1
+        self._moves.append(KVMove("host", host_slot, "disk", slot))
+        self.events.record("stored", [block_hash], "disk")
+        self.counters.stored["disk"] += 1
 
     def _hashes(self, seq: Sequence, num_blocks: int) -> list[BlockHash]:
         """The chained hashes of ``seq``'s first ``num_blocks`` full blocks, extended lazily."""
@@ -223,5 +392,7 @@ class BlockManager:
         if block.block_hash is not None:
             del self.cached[block.block_hash]
             self.events.record("removed", [block.block_hash])
+            self.counters.evicted["device"] += 1
+            self._offload(block)
         block.block_hash, block.token_ids, block.ref_count = None, [], 1
         return block_id

@@ -8,7 +8,7 @@ import torch
 
 from herd.worker.models import ModelArgs
 
-__all__ = ["CacheGeometry", "bytes_per_block"]
+__all__ = ["CacheGeometry", "bytes_per_block", "tier_blocks"]
 
 
 @dataclass(frozen=True)
@@ -20,11 +20,20 @@ class CacheGeometry:
     head_dim: int
     dtype: torch.dtype
     bytes_per_block: int
+    num_host_blocks: int = 0
+    """Blocks the host tier holds (0: no host tier)."""
+    num_disk_blocks: int = 0
+    """Blocks the disk tier holds (0: no disk tier)."""
 
     @property
     def shape(self) -> tuple[int, ...]:
         """``[layers, K and V, blocks, block_size, kv_heads, head_dim]``."""
         return (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+
+def tier_blocks(gib: float, per_block: int) -> int:
+    """How many blocks of ``per_block`` bytes ``gib`` GiB of a tier holds."""
+    return int(gib * 2**30) // per_block
 
 
 def bytes_per_block(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:

@@ -14,23 +14,30 @@ term, the context term only where it explains a fifth of the rest's error), then
 rest of a decoding sequence's cost. ``hostShare`` is the engine thread's CPU time over all the steps'
 wall time. Decode steps set the inter-token latency, prefills the time to
 first token; each stage takes its own, so the few prefills are not outvoted by the many decodes.
+``hostGBps`` and ``diskGBps`` are the restore bandwidths of a host and a disk tier made beside the
+runner's pool (the disk's in a temporary folder), each the median of a few timed restores.
 """
 
 from __future__ import annotations
 
 import random
+import statistics
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from herd.api.crd import CostModel
+from herd.api.crd import CostModel, KVDiskSpec
 from herd.api.prompt import PromptRenderer
 from herd.worker.config import EngineConfig
 from herd.worker.engine import LLMEngine
+from herd.worker.kv_store import TierStore
+from herd.worker.kv_tiers import KVMove
 from herd.worker.model_runner import TorchRunner
-from herd.worker.runner import Runner, StepResult
+from herd.worker.runner import Measured, Runner, StepResult
 from herd.worker.sampling_params import SamplingParams
 from herd.worker.scheduler import SchedulerOutput
 
@@ -39,12 +46,22 @@ if TYPE_CHECKING:
 
     from herd.worker.cache_geometry import CacheGeometry
 
-__all__ = ["CalibrationGrid", "StepSample", "TimedRunner", "calibrate", "fit_cost_model", "measure_steps"]
+__all__ = [
+    "CalibrationGrid",
+    "StepSample",
+    "TimedRunner",
+    "calibrate",
+    "fit_cost_model",
+    "measure_steps",
+    "measure_tiers",
+]
 
 _CONTEXT_BUCKET = 32
 """Tokens of context a sequence per group of decode steps (``_decode_medians``)."""
 _CONTEXT_GAIN = 0.2
 """The share of the residual error the context term must remove to be kept (``_fit_decode``)."""
+_TIER_PROBES = 5
+_TIER_BLOCKS = 16
 
 
 @dataclass(frozen=True)
@@ -83,6 +100,13 @@ class TimedRunner:
     def vocab_size(self) -> int:
         return self.inner.vocab_size
 
+    @property
+    def measured(self) -> Measured:
+        return self.inner.measured
+
+    def move_blocks(self, moves: list[KVMove]) -> None:
+        self.inner.move_blocks(moves)
+
     def execute(self, plan: SchedulerOutput) -> list[StepResult]:
         start, start_cpu = time.perf_counter(), time.thread_time()
         results = self.inner.execute(plan)
@@ -97,24 +121,53 @@ class TimedRunner:
     def write_blocks(self, block_ids: list[int | None], kv: torch.Tensor) -> None:
         self.inner.write_blocks(block_ids, kv)
 
+    def load_lora(self, name: str, path: Path) -> None:
+        self.inner.load_lora(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        self.inner.unload_lora(name)
+
     def check_health(self) -> None:
         self.inner.check_health()
 
 
-def measure_steps(config: EngineConfig, grid: CalibrationGrid, seed: int = 0) -> list[StepSample]:
+def measure_steps(
+    config: EngineConfig, grid: CalibrationGrid, seed: int = 0, runner: TorchRunner | None = None
+) -> list[StepSample]:
     """Run the grid on herd's torch engine, every step timed, after ``grid.warmup_rounds`` rounds of
     its first shape left out (allocator and kernel warm-up; leaving out the grid's own first steps
     would lose its smallest prefill, whose cost a token is the highest)."""
     renderer = PromptRenderer.from_pretrained(config.model_path)
-    runner = TimedRunner(TorchRunner(config, renderer.eos_token_ids))
-    engine = LLMEngine(config, runner, renderer)
-    rng = random.Random(seed)
+    timed = TimedRunner(runner or TorchRunner(config, renderer.eos_token_ids))
+    engine = LLMEngine(config, timed, renderer)
+    _run_grid(engine, timed, grid, random.Random(seed))
+    return timed.samples
+
+
+def measure_tiers(runner: TorchRunner) -> dict[str, float]:
+    """GB a second restored from a host and a disk tier beside ``runner``'s pool (median of a few)."""
+    pool = runner.kv_cache
+    block_gib = pool[:, :, 0].numel() * pool.element_size() / 2**30
+    with tempfile.TemporaryDirectory(prefix="herd-calibrate-") as folder:
+        rates: dict[str, list[float]] = {"host": [], "disk": []}
+        disk = KVDiskSpec(path=folder, size_gib=block_gib * _TIER_BLOCKS * 1.01)
+        for _ in range(_TIER_PROBES):
+            measured = Measured()
+            store = TierStore.create(pool, _TIER_BLOCKS, disk, measured)
+            store.probe()
+            store.drop_disk()
+            for medium, rate in measured.restore.items():
+                if rate.per_second is not None:
+                    rates[medium].append(rate.per_second / 1e9)
+    return {medium: round(statistics.median(values), 3) for medium, values in rates.items() if values}
+
+
+def _run_grid(engine: LLMEngine, runner: TimedRunner, grid: CalibrationGrid, rng: random.Random) -> None:
     shapes = [(batch, length) for length in grid.context_lens for batch in grid.batch_sizes]
     for number, (batch, length) in enumerate([shapes[0]] * grid.warmup_rounds + shapes):
         if number == grid.warmup_rounds:
             runner.samples.clear()
         _run_batch(engine, rng, f"calibrate-{number}", batch, length, grid.output_len)
-    return runner.samples
 
 
 def _run_batch(
@@ -209,4 +262,8 @@ def _nonnegative_fit(rows: np.ndarray, target_ms: np.ndarray) -> list[float]:
 
 
 def calibrate(config: EngineConfig, grid: CalibrationGrid) -> CostModel:
-    return fit_cost_model(measure_steps(config, grid))
+    """The cost model of the torch engine on ``config``: its steps', then its tiers' restores."""
+    runner = TorchRunner(config, PromptRenderer.from_pretrained(config.model_path).eos_token_ids)
+    cost = fit_cost_model(measure_steps(config, grid, runner=runner))
+    bandwidth = measure_tiers(runner)
+    return cost.model_copy(update={f"{medium}_gbps": value for medium, value in bandwidth.items()})

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from herd.api.crd import EngineSpec
 
@@ -21,6 +21,7 @@ class EngineConfig(BaseModel):
     ``model_path`` is a HF-format folder (``config.json``, ``*.safetensors``, ``tokenizer.json``).
     ``served_name`` is the OpenAI ``model`` and the model identity in every KV block hash.
     ``engine`` carries the manifest's engine settings unchanged; ``seed`` seeds unseeded sampling.
+    ``lora_modules`` are the LoRA adapters (name -> PEFT folder) loaded at start.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -30,6 +31,7 @@ class EngineConfig(BaseModel):
     role: Literal["unified", "prefill", "decode"] = "unified"
     engine: EngineSpec = Field(default_factory=EngineSpec)
     seed: int = 0
+    lora_modules: dict[str, Path] = Field(default_factory=dict)
 
     @field_validator("model_path")
     @classmethod
@@ -37,6 +39,16 @@ class EngineConfig(BaseModel):
         if not (value / "config.json").is_file():
             raise ValueError(f"model_path {value} has no config.json: pass a HF-format model folder")
         return value
+
+    @model_validator(mode="after")
+    def _check_loras(self) -> EngineConfig:
+        if self.lora_modules and self.max_loras == 0:
+            raise ValueError(
+                "LoRA adapters need adapter slots: leave engine.maxLoras unset or set it above 0"
+            )
+        if self.served_name in self.lora_modules:
+            raise ValueError(f"adapter name {self.served_name!r} is the base model's served name: rename it")
+        return self
 
     @property
     def device(self) -> torch.device:
@@ -57,6 +69,11 @@ class EngineConfig(BaseModel):
         if checkpoint_dtype in ("bfloat16", "float16"):
             return _DTYPES[checkpoint_dtype]
         return torch.bfloat16
+
+    @property
+    def max_loras(self) -> int:
+        """The adapter slots: ``engine.maxLoras``, else a default when adapters are given, else 0 (off)."""
+        return self.engine.lora_slots(has_adapters=bool(self.lora_modules))
 
     @property
     def block_size(self) -> int:

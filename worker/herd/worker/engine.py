@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from herd.api.kv_hash import BlockHash, root_hash
@@ -35,6 +36,7 @@ from herd.api.resume import RESUME_FIELD
 from herd.worker.block_manager import BlockManager
 from herd.worker.config import EngineConfig
 from herd.worker.detokenizer import IncrementalDetokenizer
+from herd.worker.kv_tiers import KVTierError
 from herd.worker.outputs import FinishReason, RequestOutput
 from herd.worker.runner import Runner, SampledToken, StepResult
 from herd.worker.sampling_params import InvalidParamError, SamplingParams, check_token_ids
@@ -45,7 +47,7 @@ from herd.worker.stats import EngineStats
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["EngineResetError", "LLMEngine", "PromptTooLongError", "QueueFullError"]
+__all__ = ["EngineResetError", "LLMEngine", "PromptTooLongError", "QueueFullError", "UnknownLoraError"]
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,10 @@ class QueueFullError(Exception):
 
 class PromptTooLongError(ValueError):
     """Prompt plus ``max_tokens`` exceed ``engine.maxModelLen`` (HTTP 400)."""
+
+
+class UnknownLoraError(LookupError):
+    """The request names a LoRA adapter this engine has not loaded (HTTP 404)."""
 
 
 class EngineResetError(RuntimeError):
@@ -84,13 +90,17 @@ class LLMEngine:
             geometry.num_blocks,
             geometry.block_size,
             enable_prefix_caching=config.engine.kv_cache.prefix_caching,
+            num_host_blocks=geometry.num_host_blocks,
+            num_disk_blocks=geometry.num_disk_blocks,
         )
         self.scheduler = Scheduler(
             self.block_manager,
             max_batch_tokens=config.engine.max_batch_tokens,
             max_batch_size=config.engine.max_batch_size,
+            max_loras=config.max_loras,
         )
-        self.stats = EngineStats()
+        self.stats = EngineStats(kv_tiers=self.block_manager.counters)
+        self._count_tier_blocks()
         self.vocab_size = runner.vocab_size
         self.info = WorkerInfo(
             model=config.served_name,
@@ -106,7 +116,19 @@ class LLMEngine:
         )
         self._requests: dict[str, _Request] = {}
         self._held: dict[str, list[int]] = {}
-        log.info("engine ready", extra={"model": config.served_name, "num_kv_blocks": geometry.num_blocks})
+        self.lora_adapters: dict[str, Path] = {}
+        """The LoRA adapters loaded, by name: the folder each was read from."""
+        for name, path in config.lora_modules.items():
+            self.load_lora(name, path)
+        log.info(
+            "engine ready",
+            extra={
+                "model": config.served_name,
+                "num_kv_blocks": geometry.num_blocks,
+                "num_host_blocks": geometry.num_host_blocks,
+                "num_disk_blocks": geometry.num_disk_blocks,
+            },
+        )
 
     def add_request(
         self,
@@ -117,8 +139,10 @@ class LLMEngine:
         cache_salt: str | None = None,
         first_token_id: int | None = None,
         resumed_token_ids: SequenceOf[int] = (),
+        lora_name: str | None = None,
     ) -> RequestOutput | None:
-        """Queue a request; raises ``QueueFullError``, ``PromptTooLongError`` or ``ValueError``.
+        """Queue a request; raises ``QueueFullError``, ``PromptTooLongError``, ``UnknownLoraError``
+        or ``ValueError``. ``lora_name`` runs it with that loaded adapter (``None``: the base model).
 
         ``first_token_id`` is a first output token sampled elsewhere (a prefill worker, with this
         request's settings): it is appended now, through the same stop checks and detokenizer as a
@@ -131,6 +155,8 @@ class LLMEngine:
         client already has; the steps then compute prompt and tokens and sample the next one.
         """
         self._check_request(request_id, prompt_token_ids, params)
+        if lora_name is not None and lora_name not in self.lora_adapters:
+            raise UnknownLoraError(self._unknown_lora(lora_name))
         if first_token_id is not None:
             check_token_ids([first_token_id], self.vocab_size, param="kv_transfer_params")
         if resumed_token_ids:
@@ -139,7 +165,8 @@ class LLMEngine:
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
             params=params,
-            root_hash=root_hash(self.config.served_name, cache_salt),
+            root_hash=root_hash(self.config.served_name, cache_salt, lora_name),
+            lora_name=lora_name,
             grammar=None if params.grammar is None else params.grammar.matcher(),
         )
         if first_token_id is not None and seq.grammar is not None and not seq.grammar.accepts(first_token_id):
@@ -184,6 +211,37 @@ class LLMEngine:
                 f"{len(self.scheduler.waiting)} requests are waiting (engine.maxQueueLen): retry later"
             )
 
+    def _unknown_lora(self, name: str) -> str:
+        loaded = ", ".join(map(repr, self.lora_adapters)) or "none"
+        return f"LoRA adapter {name!r} is not loaded on this worker (loaded: {loaded}); load it first"
+
+    def load_lora(self, name: str, path: Path) -> None:
+        """Read the PEFT adapter at ``path`` into host memory as ``name``; raises ``ValueError`` if
+        LoRA is off, the name is taken, or the adapter does not fit the model or ``maxLoraRank``.
+        Loading the same folder under the same name again does nothing (an orchestrator may ask twice)."""
+        if self.lora_adapters.get(name) == path:
+            return
+        if self.config.max_loras == 0:
+            raise ValueError("this worker runs no LoRA adapters: start it with engine.maxLoras above 0")
+        if name == self.config.served_name or name in self.lora_adapters:
+            raise ValueError(f"the name {name!r} is taken on this worker: unload it first or pick another")
+        self.runner.load_lora(name, path)
+        self.lora_adapters[name] = path
+        log.info("LoRA adapter loaded", extra={"lora_name": name, "path": str(path)})
+
+    def unload_lora(self, name: str) -> None:
+        """Drop adapter ``name`` and forget its cached KV blocks; raises ``UnknownLoraError``, or
+        ``ValueError`` while requests still run with it."""
+        if name not in self.lora_adapters:
+            raise UnknownLoraError(self._unknown_lora(name))
+        num_using = sum(1 for request in self._requests.values() if request.seq.lora_name == name)
+        if num_using:
+            raise ValueError(f"LoRA adapter {name!r} serves {num_using} requests: unload it when they finish")
+        self.runner.unload_lora(name)
+        del self.lora_adapters[name]
+        self.block_manager.forget(self.block_manager.lora_blocks(name))
+        log.info("LoRA adapter unloaded", extra={"lora_name": name})
+
     def abort_request(self, request_id: str) -> None:
         """Drop a request wherever it is and free its blocks now; unknown ids are ignored."""
         request = self._requests.pop(request_id, None)
@@ -201,6 +259,9 @@ class LLMEngine:
             return []
         try:
             results = self.runner.execute(decision)  # a sequence's own failure comes back as data
+        except KVTierError as error:
+            self._drop_tier(decision, error)
+            return []
         except Exception as error:
             return self._fail_batch(decision, error)
         sampled = [chunk.seq for chunk in decision.chunks if chunk.is_sampled]  # before update moves them
@@ -208,10 +269,17 @@ class LLMEngine:
         return [self._advance(seq, result) for seq, result in zip(sampled, results, strict=True)]
 
     def _count(self, decision: SchedulerOutput) -> None:
+        if decision.kv_moves:
+            self._count_tier_blocks()
         self.stats.num_steps += 1
         self.stats.num_preemptions += len(decision.preempted)
         self.stats.prefix_cache_queries += decision.num_cache_queries
         self.stats.prefix_cache_hits += decision.num_cache_hits
+
+    def _count_tier_blocks(self) -> None:
+        self.stats.kv_tier_blocks = {
+            tier.medium: (tier.num_used, tier.num_slots) for tier in self.block_manager.tiers()
+        }
 
     def _advance(self, seq: Sequence, sampled: StepResult) -> RequestOutput:
         """Take ``seq``'s new token; a failure here (or in its sampling) ends ``seq`` alone."""
@@ -275,9 +343,23 @@ class LLMEngine:
             f"{type(error).__name__}: {error}; the request may succeed if sent again"
         )
         outputs = [self._end_with_error(seq, message) for seq in seqs]
+        self.block_manager.forget_moves(decision.kv_moves)  # what the step wrote may not be there
         self.block_manager.forget(decision.cached_block_ids)  # their KV was never computed
         self._reset()
         return outputs
+
+    def _drop_tier(self, decision: SchedulerOutput, error: KVTierError) -> None:
+        """A tier failed before the step ran anything: the engine goes on without it. The step's
+        plan is abandoned (what it wrote into the caches forgotten, its sequences queued again, to
+        be planned without the tier), so no request fails."""
+        log.error(
+            "KV tier failed; the engine goes on without it",
+            extra={"medium": error.medium, "error": str(error)},
+        )
+        self.block_manager.forget_moves(decision.kv_moves)
+        self.block_manager.forget(decision.cached_block_ids)
+        self.block_manager.disable_disk()
+        self.scheduler.requeue([chunk.seq for chunk in decision.chunks])
 
     def _end_with_error(self, seq: Sequence, message: str) -> RequestOutput:
         """Retire ``seq`` now (its blocks and any lease freed) with ``message`` for its client."""
@@ -329,12 +411,19 @@ class LLMEngine:
     def load_report(self) -> LoadReport:
         waiting = self.scheduler.waiting
         return LoadReport(
+            max_loras=self.config.max_loras,
+            lora_adapters=list(self.lora_adapters),
+            running_lora_adapters=_adapters(self.scheduler.running),
+            waiting_lora_adapters=_adapters(waiting),
             num_running=len(self.scheduler.running),
             num_waiting=len(waiting),
             num_waiting_prefill_tokens=sum(seq.num_uncomputed_tokens for seq in waiting),
             kv_usage=min(1.0, max(0.0, self.block_manager.usage)),
             num_free_blocks=self.block_manager.num_free_blocks,
             num_total_blocks=self.block_manager.num_total_blocks,
+            bytes_per_block=self.runner.geometry.bytes_per_block,
+            prefill_tokens_per_s=self.runner.measured.prefill.per_second,
+            restore_bytes_per_s=self.runner.measured.restore_bytes_per_s(),
         )
 
     def reset_prefix_cache(self) -> bool:
@@ -353,6 +442,7 @@ class LLMEngine:
             seq=self.block_manager.events.last_seq,
             block_size=self.block_manager.block_size,
             block_hashes=self.block_manager.cached_hashes(),
+            tier_block_hashes={tier.medium: tier.hashes() for tier in self.block_manager.tiers()},
         )
 
     # Disaggregation: whole KV blocks leave a prefill engine and enter a decode engine's cache.
@@ -380,21 +470,38 @@ class LLMEngine:
         return self.runner.read_blocks(block_ids)
 
     def write_blocks(
-        self, block_hashes: list[BlockHash], token_blocks: list[list[int]], kv: torch.Tensor
+        self,
+        block_hashes: list[BlockHash],
+        token_blocks: list[list[int]],
+        kv: torch.Tensor,
+        lora_name: str | None = None,
     ) -> int:
-        """Import peer blocks (KV laid out as ``read_blocks`` gives it) into the prefix cache.
+        """Import peer blocks (KV laid out as ``read_blocks`` gives it, computed with adapter
+        ``lora_name``, which their hashes carry) into the prefix cache.
 
         Blocks already cached here are skipped; returns how many were imported.
         """
         targets = [
-            self.block_manager.import_block(block_hash, token_ids)
+            self.block_manager.import_block(block_hash, token_ids, lora_name)
             for block_hash, token_ids in zip(block_hashes, token_blocks, strict=True)
         ]
         imported = [block_id for block_id in targets if block_id is not None]
+        self._offload_evicted()
         if imported:
             self.runner.write_blocks(targets, kv)
         self.block_manager.release(imported)
         return len(imported)
+
+    def _offload_evicted(self) -> None:
+        """Make the moves that evictions outside a step planned (an import's), before the blocks
+        they leave are written; a failing tier is dropped as in a step."""
+        moves, _ = self.block_manager.end_plan()
+        try:
+            self.runner.move_blocks(moves)
+        except KVTierError as error:
+            log.error("KV tier failed; the engine goes on without it", extra={"medium": error.medium})
+            self.block_manager.forget_moves(moves)
+            self.block_manager.disable_disk()
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
@@ -450,6 +557,10 @@ def _resumed_check(is_ok: bool, problem: str) -> None:
         raise InvalidParamError(
             RESUME_FIELD, f"{RESUME_FIELD} holds output tokens this request cannot have produced: {problem}"
         )
+
+
+def _adapters(seqs: Iterable[Sequence]) -> list[str]:
+    return list(dict.fromkeys(seq.lora_name for seq in seqs if seq.lora_name is not None))
 
 
 def _empty_result(request_id: str) -> RequestOutput:

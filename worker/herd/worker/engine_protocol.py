@@ -10,7 +10,8 @@ against it alone, so another front can serve the same routes.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from herd.api.kv_hash import BlockHash
@@ -51,6 +52,7 @@ class EngineCore(Protocol):
         cache_salt: str | None = None,
         first_token_id: int | None = None,
         resumed_token_ids: Sequence[int] = (),
+        lora_name: str | None = None,
     ) -> RequestOutput | None: ...
 
     def abort_request(self, request_id: str) -> None: ...
@@ -76,8 +78,21 @@ class EngineCore(Protocol):
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor: ...
 
     def write_blocks(
-        self, block_hashes: list[BlockHash], token_blocks: list[list[int]], kv: torch.Tensor
+        self,
+        block_hashes: list[BlockHash],
+        token_blocks: list[list[int]],
+        kv: torch.Tensor,
+        lora_name: str | None = None,
     ) -> int: ...
+
+    # LoRA adapters: loaded and unloaded between steps.
+
+    @property
+    def lora_adapters(self) -> dict[str, Path]: ...
+
+    def load_lora(self, name: str, path: Path) -> None: ...
+
+    def unload_lora(self, name: str) -> None: ...
 
 
 class ServingEngine(Protocol):
@@ -89,6 +104,11 @@ class ServingEngine(Protocol):
 
     @property
     def is_loaded(self) -> bool: ...
+
+    @property
+    def is_ready(self) -> bool:
+        """Loaded, not failed, not draining: what ``/ready`` answers 200 for."""
+        ...
 
     @property
     def num_in_flight(self) -> int: ...
@@ -108,6 +128,9 @@ class ServingEngine(Protocol):
     @property
     def num_kv_events(self) -> int: ...
 
+    @property
+    def lora_adapters(self) -> Mapping[str, Path]: ...
+
     def start(self) -> None: ...
 
     async def wait_loaded(self) -> None: ...
@@ -126,6 +149,7 @@ class ServingEngine(Protocol):
         cache_salt: str | None = None,
         first_token_id: int | None = None,
         resumed_token_ids: Sequence[int] = (),
+        lora_name: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]: ...
 
     def check_accepting(self) -> None: ...

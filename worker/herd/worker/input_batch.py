@@ -19,6 +19,7 @@ class StepInputs:
     positions: torch.Tensor  # [num_tokens]
     metadata: AttentionMetadata
     sample_index: torch.Tensor  # rows whose hidden state is projected to logits, in chunk order
+    row_chunks: list[ScheduledChunk]  # the chunks in row order, each a contiguous run of its num_tokens
 
 
 def prepare_inputs(
@@ -38,8 +39,10 @@ def prepare_inputs(
     slots: list[int] = []
     last_rows: dict[ScheduledChunk, int] = {}
     groups: list[AttentionGroup] = []
+    row_chunks: list[ScheduledChunk] = []
     for group in [*decode_groups(decodes, block_size), *prefills]:
         groups.append(_group(group, len(token_ids), block_size, device, window_sizes))
+        row_chunks.extend(group)
         for chunk in group:
             start, end = chunk.start, chunk.start + chunk.num_tokens
             token_ids.extend(chunk.seq.tokens_between(start, end))
@@ -54,7 +57,11 @@ def prepare_inputs(
         slot_mapping=_tensor(slots, device), groups=tuple(groups), num_tokens=len(token_ids)
     )
     return StepInputs(
-        _tensor(token_ids, device), _tensor(positions, device), metadata, _tensor(sample_rows, device)
+        _tensor(token_ids, device),
+        _tensor(positions, device),
+        metadata,
+        _tensor(sample_rows, device),
+        row_chunks,
     )
 
 

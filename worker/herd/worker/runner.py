@@ -5,7 +5,11 @@ scheduler's whole plan and returns one sampled token per sequence whose chunk re
 engine never sees a logit, a tensor or a device. The runner owns everything behind that: the device
 and the cache geometry it measured there, sampling (per-request generators included) and the KV
 pool, whose blocks it copies as the plan lists (``block_copies``), exports (``read_blocks``) and
-imports (``write_blocks``) for disaggregation. Two runners implement it: the torch runner
+imports (``write_blocks``) for disaggregation, moves between the device and the tiers below it
+(``move_blocks``: the plan's ``kv_moves`` before its forward), and the LoRA adapters it reads
+(``load_lora``) and applies to each chunk's sequence's own adapter (``Sequence.lora_name``). Each
+runner measures what its work costs (``measured``: the prefill rate, the restore bandwidth per tier),
+which the worker reports to the router. Two runners implement it: the torch runner
 (``herd.worker.model_runner``) and the cost model (``herd.worker.simulated_runner``).
 
 Faults keep their owner: an error that belongs to one sequence (its logit edits, its draw, its
@@ -15,10 +19,13 @@ the whole batch, after which the engine asks ``check_health`` whether it may go 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from herd.api.protocol import Medium
 from herd.worker.cache_geometry import CacheGeometry
+from herd.worker.kv_tiers import KVMove
 from herd.worker.outputs import TokenLogprob
 
 if TYPE_CHECKING:
@@ -26,7 +33,41 @@ if TYPE_CHECKING:
 
     from herd.worker.scheduler import SchedulerOutput
 
-__all__ = ["Runner", "SampledToken", "StepResult"]
+__all__ = ["PREFILL_MIN_TOKENS", "Measured", "Rate", "Runner", "SampledToken", "StepResult"]
+
+PREFILL_MIN_TOKENS = 64
+"""A step of at least this many tokens counts toward the prefill rate (decode steps would understate it)."""
+
+
+@dataclass
+class Rate:
+    """An amount per second, averaged over recent observations (exponentially, weight ``alpha``)."""
+
+    alpha: float = 0.2
+    per_second: float | None = None
+
+    def add(self, amount: float, seconds: float) -> None:
+        if amount <= 0 or seconds <= 0:
+            return
+        rate = amount / seconds
+        self.per_second = (
+            rate if self.per_second is None else self.per_second + self.alpha * (rate - self.per_second)
+        )
+
+
+@dataclass
+class Measured:
+    """What a runner measured of its own work: prefill tokens a second, restore bytes a second per
+    tier restored from; ``None`` / absent until observed."""
+
+    prefill: Rate = field(default_factory=Rate)
+    restore: dict[Medium, Rate] = field(default_factory=dict)
+
+    def add_restore(self, medium: Medium, num_bytes: int, seconds: float) -> None:
+        self.restore.setdefault(medium, Rate()).add(num_bytes, seconds)
+
+    def restore_bytes_per_s(self) -> dict[Medium, float]:
+        return {medium: rate.per_second for medium, rate in self.restore.items() if rate.per_second}
 
 
 @dataclass(frozen=True)
@@ -50,9 +91,18 @@ class Runner(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
+    @property
+    def measured(self) -> Measured: ...
+
     def execute(self, plan: SchedulerOutput) -> list[StepResult]:
-        """Copy ``plan.block_copies``, run every chunk, and sample: one result per chunk whose
-        ``is_sampled``, in chunk order. Raises only when the batch as a whole failed."""
+        """Make ``plan.kv_moves`` (``move_blocks``) and ``plan.block_copies``, run every chunk, and
+        sample: one result per chunk whose ``is_sampled``, in chunk order. Raises only when the batch
+        as a whole failed; ``KVTierError`` when a tier failed before anything of the step ran."""
+        ...
+
+    def move_blocks(self, moves: list[KVMove]) -> None:
+        """Copy blocks between the device pool and the tiers below it, in the order listed
+        (``herd.worker.kv_tiers``); raises ``KVTierError`` (having moved nothing) if a tier failed."""
         ...
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
@@ -65,6 +115,12 @@ class Runner(Protocol):
         """Write block ``i`` of ``kv`` (laid out as ``read_blocks`` gives it) into ``block_ids[i]``;
         ``None`` skips that block."""
         ...
+
+    def load_lora(self, name: str, path: Path) -> None:
+        """Read the PEFT adapter at ``path`` as ``name`` (``ValueError`` if it does not fit the model)."""
+        ...
+
+    def unload_lora(self, name: str) -> None: ...
 
     def check_health(self) -> None:
         """Raise if the runner can run no more work (after a failed batch)."""

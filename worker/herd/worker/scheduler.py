@@ -10,8 +10,13 @@ newest among equals) is preempted (its blocks are freed and it returns to the he
 the queue, to be recomputed later), until the older one fits.
 Then waiting sequences are admitted in order while budget, blocks and ``max_batch_size`` allow,
 each starting after its prefix-cache hit; a long prompt takes what budget is left and continues in
-later steps. No admission happens in a step that preempted, so a preempted sequence cannot bounce
-straight back. Each chunk's full blocks enter the prefix cache as it is planned, so a prompt admitted
+later steps. A prompt's prefix found in a tier below the device (``BlockManager.tier_hits``) is
+restored, not computed: the plan lists the moves (``kv_moves``, made before the forward, as block
+copies are) and the sequence starts after it. No admission happens in a step that preempted, so a
+preempted sequence cannot bounce straight back. With LoRA, the running sequences use at most
+``max_loras`` distinct adapters (the runner's slots): a waiting sequence whose adapter would be one
+too many is passed over, keeping its place, until a running adapter's last sequence finishes. Each
+chunk's full blocks enter the prefix cache as it is planned, so a prompt admitted
 later in the same step already starts after them. The plan is a ``SchedulerOutput``; the engine's
 runner executes it and ``update`` then advances every scheduled sequence. Cost: linear in the number
 of running and admitted sequences.
@@ -23,6 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from herd.worker.block_manager import BlockManager
+from herd.worker.kv_tiers import KVMove
 from herd.worker.sequence import Sequence, SequenceStatus
 
 __all__ = ["ScheduledChunk", "Scheduler", "SchedulerOutput"]
@@ -46,15 +52,18 @@ class ScheduledChunk:
 
 @dataclass
 class SchedulerOutput:
-    """One step's plan: the chunks to run and the KV block copies a runner makes before them.
+    """One step's plan: the chunks to run and the KV block moves and copies a runner makes before them.
 
-    ``block_copies`` lists ``(src, dst)`` block ids; nothing plans one yet: it is where KV tiers
-    will plan their swaps, so that a runner copies and computes in the same step.
-    ``cached_block_ids`` are the blocks this step's chunks fill, already in the prefix cache: should
-    the step fail, the engine makes the block manager ``forget`` them.
+    ``kv_moves`` are the moves between the device pool and the tiers below it, in order (offloads of
+    the blocks this plan evicts, restores of the blocks it found in a tier). ``block_copies`` lists
+    ``(src, dst)`` device block ids; nothing plans one yet.
+    ``cached_block_ids`` are the blocks this step's chunks fill or its restores write, already in the
+    prefix cache: should the step fail, the engine makes the block manager ``forget`` them (and what
+    the moves wrote into the tiers).
     """
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
+    kv_moves: list[KVMove] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     cached_block_ids: list[int] = field(default_factory=list)
@@ -73,10 +82,13 @@ class SchedulerOutput:
 class Scheduler:
     """Holds the waiting queue and the running list; ``schedule`` plans one step."""
 
-    def __init__(self, block_manager: BlockManager, *, max_batch_tokens: int, max_batch_size: int) -> None:
+    def __init__(
+        self, block_manager: BlockManager, *, max_batch_tokens: int, max_batch_size: int, max_loras: int = 0
+    ) -> None:
         self.block_manager = block_manager
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_size = max_batch_size
+        self.max_loras = max_loras
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -98,6 +110,8 @@ class Scheduler:
         budget = self._schedule_running(output)
         if not output.preempted:
             self._schedule_waiting(output, budget)
+        output.kv_moves, restored = self.block_manager.end_plan()
+        output.cached_block_ids.extend(restored)
         return output
 
     def _schedule_running(self, output: SchedulerOutput) -> int:
@@ -152,25 +166,43 @@ class Scheduler:
             output.preempted.append(victim)
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        loras = {seq.lora_name for seq in self.running if seq.lora_name is not None}
+        passed_over: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
+            if seq.lora_name is not None and seq.lora_name not in loras and len(loras) >= self.max_loras:
+                passed_over.append(self.waiting.popleft())
+                continue
             hits = self.block_manager.computed_blocks(seq)
-            num_tokens = min(seq.num_tokens - len(hits) * self.block_manager.block_size, budget)
-            if not self.block_manager.can_allocate(seq, hits, num_tokens):
+            restores = self.block_manager.tier_hits(seq, len(hits))
+            num_cached = (len(hits) + len(restores)) * self.block_manager.block_size
+            num_tokens = min(seq.num_tokens - num_cached, budget)
+            if not self.block_manager.can_allocate(seq, hits, num_tokens, len(restores)):
                 break
             self.waiting.popleft()
-            self.block_manager.allocate(seq, hits, num_tokens)
+            self.block_manager.allocate(seq, hits, num_tokens, restores)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._plan_chunk(seq, num_tokens, output)
             output.num_cache_queries += seq.num_tokens
             output.num_cache_hits += seq.num_computed_tokens
             budget -= num_tokens
+            if seq.lora_name is not None:
+                loras.add(seq.lora_name)
+        self.waiting.extendleft(reversed(passed_over))
 
     def _plan_chunk(self, seq: Sequence, num_tokens: int, output: SchedulerOutput) -> None:
         output.chunks.append(ScheduledChunk(seq, num_tokens))
         cached = self.block_manager.commit(seq, seq.num_computed_tokens + num_tokens)
         output.cached_block_ids.extend(cached)
+
+    def requeue(self, seqs: list[Sequence]) -> None:
+        """Send running ``seqs`` back to the head of the queue, in order, to be computed again (the
+        step planned for them was abandoned before it ran)."""
+        for seq in reversed(seqs):
+            if seq.status is SequenceStatus.RUNNING:
+                self.running.remove(seq)
+                self._preempt(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s blocks and queue it first among the waiting sequences of its priority."""

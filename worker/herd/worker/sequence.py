@@ -29,6 +29,8 @@ class Sequence:
     Invariant: ``num_computed_tokens <= num_tokens`` and ``block_table`` covers at least
     ``num_computed_tokens`` slots; the first ``num_committed_blocks`` blocks are in the prefix cache.
     ``num_cached_tokens`` is the prefix-cache hit of the first admission (what usage reports).
+    ``lora_name`` is the LoRA adapter the sequence runs with (``None``: the base model); it is in
+    ``root_hash``, so its blocks are cached apart from every other adapter's.
     Preemption drops the blocks and keeps the tokens, so recomputation includes what was generated.
     """
 
@@ -36,6 +38,7 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     root_hash: BlockHash
+    lora_name: str | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)

@@ -14,6 +14,11 @@ its grammar allows at that step (``herd.worker.grammar``), a stop token only whe
 allowed, so its output matches its grammar as a real model's does. The KV pool is block ids only: the block manager hands them out as for a real pool;
 ``read_blocks`` answers zeros of the geometry's shape (a placeholder of the right layout, so a KV
 frame encodes) and ``write_blocks`` checks that shape and keeps nothing; block copies are no-ops.
+The tiers below the pool are slots too: a plan's moves between them cost their bytes over the cost
+model's ``hostGBps`` (device <-> host) or ``diskGBps`` (to or from the disk), added to the step. The
+runner reports the rates it models as measured, so a simulated fleet routes on the same figures.
+A LoRA adapter is a name and nothing more: its folder is not read, and a sequence's adapter
+changes its tokens only through the root hash, as it changes its blocks' hashes.
 """
 
 from __future__ import annotations
@@ -24,20 +29,23 @@ import weakref
 from array import array
 from collections.abc import Collection
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import torch
 
 from herd.api.crd import CostModel
 from herd.api.prompt import PromptRenderer
-from herd.worker.cache_geometry import CacheGeometry, bytes_per_block
+from herd.api.protocol import Medium
+from herd.worker.cache_geometry import CacheGeometry, bytes_per_block, tier_blocks
 from herd.worker.config import EngineConfig
 from herd.worker.engine import LLMEngine
 from herd.worker.grammar import MaskFiller, allowed_token_ids
+from herd.worker.kv_tiers import KVMove
 from herd.worker.loader import read_model_args
 from herd.worker.model_runner import DEFAULT_CPU_KV_GIB
 from herd.worker.outputs import TokenLogprob
-from herd.worker.runner import SampledToken, StepResult
+from herd.worker.runner import PREFILL_MIN_TOKENS, Measured, SampledToken, StepResult
 from herd.worker.scheduler import SchedulerOutput
 from herd.worker.sequence import Sequence
 
@@ -108,6 +116,15 @@ class SimulatedRunner:
         self.vocab_size = vocab_size
         self.cost = cost or CostModel()
         self.clock = clock or VirtualClock()
+        self.measured = Measured()
+        tiers: tuple[tuple[Medium, int], ...] = (
+            ("host", geometry.num_host_blocks),
+            ("disk", geometry.num_disk_blocks),
+        )
+        for medium, count in tiers:
+            if count:  # the real runner's probe at start, as the cost model has it
+                seconds = self.cost.move_seconds(geometry.bytes_per_block, disk=medium == "disk")
+                self.measured.add_restore(medium, geometry.bytes_per_block, seconds)
         self.eos_after = eos_after
         self._seed = seed.to_bytes(8, "little", signed=True)
         self._prompt_keys: weakref.WeakKeyDictionary[Sequence, bytes] = weakref.WeakKeyDictionary()
@@ -116,12 +133,30 @@ class SimulatedRunner:
         self._allowed = [token_id for token_id in range(vocab_size) if token_id not in avoided]
 
     def execute(self, plan: SchedulerOutput) -> list[StepResult]:
-        """Spend the plan's cost on the clock; one token per sampled chunk. ``block_copies`` move
-        no data: the pool holds none."""
-        self.clock.advance(step_seconds(self.cost, plan), self.cost.host_share)
+        """Spend the plan's cost (its moves' and its forward's) on the clock; one token per sampled
+        chunk. ``block_copies`` move no data: the pool holds none."""
+        seconds = step_seconds(self.cost, plan)
+        if plan.num_tokens >= PREFILL_MIN_TOKENS:
+            self.measured.prefill.add(plan.num_tokens, seconds)
+        self.clock.advance(self._moves_seconds(plan.kv_moves) + seconds, self.cost.host_share)
         sampled = [chunk.seq for chunk in plan.chunks if chunk.is_sampled]
         allowed = self._grammar_allowed(sampled)
         return [self._sample(seq, allowed.get(row)) for row, seq in enumerate(sampled)]
+
+    def move_blocks(self, moves: list[KVMove]) -> None:
+        self.clock.advance(self._moves_seconds(moves), self.cost.host_share)
+
+    def _moves_seconds(self, moves: list[KVMove]) -> float:
+        """The moves' modelled time; each restore's is recorded as measured."""
+        total = 0.0
+        for move in moves:
+            seconds = self.cost.move_seconds(
+                self.geometry.bytes_per_block, disk="disk" in (move.src, move.dst)
+            )
+            if move.dst == "device":
+                self.measured.add_restore(move.src, self.geometry.bytes_per_block, seconds)
+            total += seconds
+        return total
 
     def _grammar_allowed(self, seqs: list[Sequence]) -> dict[int, list[int]]:
         """The tokens each constrained sequence's grammar allows now, by its row."""
@@ -170,6 +205,12 @@ class SimulatedRunner:
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         return torch.zeros(self._shape(len(block_ids)), dtype=self.geometry.dtype)
 
+    def load_lora(self, name: str, path: Path) -> None:
+        """Nothing to read: the cost model has no weights (the engine keeps the name)."""
+
+    def unload_lora(self, name: str) -> None:
+        """Nothing to drop."""
+
     def write_blocks(self, block_ids: list[int | None], kv: torch.Tensor) -> None:
         expected = self._shape(len(block_ids))
         if tuple(kv.shape) != expected:
@@ -202,7 +243,8 @@ def simulated_engine(
     args = read_model_args(config.model_path)
     dtype = config.resolve_dtype(args.checkpoint_dtype)
     per_block = bytes_per_block(args, config.block_size, dtype)
-    budget_gib = config.engine.kv_cache.memory_gib or DEFAULT_CPU_KV_GIB
+    spec = config.engine.kv_cache
+    budget_gib = spec.memory_gib or DEFAULT_CPU_KV_GIB
     geometry = CacheGeometry(
         num_blocks=num_blocks or int(budget_gib * 2**30) // per_block,
         block_size=config.block_size,
@@ -211,6 +253,8 @@ def simulated_engine(
         head_dim=args.head_dim,
         dtype=dtype,
         bytes_per_block=per_block,
+        num_host_blocks=tier_blocks(spec.host_memory_gib, per_block),
+        num_disk_blocks=tier_blocks(spec.disk.size_gib, per_block) if spec.disk is not None else 0,
     )
     renderer = renderer or PromptRenderer.from_pretrained(config.model_path)
     simulation = config.engine.simulation

@@ -8,8 +8,18 @@ from herd.orchestrator.routing.base import (
     WorkerView,
     build_strategy,
     healthy,
+    restore_block_tokens,
 )
-from herd.orchestrator.routing.decision import Decision, Pin, UnroutableError, decide, decide_prefill, pin_key
+from herd.orchestrator.routing.decision import (
+    LORA_SPILL_IN_FLIGHT,
+    Decision,
+    Pin,
+    UnroutableError,
+    decide,
+    decide_prefill,
+    lora_candidates,
+    pin_key,
+)
 from herd.orchestrator.routing.kv_cache_aware import KVCacheAware
 from herd.orchestrator.routing.least_request import LeastRequest
 from herd.orchestrator.routing.prefix_hash import PrefixHash
@@ -18,6 +28,7 @@ from herd.orchestrator.routing.round_robin import RoundRobin
 from herd.orchestrator.routing.sticky_session import StickySession
 
 __all__ = [
+    "LORA_SPILL_IN_FLIGHT",
     "Decision",
     "KVCacheAware",
     "LeastRequest",
@@ -35,5 +46,7 @@ __all__ = [
     "decide",
     "decide_prefill",
     "healthy",
+    "lora_candidates",
     "pin_key",
+    "restore_block_tokens",
 ]

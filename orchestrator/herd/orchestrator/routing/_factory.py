@@ -50,6 +50,8 @@ def build_strategy(
                 load_weight=spec.load_weight,
                 block_size=block_size,
                 rng=rng,
+                tier_cost=spec.tier_cost,
+                tier_weights=spec.tier_weights,
             )
         case _:
             assert_never(spec)

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
-from herd.api.protocol import Role
+from herd.api.protocol import LoadReport, Medium, Role
 
 __all__ = [
     "Phase",
@@ -24,6 +24,7 @@ __all__ = [
     "SloTarget",
     "WorkerView",
     "healthy",
+    "restore_block_tokens",
 ]
 
 Phase = Literal["unified", "prefill", "decode"]
@@ -50,7 +51,8 @@ class WorkerView:
     url: str
     role: Role = "unified"
     num_in_flight: int = 0
-    """Requests this orchestrator has in flight to the worker (its own count)."""
+    """Requests in flight to the worker: this orchestrator's own count, plus what the other replicas
+    last shared of theirs (``State.share_in_flight``; none with one replica)."""
     num_running: int = 0
     num_waiting: int = 0
     num_waiting_prefill_tokens: int = 0
@@ -59,6 +61,22 @@ class WorkerView:
     is_healthy: bool = True
     num_prefill_tokens_in_flight: int = 0
     """Uncached prompt tokens of the prefills this orchestrator has in flight on the worker."""
+    host_block_tokens: float | None = None
+    """What restoring one block from its host tier costs the worker, in prompt tokens it could
+    prefill meanwhile (``restore_block_tokens``); None until it measured both rates."""
+    disk_block_tokens: float | None = None
+    """The same for its disk tier."""
+    max_loras: int = 0
+    """Distinct LoRA adapters one of its steps runs (0: LoRA is off), from its load report."""
+    lora_adapters: frozenset[str] = frozenset()
+    """The LoRA adapters it has loaded."""
+    running_lora_adapters: frozenset[str] = frozenset()
+    """The adapters its running requests use: while they fill ``max_loras``, another waits."""
+
+    def has_lora_slot(self, lora_name: str) -> bool:
+        """A request with ``lora_name`` can run at once: it is running, or a slot is free."""
+        running = self.running_lora_adapters
+        return lora_name in running or len(running) < self.max_loras
 
 
 @dataclass(slots=True, frozen=True)
@@ -81,6 +99,8 @@ class RequestContext:
     """The prefill phase already ran (a retry of a disaggregated request): a decode worker only."""
     slo: SloTarget | None = None
     """Latency targets: ``decide`` then picks by predicted latency rather than by the strategy."""
+    lora_name: str | None = None
+    """The LoRA adapter the request runs with (``None``: the base model); its hashes carry it."""
 
 
 class RoutingStrategy(ABC):
@@ -101,6 +121,15 @@ class RoutingStrategy(ABC):
     def forget_worker(self, worker_id: str) -> None:
         """Drop any per-worker state when a worker leaves; stateless strategies need nothing."""
         return
+
+
+def restore_block_tokens(report: LoadReport, medium: Medium) -> float | None:
+    """A block restore from ``medium`` in prefill tokens: the worker's measured prefill rate times the
+    seconds its measured restore bandwidth takes for a block; None while either is unmeasured."""
+    bandwidth = report.restore_bytes_per_s.get(medium)
+    if not bandwidth or report.prefill_tokens_per_s is None or not report.bytes_per_block:
+        return None
+    return report.prefill_tokens_per_s * report.bytes_per_block / bandwidth
 
 
 def healthy(workers: Sequence[WorkerView]) -> list[WorkerView]:

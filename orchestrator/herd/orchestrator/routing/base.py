@@ -8,7 +8,14 @@ the package's bottom layer, so that no strategy imports this module or the facto
 from __future__ import annotations
 
 from herd.orchestrator.routing._factory import build_strategy
-from herd.orchestrator.routing._types import Phase, RequestContext, RoutingStrategy, WorkerView, healthy
+from herd.orchestrator.routing._types import (
+    Phase,
+    RequestContext,
+    RoutingStrategy,
+    WorkerView,
+    healthy,
+    restore_block_tokens,
+)
 
 __all__ = [
     "Phase",
@@ -17,4 +24,5 @@ __all__ = [
     "WorkerView",
     "build_strategy",
     "healthy",
+    "restore_block_tokens",
 ]

@@ -3,7 +3,8 @@
 ``decide(model, views, request)`` runs every step of the choice, in order, with no I/O and no await:
 
 1. the capacity filter: the serving pool (the decode pool of a disaggregated model) less the workers
-   the request already tried, healthy ones only, then those under ``max_in_flight_per_worker``;
+   the request already tried, healthy ones only, then those under ``max_in_flight_per_worker``,
+   then for a LoRA request the workers ``lora_candidates`` prefers (the same for every strategy);
 2. the model's strategy over what is left (``phase="decode"`` for a disaggregated model), unless
    the request carries latency targets (``RequestContext.slo``, unified models): then the worker
    predicted to meet them with the most headroom (``routing.slo``); when none is, the target's
@@ -41,9 +42,22 @@ from herd.orchestrator.routing.pairing import (
 )
 from herd.orchestrator.routing.slo import choose_by_slo, features_of
 
-__all__ = ["Decision", "Pin", "RoutedModel", "UnroutableError", "decide", "decide_prefill", "pin_key"]
+__all__ = [
+    "LORA_SPILL_IN_FLIGHT",
+    "Decision",
+    "Pin",
+    "RoutedModel",
+    "UnroutableError",
+    "decide",
+    "decide_prefill",
+    "lora_candidates",
+    "pin_key",
+]
 
 DEFAULT_SESSION_TTL_S = 3600
+LORA_SPILL_IN_FLIGHT = 4
+"""How many more requests in flight every worker holding an adapter has than the least busy worker
+with a free slot before the adapter is let spill to that one (which then loads it)."""
 
 
 class RoutedModel(Protocol):
@@ -107,7 +121,9 @@ def decide(model: RoutedModel, views: Sequence[WorkerView], request: RequestCont
     if not pool:
         raise UnroutableError("no_healthy_worker")
     limit = config.max_in_flight_per_worker
-    open_pool = [view for view in pool if not limit or view.num_in_flight < limit]
+    open_pool = lora_candidates(
+        [view for view in pool if not limit or view.num_in_flight < limit], request.lora_name
+    )
     ctx = dataclasses.replace(request, phase="decode") if is_disaggregated else request
     matched = model.kv_index.match(request.block_hashes) if request.block_hashes else {}
     choice, is_slo_missed = _by_slo(model, open_pool, request, matched)
@@ -157,6 +173,31 @@ def _by_slo(
     return choice.worker, not choice.is_met
 
 
+def lora_candidates(workers: list[WorkerView], lora_name: str | None) -> list[WorkerView]:
+    """The workers a request with adapter ``lora_name`` should go to, for any strategy to choose from.
+
+    Those holding the adapter with a slot to run it at once come first; the workers with a free slot
+    join them (the chosen one loads the adapter) once every holder has ``LORA_SPILL_IN_FLIGHT``
+    more requests in flight than the least busy of them, or when no worker holds it. With no free
+    slot anywhere, the holders (else every LoRA worker) queue it. The base model: every worker.
+    """
+    if lora_name is None:
+        return workers
+    capable = [view for view in workers if view.max_loras > 0] or workers
+    holders = [view for view in capable if lora_name in view.lora_adapters]
+    ready = [view for view in holders if view.has_lora_slot(lora_name)]
+    free = [view for view in capable if view not in ready and view.has_lora_slot(lora_name)]
+    if not ready:
+        return free or holders or capable
+    if (
+        free
+        and min(view.num_in_flight for view in ready)
+        >= min(view.num_in_flight for view in free) + LORA_SPILL_IN_FLIGHT
+    ):
+        return ready + free
+    return ready
+
+
 def decide_prefill(
     model: RoutedModel, views: Sequence[WorkerView], request: RequestContext
 ) -> tuple[WorkerView | None, int]:
@@ -172,7 +213,7 @@ def _prefill_of(
 ) -> tuple[WorkerView | None, int]:
     block_size = model.config.block_size
     workers = healthy([view for view in views if view.role == "prefill" and view.id not in request.excluded])
-    prefill = choose_prefill(workers, matched, block_size)
+    prefill = choose_prefill(lora_candidates(workers, request.lora_name), matched, block_size)
     if prefill is None:
         return None, 0
     return prefill, num_uncached_tokens(len(request.token_ids), matched.get(prefill.id, 0), block_size)

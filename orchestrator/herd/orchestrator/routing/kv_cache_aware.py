@@ -16,6 +16,18 @@ For each candidate ``w`` under the bounded-load cap of ``_load``, with ``n`` the
   count (the report covers other replicas, the count what the report has not seen yet), each worth a
   third of a prompt like this one: the decode work a request in flight still adds to ``w``'s steps.
 
+Tiers (``tier_cost``): a prompt block a worker holds only in its host or disk tier is restored, not
+computed, so ``uncached(w)`` counts from the end of its leading run over every tier
+(``KVIndex.match_tiers``), and a separate term adds what the restores cost:
+
+    restore(w) = host(w) * host_block_tokens(w) + disk(w) * disk_block_tokens(w)
+
+``*_block_tokens(w)`` is one block's restore time in tokens ``w`` could prefill meanwhile, from the rates
+``w`` measures and reports (``restore_block_tokens``: prefill tokens a second x a block's bytes / restore
+bytes a second); a tier not yet measured counts as a recompute (``block_size``). ``weights`` prices a
+tier block at a fixed share of a hit instead (llm-d's 1.0 / 0.8); ``device`` ignores the tiers (the
+index's device run only). The eviction term counts the restored blocks too: they take device blocks.
+
 Why one unit: the old score weighed a cached share in [0, 1] against a load in [0, 1], so a cached
 prefix outweighed any load below the cap, every tenant stayed on one worker until the cap forced a
 cold copy onto the other at a busy moment, and the loaded worker's steps slowed everyone on it
@@ -23,7 +35,8 @@ cold copy onto the other at a busy moment, and the loaded worker's steps slowed 
 request off its cached worker costs its prefix once (twice on a full pool); staying costs the queue.
 A third of a prompt per request is fitted in ``bench/routing_sim.py`` (a quarter to a whole prompt
 swept; at the issue's shape it is also about 16 output tokens times the engine's decode step cost per
-sequence, 12 prefill tokens). The lowest cost wins; ties go to the fewest in flight, then at random.
+sequence, 12 prefill tokens). The lowest cost wins; ties go to the fewest in flight, then to the fewest
+cached blocks (the emptiest pool), then at random.
 
 Cost: ``KVIndex.match`` (O(matched blocks x holders)) plus two comprehension passes over the workers.
 Comprehensions with inline conditionals beat ``map``/``attrgetter`` and per-worker calls; numpy does
@@ -35,10 +48,11 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import ClassVar, Literal
 
-from herd.orchestrator.kv_index import KVIndex
-from herd.orchestrator.routing._load import bounded_load_cap, least_in_flight
+from herd.api.crd import TierWeights
+from herd.orchestrator.kv_index import KVIndex, TierRun
+from herd.orchestrator.routing._load import bounded_load_cap
 from herd.orchestrator.routing._types import RequestContext, RoutingStrategy, WorkerView
 
 __all__ = ["REQUEST_SHARE", "KVCacheAware"]
@@ -60,8 +74,13 @@ class KVCacheAware(RoutingStrategy):
         load_weight: float,
         block_size: int,
         rng: random.Random,
+        tier_cost: Literal["measured", "weights", "device"] = "measured",
+        tier_weights: TierWeights | None = None,
     ) -> None:
         self._kv_index = kv_index
+        self._tier_cost = tier_cost
+        weights = tier_weights or TierWeights()
+        self._weighted = (block_size * (1 - weights.host), block_size * (1 - weights.disk))
         self._load_factor = load_factor
         self._cache_weight = cache_weight
         self._load_weight = load_weight
@@ -72,7 +91,21 @@ class KVCacheAware(RoutingStrategy):
         costs = self._costs(workers, ctx)
         best = min(costs)
         tied = [worker for worker, cost in zip(workers, costs, strict=True) if cost == best]
-        return tied[0] if len(tied) == 1 else least_in_flight(tied, self._rng)
+        return tied[0] if len(tied) == 1 else self._emptiest(tied)
+
+    def _emptiest(self, tied: Sequence[WorkerView]) -> WorkerView:
+        """Among equally cheap workers: the fewest in flight, then the fewest cached blocks (held, and
+        expected from requests just routed there, whose events have not arrived), then at random.
+        The cached blocks matter on a fleet larger than its load: every idle worker with room costs a
+        new prefix the same, and a random pick piles several prefixes on some workers while others
+        hold none (the oracle, too, places a new prefix on the emptiest worker)."""
+        fewest = min([worker.num_in_flight for worker in tied])
+        tied = [worker for worker in tied if worker.num_in_flight == fewest]
+        held, expected = self._kv_index.held_blocks(), self._kv_index.expected_blocks()
+        sizes = [held.get(worker.id, 0) + expected.get(worker.id, 0) for worker in tied]
+        least = min(sizes)
+        tied = [worker for worker, size in zip(tied, sizes, strict=True) if size == least]
+        return tied[0] if len(tied) == 1 else self._rng.choice(tied)
 
     def _costs(self, workers: Sequence[WorkerView], ctx: RequestContext) -> list[float]:
         """Every worker's cost in prompt tokens; ``inf`` for those at the bounded-load cap."""
@@ -99,9 +132,14 @@ class KVCacheAware(RoutingStrategy):
             for w, tokens in zip(workers, prefill, strict=True)
         ]
 
-    def _prefill_tokens(self, workers: Sequence[WorkerView], ctx: RequestContext) -> list[int]:
+    def _prefill_tokens(self, workers: Sequence[WorkerView], ctx: RequestContext) -> list[float]:
         """Per worker: the prompt tokens it would compute, plus the cached ones the new blocks would
-        evict from its pool (a worker whose pool size is not reported yet evicts none)."""
+        evict from its pool (a worker whose pool size is not reported yet evicts none), plus its
+        restores from lower tiers in tokens."""
+        if self._tier_cost != "device" and ctx.block_hashes:
+            runs = self._kv_index.match_tiers(ctx.block_hashes)
+            if any(run.host or run.disk for run in runs.values()):
+                return self._tiered_tokens(workers, ctx, runs)
         num_tokens, num_blocks, block_size = len(ctx.token_ids), len(ctx.block_hashes), self._block_size
         matched = self._kv_index.match(ctx.block_hashes) if num_blocks else {}
         held = self._kv_index.held_blocks()
@@ -116,3 +154,36 @@ class KVCacheAware(RoutingStrategy):
             )
             for w in workers
         ]
+
+    def _tiered_tokens(
+        self, workers: Sequence[WorkerView], ctx: RequestContext, runs: dict[str, TierRun]
+    ) -> list[float]:
+        """``_prefill_tokens`` where some worker holds part of the prompt in a lower tier: per matched
+        worker once, ``(tokens it computes or restores, device blocks it has)``; then one pass."""
+        num_tokens, num_blocks, block_size = len(ctx.token_ids), len(ctx.block_hashes), self._block_size
+        held = self._kv_index.held_blocks()
+        matched = {
+            w.id: (num_tokens - block_size * run.length + self._restore_tokens(w, run), run.device)
+            for w in workers
+            if (run := runs.get(w.id)) is not None
+        }
+        cold = (float(num_tokens), 0)
+        return [
+            (m := matched.get(w.id, cold))[0]
+            + (
+                block_size * e
+                if w.num_total_blocks
+                and (e := num_blocks - m[1] - w.num_total_blocks + held.get(w.id, 0)) > 0
+                else 0
+            )
+            for w in workers
+        ]
+
+    def _restore_tokens(self, w: WorkerView, run: TierRun) -> float:
+        """What restoring ``run``'s lower-tier blocks costs ``w``, in prompt tokens."""
+        if self._tier_cost == "weights":
+            host, disk = self._weighted
+        else:
+            host = self._block_size if w.host_block_tokens is None else w.host_block_tokens
+            disk = self._block_size if w.disk_block_tokens is None else w.disk_block_tokens
+        return run.host * host + run.disk * disk

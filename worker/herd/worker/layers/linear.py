@@ -19,6 +19,8 @@ import torch
 from torch import nn
 from torch.nn import functional
 
+from herd.worker.layers.lora import LoraWeights
+
 __all__ = ["Linear"]
 
 PACK_BATCH_HINT = 16
@@ -26,12 +28,16 @@ PACK_BATCH_HINT = 16
 
 
 class Linear(nn.Module):
-    """``x @ weight.T + bias`` where ``weight`` stacks ``shards`` (checkpoint name -> rows) in order."""
+    """``x @ weight.T + bias`` where ``weight`` stacks ``shards`` (checkpoint name -> rows) in order,
+    plus each token's LoRA delta once ``lora`` holds adapters (``herd.worker.layers.lora``)."""
 
     weight: torch.Tensor  # a parameter; a tied lm_head's is the embedding's
+    lora: LoraWeights | None
 
     def __init__(self, in_features: int, shards: Mapping[str, int], *, bias: bool) -> None:
         super().__init__()
+        self.in_features = in_features
+        self.lora = None
         self.shards = dict(shards)
         out_features = sum(self.shards.values())
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
@@ -60,5 +66,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is None:
-            return functional.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")  # type: ignore[no-any-return]
+            out = functional.linear(x, self.weight, self.bias)
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+        return out if self.lora is None else self.lora.add_to(out, x)

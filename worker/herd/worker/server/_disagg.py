@@ -148,7 +148,7 @@ class PrefillService:
 
     async def prefill(self, request: Request) -> KVTransferParams:
         payload = _json_object(await request.body())
-        self._check_model(payload)
+        lora_name = self._lora_name(payload)
         body = _parse_request(payload)
         asked = handoff_params(body) or KVTransferParams()
         prompt, salt = handed_prompt(asked), body.cache_salt
@@ -169,11 +169,12 @@ class PrefillService:
         request_id = f"prefill-{uuid.uuid4().hex}"
         params = first_token_params(choice.params)
         timing = RequestTiming()
-        first = [output async for output in self.engine.generate(request_id, prompt, params, salt)][-1]
+        outputs = self.engine.generate(request_id, prompt, params, salt, lora_name=lora_name)
+        first = [output async for output in outputs][-1]
         timing.on_tokens()
         self.requests.observe_finished(timing, first.finish_reason or "length")
         seconds = min(asked.lease_seconds or DEFAULT_LEASE_SECONDS, MAX_LEASE_SECONDS)
-        hashes = self._lease_hashes(prompt, salt, asked.prompt_block_hashes)
+        hashes = self._lease_hashes(prompt, salt, lora_name, asked.prompt_block_hashes)
         lease = self._lease(request_id, hashes, first.held_block_ids or [], seconds)
         return KVTransferParams(
             do_remote_prefill=True,
@@ -189,12 +190,16 @@ class PrefillService:
             num_cached_tokens=first.num_cached_tokens,
         )
 
-    def _lease_hashes(self, prompt: list[int], salt: str | None, handed: list[int] | None) -> list[BlockHash]:
+    def _lease_hashes(
+        self, prompt: list[int], salt: str | None, lora_name: str | None, handed: list[int] | None
+    ) -> list[BlockHash]:
         """The orchestrator's hashes of the prompt's full blocks when it sent them, else our own."""
         info = self.engine.info
         if handed is not None and len(handed) == len(prompt) // info.block_size:
             return handed
-        return block_hashes(prompt, info.block_size, model_id=info.model, cache_salt=salt)
+        return block_hashes(
+            prompt, info.block_size, model_id=info.model, cache_salt=salt, lora_name=lora_name
+        )
 
     def _lease(self, request_id: str, hashes: list[BlockHash], held: list[int], seconds: float) -> Lease:
         """Lease the prompt's full blocks the engine held when the prefill finished (its leading
@@ -203,12 +208,14 @@ class PrefillService:
         self._ensure_sweeper()
         return lease
 
-    def _check_model(self, payload: dict[str, Any]) -> None:
-        served = self.engine.info.model
-        if payload.get("model") != served:
-            raise HttpError(
-                404, f"model {payload.get('model')!r} is not served here; this worker serves {served!r}"
-            )
+    def _lora_name(self, payload: dict[str, Any]) -> str | None:
+        """The LoRA adapter the body's ``model`` names (``None``: the base model); 404 for another model."""
+        served, model = self.engine.info.model, payload.get("model")
+        if model == served:
+            return None
+        if isinstance(model, str) and model in self.engine.lora_adapters:
+            return model
+        raise HttpError(404, f"model {model!r} is not served here; this worker serves {served!r}")
 
     async def blocks(self, request: Request) -> Response:
         body = _parse(BlockRequest, await request.body())

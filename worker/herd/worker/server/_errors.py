@@ -14,7 +14,7 @@ from herd.api.errors import HttpError, invalid_request, route_message
 from herd.api.openai import ErrorResponse
 from herd.api.prompt import PromptError
 from herd.worker.async_engine import EngineDeadError, EngineDrainingError, RequestFailedError
-from herd.worker.engine import QueueFullError
+from herd.worker.engine import QueueFullError, UnknownLoraError
 from herd.worker.sampling_params import InvalidParamError
 
 __all__ = ["as_api_error", "error_response", "install_error_handlers", "respond"]
@@ -44,6 +44,8 @@ def as_api_error(error: Exception) -> HttpError:
             return HttpError(429, str(error), headers={"Retry-After": RETRY_AFTER_S})
         case PromptError():
             return HttpError(400, str(error), param="messages")
+        case UnknownLoraError():
+            return HttpError(404, str(error), param="model")
         case InvalidParamError():
             return HttpError(400, str(error), param=error.param)
         case RequestFailedError() | EngineDeadError(reached_engine=True):  # logged by the engine
@@ -61,6 +63,7 @@ _EXPECTED: tuple[type[Exception], ...] = (
     HttpError,
     QueueFullError,
     PromptError,
+    UnknownLoraError,
     EngineDrainingError,
     EngineDeadError,
     RequestFailedError,

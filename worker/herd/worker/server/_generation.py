@@ -36,8 +36,11 @@ class Generation:
         choices: list[Choice],
         cache_salt: str | None,
         span: Span = INVALID_SPAN,
+        *,
+        lora_name: str | None = None,
     ) -> None:
         self.engine = engine
+        self.lora_name = lora_name
         self.metrics = metrics
         self.request_id = request_id
         self.choices = choices
@@ -85,7 +88,8 @@ class Generation:
             choice.params,
             self.cache_salt,
             choice.first_token_id,
-            choice.resumed_token_ids,
+            resumed_token_ids=choice.resumed_token_ids,
+            lora_name=self.lora_name,
         )
         try:
             async with aclosing(stream):

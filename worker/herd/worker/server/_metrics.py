@@ -7,7 +7,7 @@ from the engine's last load report and counters; per-request latencies are obser
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -15,7 +15,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from herd.api import metrics as names
+from herd.api.protocol import LoadReport, Medium
 from herd.worker.engine_protocol import ServingEngine
+from herd.worker.stats import EngineStats
 
 __all__ = ["RequestTiming", "WorkerMetrics"]
 
@@ -111,6 +113,19 @@ class WorkerMetrics:
         return bytes(generate_latest(self.registry))
 
 
+def _lora_info(load: LoadReport) -> GaugeMetricFamily:
+    """vLLM's ``vllm:lora_requests_info``, as the Gateway API Inference Extension reads it: the
+    adapters as comma-separated labels, the value the time of the reading (a reader keeps the newest)."""
+    family = GaugeMetricFamily(
+        names.LORA_REQUESTS_INFO,
+        "Running and waiting LoRA adapters, and the most one step runs.",
+        labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+    )
+    running, waiting = ",".join(load.running_lora_adapters), ",".join(load.waiting_lora_adapters)
+    family.add_metric([str(load.max_loras), running, waiting], time.time())
+    return family
+
+
 class _EngineCollector(Collector):
     """Reads the engine's own counters and load at scrape time."""
 
@@ -139,6 +154,7 @@ class _EngineCollector(Collector):
         yield self._counter(names.NUM_PREEMPTIONS_TOTAL, "Preemptions.", stats.num_preemptions)
         yield self._counter(names.PROMPT_TOKENS_TOTAL, "Prefilled prompt tokens.", stats.prompt_tokens)
         yield self._counter(names.GENERATION_TOKENS_TOTAL, "Generated tokens.", stats.generation_tokens)
+        yield from self._tiers(stats, load)
         info = self.engine.info
         config = GaugeMetricFamily(
             names.CACHE_CONFIG_INFO,
@@ -150,6 +166,34 @@ class _EngineCollector(Collector):
             1.0,
         )
         yield config
+        if load.max_loras:
+            yield _lora_info(load)
+
+    def _tiers(self, stats: EngineStats, load: LoadReport) -> Iterator[Metric]:
+        """Per tier (``medium``): usage, size, blocks stored / restored (its hits) / evicted, and the
+        restore bandwidth the worker measured; and the prefill rate the router weighs it against."""
+        tiers = stats.kv_tiers
+        per_medium: list[tuple[type[GaugeMetricFamily | CounterMetricFamily], str, str, Mapping[Medium, float]]] = [
+            (GaugeMetricFamily, names.HERD_KV_TIER_USAGE_PERC, "Share of a KV tier's blocks in use.",
+             {m: used / total for m, (used, total) in stats.kv_tier_blocks.items() if total}),
+            (GaugeMetricFamily, names.HERD_KV_TIER_BLOCKS, "Blocks a KV tier holds.",
+             {m: total for m, (_, total) in stats.kv_tier_blocks.items()}),
+            (CounterMetricFamily, names.HERD_KV_TIER_STORED_TOTAL, "Blocks stored into a KV tier.", tiers.stored),
+            (CounterMetricFamily, names.HERD_KV_TIER_RESTORED_TOTAL,
+             "Blocks restored from a KV tier onto the device (its hits).", tiers.restored),
+            (CounterMetricFamily, names.HERD_KV_TIER_EVICTED_TOTAL, "Blocks evicted from a KV tier.", tiers.evicted),
+            (GaugeMetricFamily, names.HERD_KV_TIER_RESTORE_BYTES_PER_SECOND,
+             "Measured restore bandwidth from a KV tier.", load.restore_bytes_per_s),
+        ]  # fmt: skip
+        for kind, name, documentation, values in per_medium:
+            family = kind(name, documentation, labels=[*_LABELS, "medium"])
+            for medium, value in sorted(values.items()):
+                family.add_metric([self.model_name, medium], value)
+            yield family
+        if load.prefill_tokens_per_s is not None:
+            yield self._gauge(
+                names.HERD_PREFILL_TOKENS_PER_SECOND, "Measured prefill rate.", load.prefill_tokens_per_s
+            )
 
     def _gauge(self, name: str, documentation: str, value: float) -> GaugeMetricFamily:
         family = GaugeMetricFamily(name, documentation, labels=list(_LABELS))

@@ -22,7 +22,9 @@ from herd.api.openai import (
     CompletionRequest,
     CompletionResponse,
     ErrorResponse,
+    LoadLoraAdapterRequest,
     ModelList,
+    UnloadLoraAdapterRequest,
 )
 from herd.worker.server._peer_routes import (
     FlushCacheRequest,
@@ -50,6 +52,11 @@ _BODIES: dict[str, tuple[type[BaseModel], type[BaseModel]]] = {
     "/flush_cache": (FlushCacheRequest, FlushCacheResponse),
 }
 _OPTIONAL_BODIES = frozenset({"/flush_cache"})
+_TEXT_ANSWERS: dict[str, type[BaseModel]] = {
+    "/v1/load_lora_adapter": LoadLoraAdapterRequest,
+    "/v1/unload_lora_adapter": UnloadLoraAdapterRequest,
+}
+"""Routes that answer 200 with a line of text, as vLLM's do; they need the internal token (401)."""
 _ERRORS = {
     400: "A field is invalid for this model (``param`` names it)",
     404: "The model is not served here",
@@ -64,6 +71,8 @@ _STREAMED = frozenset({"/v1/chat/completions", "/v1/completions"})
 
 def route_docs(path: str) -> dict[str, Any]:
     """``openapi_extra`` for the route at ``path``: its request body (if any) and its answers."""
+    if path in _TEXT_ANSWERS:
+        return _text_route_docs(_TEXT_ANSWERS[path])
     if path not in _BODIES:
         return {"responses": {"503": _error("The model is loading or the engine failed")}}
     request, response = _BODIES[path]
@@ -82,6 +91,22 @@ def route_docs(path: str) -> dict[str, Any]:
     }
 
 
+def _text_route_docs(request: type[BaseModel]) -> dict[str, Any]:
+    ok = {"text/plain": {"schema": {"type": "string"}}}
+    errors = {
+        **_ERRORS,
+        401: "The internal token is missing or wrong",
+        403: "The worker has no internal token",
+    }
+    return {
+        "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
+        "responses": {
+            "200": {"description": "OK", "content": ok},
+            **{str(status): _error(text) for status, text in errors.items()},
+        },
+    }
+
+
 def build_openapi(app: FastAPI, served_name: str) -> dict[str, Any]:
     """The whole document: FastAPI's paths plus the bodies' schemas, ``model`` pinned to ``served_name``."""
     if app.openapi_schema is None:
@@ -96,6 +121,7 @@ def _schemas(served_name: str) -> dict[str, Any]:
     models: list[tuple[type[BaseModel], JsonSchemaMode]] = [
         *((request, "validation") for request, _ in _BODIES.values()),
         *((response, "serialization") for _, response in _BODIES.values()),
+        *((request, "validation") for request in _TEXT_ANSWERS.values()),
         (ModelList, "serialization"),
         (ErrorResponse, "serialization"),
     ]

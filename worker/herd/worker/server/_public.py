@@ -36,6 +36,7 @@ from herd.worker.server._chat import chat_chunks, chat_response
 from herd.worker.server._completions import completion_chunks, completion_response
 from herd.worker.server._errors import as_api_error, error_response, install_error_handlers, respond
 from herd.worker.server._generation import Generation
+from herd.worker.server._lora import lora_routes
 from herd.worker.server._metrics import WorkerMetrics
 from herd.worker.server._openapi import build_openapi, route_docs
 from herd.worker.server._params import (
@@ -98,7 +99,8 @@ class PublicOptions:
     served_name: str
     max_body_bytes: int = 4 * 1024 * 1024
     internal_token: str = ""
-    """The token herd's gateway presents (``X-Herd-Token``): only it may resume a stream."""
+    """The token herd's gateway presents (``X-Herd-Token``): it guards the runtime LoRA routes
+    (``_lora``; without one they refuse), and only a request carrying it may resume a stream."""
 
 
 def build_public_app(engine: ServingEngine, options: PublicOptions) -> FastAPI:
@@ -123,6 +125,12 @@ def build_public_app(engine: ServingEngine, options: PublicOptions) -> FastAPI:
         ("/ready", "GET", routes.ready),
         ("/metrics", "GET", routes.metrics),
         *peer_routes(engine),
+        *lora_routes(
+            engine,
+            options.internal_token,
+            max_body_bytes=options.max_body_bytes,
+            threads=app.state.prompt_threads,
+        ),
     ]
     for path, method, endpoint in table:
         app.add_api_route(path, endpoint, methods=[method], openapi_extra=route_docs(path))
@@ -222,7 +230,7 @@ class _PublicRoutes:
         )
         if handoff is not None and handoff.do_remote_prefill:
             with _tracer.start_as_current_span("herd.worker.kv_transfer", context=set_span_in_context(span)):
-                await self._pull(request, handoff, prompts, body.cache_salt)
+                await self._pull(request, handoff, prompts, body)
         context = self._context(request, body, choices, prefix=endpoint.id_prefix, span=span)
         if body.stream:
             has_marks = self._is_internal(request) and RESUMABLE_HEADER in request.headers
@@ -249,7 +257,11 @@ class _PublicRoutes:
         return resume
 
     async def _pull(
-        self, request: Request, handoff: KVTransferParams | None, prompts: list[list[int]], salt: str | None
+        self,
+        request: Request,
+        handoff: KVTransferParams | None,
+        prompts: list[list[int]],
+        body: SamplingFields,
     ) -> None:
         """The KV blocks of a prompt prefilled on another worker, once its ids passed every check."""
         remote_prefill: RemotePrefill | None = request.app.state.remote_prefill
@@ -260,25 +272,44 @@ class _PublicRoutes:
             and len(prompts) == 1
         ):
             await remote_prefill.pull(
-                handoff, prompts[0], salt, presented_token=request.headers.get(TOKEN_HEADER, "")
+                handoff,
+                prompts[0],
+                body.cache_salt,
+                presented_token=request.headers.get(TOKEN_HEADER, ""),
+                lora_name=self._lora_name(body),
             )
 
     async def _read(self, request: Request, model: type[R]) -> R:
-        """Parse the body, refuse other models' requests (404) and requests while not accepting (503)."""
+        """Parse the body, refuse other models' requests (404) and requests while not accepting (503).
+
+        ``model`` is the served name (the base model) or a loaded LoRA adapter's name."""
         body = await read_body(request, model, max_bytes=self.options.max_body_bytes, threads=self._threads)
-        if body.model != self.options.served_name:
+        self.engine.check_accepting()
+        if body.model != self.options.served_name and body.model not in self.engine.lora_adapters:
+            adapters = "".join(f", {name!r}" for name in self.engine.lora_adapters)
             message = (
                 f"model {body.model!r} is not served here; this worker serves {self.options.served_name!r}"
+                + (f" and the LoRA adapters{adapters[1:]}" if adapters else "")
             )
             raise HttpError(404, message, param="model")
-        self.engine.check_accepting()
         return body
+
+    def _lora_name(self, body: SamplingFields) -> str | None:
+        return None if body.model == self.options.served_name else body.model
 
     def _context(
         self, request: Request, body: SamplingFields, choices: list[Choice], *, prefix: str, span: Span
     ) -> ResponseContext:
         rid = request_id(request)
-        generation = Generation(self.engine, self._metrics, rid, choices, body.cache_salt, span)
+        generation = Generation(
+            self.engine,
+            self._metrics,
+            rid,
+            choices,
+            body.cache_salt,
+            span,
+            lora_name=self._lora_name(body),
+        )
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         tool_choice = body.effective_tool_choice if isinstance(body, ChatCompletionRequest) else "none"
         return ResponseContext(
@@ -291,8 +322,16 @@ class _PublicRoutes:
         )
 
     async def models(self) -> ModelList:
-        max_model_len = self.engine.info.max_model_len if self.engine.is_loaded else None
-        return ModelList(data=[ModelCard(id=self.options.served_name, max_model_len=max_model_len)])
+        """The base model, then each loaded LoRA adapter with the base as its ``parent``."""
+        base = self.options.served_name
+        if not self.engine.is_loaded:
+            return ModelList(data=[ModelCard(id=base)])
+        max_model_len = self.engine.info.max_model_len
+        adapters = [
+            ModelCard(id=name, root=str(path), parent=base, max_model_len=max_model_len)
+            for name, path in self.engine.lora_adapters.items()
+        ]
+        return ModelList(data=[ModelCard(id=base, max_model_len=max_model_len), *adapters])
 
     async def tokenize(self, request: Request) -> TokenizeResponse:
         body = await read_body(

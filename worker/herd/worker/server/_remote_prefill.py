@@ -53,10 +53,17 @@ class RemotePrefill:
         self._releases: set[asyncio.Task[None]] = set()
 
     async def pull(
-        self, params: KVTransferParams, prompt: list[int], cache_salt: str | None, *, presented_token: str
+        self,
+        params: KVTransferParams,
+        prompt: list[int],
+        cache_salt: str | None,
+        *,
+        presented_token: str,
+        lora_name: str | None = None,
     ) -> None:
-        """Bring ``prompt``'s blocks over from the prefill worker ``params`` names, if it names one and
-        the request presented the internal token (403 otherwise)."""
+        """Bring ``prompt``'s blocks (computed with adapter ``lora_name``, which their hashes carry)
+        over from the prefill worker ``params`` names, if it names one and the request presented the
+        internal token (403 otherwise)."""
         source = _source(params)
         if source is None:
             log.warning("do_remote_prefill without remote_host/port/request_id; prefilling locally")
@@ -69,8 +76,8 @@ class RemotePrefill:
                 param="kv_transfer_params",
             )
         try:
-            hashes = self._checked_hashes(prompt, cache_salt, params.remote_block_hashes or [])
-            await self._pull(source, prompt, hashes)
+            hashes = self._checked_hashes(prompt, cache_salt, lora_name, params.remote_block_hashes or [])
+            await self._pull(source, prompt, hashes, lora_name)
         except KVLayoutError as error:
             raise HttpError(409, str(error)) from None
         finally:
@@ -84,11 +91,13 @@ class RemotePrefill:
         task.add_done_callback(self._releases.discard)
 
     def _checked_hashes(
-        self, prompt: list[int], salt: str | None, remote: list[BlockHash]
+        self, prompt: list[int], salt: str | None, lora_name: str | None, remote: list[BlockHash]
     ) -> list[BlockHash]:
         """Our hashes of the blocks the prefill side leased; they must be the same as theirs."""
         info = self.engine.info
-        ours = block_hashes(prompt, info.block_size, model_id=info.model, cache_salt=salt)
+        ours = block_hashes(
+            prompt, info.block_size, model_id=info.model, cache_salt=salt, lora_name=lora_name
+        )
         # Every full block moves: a handler continuing from the handed-over first token computes
         # none of them, one sampling the first token again recomputes the last (the cache keeps one).
         usable = min(len(remote), len(prompt) // info.block_size)
@@ -96,11 +105,13 @@ class RemotePrefill:
             raise HttpError(
                 409,
                 "the prefill worker's block hashes for this prompt differ from this worker's: the two "
-                "pools serve different models, tokenizers or served names",
+                "pools serve different models, tokenizers, served names or adapters",
             )
         return ours[:usable]
 
-    async def _pull(self, source: KVSource, prompt: list[int], hashes: list[BlockHash]) -> None:
+    async def _pull(
+        self, source: KVSource, prompt: list[int], hashes: list[BlockHash], lora_name: str | None
+    ) -> None:
         """Fetch the blocks this worker lacks and queue their import; the engine keeps stepping.
 
         Only the import's copy into the pool runs between steps, and it is queued just before the
@@ -118,7 +129,7 @@ class RemotePrefill:
             return
         size = self.engine.info.block_size
         tokens = [prompt[index * size : (index + 1) * size] for index in missing]
-        imported = self.engine.submit(lambda core: core.write_blocks(wanted, tokens, kv))
+        imported = self.engine.submit(lambda core: core.write_blocks(wanted, tokens, kv, lora_name))
         self.metrics.moved("received", len(wanted), kv.nbytes)
         imported.add_done_callback(lambda done: self._record(done, started, len(hashes), kv.nbytes))
 

@@ -1,0 +1,219 @@
+"""routing_sim.py's simulator on routing_scale.py's traces: herd's strategies on a simulated fleet of
+8 to 256 workers, replaying a saved trace open loop, in simulated time (no HTTP, no machine noise).
+
+Each worker is herd's engine on the cost-model runner with the scale runs' settings (the unit cost
+model dilated as ``routing_scale.py`` dilates it, batches of 2, queues of 32, its KV pool), every
+request is routed by the orchestrator's ``decide`` over a real ``KVIndex``, and the workers' KV events
+and load reports reach the index every ``--poll-ms`` (the status stream's period). Requests arrive at
+the trace's own gaps scaled to the rate; a request that extends an earlier one of its session (a
+chat's next turn) waits for its answer, as ``herd bench``'s replay does. Reported per router: the hit
+rate and its share of the oracle (``herd bench oracle`` on the same trace and fleet), TTFT p50/p99 in
+simulated ms, and in-flight max/mean as the scale runs compute it (each worker's mean in-flight over
+the run by Little's law, the busiest over the mean).
+
+    .venv/bin/python bench/routing_sim_trace.py --trace shared-prefix --sizes 8,32,128 \
+        --routers round_robin,sticky_session,kv_cache_aware
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from routing_scale import UNIT_COST, dilated, fleet_dilation, make_case, oracle
+from routing_scale import parse_args as scale_args
+from routing_sim import MODEL_ID, Request, Shape, Simulation, SimWorker
+
+from herd.api.kv_hash import block_hashes
+from herd.api.prompt import PromptRenderer
+from herd.api.protocol import KVEventBatch
+from herd.orchestrator.routing import RequestContext, decide
+from herd.orchestrator.routing._load import bounded_load_cap
+from herd.worker.config import EngineConfig
+from herd.worker.simulated_runner import CostModel, VirtualClock, simulated_engine
+
+__all__ = ["main"]
+
+BLOCK_SIZE = 16
+
+
+@dataclass
+class TraceRequest(Request):
+    session: str = ""
+    after: int | None = None
+    """The number of the request this one extends (it waits for that one's answer)."""
+    arrival_ms: float = 0.0
+
+
+class TraceSimulation(Simulation):
+    """One router replaying one trace on one fleet, open loop."""
+
+    def __init__(self, shape: Shape, router: str, requests: list[TraceRequest], engine: dict[str, Any],
+                 cost: dict[str, float], renderer: PromptRenderer) -> None:  # fmt: skip
+        self.engine_block, self.cost = engine, cost
+        super().__init__(shape, router, 0, renderer)
+        self.requests = requests
+        self.waiting: dict[int, list[TraceRequest]] = {}
+        """Requests waiting for the answer of the request they extend, by its number."""
+        self.finished: set[int] = set()
+        self.served_by: dict[int, str] = {}
+
+    def _worker(self, number: int, renderer: PromptRenderer) -> SimWorker:
+        config = EngineConfig(model_path=self._model_path, served_name=MODEL_ID, engine=self.engine_block)
+        cost = CostModel(
+            step_ms=self.cost["stepMs"], seq_ms=self.cost["seqMs"], token_ms=self.cost["tokenMs"]
+        )
+        clock = VirtualClock()
+        engine = simulated_engine(
+            config, num_blocks=self.shape.pool_blocks, cost=cost, clock=clock, renderer=renderer
+        )
+        worker = SimWorker(f"worker-{number}", engine, clock)
+        self.index.reset(worker.id, engine.kv_snapshot())
+        return worker
+
+    _model_path = Path(__file__).resolve().parent.parent / ".cache" / "models" / "smollm2-135m-instruct"
+
+    def run(self) -> dict[str, Any]:
+        for request in self.requests:
+            self._at(request.arrival_ms, "arrive", request)
+        self._run_until(len(self.requests))
+        return self._trace_summary()
+
+    def _handle(self, kind: str, payload: Any) -> None:
+        if kind == "arrive":
+            self._arrive(payload)
+        else:
+            super()._handle(kind, payload)
+
+    def _arrive(self, request: TraceRequest) -> None:
+        if request.after is not None and request.after not in self.finished:
+            self.waiting.setdefault(request.after, []).append(request)
+            return
+        self._route(request)
+
+    def _route(self, request: TraceRequest) -> None:
+        request.sent_ms = self.now
+        views = [self._view(worker) for worker in self.workers]
+        context = RequestContext(model=MODEL_ID, token_ids=request.token_ids, block_hashes=request.hashes,
+                                 session_key=request.session, pinned_worker_id=self.pins.get(f"{MODEL_ID}:{request.session}"))  # fmt: skip
+        decision = decide(self.model, views, context)
+        self._count_spill(views, request, decision.worker.id)
+        self._apply(decision)
+        request.num_prefill_tokens = decision.num_prefill_tokens
+        self._admit(next(w for w in self.workers if w.id == decision.worker.id), request)
+
+    def _count_spill(self, views: list[Any], request: TraceRequest, chosen: str) -> None:
+        """A spill: the request went elsewhere than a worker holding its longest cached run; forced
+        when every such worker was at the bounded-load cap."""
+        matched = self.index.match(request.hashes)
+        if not matched or matched.get(chosen, 0) == (best := max(matched.values())):
+            return
+        self.num_spilled += 1
+        cap = bounded_load_cap(views, self.shape.load_factor)
+        if all(view.num_in_flight >= cap for view in views if matched.get(view.id, 0) == best):
+            self.num_forced += 1
+
+    def _finish(self, worker: SimWorker, request: Request) -> None:
+        del worker.requests[str(request.number)]
+        request.finished_ms = self.now
+        self.in_flight[worker.id] -= 1
+        self.served_by[request.number] = worker.id
+        self.finished.add(request.number)
+        self.done.append(request)
+        for waiting in self.waiting.pop(request.number, []):
+            self._route(waiting)
+
+    def _poll(self) -> None:
+        """The status streams' period: each worker's KV events since the last one, and its load."""
+        for worker in self.workers:
+            engine = worker.engine
+            batch = KVEventBatch(epoch=engine.info.epoch, events=engine.drain_kv_events())
+            if batch.events and not self.index.apply(worker.id, batch):
+                raise RuntimeError(f"{worker.id}: KV events out of order")
+            worker.report = engine.load_report()
+
+    def _trace_summary(self) -> dict[str, Any]:
+        done = self.done
+        prompt = sum(len(request.token_ids) for request in done)
+        cached = sum(request.num_cached_tokens for request in done)
+        ttft = sorted((request.first_token_ms or 0.0) - request.sent_ms for request in done)
+        span = max(r.finished_ms for r in done) - min(r.sent_ms for r in done)
+        busy = {worker.id: 0.0 for worker in self.workers}
+        for request in done:
+            busy[self.served_by[request.number]] += request.finished_ms - request.sent_ms
+        mean = statistics.fmean(busy.values())
+        return {
+            "hit_rate": round(cached / prompt, 4),
+            "ttft_p50_ms": round(statistics.median(ttft), 1),
+            "ttft_p99_ms": round(ttft[min(len(ttft) - 1, round(0.99 * (len(ttft) - 1)))], 1),
+            "in_flight_max_over_mean": round(max(busy.values()) / mean, 3) if mean else None,
+            "span_s": round(span / 1000, 1),
+            "spill_rate": round(self.num_spilled / len(done), 3),
+            "forced_spill_rate": round(self.num_forced / len(done), 3),
+        }
+
+
+def load_trace(path: Path, renderer: PromptRenderer, rate: float) -> list[TraceRequest]:
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    stamps = [line["timestamp"] for line in lines]
+    scale = (len(lines) / rate * 1000) / max(1.0, stamps[-1] - stamps[0]) if len(lines) > 1 else 1.0
+    last_of: dict[str, int] = {}
+    requests = []
+    for number, line in enumerate(lines):
+        ids = renderer.encode_chat(line["messages"], add_generation_prompt=True)
+        session = line.get("session_id") or ""
+        previous = last_of.get(session)
+        extends = (
+            previous is not None
+            and line["messages"][: len(lines[previous]["messages"])] == lines[previous]["messages"]
+        )
+        request = TraceRequest(number, 0, ids, block_hashes(ids, BLOCK_SIZE, model_id=MODEL_ID), 0.0,
+                               session=session, after=previous if extends else None,
+                               arrival_ms=(line["timestamp"] - stamps[0]) * scale)  # fmt: skip
+        requests.append(request)
+        last_of[session] = number
+    return requests
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--trace", default="shared-prefix")
+    parser.add_argument("--sizes", default="8,32,128")
+    parser.add_argument("--routers", default="round_robin,sticky_session,kv_cache_aware")
+    parser.add_argument("--load", type=float, default=80.0, help="percent of the base fleet's capacity")
+    parser.add_argument("--poll-ms", type=float, default=900.0)
+    parser.add_argument("--load-factor", type=float, default=1.25)
+    parser.add_argument("--fixed-traces", action="store_true")
+    parser.add_argument("--seed", type=int, default=0, help="the trace's seed")
+    args = parser.parse_args(argv)
+    scale = scale_args(["--seed", str(args.seed), *(["--fixed-traces"] if args.fixed_traces else [])])
+    renderer = PromptRenderer.from_pretrained(scale.model)
+    with tempfile.TemporaryDirectory() as folder:
+        for size in (int(size) for size in args.sizes.split(",")):
+            case = make_case(args.trace, size, (args.load / 100,), scale, Path(folder))
+            cost = dilated(UNIT_COST, fleet_dilation(case.base_shape, scale))
+            engine = {"maxBatchSize": scale.batch, "maxBatchTokens": 4096, "maxQueueLen": scale.max_queue,
+                      "kvCache": {"blockSize": BLOCK_SIZE}}  # fmt: skip
+            shape = Shape(num_workers=size, pool_blocks=case.num_blocks, poll_ms=args.poll_ms,
+                          load_factor=args.load_factor)  # fmt: skip
+            rate = args.load / 100 * scale.capacity_rps
+            best = oracle(case.trace, size, case.num_blocks, scale.model)
+            print(f"{args.trace} x {size} workers, {case.shape.num_requests} requests at {rate:.1f}/s, "
+                  f"pool {case.num_blocks} blocks, oracle {best['oracle_hit_rate']}, ceiling {best['ceiling_hit_rate']}")  # fmt: skip
+            for router in args.routers.split(","):
+                requests = load_trace(case.trace, renderer, rate)
+                row = TraceSimulation(shape, router, requests, engine, cost, renderer).run()
+                row["of_oracle"] = round(row["hit_rate"] / best["oracle_hit_rate"], 3)
+                print(f"  {router:<16} {row}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

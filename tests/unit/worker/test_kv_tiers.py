@@ -1,0 +1,104 @@
+"""The tiers' bookkeeping without a model: offload on eviction, restore on a hit, demotion to disk,
+LRU per tier, pins within a plan, and the moves a plan lists."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import make_seq
+
+from herd.worker.block_manager import BlockManager
+from herd.worker.kv_tiers import KVMove, TierCache
+from herd.worker.scheduler import Scheduler
+from herd.worker.sequence import Sequence
+
+BS = 4
+
+
+def prompt(first: int, num_blocks: int) -> list[int]:
+    """``num_blocks`` full blocks plus one token, so that every full block may be a hit."""
+    return list(range(first, first + num_blocks * BS + 1))
+
+
+def serve(scheduler: Scheduler, tokens: list[int], request_id: str) -> tuple[Sequence, list[KVMove]]:
+    """Admit one prompt, plan its step, finish it: the sequence and the plan's moves."""
+    seq = make_seq(tokens, request_id=request_id)
+    scheduler.add(seq)
+    plan = scheduler.schedule()
+    scheduler.update(plan)
+    scheduler.finish(seq)
+    return seq, plan.kv_moves
+
+
+def test_an_evicted_block_goes_to_the_host_and_comes_back() -> None:
+    manager = BlockManager(4, BS, num_host_blocks=8)
+    scheduler = Scheduler(manager, max_batch_tokens=64, max_batch_size=4)
+    first, _ = serve(scheduler, prompt(0, 3), "a")
+    _, moves = serve(scheduler, prompt(100, 3), "b")  # needs all 4 blocks: a's 3 cached ones go
+    assert [(m.src, m.dst) for m in moves] == [("device", "host")] * 3
+    assert set(manager.host.slots) == set(first.block_hashes)  # type: ignore[union-attr]
+    again, moves = serve(scheduler, prompt(0, 3), "c")
+    assert again.num_cached_tokens == 3 * BS
+    restores = [m for m in moves if m.dst == "device"]
+    assert [m.src for m in restores] == ["host"] * 3
+    for restore in restores:  # a reused block leaves for the host before it is written
+        offloads = [m for m in moves if m.src == "device" and m.src_slot == restore.dst_slot]
+        assert all(moves.index(m) < moves.index(restore) for m in offloads)
+    assert sum(m.src == "device" for m in moves) == 3
+    assert manager.counters.restored["host"] == 3
+
+
+def test_tiers_are_inclusive_a_restored_block_is_not_copied_again() -> None:
+    manager = BlockManager(4, BS, num_host_blocks=8)
+    scheduler = Scheduler(manager, max_batch_tokens=64, max_batch_size=4)
+    for request_id, first in [("a", 0), ("b", 100), ("c", 0)]:
+        serve(scheduler, prompt(first, 3), request_id)
+    _, moves = serve(scheduler, prompt(100, 3), "d")  # evicts a's blocks again: the host has them
+    assert [(m.src, m.dst) for m in moves] == [("host", "device")] * 3
+    assert manager.counters.stored["host"] == 6
+
+
+def test_the_host_tier_demotes_its_lru_block_to_disk() -> None:
+    manager = BlockManager(4, BS, num_host_blocks=3, num_disk_blocks=8)
+    scheduler = Scheduler(manager, max_batch_tokens=64, max_batch_size=4)
+    a, _ = serve(scheduler, prompt(0, 3), "a")
+    serve(scheduler, prompt(100, 3), "b")  # a -> host
+    _, moves = serve(scheduler, prompt(200, 3), "c")  # b -> host, a -> disk first
+    assert [(m.src, m.dst) for m in moves] == [("host", "disk"), ("device", "host")] * 3
+    assert set(manager.disk.slots) == set(a.block_hashes)  # type: ignore[union-attr]
+    again, moves = serve(scheduler, prompt(0, 3), "d")
+    assert again.num_cached_tokens == 3 * BS
+    assert [m.src for m in moves if m.dst == "device"] == ["disk"] * 3
+
+
+@pytest.mark.parametrize(
+    ("pinned", "expected"),
+    [((), 0), ((0,), 1), ((0, 1), 2), ((0, 1, 2), None)],
+    ids=["lru-first", "skips-a-pin", "skips-two", "all-pinned-takes-none"],
+)
+def test_a_tier_evicts_its_lru_unpinned_slot(pinned: tuple[int, ...], expected: int | None) -> None:
+    tier = TierCache("host", 3)
+    for slot, block_hash in enumerate([10, 11, 12]):
+        assert tier.victim() == slot
+        tier.store(slot, block_hash, [block_hash])
+    tier.end_plan()
+    for slot in pinned:
+        tier.use(slot)
+    assert tier.victim() == expected
+
+
+def test_a_hit_compares_tokens() -> None:
+    tier = TierCache("host", 2)
+    tier.store(0, 7, [1, 2, 3, 4])
+    assert tier.lookup(7, [1, 2, 3, 4]) == 0
+    assert tier.lookup(7, [1, 2, 3, 5]) is None
+
+
+def test_forgetting_a_plans_moves_drops_what_they_wrote() -> None:
+    manager = BlockManager(4, BS, num_host_blocks=8)
+    scheduler = Scheduler(manager, max_batch_tokens=64, max_batch_size=4)
+    serve(scheduler, prompt(0, 3), "a")
+    _, moves = serve(scheduler, prompt(100, 3), "b")
+    manager.events.drain()
+    manager.forget_moves(moves)
+    assert manager.host.num_used == 0  # type: ignore[union-attr]
+    assert {(e.kind, e.medium) for e in manager.events.drain()} == {("removed", "host")}
