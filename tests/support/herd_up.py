@@ -16,6 +16,7 @@ from support.procs import free_port, running, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO_SOURCE = "file://.cache/models/smollm2-135m-instruct"
+EMBEDDING_SOURCE = "file://.cache/models/all-minilm-l6-v2"
 
 __all__ = ["Up", "herd_up_of", "shipped_example"]
 
@@ -80,10 +81,14 @@ def herd_up_of(manifest: Path, folder: Path, env: dict[str, str] | None = None) 
         yield Up(f"http://127.0.0.1:{port}", log)
 
 
-def shipped_example(name: str, folder: Path, model: Path) -> Path:
-    """``examples/NAME`` with its repo-relative model path made absolute (tests run from anywhere)."""
+def shipped_example(name: str, folder: Path, model: Path, embedding_model: Path | None = None) -> Path:
+    """``examples/NAME`` with its repo-relative model paths made absolute (tests run from anywhere):
+    the demo model's, and the embedding model's when ``embedding_model`` is given."""
     shipped = (REPO / "examples" / name).read_text()
     assert DEMO_SOURCE in shipped, f"examples/{name} no longer points at the demo model"
+    if embedding_model is not None:
+        assert EMBEDDING_SOURCE in shipped, f"examples/{name} no longer points at the embedding model"
+        shipped = shipped.replace(EMBEDDING_SOURCE, f"file://{embedding_model}")
     manifest = folder / name
     manifest.write_text(shipped.replace(DEMO_SOURCE, f"file://{model}"))
     return manifest

@@ -10,7 +10,7 @@ import json
 import textwrap
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML_TEMPLATE = (
@@ -101,4 +101,88 @@ def make_tiny_model(folder: Path, arch: str = "llama", *, seed: int = 0, dtype: 
                 param.mul_(4.0)
     model.to(getattr(torch, dtype)).save_pretrained(folder, safe_serialization=True)
     _write_tokenizer(folder, tokenizer)
+    return folder
+
+
+BERT_SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+
+def _bert_tokenizer(vocab_size: int = 384) -> Tokenizer:
+    """A WordPiece tokenizer as BERT's: lower-cased, ``[CLS] text [SEP]``."""
+    tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.decoder = decoders.WordPiece()
+    trainer = trainers.WordPieceTrainer(
+        vocab_size=vocab_size, special_tokens=BERT_SPECIAL_TOKENS, show_progress=False
+    )
+    tokenizer.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    cls_id, sep_id = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)],
+    )
+    return tokenizer
+
+
+def make_tiny_bert(
+    folder: Path,
+    *,
+    pooling: str = "mean",
+    normalize: bool = True,
+    matryoshka_dimensions: list[int] | None = None,
+    max_seq_length: int | None = 64,
+    seed: int = 0,
+) -> Path:
+    """A tiny random ``BertModel`` as a sentence-transformers folder: ``pooling`` ('mean', 'cls',
+    'lasttoken'), a ``Normalize`` module when ``normalize``; ``matryoshka_dimensions`` declared in
+    its config.json (vLLM's key) when given."""
+    import torch
+    from transformers import BertConfig, BertModel
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = _bert_tokenizer()
+    config = BertConfig(
+        vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+        pad_token_id=0,
+    )
+    if matryoshka_dimensions is not None:
+        config.matryoshka_dimensions = matryoshka_dimensions
+    torch.manual_seed(seed)
+    BertModel(config).save_pretrained(folder, safe_serialization=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "BertTokenizerFast",
+        "do_lower_case": True,
+        "model_max_length": 128,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]
+    if normalize:
+        modules.append(
+            {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}
+        )
+    (folder / "modules.json").write_text(json.dumps(modules))
+    (folder / "1_Pooling").mkdir(exist_ok=True)
+    modes = {
+        "mean": "pooling_mode_mean_tokens",
+        "cls": "pooling_mode_cls_token",
+        "lasttoken": "pooling_mode_lasttoken",
+    }
+    pooling_config = {
+        "word_embedding_dimension": 64,
+        **{key: key == modes[pooling] for key in modes.values()},
+    }
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(pooling_config))
+    if max_seq_length is not None:
+        (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_seq_length}))
     return folder

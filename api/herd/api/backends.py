@@ -88,7 +88,8 @@ def vllm_server_argv(
         "--max-num-seqs", str(engine.max_batch_size),
         "--max-num-batched-tokens", str(engine.max_batch_tokens),
         "--block-size", str(kv_cache.block_size),
-        "--enable-prefix-caching" if kv_cache.prefix_caching else "--no-enable-prefix-caching",
+        *_task_flags(engine),
+        *(["--tensor-parallel-size", str(engine.tensor_parallel_size)] if (engine.tensor_parallel_size or 1) > 1 else []),
         *_kv_pool_flags(engine),
         "--enable-prompt-tokens-details",  # usage reports cached_tokens, as herd's workers do
         "--enable-request-id-headers",  # X-Request-Id echoed, as herd's workers do
@@ -98,6 +99,18 @@ def vllm_server_argv(
         *_vllm_lora_flags(engine, adapters or {}),
         *(engine.vllm.extra_args if engine.vllm is not None else ()),
     ]  # fmt: skip
+
+
+def _task_flags(engine: EngineSpec) -> list[str]:
+    """vLLM's runner for the task (its own detection on auto), and prefix caching: never for an
+    embedding model, whose prompts run whole and leave nothing to reuse."""
+    caching = engine.kv_cache.prefix_caching and engine.task != "embed"
+    runner = {
+        "auto": [],
+        "generate": ["--runner", "generate"],
+        "embed": ["--runner", "pooling", "--convert", "embed"],
+    }
+    return [*runner[engine.task], "--enable-prefix-caching" if caching else "--no-enable-prefix-caching"]
 
 
 def _kv_pool_flags(engine: EngineSpec) -> list[str]:

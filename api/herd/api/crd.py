@@ -273,6 +273,11 @@ class EngineSpec(_Spec):
         description="What runs the model: herd's engine, a vLLM server behind herd's sidecar, or the "
         "simulated engine (a fitted cost model, no weights).",
     )
+    task: Literal["auto", "generate", "embed"] = Field(
+        default="auto",
+        description="What the model serves: generate (chat and text completions), embed (/v1/embeddings: an "
+        "encoder such as BERT, batched by the same engine), or auto: what the checkpoint is (an encoder embeds).",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_model_len: int = Field(default=4096, ge=16, description="Longest prompt plus output, in tokens.")
@@ -291,6 +296,12 @@ class EngineSpec(_Spec):
     max_lora_rank: int = Field(
         default=16, ge=1, le=512, description="The largest adapter rank a worker loads."
     )
+    tensor_parallel_size: int | None = Field(
+        default=None,
+        ge=1,
+        description="Ranks (one process each) that split the model's layers in one worker pod; unset: the "
+        "pool's resources.accelerator.count with accelerators, else 1 (set it to split a CPU worker).",
+    )
     kv_cache: KVCacheSpec = Field(default_factory=KVCacheSpec)
     simulation: SimulationSpec | None = Field(default=None, description="backend simulated only.")
     vllm: VLLMSpec | None = Field(default=None, description="backend vllm only.")
@@ -306,6 +317,11 @@ class EngineSpec(_Spec):
         for block, backend in BACKEND_BLOCKS.items():
             if getattr(self, block) is not None and self.backend != backend:
                 raise ValueError(backend_block_message(block, backend))
+        if self.task == "embed" and self.backend == "simulated":
+            raise ValueError(
+                "engine.task embed runs on backend herd or vllm: the simulated engine's cost model "
+                "models generation only"
+            )
         return self
 
 
@@ -391,6 +407,11 @@ class Resources(_Spec):
     accelerator: Accelerator = Field(default_factory=Accelerator)
     cpu: str | None = None
     memory: str | None = None
+
+    @property
+    def num_devices(self) -> int:
+        """The accelerators of one pod (1 without any: the CPU)."""
+        return self.accelerator.count if self.accelerator.vendor != "none" and self.accelerator.count else 1
 
 
 class PoolSpec(_Spec):
@@ -550,6 +571,24 @@ class ModelDeploymentSpec(_Spec):
             )
         if self.serving.mode == "disaggregated" and self.engine.backend == "vllm":
             raise ValueError(VLLM_DISAGGREGATED)
+        size = self.engine.tensor_parallel_size
+        for name, pool in self.pools().items():
+            devices = pool.resources.num_devices
+            if size is not None and pool.resources.accelerator.vendor != "none" and size != devices:
+                raise ValueError(
+                    f"engine.tensorParallelSize {size} differs from spec.{name}'s {devices} accelerators: "
+                    "a worker pod runs one rank per accelerator; leave tensorParallelSize out or match them"
+                )
+        if self.serving.mode == "disaggregated" and (self.engine.tensor_parallel_size or 1) > 1:
+            raise ValueError(
+                "engine.tensorParallelSize above 1 serves aggregated only: the KV handoff moves whole "
+                "heads, which tensor parallelism splits over ranks; set serving.mode: aggregated"
+            )
+        if self.serving.mode == "disaggregated" and self.engine.task == "embed":
+            raise ValueError(
+                "engine.task embed serves aggregated only: an embedding is one prefill, with no decode "
+                "to hand off; set serving.mode: aggregated"
+            )
         if self.serving.mode == "disaggregated":
             missing = [name for name in ("prefill", "decode") if getattr(self, name) is None]
             if missing:
@@ -589,16 +628,20 @@ class ModelDeploymentSpec(_Spec):
     def engine_for(self, pool: PoolName) -> EngineSpec:
         """``spec.engine`` with ``pool``'s own ``engine`` settings over it (a pool's ``kvCache``
         replaces the model's KV sizing as a whole: its ``memoryGiB``, or its utilization alone)."""
-        spec = self.pools()[pool].engine
+        pool_spec = self.pools()[pool]
+        engine = self.engine
+        if engine.tensor_parallel_size is None:
+            engine = engine.model_copy(update={"tensor_parallel_size": pool_spec.resources.num_devices})
+        spec = pool_spec.engine
         if spec is None:
-            return self.engine
+            return engine
         changes: dict[str, Any] = spec.model_dump(exclude_none=True, exclude={"kv_cache"})
         if spec.kv_cache is not None:
             sizing = {"memory_gib": spec.kv_cache.memory_gib}
             if spec.kv_cache.memory_utilization is not None:
                 sizing["memory_utilization"] = spec.kv_cache.memory_utilization
-            changes["kv_cache"] = self.engine.kv_cache.model_copy(update=sizing)
-        return self.engine.model_copy(update=changes)
+            changes["kv_cache"] = engine.kv_cache.model_copy(update=sizing)
+        return engine.model_copy(update=changes)
 
 
 class ObjectMeta(BaseModel):

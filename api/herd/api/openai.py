@@ -33,6 +33,10 @@ __all__ = [
     "CompletionRequest",
     "CompletionResponse",
     "DeltaMessage",
+    "EmbeddingData",
+    "EmbeddingRequest",
+    "EmbeddingResponse",
+    "EmbeddingUsage",
     "ErrorBody",
     "ErrorResponse",
     "FunctionCall",
@@ -79,6 +83,11 @@ _TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token
 
 class _Tolerant(BaseModel):
     model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+
+class _Prioritized(_Tolerant):
+    priority: int | None = Field(default=None, ge=-(2**31), le=2**31 - 1)
+    """vLLM's field: smaller is served first. herd's gateway never lets it above the tenant's."""
 
 
 class StreamOptions(_Tolerant):
@@ -137,7 +146,7 @@ class StructuredOutputs(BaseModel):
         return self
 
 
-class SamplingFields(_Tolerant):
+class SamplingFields(_Prioritized):
     """The sampling and stopping fields shared by chat and text completions."""
 
     model: str
@@ -161,8 +170,6 @@ class SamplingFields(_Tolerant):
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: str | None = None
-    priority: int | None = Field(default=None, ge=-(2**31), le=2**31 - 1)
-    """vLLM's field: smaller is served first. herd's gateway never lets it above the tenant's."""
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
 
@@ -466,6 +473,64 @@ class CompletionRequest(SamplingFields, _Hints):
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+
+MAX_EMBEDDING_INPUTS = 2048
+"""Inputs one embeddings request may carry (OpenAI's limit)."""
+
+
+class EmbeddingRequest(_Prioritized):
+    """``/v1/embeddings``: one text or token list, or a batch of them; ``dimensions`` asks for a
+    shorter vector where the model was trained for it (Matryoshka)."""
+
+    model: str
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+    user: str | None = None
+
+    @field_validator("input")
+    @classmethod
+    def _check_input(
+        cls, value: str | list[str] | list[int] | list[list[int]]
+    ) -> str | list[str] | list[int] | list[list[int]]:
+        if value == "" or (isinstance(value, list) and not value):
+            raise ValueError("input must not be empty")
+        if isinstance(value, list) and len(value) > MAX_EMBEDDING_INPUTS:
+            raise ValueError(
+                f"input holds {len(value)} items; send at most {MAX_EMBEDDING_INPUTS} per request"
+            )
+        if isinstance(value, list) and any(item == "" or item == [] for item in value):
+            raise ValueError("input items must not be empty")
+        return value
+
+    @property
+    def stream(self) -> bool:
+        """Embeddings never stream (what a gateway asks of every request)."""
+        return False
+
+    @property
+    def cache_salt(self) -> str | None:
+        return None
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+    """The vector, or with ``encoding_format: base64`` its little-endian float32 bytes in base64."""
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
 
 
 class PromptTokensDetails(BaseModel):

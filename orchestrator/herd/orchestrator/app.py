@@ -199,7 +199,7 @@ def _add_openai_routes(app: FastAPI, gateway: Gateway, settings: AppSettings) ->
             ]
         return JSONResponse(ModelList(data=cards).model_dump())
 
-    for path in ("/v1/chat/completions", "/v1/completions"):
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
         app.add_api_route(path, proxy, methods=["POST"], **route_docs(path))
     app.add_api_route("/v1/models", models, methods=["GET"], **route_docs("/v1/models"))
 

@@ -135,6 +135,8 @@ class _Request:
     started: float = field(default_factory=time.perf_counter)
     prefill_seconds: float | None = None
     handoff: Handoff | None = None
+    is_two_phase: bool = False
+    """A disaggregated model's completion: prefilled on the prefill pool first (an embedding never is)."""
     upstream_span: Span | None = None
     """The worker's part: from sending it the request to the end of its answer."""
     worker_request_id: str | None = None
@@ -259,6 +261,7 @@ class Gateway:
             {} if use is None else use.headers(),
             span,
             {name: value for name in TRACE_HEADERS if (value := headers.get(name)) is not None},
+            is_two_phase=served.config.mode == "disaggregated" and parsed.generates,
         )
 
     def _metrics_of(self, served: ServedModel) -> ModelMetrics:
@@ -344,7 +347,7 @@ class Gateway:
     async def _serve(self, request: _Request, route: Route) -> Response:
         """The prefill phase of a disaggregated request first (once), then the worker's answer."""
         await self._load_lora(request, route)
-        if request.served.config.mode == "disaggregated" and not request.ctx.is_prefilled:
+        if request.is_two_phase and not request.ctx.is_prefilled:
             await self._hand_off(request, route.prefill_hold)
             request.ctx = dataclasses.replace(request.ctx, is_prefilled=True)
         return await self._respond(request, route.worker, route.hold, route.decision.features)

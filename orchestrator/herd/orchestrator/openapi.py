@@ -15,7 +15,13 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from herd.api.openai import ChatCompletionResponse, CompletionResponse, ErrorResponse, ModelList
+from herd.api.openai import (
+    ChatCompletionResponse,
+    CompletionResponse,
+    EmbeddingResponse,
+    ErrorResponse,
+    ModelList,
+)
 from herd.orchestrator.validation import WIRE_MODELS
 
 __all__ = ["build_openapi", "route_docs"]
@@ -37,7 +43,9 @@ _MODELS_ERRORS = (401, 500)
 _ANSWERS: dict[str, type[BaseModel]] = {
     "/v1/chat/completions": ChatCompletionResponse,
     "/v1/completions": CompletionResponse,
+    "/v1/embeddings": EmbeddingResponse,
 }
+_STREAMED = frozenset({"/v1/chat/completions", "/v1/completions"})
 
 
 def route_docs(path: str) -> dict[str, Any]:
@@ -45,7 +53,9 @@ def route_docs(path: str) -> dict[str, Any]:
     if path == "/v1/models":
         responses = {200: {"model": ModelList}, **_errors(_MODELS_ERRORS)}
         return {"responses": responses}
-    answer = {"model": _ANSWERS[path], "content": {"text/event-stream": {"schema": {"type": "string"}}}}
+    answer: dict[str, Any] = {"model": _ANSWERS[path]}
+    if path in _STREAMED:
+        answer["content"] = {"text/event-stream": {"schema": {"type": "string"}}}
     body_schema = {"$ref": f"#/components/schemas/{WIRE_MODELS[path].__name__}"}
     request_body = {"required": True, "content": {"application/json": {"schema": body_schema}}}
     return {"responses": {200: answer, **_errors(_ERRORS)}, "openapi_extra": {"requestBody": request_body}}

@@ -6,8 +6,9 @@ so the same body yields the same ``RequestContext`` and so the same choice:
 1. the body is parsed with its route's OpenAI wire model (``herd.orchestrator.validation``);
 2. its model is looked up among those served, or among their LoRA adapters (404 naming the served
    ones otherwise);
-3. a model that routes by tokens, or serves disaggregated, has its prompt rendered, tokenized,
-   length-checked against maxModelLen and hashed (with its LoRA adapter, as the workers hash it), once. A body of ``inline_bytes`` or more is parsed
+3. a completion for a model that routes by tokens, or serves disaggregated, has its prompt rendered,
+   tokenized, length-checked against maxModelLen and hashed (with its LoRA adapter, as the workers hash
+   it), once. A body of ``inline_bytes`` or more is parsed
    and tokenized on a small thread pool, so a multi-MB prompt never stalls the event loop
    (tokenization releases the GIL); a smaller one costs less inline than the hop to a thread, whose
    lowered priority makes it wait behind every busy process on a contended host;
@@ -100,9 +101,8 @@ class Preparer:
         size: int,
         lora_name: str | None,
     ) -> RequestContext:
-        token_ids, hashes = (
-            await self._tokens(served, parsed, size, lora_name) if served.needs_tokens else ((), ())
-        )
+        is_tokenized = served.needs_tokens and parsed.generates
+        token_ids, hashes = await self._tokens(served, parsed, size, lora_name) if is_tokenized else ((), ())
         session_key = headers.get(served.session_header)
         pinned = None
         if served.strategy.pins_sessions and session_key:

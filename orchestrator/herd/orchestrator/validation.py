@@ -1,7 +1,8 @@
 """Validating a request where it enters: its route's OpenAI wire model, then its length.
 
 A request is parsed with the model of its route (``ChatCompletionRequest`` for
-``/v1/chat/completions``, ``CompletionRequest`` for ``/v1/completions``) and refused with a 400 whose
+``/v1/chat/completions``, ``CompletionRequest`` for ``/v1/completions``, ``EmbeddingRequest`` for
+``/v1/embeddings``) and refused with a 400 whose
 ``param`` is the first error's location and whose message is one sentence, never a pydantic dump.
 Once its prompt's tokens are known, prompt plus requested output must fit the model's
 ``maxModelLen``, by the rule the worker applies too (``SamplingFields.output_budget``), so a too-long request never
@@ -17,13 +18,21 @@ from pydantic import ValidationError
 
 from herd.api.body import BodyError, json_object
 from herd.api.errors import HttpError, invalid_request
-from herd.api.openai import ChatCompletionRequest, CompletionRequest, LengthError, SamplingFields
+from herd.api.openai import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    LengthError,
+    SamplingFields,
+)
 
 __all__ = ["WIRE_MODELS", "ParsedRequest", "check_length", "parse_request"]
 
-WIRE_MODELS: dict[str, type[ChatCompletionRequest] | type[CompletionRequest]] = {
+WireRequest = ChatCompletionRequest | CompletionRequest | EmbeddingRequest
+WIRE_MODELS: dict[str, type[WireRequest]] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
+    "/v1/embeddings": EmbeddingRequest,
 }
 
 
@@ -31,12 +40,24 @@ WIRE_MODELS: dict[str, type[ChatCompletionRequest] | type[CompletionRequest]] = 
 class ParsedRequest:
     payload: dict[str, Any]
     """The body's JSON object, every field the client sent included."""
-    request: ChatCompletionRequest | CompletionRequest
+    request: WireRequest
 
     @property
     def prompt_param(self) -> str:
         """The field that holds the prompt, for errors about it."""
-        return "messages" if isinstance(self.request, ChatCompletionRequest) else "prompt"
+        match self.request:
+            case ChatCompletionRequest():
+                return "messages"
+            case EmbeddingRequest():
+                return "input"
+            case _:
+                return "prompt"
+
+    @property
+    def generates(self) -> bool:
+        """A completion (it has a prompt to cache and to prefill apart), not an embedding, which is
+        routed by load alone: no prefix cache holds an encoder's work."""
+        return not isinstance(self.request, EmbeddingRequest)
 
 
 def parse_request(path: str, body: bytes) -> ParsedRequest:
@@ -54,7 +75,9 @@ def parse_request(path: str, body: bytes) -> ParsedRequest:
 def check_length(parsed: ParsedRequest, num_prompt_tokens: int, max_model_len: int) -> None:
     """400 when the prompt, or the prompt plus the output the request asks for, passes ``max_model_len``
     (``SamplingFields.output_budget``, the worker's rule)."""
-    request: SamplingFields = parsed.request
+    request = parsed.request
+    if not isinstance(request, SamplingFields):
+        return
     try:
         request.output_budget(num_prompt_tokens, max_model_len, prompt_param=parsed.prompt_param)
     except LengthError as error:

@@ -71,6 +71,13 @@ def _vllm(engine: dict[str, Any]) -> list[str]:
             {"--gpu-memory-utilization": "0.5"},
             id="cuda-share",
         ),
+        pytest.param(
+            {"task": "embed", "maxModelLen": 256},
+            {"--runner": "pooling", "--convert": "embed", "--no-enable-prefix-caching": None},
+            id="embed",
+        ),
+        pytest.param({"task": "generate"}, {"--runner": "generate", "--convert": "<missing>"}, id="generate"),
+        pytest.param({}, {"--runner": "<missing>"}, id="auto-leaves-it-to-vllm"),
     ],
 )
 def test_vllm_argv_follows_the_engine_spec(engine: dict[str, Any], expected: dict[str, str | None]) -> None:
@@ -185,8 +192,19 @@ print(json.dumps({
     "max_num_seqs": engine.max_num_seqs, "max_num_batched_tokens": engine.max_num_batched_tokens,
     "events": engine.kv_events_config.endpoint, "replay": engine.kv_events_config.replay_endpoint,
     "host": args.host, "port": args.port, "details": args.enable_prompt_tokens_details,
+    "runner": engine.runner, "convert": engine.convert,
 }))
 """
+
+
+def _parsed_by_vllm(engine: dict[str, Any]) -> dict[str, Any]:
+    argv = _vllm(engine)
+    result = subprocess.run(
+        [str(VLLM_PYTHON), "-c", _PARSE, *argv[3:]], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    parsed: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
+    return parsed
 
 
 @pytest.mark.slow
@@ -198,12 +216,7 @@ def test_vllm_own_parser_takes_the_argv() -> None:
         "maxModelLen": 2048,
         "kvCache": {"blockSize": 32, "prefixCaching": False},
     }
-    argv = _vllm(engine)
-    result = subprocess.run(
-        [str(VLLM_PYTHON), "-c", _PARSE, *argv[3:]], capture_output=True, text=True, timeout=120, check=False
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    parsed = json.loads(result.stdout.strip().splitlines()[-1])
+    parsed = _parsed_by_vllm(engine)
     assert parsed == {
         "model": "/models/m",
         "served": ["m"],
@@ -219,4 +232,15 @@ def test_vllm_own_parser_takes_the_argv() -> None:
         "host": "127.0.0.1",
         "port": 8000,
         "details": True,
+        "runner": "auto",
+        "convert": "auto",
     }
+
+
+@pytest.mark.slow
+@skip_without_vllm
+def test_vllm_own_parser_takes_an_embedding_models_argv() -> None:
+    parsed = _parsed_by_vllm(
+        {"task": "embed", "device": "cpu", "maxModelLen": 256, "kvCache": {"blockSize": 32}}
+    )
+    assert (parsed["runner"], parsed["convert"], parsed["prefix_caching"]) == ("pooling", "embed", False)

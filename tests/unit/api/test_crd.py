@@ -92,6 +92,20 @@ def test_scale_target_overrides_the_scalable_pool() -> None:
             "adapters need LoRA slots",
         ),
         ({"adapters": [{"name": "demo", "source": "file:///a"}]}, "the served model's name: rename it"),
+        (
+            {"engine": {"task": "embed", "backend": "simulated"}},
+            "engine.task embed runs on backend herd or vllm",
+        ),
+        (
+            {
+                "engine": {"task": "embed"},
+                "serving": {"mode": "disaggregated"},
+                "prefill": {"replicas": 1},
+                "decode": {"replicas": 1},
+            },
+            "engine.task embed serves aggregated only",
+        ),
+        ({"engine": {"task": "rerank"}}, "spec.engine.task: Input should be 'auto', 'generate' or 'embed'"),
     ],
     ids=[
         "disagg-without-pools",
@@ -113,6 +127,9 @@ def test_scale_target_overrides_the_scalable_pool() -> None:
         "adapter-rank",
         "adapters-without-slots",
         "adapter-named-as-the-model",
+        "embed-simulated",
+        "embed-disaggregated",
+        "unknown-task",
     ],
 )
 def test_invalid_specs_name_the_field(spec: dict[str, Any], expected: str) -> None:
@@ -193,4 +210,30 @@ def test_a_pool_engine_overrides_the_model_engine(
 def test_the_serving_pool_answers_clients() -> None:
     assert parse_manifest(manifest()).spec.serving_pool == "workers"
     assert parse_manifest(manifest(**PER_POOL)).spec.serving_pool == "decode"
-    assert parse_manifest(manifest()).spec.engine_for("workers") == parse_manifest(manifest()).spec.engine
+    spec = parse_manifest(manifest()).spec
+    assert spec.engine_for("workers") == spec.engine.model_copy(update={"tensor_parallel_size": 1})
+
+
+@pytest.mark.parametrize(
+    ("engine", "accelerator", "expected"),
+    [
+        ({}, {"vendor": "nvidia", "count": 4}, 4),
+        ({}, {"vendor": "none", "count": 1}, 1),
+        ({"tensorParallelSize": 2}, {"vendor": "none", "count": 1}, 2),
+        ({"tensorParallelSize": 2}, {"vendor": "nvidia", "count": 2}, 2),
+    ],
+    ids=["one-rank-per-gpu", "cpu", "cpu-split-on-request", "explicit-matching-gpus"],
+)
+def test_tensor_parallelism_follows_the_pods_accelerators(
+    engine: dict[str, Any], accelerator: dict[str, Any], expected: int
+) -> None:
+    spec = parse_manifest(manifest(engine=engine, workers={"resources": {"accelerator": accelerator}})).spec
+    assert spec.engine_for("workers").tensor_parallel_size == expected
+
+
+def test_a_tensor_parallel_size_other_than_the_gpus_is_refused() -> None:
+    workers = {"resources": {"accelerator": {"vendor": "nvidia", "count": 4}}}
+    with pytest.raises(
+        ManifestError, match=r"tensorParallelSize 2 differs from spec\.workers's 4 accelerators"
+    ):
+        parse_manifest(manifest(engine={"tensorParallelSize": 2}, workers=workers))

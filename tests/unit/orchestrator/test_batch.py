@@ -211,3 +211,25 @@ async def test_a_restarted_gateway_resumes_without_repeating_a_line(tmp_path: Pa
         done.status == "completed" and done.request_counts is not None and done.request_counts.completed == 30
     )
     assert 5 <= first_run < 30 and cluster.workers[0].num_requests <= 30 + 2
+
+
+async def test_lines_wait_for_a_worker_instead_of_failing(tmp_path: Path) -> None:
+    """No worker ready while the batch runs (every line gets a 503): the lines are sent again until
+    one is, and all of them are answered, none written as failed."""
+    worker = FakeWorker("w0")
+    lines = [request_line(f"r{i}") for i in range(6)]
+    async with running_gateway(FakeCluster([worker]), settings=settings(tmp_path), api_keys=KEYS) as (
+        app,
+        client,
+    ):
+        worker.is_ready = False
+        await wait_for(lambda: not app.state.registry.workers["w0"].is_healthy)
+        api = sdk(client)
+        upload = await api.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+        batch = await api.batches.create(input_file_id=upload.id, endpoint=ENDPOINT, completion_window="24h")
+        await asyncio.sleep(1.5)  # every line tried and refused meanwhile
+        assert worker.num_requests == 0
+        worker.is_ready = True
+        done = await finished(api, batch.id)
+    assert done.status == "completed" and done.request_counts is not None
+    assert (done.request_counts.completed, done.request_counts.failed) == (6, 0)

@@ -144,7 +144,7 @@ async def test_no_healthy_worker_is_503_and_every_worker_full_is_429() -> None:
         (chat_body(model="other"), "/v1/chat/completions", 404, "model"),
         (b"{not json", "/v1/chat/completions", 400, None),
         (json.dumps({"model": "tiny"}).encode(), "/v1/chat/completions", 400, "messages"),
-        (chat_body(), "/v1/embeddings", 404, None),
+        (chat_body(), "/v1/rerank", 404, None),
     ],
     ids=["unknown-model", "bad-json", "missing-messages", "other-route"],
 )

@@ -177,8 +177,8 @@ async def test_an_unknown_model_is_a_404_naming_the_param() -> None:
 
 async def test_an_unknown_route_is_a_404() -> None:
     async with running_gateway(one_worker()) as (_, client):
-        response = await client.get("/v1/embeddings")
-    assert "/v1/embeddings" in envelope(response, 404)["message"]
+        response = await client.get("/v1/rerank")
+    assert "/v1/rerank" in envelope(response, 404)["message"]
 
 
 async def test_a_wrong_method_is_a_405_naming_the_allowed_one() -> None:

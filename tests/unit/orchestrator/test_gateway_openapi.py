@@ -1,4 +1,4 @@
-"""GET /openapi.json describes the three OpenAI routes with request bodies from the wire models and
+"""GET /openapi.json describes the four OpenAI routes with request bodies from the wire models and
 the error envelope for their errors, in a form an API fuzzer (schemathesis) loads."""
 
 from __future__ import annotations
@@ -10,7 +10,12 @@ from support.gateway_fakes import FakeCluster, FakeWorker, running_gateway
 
 from herd.orchestrator.auth import ApiKeys
 
-ROUTES = {("/v1/chat/completions", "post"), ("/v1/completions", "post"), ("/v1/models", "get")}
+ROUTES = {
+    ("/v1/chat/completions", "post"),
+    ("/v1/completions", "post"),
+    ("/v1/embeddings", "post"),
+    ("/v1/models", "get"),
+}
 
 
 async def document(**kwargs: Any) -> dict[str, Any]:
@@ -23,7 +28,7 @@ async def document(**kwargs: Any) -> dict[str, Any]:
     return body
 
 
-async def test_the_document_has_the_three_routes_with_bodies_and_errors() -> None:
+async def test_the_document_has_the_four_routes_with_bodies_and_errors() -> None:
     doc = await document()
     assert {(path, method) for path, methods in doc["paths"].items() for method in methods} == ROUTES
     chat = doc["paths"]["/v1/chat/completions"]["post"]
@@ -35,6 +40,7 @@ async def test_the_document_has_the_three_routes_with_bodies_and_errors() -> Non
     )
     assert "messages" in schemas["ChatCompletionRequest"]["required"]
     assert "prompt" in schemas["CompletionRequest"]["required"]
+    assert "input" in schemas["EmbeddingRequest"]["required"]
     error = chat["responses"]["400"]["content"]["application/json"]["schema"]
     assert error == {"$ref": "#/components/schemas/ErrorResponse"}
     assert {"400", "401", "404", "413", "429", "500", "503"} <= set(chat["responses"])

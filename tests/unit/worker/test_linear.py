@@ -24,9 +24,10 @@ def test_each_checkpoint_tensor_fills_its_own_rows(
 ) -> None:
     layer = Linear(4, shards, bias=bias)
     targets = list(layer.checkpoint_shards(expected_names[0].split(".")[0] + "."))
-    assert [name for name, _ in targets] == expected_names
+    assert [name for name, _, _ in targets] == expected_names
+    assert all(narrow is None for _, _, narrow in targets)  # one rank: every tensor whole
     with torch.no_grad():
-        for index, (_, rows) in enumerate(targets):
+        for index, (_, rows, _) in enumerate(targets):
             rows.fill_(index)
     first_rows = [0, *torch.tensor(list(shards.values())).cumsum(0).tolist()[:-1]]
     step = 2 if bias else 1

@@ -218,3 +218,28 @@ def test_finish_removes_a_waiting_sequence() -> None:
     scheduler.finish(seq)
     assert not scheduler.has_unfinished()
     assert seq.is_finished
+
+
+@pytest.mark.parametrize(
+    ("prompts", "budget", "expected"),
+    [
+        ({"a": 3, "b": 4, "c": 2}, 8, [[("a", 3), ("b", 4)], [("c", 2)], []]),
+        ({"a": 10, "b": 2}, 4, [[("a", 10)], [("b", 2)], []]),  # above the whole budget: alone
+        ({"a": 2, "b": 10, "c": 1}, 4, [[("a", 2)], [("b", 10)], [("c", 1)], []]),  # order kept
+        ({"a": 4, "b": 4}, 8, [[("a", 4), ("b", 4)], []]),
+    ],
+    ids=["fills-the-budget", "over-budget-runs-alone", "waits-its-turn", "exact-fit"],
+)
+def test_unchunked_plans_run_whole_prompts(
+    prompts: dict[str, int], budget: int, expected: list[Step]
+) -> None:
+    """An encoder's scheduler (``is_chunked`` off) never splits a prompt: it runs whole or waits."""
+    scheduler = Scheduler(
+        BlockManager(64, BS, enable_prefix_caching=False),
+        max_batch_tokens=budget,
+        max_batch_size=8,
+        is_chunked=False,
+    )
+    for name, length in prompts.items():
+        add(scheduler, name, length, max_tokens=1)
+    assert [plan(run_step(scheduler)) for _ in expected] == expected

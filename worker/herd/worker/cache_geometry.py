@@ -13,6 +13,9 @@ __all__ = ["CacheGeometry", "bytes_per_block", "tier_blocks"]
 
 @dataclass(frozen=True)
 class CacheGeometry:
+    """``holds_kv`` False: an encoder, whose blocks only count each step's tokens (no KV is kept
+    across steps, so no prefix cache and no chunked prefill)."""
+
     num_blocks: int
     block_size: int
     num_layers: int
@@ -24,6 +27,7 @@ class CacheGeometry:
     """Blocks the host tier holds (0: no host tier)."""
     num_disk_blocks: int = 0
     """Blocks the disk tier holds (0: no disk tier)."""
+    holds_kv: bool = True
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -37,6 +37,7 @@ from herd.worker.engine import LLMEngine
 from herd.worker.kv_store import TierStore
 from herd.worker.kv_tiers import KVMove
 from herd.worker.model_runner import TorchRunner
+from herd.worker.pooling import PoolingConfig
 from herd.worker.runner import Measured, Runner, StepResult
 from herd.worker.sampling_params import SamplingParams
 from herd.worker.scheduler import SchedulerOutput
@@ -103,6 +104,10 @@ class TimedRunner:
     @property
     def measured(self) -> Measured:
         return self.inner.measured
+
+    @property
+    def pooling(self) -> PoolingConfig | None:
+        return self.inner.pooling
 
     def move_blocks(self, moves: list[KVMove]) -> None:
         self.inner.move_blocks(moves)

@@ -76,6 +76,11 @@ class EngineConfig(BaseModel):
         return self.engine.lora_slots(has_adapters=bool(self.lora_modules))
 
     @property
+    def tensor_parallel_size(self) -> int:
+        """The ranks that split the model (``engine.tensorParallelSize``; 1 when unset)."""
+        return self.engine.tensor_parallel_size or 1
+
+    @property
     def block_size(self) -> int:
         return self.engine.kv_cache.block_size
 

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from herd.api.kv_hash import BlockHash, root_hash
 from herd.api.prompt import PromptRenderer
@@ -38,7 +38,8 @@ from herd.worker.config import EngineConfig
 from herd.worker.detokenizer import IncrementalDetokenizer
 from herd.worker.kv_tiers import KVTierError
 from herd.worker.outputs import FinishReason, RequestOutput
-from herd.worker.runner import Runner, SampledToken, StepResult
+from herd.worker.pooling import PoolingConfig
+from herd.worker.runner import PooledOutput, Runner, SampledToken, StepResult
 from herd.worker.sampling_params import InvalidParamError, SamplingParams, check_token_ids
 from herd.worker.scheduler import Scheduler, SchedulerOutput
 from herd.worker.sequence import Sequence
@@ -89,7 +90,7 @@ class LLMEngine:
         self.block_manager = BlockManager(
             geometry.num_blocks,
             geometry.block_size,
-            enable_prefix_caching=config.engine.kv_cache.prefix_caching,
+            enable_prefix_caching=config.engine.kv_cache.prefix_caching and geometry.holds_kv,
             num_host_blocks=geometry.num_host_blocks,
             num_disk_blocks=geometry.num_disk_blocks,
         )
@@ -98,21 +99,27 @@ class LLMEngine:
             max_batch_tokens=config.engine.max_batch_tokens,
             max_batch_size=config.engine.max_batch_size,
             max_loras=config.max_loras,
+            is_chunked=geometry.holds_kv,
         )
         self.stats = EngineStats(kv_tiers=self.block_manager.counters)
         self._count_tier_blocks()
         self.vocab_size = runner.vocab_size
+        self.pooling = runner.pooling
+        self.max_model_len = config.max_model_len
+        if self.pooling is not None and self.pooling.max_len is not None:
+            self.max_model_len = min(self.max_model_len, self.pooling.max_len)
         self.info = WorkerInfo(
             model=config.served_name,
             role=config.role,
             block_size=geometry.block_size,
-            max_model_len=config.max_model_len,
+            max_model_len=self.max_model_len,
             epoch=uuid.uuid4().hex,
             dtype=str(geometry.dtype).removeprefix("torch."),
             num_layers=geometry.num_layers,
             num_kv_heads=geometry.num_kv_heads,
             head_dim=geometry.head_dim,
             vocab_size=self.vocab_size,
+            **_embedding_info(self.pooling),
         )
         self._requests: dict[str, _Request] = {}
         self._held: dict[str, list[int]] = {}
@@ -193,10 +200,18 @@ class LLMEngine:
             raise ValueError("the prompt is empty: send at least one token")
         check_token_ids(prompt_token_ids, self.vocab_size, param="prompt")
         params.check_vocab(self.vocab_size)
+        if self.pooling is not None:  # an embedding: the prompt alone, no output
+            if len(prompt_token_ids) > self.max_model_len:
+                raise PromptTooLongError(
+                    f"this model embeds at most {self.max_model_len} tokens, but the input has "
+                    f"{len(prompt_token_ids)}: shorten it"
+                )
+            self._check_queue()
+            return
         total = len(prompt_token_ids) + params.max_tokens
-        if total > self.config.max_model_len:
+        if total > self.max_model_len:
             raise PromptTooLongError(
-                f"this model's maximum context length is {self.config.max_model_len} tokens, but the request "
+                f"this model's maximum context length is {self.max_model_len} tokens, but the request "
                 f"has {len(prompt_token_ids)} prompt tokens plus max_tokens {params.max_tokens} ({total}): "
                 "shorten the prompt or lower max_tokens"
             )
@@ -206,6 +221,9 @@ class LLMEngine:
                 f"the request needs {total} tokens of KV cache but the whole pool holds {pool_tokens}: "
                 "lower max_tokens or give the engine more KV memory (engine.kvCache)"
             )
+        self._check_queue()
+
+    def _check_queue(self) -> None:
         if len(self.scheduler.waiting) >= self.config.engine.max_queue_len:
             raise QueueFullError(
                 f"{len(self.scheduler.waiting)} requests are waiting (engine.maxQueueLen): retry later"
@@ -285,6 +303,8 @@ class LLMEngine:
         """Take ``seq``'s new token; a failure here (or in its sampling) ends ``seq`` alone."""
         if isinstance(sampled, Exception):
             return self._fail_request(seq, sampled, stage="sampling")
+        if isinstance(sampled, PooledOutput):
+            return self._pooled(seq, sampled)
         try:
             return self._append(seq, sampled)
         except Exception as error:
@@ -318,6 +338,23 @@ class LLMEngine:
             num_output_tokens=seq.num_output_tokens,
             logprobs=None if sampled.logprob is None else [sampled.logprob],
             held_block_ids=held,
+        )
+
+    def _pooled(self, seq: Sequence, pooled: PooledOutput) -> RequestOutput:
+        """An embedding is done in the step that computed its sequence."""
+        seq.finish_reason = "stop"
+        self.scheduler.finish(seq)
+        del self._requests[seq.request_id]
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=[],
+            new_text="",
+            finished=True,
+            finish_reason="stop",
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=0,
+            num_output_tokens=0,
+            embedding=pooled.embedding,
         )
 
     def _fail_request(self, seq: Sequence, error: Exception, *, stage: str) -> RequestOutput:
@@ -404,7 +441,7 @@ class LLMEngine:
         is_eos = not params.ignore_eos and token_id in self.renderer.eos_token_ids
         if (is_eos or token_id in params.stop_token_ids) and seq.num_output_tokens >= params.min_tokens:
             return "stop"
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
 
@@ -563,6 +600,19 @@ def _adapters(seqs: Iterable[Sequence]) -> list[str]:
     return list(dict.fromkeys(seq.lora_name for seq in seqs if seq.lora_name is not None))
 
 
+def _embedding_info(pooling: PoolingConfig | None) -> dict[str, Any]:
+    """The ``WorkerInfo`` fields of an embedding model (none for a generation model)."""
+    if pooling is None:
+        return {}
+    dims = pooling.matryoshka_dimensions
+    return {
+        "embedding_size": pooling.size,
+        "is_normalized": pooling.normalize,
+        "is_matryoshka": pooling.is_matryoshka,
+        "matryoshka_dimensions": None if dims is None else list(dims),
+    }
+
+
 def _empty_result(request_id: str) -> RequestOutput:
     return RequestOutput(request_id, [], "", False, None, 0, 0, 0, logprobs=[])
 
@@ -574,5 +624,6 @@ def _merge(result: RequestOutput, output: RequestOutput) -> None:
     result.num_prompt_tokens, result.num_cached_tokens = output.num_prompt_tokens, output.num_cached_tokens
     result.num_output_tokens = output.num_output_tokens
     result.error = output.error
+    result.embedding = output.embedding
     if result.logprobs is not None and output.logprobs:
         result.logprobs.extend(output.logprobs)

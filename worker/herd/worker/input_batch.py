@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -19,7 +19,35 @@ class StepInputs:
     positions: torch.Tensor  # [num_tokens]
     metadata: AttentionMetadata
     sample_index: torch.Tensor  # rows whose hidden state is projected to logits, in chunk order
-    row_chunks: list[ScheduledChunk]  # the chunks in row order, each a contiguous run of its num_tokens
+    lora_rows: tuple[tuple[str | None, int], ...]
+    """Each chunk's LoRA adapter and its number of rows, in row order (plain values: a tensor-parallel
+    step is pickled to the other ranks)."""
+
+    def to(self, device: torch.device) -> StepInputs:
+        """The same inputs on ``device`` (a tensor-parallel rank receives them on the CPU)."""
+        if device.type == "cpu":
+            return self
+        metadata = self.metadata
+        groups = tuple(
+            replace(
+                group,
+                block_tables=group.block_tables.to(device),
+                attn_mask=group.attn_mask.to(device),
+                windows={
+                    size: WindowView(view.block_tables.to(device), view.attn_mask.to(device))
+                    for size, view in group.windows.items()
+                },
+            )
+            for group in metadata.groups
+        )
+        moved = replace(metadata, slot_mapping=metadata.slot_mapping.to(device), groups=groups)
+        return StepInputs(
+            self.input_ids.to(device),
+            self.positions.to(device),
+            moved,
+            self.sample_index.to(device),
+            self.lora_rows,
+        )
 
 
 def prepare_inputs(
@@ -39,10 +67,10 @@ def prepare_inputs(
     slots: list[int] = []
     last_rows: dict[ScheduledChunk, int] = {}
     groups: list[AttentionGroup] = []
-    row_chunks: list[ScheduledChunk] = []
+    lora_rows: list[tuple[str | None, int]] = []
     for group in [*decode_groups(decodes, block_size), *prefills]:
         groups.append(_group(group, len(token_ids), block_size, device, window_sizes))
-        row_chunks.extend(group)
+        lora_rows.extend((chunk.seq.lora_name, chunk.num_tokens) for chunk in group)
         for chunk in group:
             start, end = chunk.start, chunk.start + chunk.num_tokens
             token_ids.extend(chunk.seq.tokens_between(start, end))
@@ -61,7 +89,7 @@ def prepare_inputs(
         _tensor(positions, device),
         metadata,
         _tensor(sample_rows, device),
-        row_chunks,
+        tuple(lora_rows),
     )
 
 

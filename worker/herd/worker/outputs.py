@@ -41,6 +41,8 @@ class RequestOutput:
     is_resumed: bool = False
     """The output tokens of a resumed stream (``herd.api.resume``), which its client already has:
     parsers take their text, nothing is streamed for them."""
+    embedding: list[float] | None = None
+    """An embedding model's pooled vector, on its only (finished) output."""
     error: str | None = None
     """Set on the last output of a request the engine failed (``finished``, reason ``abort``): what
     went wrong, for its client. Other requests are unaffected."""

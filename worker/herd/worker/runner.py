@@ -27,13 +27,14 @@ from herd.api.protocol import Medium
 from herd.worker.cache_geometry import CacheGeometry
 from herd.worker.kv_tiers import KVMove
 from herd.worker.outputs import TokenLogprob
+from herd.worker.pooling import PoolingConfig
 
 if TYPE_CHECKING:
     import torch
 
     from herd.worker.scheduler import SchedulerOutput
 
-__all__ = ["PREFILL_MIN_TOKENS", "Measured", "Rate", "Runner", "SampledToken", "StepResult"]
+__all__ = ["PREFILL_MIN_TOKENS", "Measured", "PooledOutput", "Rate", "Runner", "SampledToken", "StepResult"]
 
 PREFILL_MIN_TOKENS = 64
 """A step of at least this many tokens counts toward the prefill rate (decode steps would understate it)."""
@@ -76,8 +77,16 @@ class SampledToken:
     logprob: TokenLogprob | None
 
 
-StepResult = SampledToken | Exception
-"""One sampled sequence's outcome: its token, or the exception that failed that sequence alone."""
+@dataclass(frozen=True)
+class PooledOutput:
+    """An embedding model's answer for a whole sequence: its pooled (and normalized) vector."""
+
+    embedding: list[float]
+
+
+StepResult = SampledToken | PooledOutput | Exception
+"""One finished chunk's outcome: its sampled token (a generation model), its pooled vector (an
+embedding model), or the exception that failed that sequence alone."""
 
 
 class Runner(Protocol):
@@ -93,6 +102,11 @@ class Runner(Protocol):
 
     @property
     def measured(self) -> Measured: ...
+
+    @property
+    def pooling(self) -> PoolingConfig | None:
+        """An embedding model's pooling (its steps return ``PooledOutput``); None for a generation model."""
+        ...
 
     def execute(self, plan: SchedulerOutput) -> list[StepResult]:
         """Make ``plan.kv_moves`` (``move_blocks``) and ``plan.block_copies``, run every chunk, and

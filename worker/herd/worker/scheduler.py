@@ -10,13 +10,14 @@ newest among equals) is preempted (its blocks are freed and it returns to the he
 the queue, to be recomputed later), until the older one fits.
 Then waiting sequences are admitted in order while budget, blocks and ``max_batch_size`` allow,
 each starting after its prefix-cache hit; a long prompt takes what budget is left and continues in
-later steps. A prompt's prefix found in a tier below the device (``BlockManager.tier_hits``) is
-restored, not computed: the plan lists the moves (``kv_moves``, made before the forward, as block
-copies are) and the sequence starts after it. No admission happens in a step that preempted, so a
-preempted sequence cannot bounce straight back. With LoRA, the running sequences use at most
-``max_loras`` distinct adapters (the runner's slots): a waiting sequence whose adapter would be one
-too many is passed over, keeping its place, until a running adapter's last sequence finishes. Each
-chunk's full blocks enter the prefix cache as it is planned, so a prompt admitted
+later steps (with ``is_chunked`` off, for an encoder, a prompt runs whole or waits: one larger than
+the whole budget runs alone). A prompt's prefix found in a tier below the device
+(``BlockManager.tier_hits``) is restored, not computed: the plan lists the moves (``kv_moves``, made
+before the forward, as block copies are) and the sequence starts after it. No admission happens in a
+step that preempted, so a preempted sequence cannot bounce straight back. With LoRA, the running
+sequences use at most ``max_loras`` distinct adapters (the runner's slots): a waiting sequence whose
+adapter would be one too many is passed over, keeping its place, until a running adapter's last
+sequence finishes. Each chunk's full blocks enter the prefix cache as it is planned, so a prompt admitted
 later in the same step already starts after them. The plan is a ``SchedulerOutput``; the engine's
 runner executes it and ``update`` then advances every scheduled sequence. Cost: linear in the number
 of running and admitted sequences.
@@ -83,12 +84,19 @@ class Scheduler:
     """Holds the waiting queue and the running list; ``schedule`` plans one step."""
 
     def __init__(
-        self, block_manager: BlockManager, *, max_batch_tokens: int, max_batch_size: int, max_loras: int = 0
+        self,
+        block_manager: BlockManager,
+        *,
+        max_batch_tokens: int,
+        max_batch_size: int,
+        max_loras: int = 0,
+        is_chunked: bool = True,
     ) -> None:
         self.block_manager = block_manager
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_size = max_batch_size
         self.max_loras = max_loras
+        self.is_chunked = is_chunked
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -176,7 +184,10 @@ class Scheduler:
             hits = self.block_manager.computed_blocks(seq)
             restores = self.block_manager.tier_hits(seq, len(hits))
             num_cached = (len(hits) + len(restores)) * self.block_manager.block_size
-            num_tokens = min(seq.num_tokens - num_cached, budget)
+            uncached = seq.num_tokens - num_cached
+            num_tokens = min(uncached, budget) if self.is_chunked else uncached
+            if num_tokens > budget and output.chunks:  # whole prompts only: this one waits a step
+                break
             if not self.block_manager.can_allocate(seq, hits, num_tokens, len(restores)):
                 break
             self.waiting.popleft()

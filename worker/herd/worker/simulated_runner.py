@@ -45,6 +45,7 @@ from herd.worker.kv_tiers import KVMove
 from herd.worker.loader import read_model_args
 from herd.worker.model_runner import DEFAULT_CPU_KV_GIB
 from herd.worker.outputs import TokenLogprob
+from herd.worker.pooling import PoolingConfig
 from herd.worker.runner import PREFILL_MIN_TOKENS, Measured, SampledToken, StepResult
 from herd.worker.scheduler import SchedulerOutput
 from herd.worker.sequence import Sequence
@@ -114,6 +115,7 @@ class SimulatedRunner:
     ) -> None:
         self.geometry = geometry
         self.vocab_size = vocab_size
+        self.pooling: PoolingConfig | None = None  # it models generation only
         self.cost = cost or CostModel()
         self.clock = clock or VirtualClock()
         self.measured = Measured()

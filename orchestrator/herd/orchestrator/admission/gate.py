@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from herd.api.errors import HttpError
-from herd.api.openai import SamplingFields
+from herd.api.openai import EmbeddingRequest, SamplingFields
 from herd.orchestrator.admission.tenants import PRIORITY_HEADER, Tenant, effective_priority
 from herd.orchestrator.admission.waiting import ModelQueue, QueueRefusalError, QueueSettings, Turn
 from herd.orchestrator.routing import UnroutableError
@@ -48,12 +48,20 @@ class Ticket:
 
 
 def ticket_for(
-    tenant: Tenant, request: SamplingFields, headers: Mapping[str, str], size: int, num_prompt_tokens: int
+    tenant: Tenant,
+    request: SamplingFields | EmbeddingRequest,
+    headers: Mapping[str, str],
+    size: int,
+    num_prompt_tokens: int,
 ) -> Ticket:
-    """A request's admission ticket; an untokenized prompt counts as ``size / 4`` tokens."""
+    """A request's admission ticket; an untokenized prompt counts as ``size / 4`` tokens, and an
+    embedding generates none."""
     priority = effective_priority(tenant, request.priority, headers.get(PRIORITY_HEADER))
-    num_output = request.output_limit or DEFAULT_EXPECTED_OUTPUT
-    return Ticket(tenant, priority, num_prompt_tokens or size // 4, num_output * request.n)
+    if isinstance(request, EmbeddingRequest):
+        num_output = 0
+    else:
+        num_output = (request.output_limit or DEFAULT_EXPECTED_OUTPUT) * request.n
+    return Ticket(tenant, priority, num_prompt_tokens or size // 4, num_output)
 
 
 class Admission:

@@ -9,6 +9,12 @@ Durability: the batch's record and every answered line are on disk (``BatchStore
 step. On start, ``resume`` picks up every batch that had not finished, reads which ``custom_id``
 already have an output or error line, and runs only the others: a restarted gateway loses no batch
 and repeats no line (a line in flight at the crash had written nothing, and runs again).
+
+A refusal that says "not now" (429 or 503: no worker ready yet, the fleet at capacity, a quota's
+minute used up) is no answer to the line: it is sent again after the refusal's ``Retry-After`` (else
+a backoff from ``RETRY_FIRST_S`` doubling to ``RETRY_MAX_S``) until it is answered, the batch is
+cancelled or its completion window ends. A batch is the work that waits for spare capacity, so
+it must not fail because none was spare at the moment a line was tried.
 """
 
 from __future__ import annotations
@@ -42,6 +48,10 @@ log = logging.getLogger(__name__)
 Forward = Callable[[str, bytes, Mapping[str, str], Tenant], Awaitable[Response]]
 """``Gateway.forward``."""
 _HEADERS = {PRIORITY_HEADER: str(BATCH_PRIORITY)}
+RETRY_STATUSES = frozenset({429, 503})
+"""Refusals that mean "not now": the line is sent again later."""
+RETRY_FIRST_S = 0.25
+RETRY_MAX_S = 10.0
 
 
 class BatchRunner:
@@ -164,27 +174,42 @@ class _Run:
         return self.record.id in self.runner._cancelling or self.record.status == "cancelling"
 
     async def _one(self, line: BatchLine) -> None:
-        if time.time() >= self.record.expires_at:
-            self._write(
-                line,
-                error_line(line.custom_id, None, None, "the batch expired before this request ran"),
-                ok=False,
-            )
-            return
+        delay = RETRY_FIRST_S
+        while True:
+            if time.time() >= self.record.expires_at:
+                message = "the batch expired before this request ran"
+                self._write(line, error_line(line.custom_id, None, None, message), ok=False)
+                return
+            answer = await self._send(line)
+            if answer is None:
+                return
+            status, retry_after = answer
+            if status not in RETRY_STATUSES or self._is_stopping():
+                return
+            delay = min(retry_after if retry_after is not None else delay * 2, RETRY_MAX_S)
+            await asyncio.sleep(min(delay, max(0.0, self.record.expires_at - time.time())))
+
+    async def _send(self, line: BatchLine) -> tuple[int, float | None] | None:
+        """Send the line once and write its answer; a "not now" refusal is not written but returned as
+        ``(status, its Retry-After)``, anything else gives ``None``."""
         try:
             response = await self.runner.forward(
                 self.record.endpoint, line.body, _HEADERS, self.record.tenant
             )
         except HttpError as error:
+            if error.status in RETRY_STATUSES:
+                return error.status, _seconds(error.headers.get("Retry-After"))
             body = error.envelope().model_dump()
             self._write(line, error_line(line.custom_id, error.status, body, error.message), ok=False)
-            return
+            return None
         except Exception as error:  # this line fails alone; the batch goes on
             self._write(
                 line, error_line(line.custom_id, None, None, f"{type(error).__name__}: {error}"), ok=False
             )
-            return
+            return None
         status, body = response.status_code, _json(bytes(response.body))
+        if status in RETRY_STATUSES:
+            return status, _seconds(response.headers.get("retry-after"))
         request_id = response.headers.get("x-request-id")
         if status == 200:
             self._write(line, output_line(line.custom_id, status, body, request_id), ok=True)
@@ -192,6 +217,7 @@ class _Run:
             self._write(
                 line, error_line(line.custom_id, status, body, f"the request was answered {status}"), ok=False
             )
+        return None
 
     def _write(self, line: BatchLine, text: bytes, *, ok: bool) -> None:
         counts = self.record.request_counts
@@ -235,3 +261,11 @@ def _json(content: bytes) -> Any:
         return json.loads(content)
     except ValueError:
         return content.decode(errors="replace")
+
+
+def _seconds(value: str | None) -> float | None:
+    """A ``Retry-After`` header in seconds; ``None`` when absent or not a number of seconds."""
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except ValueError:
+        return None

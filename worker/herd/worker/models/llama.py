@@ -19,6 +19,10 @@ from herd.worker.layers.attention import AttentionBackend, AttentionMetadata
 from herd.worker.layers.linear import Linear
 from herd.worker.layers.rotary import RotaryEmbedding, apply_rotary
 from herd.worker.models.args import ModelArgs
+from herd.worker.parallel import TensorParallel
+
+SINGLE = TensorParallel(0, 1)
+"""One rank: every layer whole."""
 
 __all__ = ["ACTIVATIONS", "DecoderModel", "LlamaAttention", "LlamaForCausalLM", "LlamaMLP", "RMSNorm"]
 
@@ -40,8 +44,16 @@ class RMSNorm(nn.Module):
         return self.weight * normed
 
 
+def local_heads(args: ModelArgs, parallel: TensorParallel) -> tuple[int, int, int, int]:
+    """This rank's heads, in whole KV groups: ``(first query head, query heads, first KV head, KV heads)``."""
+    kv_first, num_kv_heads = parallel.part(args.num_kv_heads)
+    per_kv = args.num_heads // args.num_kv_heads
+    return kv_first * per_kv, num_kv_heads * per_kv, kv_first, num_kv_heads
+
+
 class LlamaAttention(nn.Module):
-    """Layer ``layer_index``'s attention; ``norm`` builds the q/k norms of the families that have them."""
+    """Layer ``layer_index``'s attention (this rank's heads under tensor parallelism); ``norm`` builds
+    the q/k norms of the families that have them."""
 
     def __init__(
         self,
@@ -49,16 +61,26 @@ class LlamaAttention(nn.Module):
         backend: AttentionBackend,
         layer_index: int,
         norm: Callable[[int, float], nn.Module] = RMSNorm,
+        parallel: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
-        self.q_size, self.kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+        q_first, self.num_heads, kv_first, self.num_kv_heads = local_heads(args, parallel)
+        self.head_dim = head_dim = args.head_dim
+        self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        rows = {"q_proj": q_first * head_dim, "k_proj": kv_first * head_dim, "v_proj": kv_first * head_dim}
         self.qkv_proj = Linear(
             args.hidden_size,
             {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size},
             bias=args.qkv_bias,
+            rows=rows if parallel.size > 1 else None,
         )
-        self.o_proj = Linear(self.q_size, {"o_proj": args.hidden_size}, bias=args.o_bias)
+        self.o_proj = Linear(
+            self.q_size,
+            {"o_proj": args.hidden_size},
+            bias=args.o_bias,
+            columns=(q_first * head_dim, self.q_size) if parallel.size > 1 else None,
+            reduce=parallel.all_reduce if parallel.size > 1 else None,
+        )
         self.q_norm = norm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = norm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.backend = backend
@@ -91,15 +113,25 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    """The gated MLP (this rank's columns of it under tensor parallelism)."""
+
+    def __init__(self, args: ModelArgs, parallel: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.intermediate_size = args.intermediate_size
+        first, self.intermediate_size = parallel.part(args.intermediate_size)
+        is_split = parallel.size > 1
         self.gate_up_proj = Linear(
             args.hidden_size,
-            {"gate_proj": args.intermediate_size, "up_proj": args.intermediate_size},
+            {"gate_proj": self.intermediate_size, "up_proj": self.intermediate_size},
             bias=args.mlp_bias,
+            rows={"gate_proj": first, "up_proj": first} if is_split else None,
         )
-        self.down_proj = Linear(args.intermediate_size, {"down_proj": args.hidden_size}, bias=args.mlp_bias)
+        self.down_proj = Linear(
+            self.intermediate_size,
+            {"down_proj": args.hidden_size},
+            bias=args.mlp_bias,
+            columns=(first, self.intermediate_size) if is_split else None,
+            reduce=parallel.all_reduce if is_split else None,
+        )
         self.activation = ACTIVATIONS[args.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -108,10 +140,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, backend: AttentionBackend, layer_index: int) -> None:
+    def __init__(
+        self, args: ModelArgs, backend: AttentionBackend, layer_index: int, parallel: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(args, backend, layer_index)
-        self.mlp = LlamaMLP(args)
+        self.self_attn = LlamaAttention(args, backend, layer_index, parallel=parallel)
+        self.mlp = LlamaMLP(args, parallel)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -131,11 +165,17 @@ class DecoderModel(nn.Module):
 
 
 class LlamaModel(DecoderModel):
-    def __init__(self, args: ModelArgs, backend: AttentionBackend, max_positions: int) -> None:
+    def __init__(
+        self,
+        args: ModelArgs,
+        backend: AttentionBackend,
+        max_positions: int,
+        parallel: TensorParallel = SINGLE,
+    ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(args, backend, index) for index in range(args.num_layers)
+            LlamaDecoderLayer(args, backend, index, parallel) for index in range(args.num_layers)
         )
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.rotary = RotaryEmbedding(args.head_dim, args.rope.theta, max_positions, args.rope.scaling)
@@ -160,10 +200,11 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
         max_positions: int,
         model: DecoderModel | None = None,
+        parallel: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         self.args = args
-        self.model = model or LlamaModel(args, backend, max_positions)
+        self.model = model or LlamaModel(args, backend, max_positions, parallel)
         self.lm_head = Linear(args.hidden_size, {"lm_head": args.vocab_size}, bias=False)
 
     def tie_weights(self) -> None:

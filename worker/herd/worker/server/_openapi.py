@@ -21,6 +21,8 @@ from herd.api.openai import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    EmbeddingRequest,
+    EmbeddingResponse,
     ErrorResponse,
     LoadLoraAdapterRequest,
     ModelList,
@@ -45,6 +47,7 @@ _REF = "#/components/schemas/{model}"
 _BODIES: dict[str, tuple[type[BaseModel], type[BaseModel]]] = {
     "/v1/chat/completions": (ChatCompletionRequest, ChatCompletionResponse),
     "/v1/completions": (CompletionRequest, CompletionResponse),
+    "/v1/embeddings": (EmbeddingRequest, EmbeddingResponse),
     "/tokenize": (TokenizeRequest, TokenizeResponse),
     "/detokenize": (DetokenizeRequest, DetokenizeResponse),
     "/v1/chat/completions/render": (ChatCompletionRequest, RenderedPrompt),
@@ -127,7 +130,7 @@ def _schemas(served_name: str) -> dict[str, Any]:
     ]
     _, top = models_json_schema(models, ref_template=_REF)
     schemas: dict[str, Any] = top["$defs"]
-    for request in (ChatCompletionRequest, CompletionRequest):
+    for request in (ChatCompletionRequest, CompletionRequest, EmbeddingRequest):
         schemas[request.__name__]["properties"]["model"] = {"type": "string", "enum": [served_name]}
     return schemas
 

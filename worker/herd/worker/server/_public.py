@@ -23,7 +23,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
 from herd.api.errors import HttpError
-from herd.api.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SamplingFields
+from herd.api.openai import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    ModelCard,
+    ModelList,
+    SamplingFields,
+)
 from herd.api.prompt import PromptRenderer, PromptThreads
 from herd.api.protocol import TOKEN_HEADER, KVTransferParams
 from herd.api.resume import RESUMABLE_HEADER, RESUME_FIELD, ResumeParams
@@ -34,6 +41,12 @@ from herd.worker.sampling_params import InvalidParamError, check_token_ids
 from herd.worker.server._body import read_body
 from herd.worker.server._chat import chat_chunks, chat_response
 from herd.worker.server._completions import completion_chunks, completion_response
+from herd.worker.server._embeddings import (
+    check_dimensions,
+    check_generates,
+    embed,
+    embedding_inputs,
+)
 from herd.worker.server._errors import as_api_error, error_response, install_error_handlers, respond
 from herd.worker.server._generation import Generation
 from herd.worker.server._lora import lora_routes
@@ -65,7 +78,7 @@ from herd.worker.server._tokenize import (
 
 __all__ = ["PublicOptions", "build_public_app"]
 
-R = TypeVar("R", bound=SamplingFields)
+R = TypeVar("R", bound=ChatCompletionRequest | CompletionRequest | EmbeddingRequest)
 
 _Chunks = Callable[
     [ResponseContext, AsyncGenerator[tuple[Choice, RequestOutput], None]], AsyncGenerator[str, None]
@@ -116,6 +129,7 @@ def build_public_app(engine: ServingEngine, options: PublicOptions) -> FastAPI:
     table: list[Route] = [
         ("/v1/chat/completions", "POST", routes.chat),
         ("/v1/completions", "POST", routes.completions),
+        ("/v1/embeddings", "POST", routes.embeddings),
         ("/v1/chat/completions/render", "POST", routes.render_chat),
         ("/v1/completions/render", "POST", routes.render_completions),
         ("/v1/models", "GET", routes.models),
@@ -155,6 +169,7 @@ class _PublicRoutes:
 
     async def chat(self, request: Request) -> Response:
         body = await self._read(request, ChatCompletionRequest)
+        check_generates(self.engine.info)
         handoff = handoff_params(body)
         renderer, max_model_len = self.engine.renderer, self.engine.info.max_model_len
         prompts = await self._prompts(handoff, lambda: [chat_prompt(renderer, body, max_model_len)])
@@ -162,10 +177,26 @@ class _PublicRoutes:
 
     async def completions(self, request: Request) -> Response:
         body = await self._read(request, CompletionRequest)
+        check_generates(self.engine.info)
         handoff = handoff_params(body)
         renderer, max_model_len = self.engine.renderer, self.engine.info.max_model_len
         prompts = await self._prompts(handoff, lambda: completion_prompts(renderer, body, max_model_len))
         return await self._generate(request, body, prompts, _COMPLETIONS, handoff)
+
+    async def embeddings(self, request: Request) -> Response:
+        body = await self._read(request, EmbeddingRequest)
+        info, renderer = self.engine.info, self.engine.renderer
+        dimensions = check_dimensions(body.dimensions, info)
+        inputs = await self._threads.run(embedding_inputs, renderer, body, info)
+        work = embed(
+            self.engine,
+            request_id(request),
+            body,
+            inputs,
+            dimensions=dimensions,
+            served_name=self.options.served_name,
+        )
+        return await _json_unless_disconnected(request, work)
 
     async def render_chat(self, request: Request) -> RenderedPrompt:
         body = await self._read(request, ChatCompletionRequest)
