@@ -38,10 +38,10 @@ from _common import (
     HOST,
     free_port,
     herd_worker_argv,
-    machine_info,
+    orchestrator_argv,
     serving,
     thread_env,
-    write_json,
+    write_report,
 )
 
 from herd.api.protocol import WORKER_HEADER
@@ -222,13 +222,10 @@ def main() -> int:
     manifest_path.write_text(json.dumps(manifest(engine)))
     gateway_port = free_port()
     url = f"http://{HOST}:{gateway_port}"
-    argv = [sys.executable, "-m", "herd.cli.main", "orchestrator", "--manifest", str(manifest_path)]
-    argv += [
-        arg
-        for port, internal in ports
-        for arg in ("--worker", f"http://{HOST}:{port},http://{HOST}:{internal}")
-    ]
-    argv += [f"--internal-token={TOKEN}", "--host", HOST, "--port", str(gateway_port), "--log-level", "INFO"]
+    endpoints = [f"http://{HOST}:{port},http://{HOST}:{internal}" for port, internal in ports]
+    argv = orchestrator_argv(
+        manifest_path, endpoints, token=TOKEN, port=gateway_port, extra=["--log-level", "INFO"]
+    )
 
     def worker(n: int, attempt: int) -> contextlib.AbstractContextManager[Any]:
         port, internal = ports[n]
@@ -299,15 +296,7 @@ def main() -> int:
             "same_as_first_undisturbed": [run["num_same_as_first_undisturbed"] for run in undisturbed],
         },
     }
-    result = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "machine": machine_info(),
-        "settings": {key: value for key, value in vars(args).items() if key != "out"} | {"engine": engine},
-        "runs": runs,
-        "summary": summary,
-    }
-    write_json(args.out, result)
-    print(json.dumps(summary, indent=2))
+    write_report(args, engine, runs, summary)
     return 0
 
 

@@ -37,10 +37,10 @@ from _common import (
     HOST,
     free_port,
     herd_worker_argv,
-    machine_info,
+    orchestrator_argv,
     serving,
     thread_env,
-    write_json,
+    write_report,
 )
 
 from herd.cli.up import free_port_block
@@ -135,10 +135,7 @@ async def capacity(url: str, args: argparse.Namespace) -> float:
 def gateway_argv(endpoints: list[str], log_dir: Path, port: int) -> list[str]:
     manifest_path = log_dir / "manifest.yaml"
     manifest_path.write_text(json.dumps(manifest()))
-    argv = [sys.executable, "-m", "herd.cli.main", "orchestrator", "--manifest", str(manifest_path)]
-    argv += [arg for endpoint in endpoints for arg in ("--worker", endpoint)]
-    argv += [f"--internal-token={TOKEN}", "--host", HOST, "--port", str(port), "--log-level", "WARNING"]
-    return [*argv, "--no-access-log"]
+    return orchestrator_argv(manifest_path, endpoints, token=TOKEN, port=port, extra=["--no-access-log"])
 
 
 def measure(
@@ -239,16 +236,7 @@ def main() -> int:
         for load in args.loads
         for setup in SETUPS
     }
-    result = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "machine": machine_info(),
-        "settings": {key: value for key, value in vars(args).items() if key != "out"} | {"engine": ENGINE},
-        "capacity_rps": fleet_rate,
-        "runs": runs,
-        "summary": summary,
-    }
-    write_json(args.out, result)
-    print(json.dumps(summary, indent=2))
+    write_report(args, ENGINE, runs, summary, capacity_rps=fleet_rate)
     return 0
 
 
