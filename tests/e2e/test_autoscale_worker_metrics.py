@@ -10,7 +10,7 @@ import httpx
 import pytest
 from support.worker_server import worker_process
 
-from herd.operator.metrics_source import Scrape, observe, scrape_all
+from herd.operator.metrics_source import Scrape, observe, parse_scrape, scrape_all
 
 pytestmark = pytest.mark.e2e
 
@@ -19,7 +19,7 @@ TOKEN = "e2e-token"
 
 async def scrape(url: str) -> dict[str, Scrape | None]:
     async with httpx.AsyncClient(timeout=5.0) as http:
-        return await scrape_all(http, {"worker-0": f"{url}/metrics"})
+        return await scrape_all(http, {"worker-0": f"{url}/metrics"}, parse_scrape)
 
 
 def test_real_worker_metrics_give_p95s(tiny_llama: Path, tmp_path: Path) -> None:

@@ -132,10 +132,21 @@ def test_apply_smollm2_gives_children_pods_status_and_columns(
     assert status["replicas"] == 2 and status["selector"]
 
     row = columns(cluster.kubectl("-n", NAMESPACE, "get", "md", "smollm2").stdout)
-    assert list(row) == ["NAME", "READY", "MODE", "WORKERS", "PREFILL", "DECODE", "STRATEGY", "AGE"]
+    assert list(row) == [
+        "NAME",
+        "READY",
+        "MODE",
+        "WORKERS",
+        "PREFILL",
+        "DECODE",
+        "STRATEGY",
+        "ENDPOINT",
+        "AGE",
+    ]
     assert row["NAME"] == "smollm2" and row["READY"] == "False" and row["MODE"] == "aggregated"
     assert (row["WORKERS"], row["PREFILL"], row["DECODE"]) == ("0/2", "", "")
     assert row["STRATEGY"] == "kv_cache_aware"
+    assert row["ENDPOINT"] == f"http://herd-orchestrator.{NAMESPACE}.svc:8000/v1"
 
     cluster.kubectl("-n", NAMESPACE, "scale", "md/smollm2", "--replicas=3")
     eventually(lambda: get(cluster, "deployment", "smollm2-workers")["spec"]["replicas"] == 3, "3 replicas")

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -157,6 +159,24 @@ def test_kubectl_apply_examples_creates_children_of_the_right_shape(no_pods: Mod
     num_deployments = len(models.get("deployments")["items"])
     eventually(lambda: len(models.get("replicasets")["items"]) == num_deployments, "a ReplicaSet for each")
     assert not models.get("pods")["items"], "the policy admits no pod"
+    assert_herd_plan_printed_what_the_operator_made(models)
+
+
+def assert_herd_plan_printed_what_the_operator_made(models: Models) -> None:
+    """``herd plan -f`` of each example, with the operator's default settings, prints every child the
+    operator created, with the same desired-content hash and the same labels."""
+    for path in sorted((REPO / "examples").glob("*.yaml")):
+        argv = [sys.executable, "-m", "herd.cli.main", "plan", "-f", str(path), "-n", models.namespace]
+        printed = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=120).stdout
+        for doc in yaml.safe_load_all(printed):
+            meta = doc["metadata"]
+            made = models.children(meta["labels"]["herd.dev/deployment"])[f"{doc['kind']}/{meta['name']}"]
+            assert (
+                made["metadata"]["annotations"]["herd.dev/spec-hash"]
+                == meta["annotations"]["herd.dev/spec-hash"]
+            )
+            assert made["metadata"]["labels"] == meta["labels"], meta["name"]
+            assert made["spec"]["selector"] == doc["spec"]["selector"], meta["name"]
 
 
 def test_replicas_updates_patch_the_deployment(models: Models) -> None:

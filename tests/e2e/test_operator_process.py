@@ -51,8 +51,17 @@ def test_herd_operator_process_reconciles_and_reports_liveness(models: Models, t
                    timeout=60, what="endpoint")  # fmt: skip
         process.terminate()
         assert process.wait(timeout=60) == 0
-    records = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    records = [json.loads(line) for line in log.read_text().splitlines()]  # JSON lines only
     assert records and all(record["component"] == "operator" for record in records)
+    # One concise line per event: no settings dump, no kopf chatter, no line per API request.
+    assert not [record for record in records if {"settings", "k8s_ref", "k8s_skip"} & set(record)]
+    assert not [record for record in records if record["logger"] == "httpx"]
+    assert not [record for record in records if record["msg"].endswith("succeeded.")]
+    messages = [(record["level"], record["msg"]) for record in records]
+    assert messages.count(("info", "operator started: serving every namespace")) == 1
+    about = [(level, msg) for (level, msg), record in zip(messages, records, strict=True)
+             if record.get("object") == f"ModelDeployment {NAMESPACE}/process"]  # fmt: skip
+    assert ("info", "waiting for ready pods: workers 0/2") in about, about
     warnings = [json.dumps(record) for record in records if record["level"] in ("warning", "error")]
     refused = [warning for warning in warnings if is_refusal(warning)]
     assert not refused, refused[:3]

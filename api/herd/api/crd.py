@@ -504,6 +504,22 @@ class AutoscalingSpec(_Spec):
     min_replicas: int = Field(default=1, ge=0)
     max_replicas: int = Field(default=8, ge=1)
     targets: AutoscalingTargets = Field(default_factory=AutoscalingTargets)
+    scale_to_zero_after_seconds: int = Field(
+        default=300,
+        ge=1,
+        description="With minReplicas 0: the serving pool goes to zero after this long without a request.",
+    )
+    cold_start_timeout_seconds: int = Field(
+        default=120,
+        ge=1,
+        description="With minReplicas 0: how long the gateway holds a request while the model has no ready "
+        "worker, before it answers 503 with Retry-After.",
+    )
+
+    @property
+    def scales_to_zero(self) -> bool:
+        """Whether the serving pool goes to zero when idle and comes back on demand."""
+        return self.enabled and self.min_replicas == 0
 
     @model_validator(mode="after")
     def _check_bounds(self) -> AutoscalingSpec:
@@ -688,6 +704,9 @@ class AutoscalingObserved(BaseModel):
     ttft_p95_ms: float | None = None
     itl_p95_ms: float | None = None
     num_requests_waiting: float = 0.0
+    num_requests_held: float = Field(
+        default=0.0, description="Requests the gateways hold for the model while it has no ready worker."
+    )
     kv_cache_usage: float = 0.0
 
 

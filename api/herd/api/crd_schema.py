@@ -255,6 +255,12 @@ def _printer_columns() -> list[Schema]:
         pool("prefill"),
         pool("decode"),
         {"name": "Strategy", "type": "string", "jsonPath": ".spec.routing.strategy"},
+        {
+            "name": "Endpoint",
+            "type": "string",
+            "jsonPath": ".status.endpoint",
+            "description": "the OpenAI base URL that serves the model (as its servedName)",
+        },
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ]
 

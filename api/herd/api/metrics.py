@@ -48,6 +48,8 @@ HERD_ROUTER_DECISION_SECONDS = "herd_router_decision_seconds"
 HERD_ROUTER_TTFT_SECONDS = "herd_router_time_to_first_token_seconds"
 HERD_ROUTER_E2E_SECONDS = "herd_router_e2e_request_latency_seconds"
 HERD_ROUTER_IN_FLIGHT = "herd_router_requests_in_flight"
+HERD_ROUTER_REQUESTS_HELD = "herd_router_requests_held"
+"""Requests held for a model that has no ready worker (scaled to zero): the demand that starts one."""
 HERD_ROUTER_WORKERS = "herd_router_workers"
 HERD_ROUTER_CACHE_HIT_BLOCKS = "herd_router_predicted_cache_hit_blocks"
 HERD_ROUTER_PHASE_SECONDS = "herd_router_phase_seconds"
@@ -93,6 +95,7 @@ ORCHESTRATOR_METRICS = (
     HERD_ROUTER_TTFT_SECONDS,
     HERD_ROUTER_E2E_SECONDS,
     HERD_ROUTER_IN_FLIGHT,
+    HERD_ROUTER_REQUESTS_HELD,
     HERD_ROUTER_WORKERS,
     HERD_ROUTER_CACHE_HIT_BLOCKS,
     HERD_ROUTER_PHASE_SECONDS,

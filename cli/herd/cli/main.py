@@ -21,6 +21,7 @@ _COMMANDS = {
     "bench": "herd.cli.bench",
     "model": "herd.cli.model",
     "crds": "herd.cli.crds",
+    "plan": "herd.cli.plan",
 }
 
 

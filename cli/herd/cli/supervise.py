@@ -5,7 +5,9 @@ its ports and the orchestrator finds it again; a fresh process means a fresh KV 
 back off exponentially (``BackoffPolicy``: 1 s doubling to 30 s, CrashLoopBackOff's shape with shorter
 steps), and a child that stayed up for ``stable_after_s`` starts again from the shortest delay. Each
 restart is one JSON log line naming the process, how it ended, the attempt and the delay. Children are
-stopped by their own pids, and never restarted once stopping has begun.
+stopped by their own pids, and never restarted once stopping has begun. A child can be parked (stopped
+on purpose, as a pool scaled to zero: SIGTERM, SIGKILL after the grace period, never restarted) and
+started again later with the same command line.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,6 +78,12 @@ class Child:
         self.started_at = 0.0
         self.attempt = 0
         self.restart_at: float | None = None
+        self.kill_at: float | None = None
+        """Parked: when a process that ignored SIGTERM gets SIGKILL; ``None`` while it runs."""
+
+    @property
+    def is_parked(self) -> bool:
+        return self.kill_at is not None
 
     def start(self) -> None:
         env = {**os.environ, **self.spec.env}
@@ -87,7 +95,7 @@ class Child:
                 self.process = subprocess.Popen(
                     self.spec.argv, stdout=sink, stderr=subprocess.STDOUT, env=env
                 )
-        self.started_at, self.restart_at = time.monotonic(), None
+        self.started_at, self.restart_at, self.kill_at = time.monotonic(), None, None
         spec = self.spec
         fields: dict[str, object] = {
             "process_name": spec.name,
@@ -123,7 +131,13 @@ class Supervisor:
             return
         now = time.monotonic()
         for child in self.children:
-            if child.restart_at is None and (code := child.exit_code()) is not None:
+            if child.kill_at is not None:
+                if now >= child.kill_at and child.process is not None and child.exit_code() is None:
+                    log.warning(
+                        "parked process did not stop in time; killing it", extra={"pid": child.process.pid}
+                    )
+                    child.process.kill()
+            elif child.restart_at is None and (code := child.exit_code()) is not None:
                 self._schedule(child, code, now)
             elif child.restart_at is not None and now >= child.restart_at:
                 child.start()
@@ -140,11 +154,28 @@ class Supervisor:
         }
         log.warning("process exited; restarting it", extra=fields)
 
-    def run_forever(self, interval_s: float = 0.2) -> None:
-        """``step`` until interrupted (Ctrl-C, or SIGTERM turned into ``KeyboardInterrupt``)."""
+    def park(self, child: Child, grace_s: float = 10.0) -> None:
+        """Stop ``child`` on purpose: SIGTERM now, SIGKILL after ``grace_s``, and no restart."""
+        child.kill_at, child.restart_at = time.monotonic() + grace_s, None
+        if child.process is not None and child.exit_code() is None:
+            child.process.send_signal(signal.SIGTERM)
+
+    def unpark(self, child: Child) -> None:
+        """Start a parked child again (once its last process has exited), attempts counted afresh."""
+        if child.process is not None and child.exit_code() is None:
+            child.process.kill()  # still draining: the pool is wanted now
+            child.process.wait(timeout=10)
+        child.attempt = 0
+        child.start()
+
+    def run_forever(self, interval_s: float = 0.2, tick: Callable[[], None] | None = None) -> None:
+        """``step`` (then ``tick``) until interrupted (Ctrl-C, or SIGTERM turned into
+        ``KeyboardInterrupt``)."""
         while True:
             time.sleep(interval_s)
             self.step()
+            if tick is not None:
+                tick()
 
     def stop_all(self, grace_s: float = 10.0) -> None:
         """SIGTERM every running child by pid, then SIGKILL those still running after ``grace_s``.

@@ -4,6 +4,8 @@ Each pool's workers start as ``herd worker`` processes on free loopback ports wi
 internal token; once every worker answers ``/ready``, a ``herd orchestrator`` process serves them.
 herd up then supervises both (``herd.cli.supervise``): a process that dies is restarted with backoff,
 on the same ports. Ctrl-C or SIGTERM stops everything, each process by its own pid, and restarts nothing.
+A model whose autoscaling scales to zero stops its workers when idle and starts them again when the
+orchestrator holds a request for it (``herd.cli.idle``).
 
 ``engine.backend`` picks what runs: herd's engine (a process per worker), the simulated engine (one
 process per pool serving all its replicas, ``herd worker --replicas``), or vLLM from the Python that
@@ -35,6 +37,7 @@ from herd.api.crd import POOL_ROLES, ModelDeployment, PoolName
 from herd.api.logs import configure_logging
 from herd.api.manifest import ManifestError, load_manifest
 from herd.api.protocol import TOKEN_ENV
+from herd.cli.idle import IdleScaler, LocalPool
 from herd.cli.orchestrator import local_model_path
 from herd.cli.supervise import BackoffPolicy, Child, ChildSpec, Supervisor
 from herd.orchestrator.discovery import WorkerEndpoint
@@ -338,9 +341,11 @@ def _raise_on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
-def _start_engines(supervisor: Supervisor, workers: list[LocalWorker], log_dir: Path) -> None:
+def _start_engines(supervisor: Supervisor, workers: list[LocalWorker], log_dir: Path) -> dict[str, Child]:
     """The vLLM servers, before their sidecars; their readiness is the sidecar's, which waits for it.
-    They get the pool's environment but not the internal token, which only herd's processes need."""
+    They get the pool's environment but not the internal token, which only herd's processes need.
+    Returns each server's process by its worker's name."""
+    engines = {}
     for worker in workers:
         if worker.engine is not None:
             name = f"{worker.name}-vllm"
@@ -348,19 +353,38 @@ def _start_engines(supervisor: Supervisor, workers: list[LocalWorker], log_dir: 
             spec = ChildSpec(
                 name, "vllm", worker.engine.url, worker.engine.argv, env, log_dir / f"{name}.log"
             )
-            supervisor.start(spec)
+            engines[worker.name] = supervisor.start(spec)
+    return engines
 
 
-def _start(args: argparse.Namespace, supervisor: Supervisor, log_dir: Path) -> list[str]:
-    """Start the workers, then the orchestrator once they are ready; the served model names."""
+def _start(args: argparse.Namespace, supervisor: Supervisor, log_dir: Path) -> tuple[list[str], IdleScaler]:
+    """Start the workers, then the orchestrator once they are ready; the served model names, and the
+    scaler of the models that scale to zero."""
     token = secrets.token_urlsafe(24)
     deployments = load_manifest(args.file)
-    workers = [worker for deployment in deployments for worker in plan_workers(deployment, token)]
-    _start_engines(supervisor, workers, log_dir)
-    _wait_ready([supervisor.start(_worker_spec(worker, log_dir)) for worker in workers], args.ready_timeout)
+    planned = [(deployment, plan_workers(deployment, token)) for deployment in deployments]
+    workers = [worker for _, pool in planned for worker in pool]
+    engines = _start_engines(supervisor, workers, log_dir)
+    children = {worker.name: supervisor.start(_worker_spec(worker, log_dir)) for worker in workers}
+    _wait_ready(list(children.values()), args.ready_timeout)
     orchestrator = supervisor.start(_orchestrator_spec(args.file.resolve(), workers, token, args.port))
     _wait_ready([orchestrator], args.ready_timeout)
-    return [deployment.served_name for deployment in deployments]
+    pools = [
+        LocalPool(
+            deployment.served_name,
+            [
+                child
+                for worker in pool
+                for child in (engines.get(worker.name), children[worker.name])
+                if child
+            ],
+            deployment.spec.autoscaling.scale_to_zero_after_seconds,
+        )
+        for deployment, pool in planned
+        if deployment.spec.autoscaling.scales_to_zero
+    ]
+    scaler = IdleScaler(supervisor, pools, f"http://{HOST}:{args.port}/metrics")
+    return [deployment.served_name for deployment in deployments], scaler
 
 
 def run(args: argparse.Namespace) -> int:
@@ -371,8 +395,9 @@ def run(args: argparse.Namespace) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     supervisor = Supervisor(BackoffPolicy())
     try:
-        _print_endpoint(args.port, _start(args, supervisor, log_dir))
-        supervisor.run_forever()
+        names, scaler = _start(args, supervisor, log_dir)
+        _print_endpoint(args.port, names)
+        supervisor.run_forever(tick=scaler.step)
     except (ManifestError, UpError) as error:
         print(f"herd up: {error}", file=sys.stderr)
         return 1

@@ -7,15 +7,19 @@ TTFT drives the prefill pool, while the decode pool sees the ITL of every stream
 Steps, each a rule from the Kubernetes Horizontal Pod Autoscaler:
 
 1. Bounds first: a pool outside ``[minReplicas, maxReplicas]`` is moved inside, metrics or not.
-2. From zero: with no replicas there are no latencies; requests waiting bring up ``max(1, min)``.
+2. From zero: with no replicas there are no latencies; requests waiting (at the workers, or held by
+   the gateways for a model with no worker) bring up ``max(1, min)``.
+   To zero (``minReplicas: 0`` only): a pool idle for ``scaleToZeroAfterSeconds`` (no request got a
+   token, runs, waits or is held, and every Ready pod answered) goes to zero. Every other rule keeps
+   at least one replica, so only idleness, never a dip in latency, empties a pool.
 3. Ratio: ``max(observed p95 / target)`` over TTFT and ITL. Within the tolerance band (10 %) of
    1.0 the pool stays as it is; otherwise the recommendation is ``ceil(current * ratio)``, clamped
    to the bounds. A window in which no request finished and none waits is idle (ratio 0).
 4. Up fast: at most double per step, and no further step while pods of the last one are not Ready
    yet (their latencies are not in the figures, so the ratio would ask for the same pods again).
-5. Down slowly: only when every metric of every Ready pod is there, no request waits, the KV cache
-   is below its high-water mark, and the pool has been quiet (no scale change) for the whole
-   stabilization window; then to the highest recommendation seen over that window.
+5. Down slowly: only when every pod is Ready and every metric of every one is there, no request
+   waits, the KV cache is below its high-water mark, and the pool has been quiet (no scale change)
+   for the whole stabilization window; then to the highest recommendation seen over that window.
 
 Cost: O(recommendations in the window). The caller keeps that history; this module does no I/O.
 The trade-off is the HPA's: a spike scales up within one interval, a dip has to last a window.
@@ -55,6 +59,16 @@ class Observation:
     num_waiting: float
     kv_usage: float
     is_complete: bool
+    num_running: float = 0.0
+    num_held: float = 0.0
+    """Requests the gateways hold for the model while it has no ready worker (the serving pool only)."""
+
+    @property
+    def is_idle(self) -> bool:
+        """No request got a token, runs, waits or is held, by a complete set of figures."""
+        is_quiet = self.ttft_p95_ms is None and self.itl_p95_ms is None
+        has_none = self.num_waiting == 0 and self.num_running == 0 and self.num_held == 0
+        return self.is_complete and is_quiet and has_none
 
 
 @dataclass(frozen=True)
@@ -73,6 +87,8 @@ class ScaleState:
     now: float
     quiet_s: float
     history: Sequence[Recommendation] = ()
+    idle_s: float = 0.0
+    """Seconds the pool has been idle (``Observation.is_idle`` every round) at its current size."""
 
 
 @dataclass(frozen=True)
@@ -111,6 +127,10 @@ def decide(
         return Decision(bound, f"{current} is outside [{spec.min_replicas}, {spec.max_replicas}]", bound)
     if current == 0:
         return _from_zero(observed, spec)
+    if spec.min_replicas == 0 and state.idle_s >= spec.scale_to_zero_after_seconds:
+        why = f"idle for {state.idle_s:.0f} s (scaleToZeroAfterSeconds {spec.scale_to_zero_after_seconds})"
+        return Decision(0, why, 0)
+    spec = spec.model_copy(update={"min_replicas": max(1, spec.min_replicas)})  # zero is idleness's alone
     wanted, why = recommend(current, observed, spec, settings)
     if wanted > current:
         return _scale_up(state, wanted, why)
@@ -146,9 +166,10 @@ def recommend(
 
 
 def _from_zero(observed: Observation, spec: AutoscalingSpec) -> Decision:
-    if observed.num_waiting > 0:
+    num_waiting = observed.num_waiting + observed.num_held
+    if num_waiting > 0:
         wanted = max(1, spec.min_replicas)
-        return Decision(wanted, f"{observed.num_waiting:g} requests wait at zero replicas", wanted)
+        return Decision(wanted, f"{num_waiting:g} requests wait at zero replicas", wanted)
     return Decision(0, "idle at zero replicas", 0)
 
 
@@ -176,6 +197,8 @@ def _scale_down(
 def _scale_down_blocker(state: ScaleState, observed: Observation, settings: AutoscalerSettings) -> str:
     if not observed.is_complete:
         return "metrics missing"
+    if state.num_ready < state.current:  # still starting: their load is not in the figures yet
+        return f"{state.current - state.num_ready} pods not Ready"
     if observed.num_waiting > 0:
         return f"{observed.num_waiting:g} requests waiting"
     if observed.kv_usage >= settings.kv_high_water:

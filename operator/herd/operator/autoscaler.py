@@ -8,6 +8,14 @@ reconcile already plans that pool from ``spec.replicas``, so the Deployment, ``s
 starting point. A disaggregated prefill pool is scaled apart, on its own pods' figures, by a merge
 patch of ``spec.prefill.replicas``; its decision is kept in ``status.autoscaling.prefill``.
 
+Scale from zero: a pool at zero has no pod to report waiting requests, so the gateways that hold
+them report them (``herd_router_requests_held``, herd.api.demand). The scaler reads the orchestrator
+pods behind the orchestrator Service (``--orchestrator-service`` in ``--orchestrator-namespace``, or in
+the ModelDeployment's namespace) every ``demand_interval_s`` for pools it left at zero, and decides at
+once when requests are held, instead of waiting for the next round. Idleness (no request got a token,
+runs, waits or is held) is counted per pool at its current size; ``scaleToZeroAfterSeconds`` of it
+takes a ``minReplicas: 0`` pool to zero.
+
 One asyncio task per operator, started and stopped with it, rather than a kopf timer or daemon:
 those add a finalizer to every ModelDeployment, and a finalizer blocks ``kubectl delete`` while the
 operator is down. The cost: the loop does not take part in kopf's peering, so run one operator
@@ -19,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -30,6 +39,7 @@ import httpx
 from pydantic import ValidationError
 
 from herd.api.crd import API_VERSION, KIND, PLURAL, ModelDeployment, PoolName
+from herd.api.demand import ModelDemand, parse_demand
 from herd.kube import resource_path
 from herd.operator.autoscale import (
     Decision,
@@ -41,9 +51,9 @@ from herd.operator.autoscale import (
     pool_bounds,
 )
 from herd.operator.kube import KubeApi, KubeError
-from herd.operator.metrics_source import Scrape, metrics_url, observe, scrape_all
+from herd.operator.metrics_source import Scrape, metrics_url, observe, parse_scrape, scrape_all
 from herd.operator.plan import pool_labels, selector_string
-from herd.operator.settings import AutoscalerSettings
+from herd.operator.settings import AutoscalerSettings, PlanSettings
 from herd.operator.status import is_pod_ready
 
 __all__ = ["Autoscaler", "merge_patch_between"]
@@ -61,6 +71,14 @@ class _Memory:
     started: float
     scrapes: dict[str, Scrape] = field(default_factory=dict)
     history: list[Recommendation] = field(default_factory=list)
+    replicas: int | None = None
+    idle_since: float = 0.0
+
+    def idle_seconds(self, now: float, current: int, is_idle: bool) -> float:
+        """How long the pool has been idle at its current size (a new size starts the count again)."""
+        if current != self.replicas or not is_idle:
+            self.replicas, self.idle_since = current, now
+        return now - self.idle_since
 
     def remember(self, recommendation: Recommendation, window_s: float) -> None:
         """Keep the recommendations the stabilization window still looks at, and this one."""
@@ -71,12 +89,22 @@ class _Memory:
 class Autoscaler:
     """Scales ModelDeployments in ``namespaces`` (every namespace when empty) every interval."""
 
-    def __init__(self, api: KubeApi, settings: AutoscalerSettings, namespaces: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        api: KubeApi,
+        settings: AutoscalerSettings,
+        namespaces: Sequence[str] = (),
+        *,
+        plan: PlanSettings | None = None,
+    ) -> None:
         self.api = api
         self.settings = settings
         self.namespaces = list(namespaces)
+        self.plan = plan or PlanSettings()
+        """Where the orchestrator Service is, whose pods report the requests they hold."""
         self.scraper = httpx.AsyncClient(timeout=settings.scrape_timeout_s)
         self._memory: dict[tuple[str, str, PoolName], _Memory] = {}
+        self._at_zero: set[tuple[str, str]] = set()
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -90,9 +118,37 @@ class Autoscaler:
         await self.scraper.aclose()
 
     async def _run(self) -> None:
+        next_round = 0.0
         while True:
-            await self.run_once()
-            await asyncio.sleep(self.settings.interval_s)
+            if time.monotonic() >= next_round:
+                next_round = time.monotonic() + self.settings.interval_s
+                await self.run_once()
+            else:
+                await self.wake_zero_pools()
+            await asyncio.sleep(max(0.0, min(self.settings.demand_interval_s, next_round - time.monotonic())))
+
+    async def wake_zero_pools(self) -> None:
+        """Between rounds: decide at once for each ModelDeployment left at zero whose gateways hold
+        requests for it (a round of its own, as ``run_once`` would run it)."""
+        for key in sorted(self._at_zero):
+            try:
+                body = await self.api.get(API_VERSION, PLURAL, *key)
+                if body is None or not await self._is_wanted_at_zero(body):
+                    continue
+                await self._visit(body, key, is_enabled=True)
+            except (KubeError, httpx.HTTPError) as error:
+                _log.warning(f"autoscaler: {key[0]}/{key[1]}: {error}; retrying")
+
+    async def _is_wanted_at_zero(self, body: Object) -> bool:
+        """Whether a ModelDeployment still at zero, still scaling to zero, has requests held for it."""
+        try:
+            md = ModelDeployment.from_object(body)
+        except ValidationError:
+            return False
+        spec = md.spec
+        if not spec.autoscaling.scales_to_zero or spec.pools()[spec.serving_pool].replicas != 0:
+            return False
+        return await self._held(md) > 0
 
     async def run_once(self) -> None:
         """One decision for every enabled ModelDeployment; a failure is logged and retried next round."""
@@ -109,6 +165,7 @@ class Autoscaler:
                 seen.add(key)
             await self._visit(body, key, is_enabled=key in seen)
         self._memory = {key: memory for key, memory in self._memory.items() if key[:2] in seen}
+        self._at_zero &= seen
 
     async def _visit(self, body: Object, key: tuple[str, str], *, is_enabled: bool) -> None:
         try:
@@ -157,14 +214,20 @@ class Autoscaler:
         )
         current = md.spec.pools()[pool].replicas
         observed, num_ready = await self._observe(md, pool, memory)
+        if is_serving and md.spec.autoscaling.scales_to_zero:
+            observed = dataclasses.replace(observed, num_held=await self._held(md))
         last_scale_time = previous.get("lastScaleTime")
         last_scale = max(memory.started, _epoch(last_scale_time))
-        state = ScaleState(current, num_ready, now, now - last_scale, tuple(memory.history))
+        idle_s = memory.idle_seconds(now, current, observed.is_idle)
+        state = ScaleState(current, num_ready, now, now - last_scale, tuple(memory.history), idle_s)
         decision = decide(state, observed, pool_bounds(md.spec.autoscaling, pool), self.settings)
         memory.remember(Recommendation(now, decision.recommendation), self.settings.stabilization_s)
         if decision.desired != current:
             await self._apply(body, pool, current, decision, is_serving=is_serving)
             last_scale_time = _timestamp(now)
+        if is_serving:
+            key = (md.metadata.namespace, md.metadata.name)
+            (self._at_zero.add if decision.desired == 0 else self._at_zero.discard)(key)
         return _pool_status(decision, observed, last_scale_time)
 
     async def _observe(self, md: ModelDeployment, pool: PoolName, memory: _Memory) -> tuple[Observation, int]:
@@ -172,10 +235,23 @@ class Autoscaler:
         pods = await self.api.list("v1", "pods", md.metadata.namespace, selector)
         ready = [pod for pod in pods if is_pod_ready(pod)]
         urls = {pod["metadata"]["name"]: metrics_url(pod) for pod in ready}
-        scrapes = await scrape_all(self.scraper, urls)
+        scrapes = await scrape_all(self.scraper, urls, parse_scrape)
         observed = observe(memory.scrapes, scrapes)
         memory.scrapes = {pod: scrape for pod, scrape in scrapes.items() if scrape is not None}
         return observed, len(ready)
+
+    async def _held(self, md: ModelDeployment) -> float:
+        """The requests every orchestrator pod holds for the model (0 when none can be read)."""
+        namespace = self.plan.orchestrator_namespace or md.metadata.namespace
+        service = await self.api.get("v1", "services", namespace, self.plan.orchestrator_service)
+        selector = ((service or {}).get("spec") or {}).get("selector")
+        if not selector:
+            return 0.0
+        pods = await self.api.list("v1", "pods", namespace, selector_string(selector))
+        urls = {pod["metadata"]["name"]: metrics_url(pod) for pod in pods if is_pod_ready(pod)}
+        demands = await scrape_all(self.scraper, urls, parse_demand)
+        held = (found.get(md.served_name, ModelDemand()) for found in demands.values() if found)
+        return sum(demand.num_held for demand in held)
 
     async def _apply(
         self, body: Object, pool: PoolName, current: int, decision: Decision, *, is_serving: bool
@@ -249,6 +325,7 @@ def _pool_status(decision: Decision, observed: Observation, last_scale_time: str
         "ttftP95Ms": observed.ttft_p95_ms,
         "itlP95Ms": observed.itl_p95_ms,
         "numRequestsWaiting": observed.num_waiting,
+        "numRequestsHeld": observed.num_held or None,
         "kvCacheUsage": observed.kv_usage,
     }
     status = {

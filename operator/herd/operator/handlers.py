@@ -20,6 +20,7 @@ kopf's own bookkeeping lives in annotations (``operator.herd.dev/...``), never i
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Any
 
 import kopf
@@ -35,6 +36,7 @@ from herd.operator.settings import OperatorConfig
 __all__ = ["ANNOTATION_PREFIX", "registry"]
 
 ANNOTATION_PREFIX = "operator.herd.dev"
+_log = logging.getLogger("herd.operator")
 registry = kopf.OperatorRegistry()
 _MD = (GROUP, VERSION, PLURAL)
 _OWNED = {LABEL_MANAGED_BY: MANAGED_BY}
@@ -50,8 +52,10 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     connection = load_connection(config.kubeconfig)
     api = KubeApi(connection.http_client())
     memo.reconciler = Reconciler(api, config.plan)
-    memo.autoscaler = Autoscaler(api, config.autoscaler, memo.get("namespaces", ()))
+    memo.autoscaler = Autoscaler(api, config.autoscaler, memo.get("namespaces", ()), plan=config.plan)
     memo.autoscaler.start()
+    namespaces = memo.get("namespaces") or ["every namespace"]
+    _log.info(f"operator started: serving {', '.join(namespaces)}")
 
 
 @kopf.on.login(registry=registry)
@@ -71,13 +75,11 @@ async def close(memo: kopf.Memo, **_: Any) -> None:
 @kopf.on.resume(*_MD, registry=registry)
 @kopf.on.create(*_MD, registry=registry)
 @kopf.on.update(*_MD, registry=registry)
-async def reconcile(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+async def reconcile(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     try:
-        outcome = await memo.reconciler.reconcile(_raw(body), logger)
+        await memo.reconciler.reconcile(_raw(body))
     except (KubeError, ChildConflictError) as error:  # the next pass starts from fresh reads
         raise kopf.TemporaryError(str(error), delay=memo.config.retry_delay) from error
-    if not outcome.is_ready:
-        logger.info(f"children written; waiting for ready pods: {outcome.waiting}")
 
 
 @kopf.on.event("apps/v1", "deployments", labels=_OWNED, registry=registry)
@@ -88,12 +90,11 @@ async def child_changed(
     labels: kopf.Labels,
     namespace: str | None,
     memo: kopf.Memo,
-    logger: kopf.Logger,
     **_: Any,
 ) -> None:
     owner = labels.get(LABEL_DEPLOYMENT)
     if owner and namespace and not memo.reconciler.is_own_write(str(body.get("kind", "")), body.metadata):
-        await memo.reconciler.poke(namespace, owner, logger)
+        await memo.reconciler.poke(namespace, owner)
 
 
 def _raw(body: kopf.Body) -> dict[str, Any]:

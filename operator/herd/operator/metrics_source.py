@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -36,6 +37,9 @@ Buckets = tuple[tuple[float, float], ...]
 
 _HISTOGRAMS = (names.TIME_TO_FIRST_TOKEN_SECONDS, names.INTER_TOKEN_LATENCY_SECONDS)
 _GAUGES = (names.NUM_REQUESTS_WAITING, names.KV_CACHE_USAGE_PERC)
+_OPTIONAL_GAUGES = (names.NUM_REQUESTS_RUNNING,)
+"""Read when a worker exports them; a scrape without them is still complete."""
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -64,7 +68,7 @@ def parse_scrape(text: str) -> Scrape:
                     bound = float(sample.labels["le"])
                     counts[bound] = counts.get(bound, 0.0) + sample.value
             histograms[family.name] = tuple(sorted(counts.items()))
-        elif family.name in _GAUGES:
+        elif family.name in _GAUGES or family.name in _OPTIONAL_GAUGES:
             gauges[family.name] = sum(sample.value for sample in family.samples)
     return Scrape(histograms, gauges)
 
@@ -120,6 +124,7 @@ def observe(previous: Mapping[str, Scrape], current: Mapping[str, Scrape | None]
         num_waiting=sum(s.gauges.get(names.NUM_REQUESTS_WAITING, 0.0) for s in answered.values()),
         kv_usage=sum(kv) / len(kv) if kv else 0.0,
         is_complete=is_complete,
+        num_running=sum(s.gauges.get(names.NUM_REQUESTS_RUNNING, 0.0) for s in answered.values()),
     )
 
 
@@ -135,20 +140,23 @@ def metrics_url(pod: Mapping[str, object]) -> str | None:
     return f"http://{ip}:{ports[0]['containerPort']}/metrics"
 
 
-async def scrape_all(http: httpx.AsyncClient, urls: Mapping[str, str | None]) -> dict[str, Scrape | None]:
-    """Scrape every pod at once; a pod that fails, times out or answers garbage maps to None."""
+async def scrape_all(
+    http: httpx.AsyncClient, urls: Mapping[str, str | None], parse: Callable[[str], T]
+) -> dict[str, T | None]:
+    """Scrape every pod at once (``parse_scrape`` for workers, ``parse_demand`` for orchestrators); a
+    pod that fails, times out or answers garbage maps to None."""
     pods = list(urls)
-    results = await asyncio.gather(*(_scrape(http, urls[pod]) for pod in pods))
+    results = await asyncio.gather(*(_scrape(http, urls[pod], parse) for pod in pods))
     return dict(zip(pods, results, strict=True))
 
 
-async def _scrape(http: httpx.AsyncClient, url: str | None) -> Scrape | None:
+async def _scrape(http: httpx.AsyncClient, url: str | None, parse: Callable[[str], T]) -> T | None:
     if url is None:
         return None
     try:
         response = await http.get(url)
         response.raise_for_status()
-        return parse_scrape(response.text)
+        return parse(response.text)
     except (httpx.HTTPError, ValueError):
         return None
 

@@ -256,10 +256,13 @@ def _probes() -> Object:
     # (503 while loading, draining or full: out of the Service, never restarted for it). Loading a
     # large model takes minutes: the startup probe holds liveness off until /health first answers.
     # The timeouts leave room for a busy CPU worker, whose answers are slower than the 1 s default.
+    # Startup and readiness probe every second: a new pod (a scale-up, a start from zero) takes
+    # requests within a second of loading its model, not within a probe period of 5 s; the startup
+    # budget stays 10 minutes.
     return {
-        "startupProbe": probe("/health", 5, 5, 120),
+        "startupProbe": probe("/health", 1, 5, 600),
         "livenessProbe": probe("/health", 10, 5, 3),
-        "readinessProbe": probe("/ready", 2, 3, 1),
+        "readinessProbe": probe("/ready", 1, 3, 1),
     }
 
 

@@ -14,38 +14,33 @@ import asyncio
 import copy
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal, cast
 
 import kopf
 from pydantic import ValidationError
 
-from herd.api.crd import API_VERSION, PLURAL, ModelDeployment
+from herd.api.crd import API_VERSION, KIND, PLURAL, ModelDeployment
 from herd.api.manifest import format_validation_error
 from herd.api.protocol import LABEL_DEPLOYMENT, LABEL_MANAGED_BY, MANAGED_BY
 from herd.operator.conditions import Reason
 from herd.operator.drift import is_drifted, replacement
 from herd.operator.events import announce_transitions
 from herd.operator.kube import KubeApi, KubeError
+from herd.operator.logs import object_ref
 from herd.operator.plan import ANNOTATION_SPEC_HASH, DesiredObject, plan, selector_string
 from herd.operator.settings import PlanSettings
 from herd.operator.status import blocked_status, plan_status
 
-__all__ = ["Change", "ChildConflictError", "Outcome", "Reconciler"]
+__all__ = ["Change", "ChildConflictError", "Reconciler"]
 
 Object = dict[str, Any]
 Change = Literal["created", "updated", "reverted", "unchanged"]
+_log = logging.getLogger("herd.operator")
 
 
 class ChildConflictError(RuntimeError):
     """A child's name is taken by an object that this ModelDeployment does not own; herd leaves it alone."""
-
-
-@dataclass(frozen=True)
-class Outcome:
-    is_ready: bool
-    waiting: str
 
 
 class Reconciler:
@@ -58,7 +53,7 @@ class Reconciler:
         self._queued: set[tuple[str, str]] = set()
         self._written: dict[tuple[str, str, str], str] = {}
 
-    async def reconcile(self, body: Object, logger: logging.Logger | logging.LoggerAdapter[Any]) -> Outcome:
+    async def reconcile(self, body: Object) -> None:
         """One pass for the resource ``body`` names; raises ``kopf.PermanentError`` naming the field if
         the spec is invalid.
 
@@ -70,12 +65,10 @@ class Reconciler:
         async with self._lock(meta["namespace"], meta["name"]):
             latest = await self.api.get(API_VERSION, PLURAL, meta["namespace"], meta["name"])
             if latest is None:  # deleted meanwhile: its children go with it
-                return Outcome(is_ready=True, waiting="")
-            return await self._pass(latest, logger)
+                return
+            await self._pass(latest)
 
-    async def poke(
-        self, namespace: str, name: str, logger: logging.Logger | logging.LoggerAdapter[Any]
-    ) -> None:
+    async def poke(self, namespace: str, name: str) -> None:
         """Run a pass for a resource whose child changed; passes already queued for it absorb this one."""
         key = (namespace, name)
         if key in self._queued:
@@ -86,11 +79,14 @@ class Reconciler:
             body = await self.api.get(API_VERSION, PLURAL, namespace, name)
             if body is not None:
                 try:
-                    await self._pass(body, logger)
+                    await self._pass(body)
                 except kopf.PermanentError:
                     pass  # An invalid spec is already reported in the status and as an event.
                 except (KubeError, ChildConflictError) as error:
-                    logger.warning(f"{error}; the next event of {namespace}/{name} retries the pass")
+                    _log.warning(
+                        f"{error}; the next event of its children retries the pass",
+                        extra={"object": object_ref(KIND, namespace, name)},
+                    )
 
     def is_own_write(self, kind: str, meta: Mapping[str, Any]) -> bool:
         """Whether a child's watch event is the echo of this operator's own last write of it."""
@@ -107,15 +103,18 @@ class Reconciler:
     def _lock(self, namespace: str, name: str) -> asyncio.Lock:
         return self._locks.setdefault((namespace, name), asyncio.Lock())
 
-    async def _pass(self, body: Object, logger: logging.Logger | logging.LoggerAdapter[Any]) -> Outcome:
+    async def _pass(self, body: Object) -> None:
         md = await self._parse(body)
+        about = {"object": object_ref(KIND, md.metadata.namespace, md.metadata.name)}
         desired = plan(md, self.settings)
         children = [copy.deepcopy(obj) for obj in desired.objects]
         owner = _as_kopf_body(body)
         kopf.adopt([obj.body for obj in children], owner=owner)
         applied = await self._apply_all(children, body, owner)
         done = [f"{obj.kind}/{obj.name} {change}" for obj, change, _ in applied if change != "unchanged"]
-        (logger.info if done else logger.debug)(f"plan {desired.summary()}: {', '.join(done) or 'no change'}")
+        (_log.info if done else _log.debug)(
+            f"plan {desired.summary()}: {', '.join(done) or 'no change'}", extra=about
+        )
         deployments = [
             current
             for obj, _, current in applied
@@ -125,12 +124,9 @@ class Reconciler:
         previous = body.get("status") or {}
         status = plan_status(md, desired, (pods, deployments), previous, now=_now(), settings=self.settings)
         await self._write_status(body, status)
-        short = [
-            f"{name} {pool['ready']}"
-            for name, pool in status["pools"].items()
-            if _is_short(pool, desired.replicas[name])
-        ]
-        return Outcome(is_ready=not short, waiting=", ".join(short))
+        if (pools := _pools(status)) != _pools(previous):
+            is_short = any(_is_short(pool, desired.replicas[name]) for name, pool in status["pools"].items())
+            _log.info(f"waiting for ready pods: {pools}" if is_short else f"ready: {pools}", extra=about)
 
     async def _parse(self, body: Object) -> ModelDeployment:
         try:
@@ -220,6 +216,11 @@ def _owned_by(md_name: str) -> str:
 
 def _is_short(pool: Object, desired: int) -> bool:
     return int(pool["readyReplicas"]) < desired
+
+
+def _pools(status: Object) -> str:
+    """``workers 2/3``: each pool's ready/desired, as the log line of a change names them."""
+    return ", ".join(f"{name} {pool['ready']}" for name, pool in (status.get("pools") or {}).items())
 
 
 def _now() -> str:

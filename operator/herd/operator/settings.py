@@ -68,6 +68,11 @@ class AutoscalerSettings(BaseModel):
     scrape_timeout_s: float = Field(
         default=2.0, gt=0.0, description="A pod slower than this counts as missing."
     )
+    demand_interval_s: float = Field(
+        default=1.0,
+        gt=0.0,
+        description="Seconds between reads of the requests the gateways hold for pools at zero.",
+    )
 
 
 class OperatorConfig(BaseModel):

@@ -47,6 +47,8 @@ class ModelConfig:
     ``model_path`` is a local HF folder holding the tokenizer and chat template; it is only read when
     the routing strategy needs token ids. ``max_in_flight_per_worker`` is the most requests this
     orchestrator sends one worker at once (0: no limit); beyond it the worker counts as full.
+    ``cold_start_timeout_s`` is how long a request waits for a ready worker while the model has none
+    (a model that scales to zero); 0: it is answered 503 at once.
     """
 
     served_name: str
@@ -59,6 +61,7 @@ class ModelConfig:
     max_in_flight_per_worker: int = 0
     adapters: tuple[str, ...] = ()
     """The LoRA adapters its manifest lists (every worker loads them at start)."""
+    cold_start_timeout_s: float = 0.0
 
     @classmethod
     def from_deployment(cls, deployment: ModelDeployment, *, model_path: Path | None = None) -> ModelConfig:
@@ -75,6 +78,9 @@ class ModelConfig:
             prefill_threshold_tokens=spec.serving.prefill_threshold_tokens,
             max_in_flight_per_worker=serving.max_batch_size + serving.max_queue_len,
             adapters=tuple(adapter.name for adapter in spec.adapters),
+            cold_start_timeout_s=spec.autoscaling.cold_start_timeout_seconds
+            if spec.autoscaling.scales_to_zero
+            else 0.0,
         )
 
 

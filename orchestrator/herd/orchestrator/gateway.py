@@ -59,6 +59,7 @@ from herd.orchestrator.admission.usage import StreamTally, Usage, usage_of
 from herd.orchestrator.admission.waiting import QueueSettings
 from herd.orchestrator.apply import Route, apply_decision, write_pin
 from herd.orchestrator.breaker import Outcome, answer_outcome
+from herd.orchestrator.cold_start import ColdStarts, ColdStartSettings
 from herd.orchestrator.disagg import Handoff, TwoPhase, handed_body
 from herd.orchestrator.model_metrics import ModelMetrics
 from herd.orchestrator.prepare import INLINE_PREPARE_BYTES, Preparer
@@ -114,6 +115,8 @@ class GatewaySettings:
     max_resumes: int = 2
     """Times one stream is taken over by another worker after its worker failed mid-answer; 0 ends
     such a stream with an error event. A bound, so a request that kills workers kills few."""
+    cold_start: ColdStartSettings = field(default_factory=ColdStartSettings)
+    """The line of requests for models that scaled to zero (``herd.orchestrator.cold_start``)."""
 
 
 @dataclass(eq=False)
@@ -197,6 +200,12 @@ class Gateway:
         self.admission = Admission(self.settings.queue, retry_after_seconds=self.settings.retry_after_seconds)
         registry.on_room = self.admission.wake
         self.quotas = Quotas(state)
+        self.cold_starts = ColdStarts(
+            registry,
+            self.settings.cold_start,
+            on_held=lambda model, count: telemetry.held.labels(model).set(count),
+        )
+        registry.on_admitted = self.cold_starts.wake
 
     def close(self) -> None:
         self.preparer.close()
@@ -271,6 +280,7 @@ class Gateway:
         return metrics
 
     async def _attempt(self, request: _Request) -> Response:
+        await self.cold_starts.wait(request.served)  # a model at zero workers: until one is ready
         tried: set[str] = set()
         error: HttpError | None = None
         for _ in range(self.settings.max_attempts):

@@ -167,6 +167,8 @@ class Registry:
         """This replica's requests in flight per worker, shared with the other replicas (``State``)."""
         self._elsewhere = _SharedCounts()
         """The other replicas' requests in flight per worker, as they last shared them."""
+        self.on_admitted: Callable[[str], None] | None = None
+        """Told a model's name when one of its workers is admitted (requests held for it go on)."""
 
     async def run(self, source: WorkerSource) -> None:
         """Follow the source until cancelled; every worker task stops with it."""
@@ -429,6 +431,8 @@ class Registry:
             worker.is_healthy = True
             log.info("worker admitted", extra={"worker": worker.endpoint.id})
             self._room(worker)
+            if self.on_admitted is not None:
+                self.on_admitted(worker.endpoint.model)
             if (served := self.models.get(worker.endpoint.model)) is not None:
                 self.tokenizers.forget_source(served, worker.endpoint.id)  # it may have restarted
         if (served := self.models.get(worker.endpoint.model)) is not None:

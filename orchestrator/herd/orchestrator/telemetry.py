@@ -95,6 +95,12 @@ class Telemetry:
             registry=reg,
         )
         self.in_flight = Gauge(names.HERD_ROUTER_IN_FLIGHT, "Requests in flight.", ["model"], registry=reg)
+        self.held = Gauge(
+            names.HERD_ROUTER_REQUESTS_HELD,
+            "Requests held while the model has no ready worker (it scaled to zero): the demand that starts one.",
+            ["model"],
+            registry=reg,
+        )
         self.workers = Gauge(names.HERD_ROUTER_WORKERS, "Workers known.", ["model", "state"], registry=reg)
         self.circuit = Gauge(
             names.HERD_ROUTER_CIRCUIT_STATE,

@@ -57,7 +57,7 @@ def test_crd_has_subresources_columns_and_short_name() -> None:
     assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.replicas"
     assert "status" in version["subresources"]
     columns = [column["name"] for column in version["additionalPrinterColumns"]]
-    assert columns == ["Ready", "Mode", "Workers", "Prefill", "Decode", "Strategy", "Age"]
+    assert columns == ["Ready", "Mode", "Workers", "Prefill", "Decode", "Strategy", "Endpoint", "Age"]
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])

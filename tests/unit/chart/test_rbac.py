@@ -72,7 +72,15 @@ def test_namespaced_mode_grants_roles_only_in_the_watched_namespaces() -> None:
     placements = sorted(
         (role["metadata"]["name"], role["metadata"]["namespace"]) for role in find(manifests, "Role")
     )
-    assert placements == [("herd-operator", "team-a"), ("herd-orchestrator", "team-a")]
+    assert placements == [
+        ("herd-operator", "team-a"),
+        ("herd-operator-demand", "herd"),
+        ("herd-orchestrator", "team-a"),
+    ]
+    # In the release's namespace, left out of the watched ones, the operator reads only the orchestrator
+    # Service and its pods: the requests they hold for pools at zero.
+    (demand,) = find(manifests, "Role", "herd-operator-demand")
+    assert _grants(demand["rules"]) == {("", "services", "get"), ("", "pods", "list")}
     # Only kopf's reads of CRDs and of namespace names stay cluster-wide: neither has a namespace.
     (cluster_role,) = find(manifests, "ClusterRole")
     assert _grants(cluster_role["rules"]) == {
@@ -97,7 +105,7 @@ def test_bindings_name_the_accounts_the_pods_run_as(kind: str) -> None:
         (subject,) = binding["subjects"]
         assert subject == {
             "kind": "ServiceAccount",
-            "name": accounts[binding["metadata"]["name"]],
+            "name": accounts[binding["metadata"]["name"].removesuffix("-demand")],
             "namespace": "herd",
         }
         assert binding["roleRef"]["name"] == binding["metadata"]["name"]

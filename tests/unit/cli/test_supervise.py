@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -95,3 +96,33 @@ def test_stop_all_stops_every_child_by_pid_and_restarts_none(supervisor: Supervi
     supervisor.step()
     assert [child.exit_code() for child in children] == [-15, -15]
     assert [child.process.pid for child in children if child.process is not None] == pids
+
+
+def test_a_parked_child_stays_stopped_until_it_is_started_again(
+    supervisor: Supervisor, tmp_path: Path
+) -> None:
+    child = supervisor.start(spec(tmp_path, "import time; time.sleep(60)"))
+    supervisor.park(child)
+    assert child.process is not None and child.process.wait(timeout=10) == -15
+    for _ in range(5):  # past the restart delay: a parked child is not restarted
+        supervisor.step()
+        time.sleep(0.1)
+    assert child.is_parked and child.exit_code() == -15
+    supervisor.unpark(child)
+    assert not child.is_parked and child.exit_code() is None
+
+
+def test_a_parked_child_that_ignores_sigterm_is_killed_after_the_grace(
+    supervisor: Supervisor, tmp_path: Path
+) -> None:
+    ignoring = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
+    child = supervisor.start(spec(tmp_path, ignoring))
+    assert child.spec.log_path is not None
+    wait_until(lambda: "up" in child.spec.log_path.read_text(), timeout=30, what="the handler installed")  # type: ignore[union-attr]
+    supervisor.park(child, grace_s=0.2)
+
+    def killed() -> bool:
+        supervisor.step()
+        return child.exit_code() == -9
+
+    wait_until(killed, timeout=30, what="SIGKILL after the grace period")

@@ -64,6 +64,7 @@ CASES = [
         4,
     ),
     ("no-down-with-metrics-missing", QUIET, slow(500.0, is_complete=False), SPEC, 4),
+    ("no-down-while-pods-start", replace(QUIET, num_ready=3), IDLE, SPEC, 4),
     ("no-down-while-requests-wait", QUIET, slow(500.0, num_waiting=3), SPEC, 4),
     ("no-down-with-kv-full", QUIET, slow(500.0, kv_usage=0.95), SPEC, 4),
     (
@@ -90,8 +91,41 @@ CASES = [
         FROM_ZERO,
         0,
     ),
-    ("idle-to-zero-after-window", QUIET, IDLE, FROM_ZERO, 0),
+    ("idle-to-zero-after-its-time", replace(QUIET, idle_s=300.0), IDLE, FROM_ZERO, 0),
+    ("idle-short-of-its-time-floors-at-one", replace(QUIET, idle_s=299.0), IDLE, FROM_ZERO, 1),
+    ("a-dip-never-reaches-zero", QUIET, slow(100.0), FROM_ZERO, 1),
+    (
+        "zero-after-a-shorter-idle-time",
+        replace(QUIET, current=1, num_ready=1, quiet_s=40.0, idle_s=30.0),
+        IDLE,
+        FROM_ZERO.model_copy(update={"scale_to_zero_after_seconds": 30}),
+        0,
+    ),
+    (
+        "from-zero-when-the-gateways-hold-requests",
+        replace(QUIET, current=0, num_ready=0),
+        replace(IDLE, num_held=1, is_complete=False),
+        FROM_ZERO,
+        1,
+    ),
 ]
+
+
+@pytest.mark.parametrize(
+    ("observed", "is_idle"),
+    [
+        (IDLE, True),
+        (replace(IDLE, is_complete=False), False),
+        (replace(IDLE, num_running=1), False),
+        (replace(IDLE, num_waiting=1), False),
+        (replace(IDLE, num_held=1), False),
+        (replace(IDLE, itl_p95_ms=20.0), False),
+        (ON_TARGET, False),
+    ],
+    ids=["idle", "incomplete", "running", "waiting", "held", "tokens", "serving"],
+)
+def test_idle_means_nothing_at_all_happened(observed: Observation, is_idle: bool) -> None:
+    assert observed.is_idle is is_idle
 
 
 @pytest.mark.parametrize(

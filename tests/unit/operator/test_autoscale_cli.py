@@ -8,9 +8,18 @@ from herd.operator.settings import AutoscalerSettings
 
 
 def test_autoscale_flags() -> None:
-    argv = ["operator", "-A", "--autoscale-interval", "5", "--autoscale-window", "60"]
-    config = operator_config(build_parser(argv).parse_args(argv))
-    assert (config.autoscaler.interval_s, config.autoscaler.stabilization_s) == (5.0, 60.0)
+    argv = [
+        "operator",
+        "-A",
+        "--autoscale-interval",
+        "5",
+        "--autoscale-window",
+        "60",
+        "--demand-interval",
+        "0.5",
+    ]
+    scaler = operator_config(build_parser(argv).parse_args(argv)).autoscaler
+    assert (scaler.interval_s, scaler.stabilization_s, scaler.demand_interval_s) == (5.0, 60.0, 0.5)
 
 
 def test_autoscale_defaults() -> None:

@@ -69,6 +69,7 @@ async def test_info_and_load_once_vllm_is_learned(parts: tuple[httpx.AsyncClient
     assert info == {
         "model": "smollm2", "role": "unified", "block_size": 32, "max_model_len": 2048, "epoch": kv.epoch,
         "dtype": "float32", "num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "vocab_size": 49152,
+        "embedding_size": None, "is_normalized": False, "is_matryoshka": False, "matryoshka_dimensions": None,
     }  # fmt: skip
     load = (await client.get(INTERNAL_PATHS.load)).json()
     assert (load["num_total_blocks"], load["num_free_blocks"], load["is_draining"]) == (1456, 1456, False)

@@ -34,6 +34,7 @@ from herd.orchestrator.admission.usage import Usage
 from herd.orchestrator.admission.waiting import QueueSettings
 from herd.orchestrator.apply import Route, apply_decision, write_pin
 from herd.orchestrator.auth import ApiKeys
+from herd.orchestrator.cold_start import ColdStarts
 from herd.orchestrator.epp.wire import address_of
 from herd.orchestrator.prepare import Prepared, Preparer
 from herd.orchestrator.registry import Registry
@@ -87,6 +88,8 @@ class Picker:
         self.quotas = Quotas(state)
         self.admission = Admission(self.settings.queue, retry_after_seconds=self.settings.retry_after_seconds)
         registry.on_room = self.admission.wake
+        self.cold_starts = ColdStarts(registry)
+        registry.on_admitted = self.cold_starts.wake
 
     async def pick(
         self, path: str, body: bytes, headers: Mapping[str, str], subset: frozenset[str] | None
@@ -107,6 +110,7 @@ class Picker:
         use = await self.quotas.admit(tenant, time.time())
         if (target := slo_target(headers, self.settings.slo_miss)) is not None:
             prepared = dataclasses.replace(prepared, ctx=dataclasses.replace(prepared.ctx, slo=target))
+        await self.cold_starts.wait(served)  # a model at zero workers: until one is ready, as the gateway
         try:
             route = await self.admission.route(served.name, ticket, lambda: self._routed(prepared, subset))
         except UnroutableError as refusal:

@@ -91,6 +91,7 @@ class Epp:
     server: grpc.aio.Server
     registry: Registry
     preparer: Preparer
+    picker: Picker
     health: health.aio.HealthServicer
     http: httpx.AsyncClient | None
     port: int
@@ -148,7 +149,7 @@ def build_epp(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     owned = None if http is not None else client
-    return Epp(server, registry, preparer, health_servicer, owned, bound, settings.grace_seconds)
+    return Epp(server, registry, preparer, picker, health_servicer, owned, bound, settings.grace_seconds)
 
 
 async def serve_epp(
