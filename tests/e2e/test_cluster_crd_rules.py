@@ -97,6 +97,14 @@ BAD = {
         manifest(routing={"strategy": "sticky_session", "loadWeight": 2}),
         "loadWeight applies only to strategy kv_cache_aware: remove it or set strategy: kv_cache_aware",
     ),
+    "tier-cost-with-round-robin": (
+        manifest(routing={"strategy": "round_robin", "tierCost": "weights"}),
+        "tierCost applies only to strategy kv_cache_aware: remove it or set strategy: kv_cache_aware",
+    ),
+    "tier-weights-with-least-request": (
+        manifest(routing={"strategy": "least_request", "tierWeights": {"host": 0.5}}),
+        "tierWeights applies only to strategy kv_cache_aware: remove it or set strategy: kv_cache_aware",
+    ),
     "unknown-strategy": (
         manifest(routing={"strategy": "fastest"}),
         'spec.routing.strategy: Unsupported value: "fastest"',
@@ -180,5 +188,6 @@ def test_the_server_refuses_a_bad_manifest_with_the_rules_sentence(
 
 @pytest.mark.parametrize("example", sorted((REPO / "examples").glob("*.yaml")), ids=lambda path: path.stem)
 def test_every_example_applies(crd: ControlPlane, example: Path) -> None:
-    ModelDeployment.model_validate(yaml.safe_load(example.read_text()))
+    for document in yaml.safe_load_all(example.read_text()):
+        ModelDeployment.model_validate(document)
     crd.kubectl("apply", "-n", NAMESPACE, "--dry-run=server", "-f", str(example))

@@ -135,6 +135,8 @@ def test_kubectl_apply_examples_creates_children_of_the_right_shape(no_pods: Mod
         "smollm2": {"Deployment/smollm2-workers": 2, "Service/smollm2-workers": None},
         "llama-3-8b": {"Deployment/llama-3-8b-workers": 2, "Service/llama-3-8b-workers": None},
         "qwen-chat": {"Deployment/qwen-chat-workers": 3, "Service/qwen-chat-workers": None},
+        "chat": {"Deployment/chat-workers": 1, "Service/chat-workers": None},
+        "minilm": {"Deployment/minilm-workers": 2, "Service/minilm-workers": None},
         "smollm2-disagg": {
             "Deployment/smollm2-disagg-prefill": 1,
             "Service/smollm2-disagg-prefill": None,

@@ -4,8 +4,8 @@ real tiny-model workers.
 Two orchestrators front the same two workers. The wide one's in-flight cap (``maxBatchSize +
 maxQueueLen`` per worker) is above the load: every one of 1,000 warm-up and 5,000 measured requests,
 half of them streamed, must succeed, and the gateway's RSS may grow by less than 10 % over the
-measured part. The narrow one's cap is 8 per worker: at the same concurrency it must answer 200 or
-429 with ``Retry-After`` in the OpenAI envelope, and nothing else. At the end every worker's free KV
+measured part. The narrow one's cap is 8 per worker and 8 more may wait in its queue: at the same
+concurrency it must answer 200 or 429 with ``Retry-After`` in the OpenAI envelope, and nothing else. At the end every worker's free KV
 blocks are back to their starting count. The figures are printed (run with ``-s``) for
 docs/reliability.md.
 """
@@ -46,6 +46,7 @@ WORKER_FLAGS = {"max_model_len": "256", "max_batch_size": "32", "max_queue_len":
 WIDE = {"maxModelLen": 256, "maxBatchSize": 32, "maxQueueLen": 64}
 """The gateway admits 96 per worker: more than the 64 in flight."""
 NARROW = {"maxModelLen": 256, "maxBatchSize": 4, "maxQueueLen": 4}
+NARROW_QUEUE = ("--queue-max-size", "8", "--queue-max-wait", "5")  # the gateway's own wait line
 """The gateway admits 8 per worker: 16 of the 64 in flight."""
 
 
@@ -146,7 +147,8 @@ def soak(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Iterator
             folder.mkdir()
             manifest = write_manifest(folder, tiny_llama, engine=engine, routing="least_request")
             log = folder / "orchestrator.log"
-            gateways.append(stack.enter_context(live_orchestrator(manifest, workers, log=log)))
+            args = NARROW_QUEUE if name == "narrow" else ()
+            gateways.append(stack.enter_context(live_orchestrator(manifest, workers, log=log, args=args)))
         for gateway in gateways:
             gateway.wait_all_healthy(len(workers))
         yield Soak(workers, *gateways)

@@ -58,6 +58,7 @@ async def test_history_reads_a_real_workers_hit_rate_and_itl(tiny_llama: Path) -
                 )
                 transport = httpx.ASGITransport(app)
                 async with httpx.AsyncClient(transport=transport, base_url="http://o", timeout=60) as client:
+                    await _scraped_before_requests(client)
                     for _ in range(2):  # the second finds the first's prompt in the prefix cache
                         response = await client.post("/v1/chat/completions", json=CHAT)
                         assert response.status_code == 200, response.text
@@ -70,10 +71,27 @@ async def test_history_reads_a_real_workers_hit_rate_and_itl(tiny_llama: Path) -
     assert set(tiny["shares"]) == {"w0"}
 
 
+async def _points(client: httpx.AsyncClient) -> list[dict[str, Any]]:
+    points: list[dict[str, Any]] = (await client.get("/dashboard/data")).json()["history"]["points"]
+    return points
+
+
+async def _scraped_before_requests(client: httpx.AsyncClient) -> None:
+    """Wait for two more points, so that a snapshot taken while the worker was healthy holds its
+    counters: a worker's series first seen after the requests would leave them out of every window
+    (they count since the worker started), and the figures would never appear."""
+    first = len(await _points(client))
+    for _ in range(100):
+        if len(await _points(client)) >= first + 2:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError("the dashboard history took no sample for 10 s")
+
+
 async def _complete_point(client: httpx.AsyncClient) -> dict[str, Any]:
     """The newest point with every figure, polling /dashboard/data for at most 20 s."""
     for _ in range(200):
-        points = (await client.get("/dashboard/data")).json()["history"]["points"]
+        points = await _points(client)
         complete = [point for point in points if has_every_figure(point)]
         if complete:
             return complete[-1]

@@ -6,7 +6,7 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from herd.api.logs import configure_logging
@@ -14,6 +14,7 @@ from herd.api.manifest import ManifestError, load_manifest
 from herd.api.protocol import TOKEN_ENV, Role
 from herd.api.tracing import configure_tracing
 from herd.orchestrator.access_log import enable_access_log
+from herd.orchestrator.admission.waiting import QueueSettings
 from herd.orchestrator.app import AppSettings, build_app
 from herd.orchestrator.auth import ADMIN_API_KEYS_ENV, load_api_keys
 from herd.orchestrator.discovery import ModelConfig, StaticSource, WorkerEndpoint, WorkerSource
@@ -115,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
             request_timeout=args.request_timeout,
             max_resumes=args.max_resumes,
             access_log_prompts=args.access_log_prompts,
+            queue=QueueSettings(max_size=args.queue_max_size, max_wait_seconds=args.queue_max_wait),
         ),
         registry=RegistrySettings(poll_interval=args.poll_interval),
         ready_when_synced=args.kubernetes,
@@ -196,6 +198,19 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=2,
         help="times a stream whose worker failed mid-answer goes on from another worker (0: never)",
     )
+    queue = QueueSettings()
+    parser.add_argument(
+        "--queue-max-size",
+        type=_positive(int),
+        default=queue.max_size,
+        help="requests that may wait per model while every worker is full (one more: 429)",
+    )
+    parser.add_argument(
+        "--queue-max-wait",
+        type=_positive(float),
+        default=queue.max_wait_seconds,
+        help="seconds a request waits for a worker before its 429",
+    )
     parser.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     parser.add_argument(
         "--body-timeout", type=float, default=30.0, help="seconds a client may take to send a body (then 408)"
@@ -232,3 +247,15 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="put each request's messages or prompt in its access line",
     )
     parser.set_defaults(func=run)
+
+
+def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
+    """An argparse type: a number above zero, else a usage error naming the value."""
+
+    def parse(text: str) -> int | float:
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{text} is not above zero")
+        return value
+
+    return parse
