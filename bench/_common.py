@@ -32,11 +32,13 @@ __all__ = [
     "herd_worker_argv",
     "machine_info",
     "metric_sums",
+    "orchestrator_argv",
     "run_load",
     "serving",
     "summary_row",
     "thread_env",
     "write_json",
+    "write_report",
 ]
 
 REPO = Path(__file__).resolve().parent.parent
@@ -174,3 +176,32 @@ def machine_info() -> dict[str, Any]:
 def write_json(path: Path, data: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def orchestrator_argv(
+    manifest: Path, endpoints: Sequence[str], *, token: str, port: int, extra: Sequence[str] = ()
+) -> list[str]:
+    """``herd orchestrator`` on loopback over the static ``endpoints`` (``URL,INTERNAL_URL``), quiet
+    unless ``extra`` says (later flags win)."""
+    argv = [sys.executable, "-m", "herd.cli.main", "orchestrator", "--manifest", str(manifest)]
+    argv += [arg for endpoint in endpoints for arg in ("--worker", endpoint)]
+    argv += [f"--internal-token={token}", "--host", HOST, "--port", str(port), "--log-level", "WARNING"]
+    return [*argv, *extra]
+
+
+def write_report(
+    args: Any, engine: dict[str, Any], runs: list[dict[str, Any]], summary: dict[str, Any], **extra: Any
+) -> None:
+    """The run's JSON at ``args.out`` (its command, the machine, the settings, ``extra``, every run and
+    the summary); the summary printed."""
+    settings = {key: value for key, value in vars(args).items() if key != "out"} | {"engine": engine}
+    result = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "machine": machine_info(),
+        "settings": settings,
+        **extra,
+        "runs": runs,
+        "summary": summary,
+    }
+    write_json(args.out, result)
+    print(json.dumps(summary, indent=2))

@@ -32,10 +32,10 @@ from _common import (
     HOST,
     free_port,
     herd_worker_argv,
-    machine_info,
+    orchestrator_argv,
     serving,
     thread_env,
-    write_json,
+    write_report,
 )
 
 from herd.cli.up import free_port_block
@@ -100,10 +100,9 @@ def measure(args: argparse.Namespace, setup: str, endpoints: list[str], log_dir:
     manifest_path = log_dir / "manifest.yaml"
     manifest_path.write_text(json.dumps(manifest()))
     port = free_port()
-    argv = [sys.executable, "-m", "herd.cli.main", "orchestrator", "--manifest", str(manifest_path)]
-    argv += [arg for endpoint in endpoints for arg in ("--worker", endpoint)]
-    argv += [f"--internal-token={TOKEN}", "--api-keys-file", str(keys)]
-    argv += ["--host", HOST, "--port", str(port), "--log-level", "WARNING"]
+    argv = orchestrator_argv(
+        manifest_path, endpoints, token=TOKEN, port=port, extra=["--api-keys-file", str(keys)]
+    )
     url = f"http://{HOST}:{port}"
     with serving(argv, ready_url=f"{url}/health", log=log_dir / f"orchestrator-{setup}.log", env={}):
         time.sleep(2.0)  # a few health polls admit both workers
@@ -159,15 +158,7 @@ def main() -> int:
         }
         for setup in SETUPS
     }
-    result = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "machine": machine_info(),
-        "settings": {key: value for key, value in vars(args).items() if key != "out"} | {"engine": ENGINE},
-        "runs": runs,
-        "summary": summary,
-    }
-    write_json(args.out, result)
-    print(json.dumps(summary, indent=2))
+    write_report(args, ENGINE, runs, summary)
     return 0
 
 

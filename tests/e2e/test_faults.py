@@ -1,7 +1,7 @@
 """Faults against real processes on loopback (issue 12, item 8): what herd does when one happens.
 
-* A worker SIGKILLed with streams running and requests queued: its streams end with an SSE error
-  event, the queued requests (no byte answered yet) are retried on the other worker and succeed, the
+* A worker SIGKILLed with streams running and requests queued, with resuming off: its streams end
+  with an SSE error event (tests/e2e/test_resume.py: with it on, they go on from the other worker), the queued requests (no byte answered yet) are retried on the other worker and succeed, the
   orchestrator ejects it within 2 s, and re-admits a worker started again on the same ports.
 * The prefill worker SIGKILLed during a KV handoff (after its prefill, before the decode worker's
   pull): the decode worker prefills the prompt itself and answers the same greedy text.
@@ -90,9 +90,9 @@ async def short_request(client: httpx.AsyncClient) -> httpx.Response:
 
 @contextlib.contextmanager
 def two_workers_and_gateway(
-    tmp_path: Path, model: Path, ports: list[WorkerPorts], **worker_flags: str
+    tmp_path: Path, model: Path, ports: list[WorkerPorts], *, args: tuple[str, ...] = (), **worker_flags: str
 ) -> Iterator[tuple[contextlib.ExitStack, LiveGateway, list[Any]]]:
-    """Two workers on ``ports`` and an orchestrator (round robin) over them, all admitted."""
+    """Two workers on ``ports`` and an orchestrator (round robin, ``args`` added) over them, all admitted."""
     engine = {"maxModelLen": int(worker_flags.get("max_model_len", "512")), "kvCache": {"memoryGiB": 0.05}}
     if "max_batch_size" in worker_flags:
         engine["maxBatchSize"] = int(worker_flags["max_batch_size"])
@@ -102,7 +102,9 @@ def two_workers_and_gateway(
             stack.enter_context(live_worker(model, port, log=tmp_path / f"worker{n}.log", **worker_flags))
             for n, port in enumerate(ports)
         ]
-        gateway = stack.enter_context(live_orchestrator(manifest, ports, log=tmp_path / "orchestrator.log"))
+        gateway = stack.enter_context(
+            live_orchestrator(manifest, ports, log=tmp_path / "orchestrator.log", args=args)
+        )
         gateway.wait_all_healthy(len(ports))
         yield stack, gateway, processes
 
@@ -112,7 +114,12 @@ async def test_a_worker_killed_mid_stream_fails_its_streams_only_and_comes_back(
 ) -> None:
     ports = [WorkerPorts.fresh(), WorkerPorts.fresh()]
     flags = {"max_model_len": "2048", "max_batch_size": "2"}  # two streams fill a worker; more wait
-    with two_workers_and_gateway(tmp_path, tiny_llama, ports, **flags) as (stack, gateway, processes):
+    no_resume = ("--max-resumes", "0")  # the rule for streams no worker may resume (tests/e2e/test_resume.py)
+    with two_workers_and_gateway(tmp_path, tiny_llama, ports, args=no_resume, **flags) as (
+        stack,
+        gateway,
+        processes,
+    ):
         async with (
             httpx.AsyncClient(base_url=gateway.url, timeout=60) as client,
             contextlib.AsyncExitStack() as streams_stack,

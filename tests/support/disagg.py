@@ -145,7 +145,7 @@ async def start_worker(
     engine = AsyncEngine(lambda: build(config))
     engine.start()
     await engine.wait_loaded()
-    public = build_public_app(engine, PublicOptions(MODEL))
+    public = build_public_app(engine, PublicOptions(MODEL, internal_token=TOKEN))
     disagg = attach_disaggregation(public, engine, TOKEN, http=http)
     dispatch.add(f"{worker_id}.public", public)
     dispatch.add(f"{worker_id}.internal", build_internal_app(engine, TOKEN, routers=[disagg.router]))

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import httpx
 
 from herd.api.protocol import TOKEN_HEADER
@@ -17,8 +19,19 @@ class HttpxUpstream:
         self.http = http
         self.token = token
 
-    async def post(self, url: str, body: bytes, *, request_id: str | None = None) -> Upstream:
-        headers = {"content-type": "application/json", **({"x-request-id": request_id} if request_id else {})}
+    async def post(
+        self,
+        url: str,
+        body: bytes,
+        *,
+        request_id: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> Upstream:
+        headers = {
+            "content-type": "application/json",
+            **({"x-request-id": request_id} if request_id else {}),
+            **(headers or {}),
+        }
         if self.token:
             headers[TOKEN_HEADER] = self.token
         request = self.http.build_request("POST", url, content=body, headers=headers)

@@ -13,7 +13,7 @@ import json
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,10 +86,11 @@ class ScriptedEngine:
         *,
         cache_salt: str | None = None,
         first_token_id: int | None = None,
+        resumed_token_ids: Sequence[int] = (),
         lora_name: str | None = None,
     ) -> RequestOutput | None:
-        if first_token_id is not None:
-            raise ValueError("the scripted engine takes no handed-over first token")
+        if first_token_id is not None or resumed_token_ids:
+            raise ValueError("the scripted engine takes no handed-over or resumed tokens")
         self.requests[request_id] = _Request(prompt_token_ids, params)
         self._seq += 1
         self._events.append(KVEvent(seq=self._seq, kind="stored", block_hashes=[self._seq]))

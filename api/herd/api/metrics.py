@@ -51,6 +51,7 @@ them any more) or failed (the blocks were computed instead)."""
 HERD_ROUTER_REQUESTS_TOTAL = "herd_router_requests_total"
 HERD_ROUTER_ERRORS_TOTAL = "herd_router_errors_total"
 HERD_ROUTER_RETRIES_TOTAL = "herd_router_retries_total"
+HERD_ROUTER_RESUMES_TOTAL = "herd_router_stream_resumes_total"
 HERD_ROUTER_DECISION_SECONDS = "herd_router_decision_seconds"
 HERD_ROUTER_TTFT_SECONDS = "herd_router_time_to_first_token_seconds"
 HERD_ROUTER_E2E_SECONDS = "herd_router_e2e_request_latency_seconds"
@@ -102,6 +103,7 @@ ORCHESTRATOR_METRICS = (
     HERD_ROUTER_REQUESTS_TOTAL,
     HERD_ROUTER_ERRORS_TOTAL,
     HERD_ROUTER_RETRIES_TOTAL,
+    HERD_ROUTER_RESUMES_TOTAL,
     HERD_ROUTER_DECISION_SECONDS,
     HERD_ROUTER_TTFT_SECONDS,
     HERD_ROUTER_E2E_SECONDS,

@@ -7,11 +7,13 @@ import asyncio
 import logging
 import os
 import sys
+from pathlib import Path
 
 from herd.api.logs import configure_logging
 from herd.api.manifest import ManifestError
 from herd.api.protocol import TOKEN_ENV
 from herd.cli.orchestrator import add_source_arguments, load_source
+from herd.orchestrator.auth import load_api_keys
 from herd.orchestrator.epp import EppSettings, PickerSettings, serve_epp
 from herd.orchestrator.registry import RegistrySettings
 from herd.orchestrator.state import build_state
@@ -25,6 +27,7 @@ DEFAULT_PORT = 9002
 def run(args: argparse.Namespace) -> int:
     try:
         source = load_source(args)
+        api_keys = load_api_keys(args.api_keys_file)
     except (ManifestError, ValueError, OSError) as error:
         print(f"herd epp: {error}", file=sys.stderr)
         return 2
@@ -34,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
         internal_token=args.internal_token or os.environ.get(TOKEN_ENV),
         registry=RegistrySettings(poll_interval=args.poll_interval),
         picker=PickerSettings(max_body_bytes=args.max_body_bytes),
+        api_keys=api_keys,
     )
     serving = serve_epp(
         source, host=args.host, port=args.port, state=build_state(args.redis), settings=settings
@@ -50,5 +54,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="ext_proc and gRPC health")
     add_source_arguments(parser)
     parser.add_argument("--max-body-bytes", type=int, default=PickerSettings().max_body_bytes)
+    parser.add_argument(
+        "--api-keys-file",
+        type=Path,
+        default=None,
+        help="the tenants YAML (or one key a line) whose keys, priorities and quotas apply (docs/admission.md)",
+    )
     parser.add_argument("--log-level", default="INFO")
     parser.set_defaults(func=run)

@@ -12,6 +12,8 @@ from pathlib import Path
 from herd.api.logs import configure_logging
 from herd.api.manifest import ManifestError, load_manifest
 from herd.api.protocol import TOKEN_ENV, Role
+from herd.api.tracing import configure_tracing
+from herd.orchestrator.access_log import enable_access_log
 from herd.orchestrator.admission.waiting import QueueSettings
 from herd.orchestrator.app import AppSettings, build_app
 from herd.orchestrator.auth import ADMIN_API_KEYS_ENV, load_api_keys
@@ -92,6 +94,10 @@ def load_source(args: argparse.Namespace) -> WorkerSource:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        if args.max_resumes < 0:
+            raise ValueError(f"--max-resumes must be 0 or more, got {args.max_resumes}")
+        if args.batch_concurrency < 1:
+            raise ValueError(f"--batch-concurrency must be at least 1, got {args.batch_concurrency}")
         source = load_source(args)
         api_keys = load_api_keys(args.api_keys_file)
         admin_keys = load_api_keys(args.admin_api_keys_file, ADMIN_API_KEYS_ENV)
@@ -99,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"herd orchestrator: {error}", file=sys.stderr)
         return 2
     configure_logging("orchestrator", args.log_level)
+    configure_tracing("herd-orchestrator", args.otlp_traces_endpoint)
+    enable_access_log(args.access_log)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health poll otherwise
     settings = AppSettings(
         internal_token=args.internal_token or os.environ.get(TOKEN_ENV),
@@ -106,11 +114,14 @@ def run(args: argparse.Namespace) -> int:
         body_timeout=args.body_timeout,
         gateway=GatewaySettings(
             request_timeout=args.request_timeout,
+            max_resumes=args.max_resumes,
+            access_log_prompts=args.access_log_prompts,
             queue=QueueSettings(max_size=args.queue_max_size, max_wait_seconds=args.queue_max_wait),
         ),
         registry=RegistrySettings(poll_interval=args.poll_interval),
         ready_when_synced=args.kubernetes,
         batch_dir=args.batch_dir,
+        batch_concurrency=args.batch_concurrency,
     )
     app = build_app(
         source, settings=settings, state=build_state(args.redis), api_keys=api_keys, admin_keys=admin_keys
@@ -176,7 +187,16 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="serve the Batch API (/v1/files, /v1/batches), keeping its state in this folder",
     )
     parser.add_argument(
+        "--batch-concurrency", type=int, default=8, help="lines of one batch in flight at once (at least 1)"
+    )
+    parser.add_argument(
         "--request-timeout", type=float, default=600.0, help="seconds to wait for a worker's next byte"
+    )
+    parser.add_argument(
+        "--max-resumes",
+        type=int,
+        default=2,
+        help="times a stream whose worker failed mid-answer goes on from another worker (0: never)",
     )
     queue = QueueSettings()
     parser.add_argument(
@@ -209,6 +229,23 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="seconds an idle client connection stays open (longer than clients keep one)",
     )
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        help="export OpenTelemetry spans over OTLP/HTTP to this URL (default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; "
+        "none: tracing off)",
+    )
+    parser.add_argument(
+        "--access-log",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="one JSON line per request on the herd.access logger (tenant, model, worker, tokens, TTFT, status)",
+    )
+    parser.add_argument(
+        "--access-log-prompts",
+        action="store_true",
+        help="put each request's messages or prompt in its access line",
+    )
     parser.set_defaults(func=run)
 
 

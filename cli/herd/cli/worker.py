@@ -24,6 +24,7 @@ from pydantic import ValidationError
 from herd.api.crd import EngineSpec
 from herd.api.logs import configure_logging
 from herd.api.protocol import RENDEZVOUS_PORT, TOKEN_ENV
+from herd.api.tracing import configure_tracing
 
 if TYPE_CHECKING:
     from herd.api.prompt import PromptRenderer
@@ -112,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"herd worker: invalid settings: {error}", file=sys.stderr)
         return 2
     configure_logging("worker", args.log_level)
+    configure_tracing("herd-worker", args.otlp_traces_endpoint)
     if not config.group.is_leader:
         return _follow_leader(config)
     return serve_many(
@@ -238,4 +240,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight work on SIGTERM"
     )
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        help="export OpenTelemetry spans over OTLP/HTTP to this URL (default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; "
+        "none: tracing off)",
+    )
     parser.set_defaults(func=run)

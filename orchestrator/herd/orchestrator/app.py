@@ -62,6 +62,8 @@ class AppSettings:
     batch_dir: Path | None = None
     """Where the Batch API keeps its files and batches (a volume, so they outlive the process);
     ``None``: no ``/v1/files`` and ``/v1/batches`` routes."""
+    batch_concurrency: int = 8
+    """Lines of one batch in flight at once (each waits behind interactive requests)."""
     max_batch_file_bytes: int = 200 * 1024 * 1024
     ready_when_synced: bool = False
     """What ``/ready`` waits for. False (a fixed list of workers): every model has a healthy worker.
@@ -105,7 +107,9 @@ def build_app(
         owned.append(pool)
     runner = None
     if settings.batch_dir is not None:
-        runner = BatchRunner(BatchStore(settings.batch_dir), gateway.forward)
+        runner = BatchRunner(
+            BatchStore(settings.batch_dir), gateway.forward, concurrency=settings.batch_concurrency
+        )
     lifespan = _lifespan(registry, gateway, sampler, source, owned, runner)
     app = FastAPI(
         title="herd orchestrator", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None

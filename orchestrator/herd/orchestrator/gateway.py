@@ -18,6 +18,11 @@
    envelope: a request that broke one worker is never handed to the next.
 4. Every attempt's outcome feeds the worker's circuit breaker (``Hold.release``), which stops routing
    to a worker whose requests keep failing.
+5. A stream is asked of the worker as resumable (``herd.api.resume``): when the worker's connection
+   breaks mid-stream, ``_StreamResume`` sends the request, with the output tokens the client already
+   has, to another worker, and the client's stream goes on from that worker's answer (up to
+   ``max_resumes`` times). A worker that sends a stream without resume marks (the vLLM sidecar's)
+   keeps rule 3: its failure ends the stream with an error event.
 
 When every healthy worker is at its in-flight limit, or every attempt got 429, the client gets 429
 with ``Retry-After``.
@@ -27,26 +32,28 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from opentelemetry.trace import Span, SpanKind, StatusCode, set_span_in_context, use_span
 from starlette.responses import Response
 
 from herd.api.errors import HttpError, enveloped
-from herd.api.openai import EmbeddingRequest
 from herd.api.protocol import REQUEST_ID_HEADER, WORKER_HEADER, is_valid_request_id
-from herd.orchestrator.admission.gate import DEFAULT_EXPECTED_OUTPUT, Admission, Ticket
+from herd.api.resume import RESUMABLE_HEADER, RESUME_FIELD
+from herd.api.tracing import TRACE_HEADERS, context_from, trace_headers, tracer
+from herd.orchestrator.access_log import AccessEntry
+from herd.orchestrator.admission.gate import Admission, Ticket, ticket_for
 from herd.orchestrator.admission.quotas import Quotas
 from herd.orchestrator.admission.targets import slo_target
 from herd.orchestrator.admission.tenants import (
     ANONYMOUS,
     LOWEST_PRIORITY,
-    PRIORITY_HEADER,
     Tenant,
-    effective_priority,
 )
 from herd.orchestrator.admission.usage import StreamTally, Usage, usage_of
 from herd.orchestrator.admission.waiting import QueueSettings
@@ -58,7 +65,8 @@ from herd.orchestrator.model_metrics import ModelMetrics
 from herd.orchestrator.prepare import INLINE_PREPARE_BYTES, Preparer
 from herd.orchestrator.proxy import RelayResponse, StreamEnd
 from herd.orchestrator.registry import Hold, Registry
-from herd.orchestrator.routing import RequestContext, UnroutableError, WorkerView, decide
+from herd.orchestrator.resume import StreamLedger
+from herd.orchestrator.routing import Decision, RequestContext, UnroutableError, WorkerView, decide
 from herd.orchestrator.routing._types import SloMiss
 from herd.orchestrator.routing.latency import LatencyFeatures
 from herd.orchestrator.served import ServedModel
@@ -75,7 +83,11 @@ from herd.orchestrator.validation import ParsedRequest
 
 __all__ = ["Gateway", "GatewaySettings"]
 
+log = logging.getLogger(__name__)
+_tracer = tracer(__name__)
+
 _NOTHING_USED = Usage(0, 0)
+_RESUMABLE = {RESUMABLE_HEADER: "1"}
 _STREAM_ENDS: dict[StreamEnd, tuple[int, Outcome]] = {
     "complete": (200, "success"),
     "worker_failed": (502, "failure"),
@@ -98,6 +110,11 @@ class GatewaySettings:
     slo_miss: SloMiss = "route"
     """What happens to a request with latency targets no worker is predicted to meet, unless its
     ``x-slo-policy`` header says (``herd.orchestrator.routing.SloTarget``)."""
+    access_log_prompts: bool = False
+    """Put each request's messages or prompt in its access-log line (``herd.access``); off by default."""
+    max_resumes: int = 2
+    """Times one stream is taken over by another worker after its worker failed mid-answer; 0 ends
+    such a stream with an error event. A bound, so a request that kills workers kills few."""
     cold_start: ColdStartSettings = field(default_factory=ColdStartSettings)
     """The line of requests for models that scaled to zero (``herd.orchestrator.cold_start``)."""
 
@@ -114,11 +131,31 @@ class _Request:
     ticket: Ticket
     quota_headers: dict[str, str]
     """The tenant's ``x-ratelimit-*`` headers, for the answer."""
+    span: Span
+    """The request's span; every span of the gateway's work on it is a child of it."""
+    trace_headers: dict[str, str]
+    """The ``traceparent`` the client sent, passed on when this process records no span."""
     started: float = field(default_factory=time.perf_counter)
     prefill_seconds: float | None = None
     handoff: Handoff | None = None
     is_two_phase: bool = False
     """A disaggregated model's completion: prefilled on the prefill pool first (an embedding never is)."""
+    upstream_span: Span | None = None
+    """The worker's part: from sending it the request to the end of its answer."""
+    worker_request_id: str | None = None
+    """The id the worker gave the response (its ``X-Request-Id``) when the client sent none."""
+    num_resumes: int = 0
+
+    def end_upstream(self, status: int, error: BaseException | None = None) -> None:
+        span, self.upstream_span = self.upstream_span, None
+        if span is not None:
+            _end(span, status, error)
+
+    def child(self, name: str, attributes: Mapping[str, str | int]) -> Span:
+        return _tracer.start_span(name, context=set_span_in_context(self.span), attributes=attributes)
+
+    def worker_headers(self, span: Span) -> dict[str, str]:
+        return trace_headers(span) or self.trace_headers
 
     @property
     def request_id(self) -> str | None:
@@ -178,27 +215,27 @@ class Gateway:
     ) -> Response:
         """Validate, admit, route and proxy one OpenAI request of ``tenant``; ``path`` is its route
         (``WIRE_MODELS``)."""
-        prepared = await self.preparer.prepare(path, body, headers)
-        served, parsed, ctx = prepared.served, prepared.parsed, prepared.ctx
-        tenant.check_model(served.name)
-        ticket = _ticket(tenant, parsed, headers, len(body), len(ctx.token_ids))
-        use = await self.quotas.admit(tenant, time.time())
-        body = _with_priority(parsed, body, ticket.priority)
-        if (target := slo_target(headers, self.settings.slo_miss)) is not None:
-            ctx = dataclasses.replace(ctx, slo=target)
-        metrics = self._metrics_of(served)
-        request = _Request(
-            served,
-            metrics,
-            path,
-            body,
-            parsed.request.stream,
-            ctx,
-            parsed.payload,
-            ticket,
-            {} if use is None else use.headers(),
-            is_two_phase=served.config.mode == "disaggregated" and parsed.generates,
+        started = time.perf_counter()
+        span = _tracer.start_span(
+            "herd.gateway.request",
+            context=context_from(headers),
+            kind=SpanKind.SERVER,
+            attributes={"http.route": path},
         )
+        try:
+            request = await self._admit(path, body, headers, tenant, span)
+        except BaseException as error:
+            status = error.status if isinstance(error, HttpError) else 500
+            AccessEntry(
+                request_id=headers.get(REQUEST_ID_HEADER),
+                tenant=tenant.name,
+                model=None,
+                route=path,
+                status=status,
+                seconds=time.perf_counter() - started,
+            ).log()
+            _end(span, status, error)
+            raise
         request.metrics.in_flight.inc()
         try:
             return await self._attempt(request)
@@ -207,6 +244,34 @@ class Gateway:
             if request.handoff is not None:
                 await self.disagg.release(request.handoff)
             raise
+
+    async def _admit(
+        self, path: str, body: bytes, headers: Mapping[str, str], tenant: Tenant, span: Span
+    ) -> _Request:
+        """Parse and prepare the request, check its tenant's model and quota: what ``_attempt`` routes."""
+        prepared = await self.preparer.prepare(path, body, headers)
+        served, parsed, ctx = prepared.served, prepared.parsed, prepared.ctx
+        span.set_attributes({"herd.model": served.name, "herd.tenant": tenant.name})
+        tenant.check_model(served.name)
+        ticket = ticket_for(tenant, parsed.request, headers, len(body), len(ctx.token_ids))
+        use = await self.quotas.admit(tenant, time.time())
+        body = _with_priority(parsed, body, ticket.priority)
+        if (target := slo_target(headers, self.settings.slo_miss)) is not None:
+            ctx = dataclasses.replace(ctx, slo=target)
+        return _Request(
+            served,
+            self._metrics_of(served),
+            path,
+            body,
+            parsed.request.stream,
+            ctx,
+            parsed.payload,
+            ticket,
+            {} if use is None else use.headers(),
+            span,
+            {name: value for name in TRACE_HEADERS if (value := headers.get(name)) is not None},
+            is_two_phase=served.config.mode == "disaggregated" and parsed.generates,
+        )
 
     def _metrics_of(self, served: ServedModel) -> ModelMetrics:
         metrics = self._metrics.get(served.name)
@@ -219,14 +284,21 @@ class Gateway:
         tried: set[str] = set()
         error: HttpError | None = None
         for _ in range(self.settings.max_attempts):
+            queued = request.child("herd.gateway.admission", {"herd.priority": request.ticket.priority})
             try:
                 route = await self.admission.route(
                     request.served.name, request.ticket, lambda: self._routed(request, tried)
                 )
             except UnroutableError as refusal:
+                _end(queued, 429 if refusal.reason != "no_healthy_worker" else 503, refusal)
                 if error is not None and refusal.reason == "no_healthy_worker":
                     raise error from None  # every worker was tried: the last one's answer stands
                 raise self._refused(request.served, refusal) from None
+            except BaseException as failure:
+                _end(queued, failure.status if isinstance(failure, HttpError) else 500, failure)
+                raise
+            queued.set_attribute("herd.worker", route.worker.id)
+            queued.end()
             tried.add(route.worker.id)
             try:
                 return await self._serve(request, route)
@@ -259,7 +331,11 @@ class Gateway:
         if tried:
             ctx = dataclasses.replace(ctx, excluded=frozenset(tried))
         started = time.perf_counter()
-        decision = decide(served, self.registry.all_views(served.name), ctx)
+        with _tracer.start_as_current_span(
+            "herd.gateway.route", context=set_span_in_context(request.span)
+        ) as span:
+            decision = decide(served, self.registry.all_views(served.name), ctx)
+            span.set_attributes(_decision_attributes(served, decision))
         request.metrics.decision.observe(time.perf_counter() - started)
         if decision.expected_blocks:
             request.metrics.cache_hit_blocks.observe(decision.num_cached_blocks)
@@ -312,7 +388,12 @@ class Gateway:
         """Prefill on the decision's prefill worker, or hand the prompt ids to the decode worker."""
         handoff = None
         if prefill is not None:
-            handoff = await self.disagg.prefill(request.served, request.ctx, request.payload, prefill)
+            with _tracer.start_as_current_span(
+                "herd.gateway.prefill",
+                context=set_span_in_context(request.span),
+                attributes={"herd.worker": prefill.worker_id},
+            ):
+                handoff = await self.disagg.prefill(request.served, request.ctx, request.payload, prefill)
         if handoff is not None:
             request.body, request.prefill_seconds, request.handoff = (
                 handoff.body,
@@ -354,6 +435,7 @@ class Gateway:
         stream's first-token time and pace, from the moment it was sent, fit the latency model."""
         sent = time.perf_counter()
         upstream = await self._open(request, worker, body)
+        request.worker_request_id = upstream.headers.get(REQUEST_ID_HEADER.lower())
         headers = {**request.quota_headers, WORKER_HEADER: worker.id}
         if request.is_stream and upstream.status_code == httpx.codes.OK:
             hold.prefilled()  # the first chunk is out: the worker's prefill is no longer queued work
@@ -365,18 +447,20 @@ class Gateway:
             if request.prefill_seconds is not None:
                 self.disagg.observe_decode(request.served, ttft - request.prefill_seconds)
             tally = StreamTally()
+            resume = _StreamResume(self, request, hold, upstream)
             return RelayResponse(
                 upstream,
                 headers=headers,
                 on_done=lambda ending: self._stream_done(
                     request,
-                    hold,
+                    resume.hold,
                     ending,
                     ttft,
                     tally.total(request.ticket.num_prompt_tokens),
-                    (features, first),
+                    (None if request.num_resumes else features, first),
                 ),
                 on_chunk=tally.observe,
+                resumer=resume if resume.is_resumable else None,
             )
         try:
             content = await upstream.read_rest()
@@ -397,11 +481,35 @@ class Gateway:
         await self.quotas.spend(request.ticket.tenant, usage.total_tokens, time.time())
         return Response(content, status, headers=headers)
 
-    async def _open(self, request: _Request, worker: WorkerView, body: bytes) -> Upstream:
-        """The worker's answer up to its first chunk; ``_NotServedError`` when another worker may take it."""
+    async def _open(
+        self, request: _Request, worker: WorkerView, body: bytes | None = None, request_id: str | None = None
+    ) -> Upstream:
+        """The worker's answer up to its first chunk (to ``body``, by default the request's own);
+        ``_NotServedError`` when another worker may take it. Its span is the request's
+        ``upstream_span`` from here on."""
+        span = request.upstream_span = request.child("herd.gateway.upstream", {"herd.worker": worker.id})
+        headers = request.worker_headers(span)
+        if request.is_stream:
+            headers.update(_RESUMABLE)
+        try:
+            return await self._post(
+                request, worker, request.body if body is None else body, request_id, headers
+            )
+        except BaseException as error:
+            request.end_upstream(error.error.status if isinstance(error, _NotServedError) else 502, error)
+            raise
+
+    async def _post(
+        self,
+        request: _Request,
+        worker: WorkerView,
+        body: bytes,
+        request_id: str | None,
+        headers: dict[str, str],
+    ) -> Upstream:
         try:
             upstream = await self.upstream.post(
-                worker.url + request.path, body, request_id=request.request_id
+                worker.url + request.path, body, request_id=request_id or request.request_id, headers=headers
             )
         except NotAnsweredError as error:
             self.registry.report_failure(worker.id, str(error))  # a killed worker: eject it now
@@ -420,6 +528,28 @@ class Gateway:
                 self._unavailable(request.served, worker, upstream.status_code, retry_after), "none"
             )
         return upstream
+
+    async def reopen(
+        self, request: _Request, body: bytes, request_id: str | None, tried: set[str]
+    ) -> tuple[Hold, Upstream]:
+        """A resumed stream's answer from a worker not in ``tried`` (``_StreamResume``): routed as the
+        request was, its admission not charged again, its prefill (if any) done by that worker."""
+        ticket = dataclasses.replace(request.ticket, num_prompt_tokens=0, num_expected_output=0)
+        for _ in range(self.settings.max_attempts):
+            route = await self.admission.route(
+                request.served.name, ticket, lambda: self._routed(request, tried)
+            )
+            tried.add(route.worker.id)
+            if route.prefill_hold is not None:
+                route.prefill_hold.release("none")
+            try:
+                return route.hold, await self._open(request, route.worker, body, request_id)
+            except _NotServedError as not_served:
+                route.hold.release(not_served.outcome)
+            except BaseException:
+                route.hold.release("none")
+                raise
+        raise HttpError(503, "no worker took the resumed stream")
 
     def _unavailable(
         self, served: ServedModel, worker: WorkerView, status: int, retry_after: str
@@ -458,27 +588,114 @@ class Gateway:
     ) -> None:
         hold.release(outcome)
         self.admission.finished(request.served.name, request.ticket, usage.completion_tokens)
-        self._count(request, hold.worker_id, status, ttft)
+        self._count(request, hold.worker_id, status, ttft, usage)
 
-    def _count(self, request: _Request, worker_id: str, status: int, ttft: float | None) -> None:
+    def _count(
+        self, request: _Request, worker_id: str, status: int, ttft: float | None, usage: Usage | None = None
+    ) -> None:
+        """The request ended with ``status``: its metrics, its spans and its access-log line."""
         metrics = request.metrics
+        seconds = time.perf_counter() - request.started
         metrics.count_finished(worker_id, status)
-        metrics.e2e.observe(time.perf_counter() - request.started)
+        metrics.e2e.observe(seconds)
         metrics.in_flight.dec()
         self.telemetry.recent.record(ttft)
+        request.end_upstream(status)
+        if usage is not None:
+            request.span.set_attributes(
+                {"herd.prompt_tokens": usage.prompt_tokens, "herd.completion_tokens": usage.completion_tokens}
+            )
+        _end(request.span, status)
+        entry = AccessEntry(
+            request_id=request.request_id or request.worker_request_id,
+            tenant=request.ticket.tenant.name,
+            model=request.served.name,
+            route=request.path,
+            status=status,
+            seconds=seconds,
+            worker=worker_id or None,
+            is_stream=request.is_stream,
+            usage=usage,
+            ttft=ttft,
+            num_resumes=request.num_resumes,
+            prompt=_prompt_of(request.payload) if self.settings.access_log_prompts else None,
+        )
+        entry.log()
 
 
-def _ticket(
-    tenant: Tenant, parsed: ParsedRequest, headers: Mapping[str, str], size: int, num_prompt_tokens: int
-) -> Ticket:
-    """The request's admission ticket; an untokenized prompt counts as ``size / 4`` tokens."""
-    request = parsed.request
-    priority = effective_priority(tenant, request.priority, headers.get(PRIORITY_HEADER))
-    if isinstance(request, EmbeddingRequest):
-        num_output = 0  # an embedding generates no tokens
-    else:
-        num_output = (request.output_limit or DEFAULT_EXPECTED_OUTPUT) * request.n
-    return Ticket(tenant, priority, num_prompt_tokens or size // 4, num_output)
+class _StreamResume:
+    """One stream's side of ``herd.api.resume`` in the gateway: the ``StreamLedger`` of what its
+    client has and, when its worker fails mid-answer, the same request with those tokens sent to
+    another worker (``Gateway.reopen``). ``hold`` is the worker serving the stream now."""
+
+    def __init__(self, gateway: Gateway, request: _Request, hold: Hold, upstream: Upstream) -> None:
+        self.gateway = gateway
+        self.request = request
+        self.hold = hold
+        self.is_resumable = _is_resumable(upstream)
+        self.request_id = upstream.headers.get(REQUEST_ID_HEADER.lower())
+        """The worker's id for the response, so the next worker's chunks carry the same ``id``."""
+        self.ledger = StreamLedger()
+        self.tried = {hold.worker_id}
+
+    async def resume(self, error: UpstreamError) -> Upstream | None:
+        gateway, request = self.gateway, self.request
+        failed = self.hold.worker_id
+        gateway.registry.report_failure(failed, f"its stream broke mid-answer ({error})")
+        self.hold.release("failure")
+        request.end_upstream(502, error)
+        if request.num_resumes >= gateway.settings.max_resumes:
+            self._failed(failed, "the stream was resumed as often as allowed")
+            return None
+        request.num_resumes += 1
+        span = request.child(
+            "herd.gateway.resume",
+            {"herd.failed_worker": failed, "herd.num_tokens_sent": self.ledger.num_tokens},
+        )
+        with use_span(span, end_on_exit=True):
+            return await self._reopen(failed)
+
+    async def _reopen(self, failed: str) -> Upstream | None:
+        gateway, request = self.gateway, self.request
+        try:
+            self.hold, upstream = await gateway.reopen(request, self._body(), self.request_id, self.tried)
+        except (HttpError, UnroutableError) as refusal:
+            self._failed(failed, str(refusal))
+            return None
+        if upstream.status_code != httpx.codes.OK or not _is_resumable(upstream):
+            await upstream.aclose()
+            self.hold.release("failure")
+            request.end_upstream(upstream.status_code)
+            self._failed(failed, f"worker {self.hold.worker_id} answered {upstream.status_code}")
+            return None
+        gateway.telemetry.resumes.labels(request.served.name, "resumed").inc()
+        log.info(
+            "stream resumed on another worker",
+            extra={
+                "model": request.served.name,
+                "failed_worker": failed,
+                "worker": self.hold.worker_id,
+                "num_tokens_sent": self.ledger.num_tokens,
+            },
+        )
+        return upstream
+
+    def _body(self) -> bytes:
+        """The request as first sent, with the client's tokens (and, disaggregated, the prompt ids
+        the gateway rendered: the new worker prefills them itself)."""
+        request = self.request
+        payload = {**request.payload, RESUME_FIELD: self.ledger.resume_params().model_dump()}
+        if request.served.config.mode == "disaggregated" and request.ctx.token_ids:
+            payload["kv_transfer_params"] = {"prompt_token_ids": request.ctx.token_ids}
+        return json.dumps(payload).encode()
+
+    def _failed(self, worker_id: str, reason: str) -> None:
+        self.gateway.telemetry.resumes.labels(self.request.served.name, "failed").inc()
+        log.warning("a broken stream was not resumed", extra={"failed_worker": worker_id, "reason": reason})
+
+
+def _is_resumable(upstream: Upstream) -> bool:
+    return upstream.headers.get(RESUMABLE_HEADER.lower()) == "1"
 
 
 def _with_priority(parsed: ParsedRequest, body: bytes, priority: int) -> bytes:
@@ -492,3 +709,28 @@ def _with_priority(parsed: ParsedRequest, body: bytes, priority: int) -> bytes:
 def _no_envelope(status: int, worker_id: str) -> Callable[[Any], str]:
     """The message for a worker's error answer that is not an OpenAI error envelope."""
     return lambda _: f"worker {worker_id} answered {status} without an OpenAI error body; retry the request"
+
+
+def _end(span: Span, status: int, error: BaseException | None = None) -> None:
+    """End ``span`` with the HTTP ``status`` it came to (an error from 500 on, as OpenTelemetry's
+    HTTP conventions have it for servers)."""
+    span.set_attribute("http.response.status_code", status)
+    if status >= 500:
+        span.set_status(StatusCode.ERROR, None if error is None else f"{type(error).__name__}: {error}")
+    span.end()
+
+
+def _decision_attributes(served: ServedModel, decision: Decision) -> dict[str, str | int | bool]:
+    attributes: dict[str, str | int | bool] = {
+        "herd.worker": decision.worker.id,
+        "herd.strategy": served.config.routing.strategy,
+        "herd.cached_blocks": decision.num_cached_blocks,
+        "herd.slo_missed": decision.is_slo_missed,
+    }
+    if decision.prefill is not None:
+        attributes["herd.prefill_worker"] = decision.prefill.id
+    return attributes
+
+
+def _prompt_of(payload: Mapping[str, Any]) -> Any:
+    return payload.get("messages", payload.get("prompt"))

@@ -6,7 +6,8 @@ so the same body yields the same ``RequestContext`` and so the same choice:
 1. the body is parsed with its route's OpenAI wire model (``herd.orchestrator.validation``);
 2. its model is looked up among those served, or among their LoRA adapters (404 naming the served
    ones otherwise);
-3. a completion for a model that routes by tokens, or serves disaggregated, has its prompt rendered,
+3. a completion for a model that routes by tokens, or serves disaggregated, or one that carries latency
+   targets (``x-slo-*``: the SLO choice predicts from prompt lengths) has its prompt rendered,
    tokenized, length-checked against maxModelLen and hashed (with its LoRA adapter, as the workers hash
    it), once. A body of ``inline_bytes`` or more is parsed
    and tokenized on a small thread pool, so a multi-MB prompt never stalls the event loop
@@ -26,6 +27,7 @@ from herd.api.errors import HttpError
 from herd.api.kv_hash import block_hashes
 from herd.api.openai import LengthError
 from herd.api.prompt import PromptError, PromptThreads
+from herd.orchestrator.admission.targets import has_slo_headers
 from herd.orchestrator.registry import Registry
 from herd.orchestrator.routing import RequestContext, pin_key
 from herd.orchestrator.served import RendererUnavailableError, ServedModel
@@ -101,7 +103,9 @@ class Preparer:
         size: int,
         lora_name: str | None,
     ) -> RequestContext:
-        is_tokenized = served.needs_tokens and parsed.generates
+        # A request with latency targets is tokenized whatever the strategy: the SLO choice predicts
+        # from its uncached prompt and from the prefill tokens in flight on each worker, both 0 without.
+        is_tokenized = parsed.generates and (served.needs_tokens or has_slo_headers(headers))
         token_ids, hashes = await self._tokens(served, parsed, size, lora_name) if is_tokenized else ((), ())
         session_key = headers.get(served.session_header)
         pinned = None

@@ -67,6 +67,12 @@ class Telemetry:
         self.retries = Counter(
             names.HERD_ROUTER_RETRIES_TOTAL, "Retries on another worker.", ["model"], registry=reg
         )
+        self.resumes = Counter(
+            names.HERD_ROUTER_RESUMES_TOTAL,
+            "Streams whose worker failed mid-answer, by whether another worker took them over.",
+            ["model", "outcome"],
+            registry=reg,
+        )
         self.decision = Histogram(
             names.HERD_ROUTER_DECISION_SECONDS,
             "Routing decision time.",

@@ -106,9 +106,16 @@ class Upstream:
 class UpstreamClient(Protocol):
     """What the gateway needs to reach a worker (``UpstreamPool``; tests substitute fakes)."""
 
-    async def post(self, url: str, body: bytes, *, request_id: str | None = None) -> Upstream:
-        """POST the JSON ``body`` to ``url`` (with ``X-Request-Id`` when given) and wait for the first
-        body chunk; raises ``UpstreamError``."""
+    async def post(
+        self,
+        url: str,
+        body: bytes,
+        *,
+        request_id: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> Upstream:
+        """POST the JSON ``body`` to ``url`` (with ``X-Request-Id`` when given, and ``headers``, herd's
+        own ASCII headers) and wait for the first body chunk; raises ``UpstreamError``."""
         ...
 
     async def aclose(self) -> None: ...
@@ -146,9 +153,20 @@ class UpstreamPool:
         self._idle: dict[tuple[str, int], collections.deque[_Connection]] = {}
         self._targets: dict[str, _Target] = {}
 
-    async def post(self, url: str, body: bytes, *, request_id: str | None = None) -> Upstream:
+    async def post(
+        self,
+        url: str,
+        body: bytes,
+        *,
+        request_id: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> Upstream:
         target = self._target(url)
         extra = b"\r\nx-request-id: %b" % request_id.encode("ascii") if request_id else b""
+        if headers:
+            extra += b"".join(
+                b"\r\n%b: %b" % (n.encode("ascii"), v.encode("ascii")) for n, v in headers.items()
+            )
         request = b"%b%d%b\r\n\r\n%b" % (target.head, len(body), extra, body)
         while True:
             connection, is_reused = await self._acquire(target)

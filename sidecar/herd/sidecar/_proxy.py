@@ -2,8 +2,12 @@
 
 Bodies and answers stream through as they come (an SSE stream is never buffered); a client that
 hangs up closes the connection to vLLM, which aborts the request. What herd's gateway sends a herd
-worker that vLLM must not see is taken out: the internal token header, and ``kv_transfer_params``
-(herd's disaggregation handoff, which a vLLM worker does not take part in). An error vLLM answers
+worker that vLLM must not see is taken out: the internal token header, the resumable-stream
+request header, and ``kv_transfer_params`` (herd's disaggregation handoff, which a vLLM worker does
+not take part in). A vLLM worker streams no resume marks, so the gateway never resumes its streams
+on another worker; a continuation (``herd_resume``) is refused with a 400: vLLM cannot append tokens
+as its own output (its seeded generator, penalties over the output, grammar state and stop-string
+window would all start again), so it could not go on exactly. An error vLLM answers
 outside the OpenAI envelope (FastAPI's ``{"detail": ...}``) is put in one; vLLM unreachable is a 503
 with ``Retry-After``.
 """
@@ -24,16 +28,21 @@ from starlette.routing import Route
 from herd.api.errors import HttpError, enveloped, route_message
 from herd.api.openai import ErrorResponse
 from herd.api.protocol import TOKEN_HEADER
+from herd.api.resume import RESUMABLE_HEADER, RESUME_FIELD
 
 __all__ = ["RETRY_AFTER_S", "build_public_app", "error_response"]
 
 RETRY_AFTER_S = "1"
 _NOT_FORWARDED = frozenset(
     {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade",
-     "accept-encoding", "date", "server", TOKEN_HEADER.lower()}
+     "accept-encoding", "date", "server", TOKEN_HEADER.lower(), RESUMABLE_HEADER.lower()}
 )  # fmt: skip
 _HERD_ONLY_FIELDS = ("kv_transfer_params",)
 _METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH"]
+_NO_RESUME = (
+    f"the vLLM backend cannot resume a stream ({RESUME_FIELD}): vLLM cannot continue a seeded sampler, "
+    "its penalties, a grammar or a stop string over tokens it did not sample; send the request again"
+)
 
 
 def error_response(error: HttpError) -> JSONResponse:
@@ -78,12 +87,16 @@ def _unavailable(vllm: httpx.AsyncClient, state: str) -> HttpError:
 
 
 async def _forward(vllm: httpx.AsyncClient, request: Request) -> Response:
+    try:
+        content = _without_herd_fields(await request.body())
+    except HttpError as error:
+        return error_response(error)
     upstream_request = vllm.build_request(
         request.method,
         request.url.path,
         params=request.url.query,
         headers=_forwarded(request.headers.items()),
-        content=_without_herd_fields(await request.body()),
+        content=content,
     )
     try:
         upstream = await vllm.send(upstream_request, stream=True)
@@ -110,8 +123,9 @@ def _forwarded(headers: Iterable[tuple[str, str]]) -> dict[str, str]:
 
 
 def _without_herd_fields(body: bytes) -> bytes:
-    """The body without herd's own fields (parsed only when one may be there)."""
-    if not any(field.encode() in body for field in _HERD_ONLY_FIELDS):
+    """The body without herd's own fields (parsed only when one may be there); ``HttpError`` for a
+    continuation of a stream, which vLLM cannot run exactly."""
+    if not any(field.encode() in body for field in (*_HERD_ONLY_FIELDS, RESUME_FIELD)):
         return body
     try:
         payload = json.loads(body)
@@ -119,6 +133,8 @@ def _without_herd_fields(body: bytes) -> bytes:
         return body  # not JSON: vLLM answers it with its own 400
     if not isinstance(payload, dict):
         return body
+    if RESUME_FIELD in payload:
+        raise HttpError(400, _NO_RESUME, param=RESUME_FIELD)
     for field in _HERD_ONLY_FIELDS:
         payload.pop(field, None)
     return json.dumps(payload).encode()

@@ -28,13 +28,15 @@ from support.epp_fakes import (
     response_headers_message,
     running_epp,
 )
-from support.gateway_fakes import FakeCluster, FakeWorker, wait_for
+from support.gateway_fakes import FAST_REGISTRY, FakeCluster, FakeWorker, wait_for
 
 from herd.api.crd import KVCacheAwareRouting
 from herd.api.kv_hash import block_hashes
 from herd.api.prompt import PromptRenderer
+from herd.orchestrator.admission.waiting import QueueSettings
 from herd.orchestrator.discovery import Membership
-from herd.orchestrator.epp.server import EXT_PROC_SERVICE, build_epp
+from herd.orchestrator.epp.picker import PickerSettings
+from herd.orchestrator.epp.server import EXT_PROC_SERVICE, EppSettings, build_epp
 from herd.orchestrator.state import MemoryState
 from herd.orchestrator.tokens import prompt_token_ids
 from herd.orchestrator.validation import parse_request
@@ -121,7 +123,9 @@ async def test_no_ready_endpoint_in_the_subset_is_a_503_with_retry_after() -> No
 
 async def test_no_healthy_worker_is_503_and_every_worker_full_is_429() -> None:
     cluster = FakeCluster([FakeWorker("w0")])
-    async with running_epp(cluster, model_config={"max_in_flight_per_worker": 1}) as epp:
+    short_wait = PickerSettings(queue=QueueSettings(max_wait_seconds=0.2))  # the queue's limit, then 429
+    settings = EppSettings(registry=FAST_REGISTRY, picker=short_wait)
+    async with running_epp(cluster, model_config={"max_in_flight_per_worker": 1}, settings=settings) as epp:
         held = epp.stream()
         await held.request(chat_body())
         status, headers, error = await _refusal(epp, chat_body())

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from support.gateway_fakes import MODEL, FakeCluster, FakeWorker, running_gateway
 
-from herd.api.crd import KVCacheAwareRouting
+from herd.api.crd import KVCacheAwareRouting, LeastRequestRouting
 from herd.api.prompt import PromptRenderer
 
 
@@ -48,3 +48,26 @@ async def test_first_load_off_the_loop_then_small_bodies_inline(
     assert (first.status_code, second.status_code) == (200, 200)
     assert [name.startswith("herd-prepare") for name in loads.names] == [True]
     assert encodes.names == [threading.main_thread().name]
+
+
+@pytest.mark.parametrize(
+    ("headers", "is_tokenized"),
+    [
+        ({}, False),  # least_request routes by load alone
+        ({"x-slo-ttft-ms": "2000"}, True),  # the SLO choice needs the prompt's length
+        ({"x-slo-tpot-ms": "50"}, True),
+    ],
+)
+async def test_a_load_only_strategy_tokenizes_the_requests_with_latency_targets(
+    tiny_llama: Path, headers: dict[str, str], is_tokenized: bool
+) -> None:
+    config = {"model_path": tiny_llama, "max_model_len": 4096}
+    cluster = FakeCluster([FakeWorker("w0")])
+    body = {"model": MODEL, "prompt": "hello " * 40, "max_tokens": 2}
+    async with running_gateway(
+        cluster, routing=LeastRequestRouting(strategy="least_request"), model_config=config
+    ) as (app, client):
+        response = await client.post("/v1/completions", json=body, headers=headers)
+        served = app.state.registry.models[MODEL]
+        assert response.status_code == 200
+        assert served.has_renderer is is_tokenized

@@ -80,7 +80,7 @@ async def test_a_worker_error_without_an_envelope_is_wrapped_in_one() -> None:
 class _PlainTextErrors:
     """An upstream client whose worker answers 502 with an HTML page (a proxy in front of it, say)."""
 
-    async def post(self, url: str, body: bytes, *, request_id: str | None = None) -> Upstream:
+    async def post(self, url: str, body: bytes, **_: object) -> Upstream:
         return Upstream(502, {"content-type": "text/html"}, b"<html>bad gateway</html>", _Done())
 
     async def aclose(self) -> None:

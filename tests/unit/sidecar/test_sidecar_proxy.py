@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from herd.api.protocol import TOKEN_HEADER
+from herd.api.resume import RESUMABLE_HEADER, RESUME_FIELD
 from herd.sidecar._proxy import build_public_app
 
 VLLM = "http://127.0.0.1:1"
@@ -56,17 +57,38 @@ async def client(vllm: _VLLM) -> AsyncIterator[httpx.AsyncClient]:
         yield client
 
 
-async def test_herd_only_fields_and_the_token_do_not_reach_vllm(
+async def test_herd_only_fields_and_the_token_do_not_reach_vllm_and_the_trace_does(
     vllm: _VLLM, client: httpx.AsyncClient
 ) -> None:
     body = {"model": "m", "messages": [], "kv_transfer_params": {"prompt_token_ids": [1]}}
-    headers = {TOKEN_HEADER: "secret", "X-Request-Id": "r-1"}
+    traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    headers = {TOKEN_HEADER: "secret", "X-Request-Id": "r-1", "traceparent": traceparent}
     response = await client.post("/v1/chat/completions?x=1", json=body, headers=headers)
     assert response.status_code == 200 and response.json() == {"ok": True}
     sent = vllm.requests[-1]
     assert (sent.url.path, sent.url.query) == ("/v1/chat/completions", b"x=1")
     assert json.loads(vllm.bodies[-1]) == {"model": "m", "messages": []}
     assert TOKEN_HEADER.lower() not in sent.headers and sent.headers["x-request-id"] == "r-1"
+    assert sent.headers["traceparent"] == traceparent  # vLLM's own tracing joins the gateway's trace
+
+
+async def test_a_stream_is_never_resumable_and_a_continuation_is_refused(
+    vllm: _VLLM, client: httpx.AsyncClient
+) -> None:
+    """vLLM cannot go on exactly from tokens it did not sample (seeded generator, penalties, grammar,
+    stop strings): the sidecar asks for no marks, so herd's gateway never resumes a vLLM stream, and
+    refuses a continuation outright."""
+    headers = {TOKEN_HEADER: "secret", RESUMABLE_HEADER: "1"}
+    body = {"model": "m", "messages": [], "stream": True}
+    answered = await client.post("/v1/chat/completions", json=body, headers=headers)
+    assert answered.status_code == 200 and RESUMABLE_HEADER.lower() not in answered.headers
+    assert RESUMABLE_HEADER.lower() not in vllm.requests[-1].headers
+    num_sent = len(vllm.requests)
+    resume = {"created": 1, "choices": [{"index": 0, "token_ids": [5, 6]}]}
+    refused = await client.post("/v1/chat/completions", json={**body, RESUME_FIELD: resume}, headers=headers)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == RESUME_FIELD
+    assert "cannot resume a stream" in refused.json()["error"]["message"]
+    assert len(vllm.requests) == num_sent
 
 
 async def test_a_body_without_herd_fields_goes_as_sent(vllm: _VLLM, client: httpx.AsyncClient) -> None:

@@ -119,6 +119,33 @@ def test_an_urgent_arrival_preempts_the_least_urgent_running_sequence() -> None:
     assert ("c", 4) in plan(fourth) and urgent.status is SequenceStatus.RUNNING
 
 
+@pytest.mark.parametrize(
+    ("running", "arrival", "max_batch_size", "preempted", "starts"),
+    [
+        ([("a", 5), ("b", 1)], ("c", 0), 2, "a", True),  # every seat taken: the least urgent gives it up
+        ([("a", 1), ("b", 1)], ("c", 0), 2, "b", True),  # equally urgent ones: the newest
+        ([("a", 5), ("b", 1)], ("c", 0), 3, "", True),  # a seat is free: nobody
+        ([("a", 0), ("b", 1)], ("c", 1), 2, "", False),  # nothing less urgent runs: it waits
+    ],
+)
+def test_an_urgent_arrival_takes_a_seat_of_a_full_batch(
+    running: list[tuple[str, int]],
+    arrival: tuple[str, int],
+    max_batch_size: int,
+    preempted: str,
+    starts: bool,
+) -> None:
+    scheduler = make_scheduler(num_blocks=64, budget=64, max_batch_size=max_batch_size)
+    for name, priority in running:
+        add(scheduler, name, 4, max_tokens=8, priority=priority)
+    run_step(scheduler)
+    urgent = add(scheduler, arrival[0], 4, max_tokens=2, priority=arrival[1])
+    steps = [run_step(scheduler), run_step(scheduler)]
+    assert "".join(seq.request_id for seq in steps[0].preempted) == preempted
+    assert any(chunk.seq is urgent for step in steps for chunk in step.chunks) == starts
+    assert len(scheduler.running) <= max_batch_size
+
+
 def test_an_arrival_never_preempts_an_equally_urgent_sequence() -> None:
     scheduler = make_scheduler(num_blocks=4, budget=64)
     add(scheduler, "a", 4, max_tokens=8, priority=1)

@@ -21,7 +21,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncGenerator, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -156,12 +156,14 @@ class AsyncEngine:
         params: SamplingParams,
         cache_salt: str | None = None,
         first_token_id: int | None = None,
+        resumed_token_ids: Sequence[int] = (),
         lora_name: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Add a request (with LoRA adapter ``lora_name``, or the base model) and yield its outputs
         until it finishes.
 
-        A ``first_token_id`` handed over by a prefill worker is yielded as soon as the request is
+        A ``first_token_id`` handed over by a prefill worker, or the ``resumed_token_ids`` of a stream
+        another worker began (one output, ``is_resumed``), is yielded as soon as the request is
         added, before any step computes. Raises the engine's admission errors (``QueueFullError``,
         ``PromptTooLongError``) before the first output, ``EngineDrainingError`` while draining,
         ``ValueError`` on a duplicate id. Closing or cancelling the iteration aborts the request.
@@ -183,6 +185,7 @@ class AsyncEngine:
                         params,
                         cache_salt=cache_salt,
                         first_token_id=first_token_id,
+                        resumed_token_ids=resumed_token_ids,
                         lora_name=lora_name,
                     )
                 )

@@ -32,6 +32,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Iterable
+from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 from herd.api.kv_hash import BlockHash, root_hash
 from herd.api.prompt import PromptRenderer
 from herd.api.protocol import KVEvent, KVSnapshot, LoadReport, WorkerInfo
+from herd.api.resume import RESUME_FIELD
 from herd.worker.block_manager import BlockManager
 from herd.worker.config import EngineConfig
 from herd.worker.detokenizer import IncrementalDetokenizer
@@ -46,7 +48,7 @@ from herd.worker.kv_tiers import KVTierError
 from herd.worker.outputs import FinishReason, RequestOutput
 from herd.worker.pooling import PoolingConfig
 from herd.worker.runner import PooledOutput, Runner, SampledToken, SpeculatedTokens, StepResult
-from herd.worker.sampling_params import SamplingParams, check_token_ids
+from herd.worker.sampling_params import InvalidParamError, SamplingParams, check_token_ids
 from herd.worker.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from herd.worker.sequence import Sequence
 from herd.worker.speculative.policy import Choice, SpeculationPolicy
@@ -175,6 +177,7 @@ class LLMEngine:
         *,
         cache_salt: str | None = None,
         first_token_id: int | None = None,
+        resumed_token_ids: SequenceOf[int] = (),
         lora_name: str | None = None,
     ) -> RequestOutput | None:
         """Queue a request; raises ``QueueFullError``, ``PromptTooLongError``, ``UnknownLoraError``
@@ -184,12 +187,26 @@ class LLMEngine:
         request's settings): it is appended now, through the same stop checks and detokenizer as a
         sampled token, and returned as the request's first output; the steps then compute the
         prompt's uncached tail with it and sample the second token. Without it, returns None.
+
+        ``resumed_token_ids`` are output tokens another worker already streamed (``herd.api.resume``):
+        they are appended as if sampled here (grammar, detokenizer, budgets; the sampler advances a
+        seeded generator over them) and returned as one output marked ``is_resumed``, whose text the
+        client already has; the steps then compute prompt and tokens and sample the next one.
         """
         self._check_request(request_id, prompt_token_ids, params)
         if lora_name is not None and lora_name not in self.lora_adapters:
             raise UnknownLoraError(self._unknown_lora(lora_name))
         if first_token_id is not None:
             check_token_ids([first_token_id], self.vocab_size, param="kv_transfer_params")
+        if resumed_token_ids:
+            check_token_ids(resumed_token_ids, self.vocab_size, param=RESUME_FIELD)
+            if params.seed is not None and self.speculation is not None:
+                raise InvalidParamError(
+                    RESUME_FIELD,
+                    "a seeded stream cannot resume on a worker that speculates (its draws differ from "
+                    "one token at a time): the stream ends here; send it again, or serve it without "
+                    "engine.speculative",
+                )
         seq = Sequence(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -205,11 +222,14 @@ class LLMEngine:
             )
             first_token_id = None
         detokenizer = IncrementalDetokenizer(self.renderer, prompt_token_ids, params.stop)
+        resumed = (
+            _resume(seq, detokenizer, resumed_token_ids, self._finish_reason) if resumed_token_ids else None
+        )
         self._requests[request_id] = _Request(seq, detokenizer)
         self.scheduler.add(seq)
         self.stats.prompt_tokens += len(prompt_token_ids)
         if first_token_id is None:
-            return None
+            return resumed
         return self._advance(ScheduledChunk(seq, 0), SampledToken(first_token_id, None))
 
     def _check_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -647,6 +667,46 @@ class LLMEngine:
                 if output.request_id in results:
                     _merge(results[output.request_id], output)
         return [results[request_id] for request_id in ids]
+
+
+def _resume(
+    seq: Sequence,
+    detokenizer: IncrementalDetokenizer,
+    token_ids: SequenceOf[int],
+    finish_reason: Callable[[Sequence, int], FinishReason | None],
+) -> RequestOutput:
+    """Append the output tokens another worker streamed, token by token as they were sampled there
+    (the stop-string window depends on ``min_tokens`` at each one); their text is the output's."""
+    parts = []
+    for token_id in token_ids:
+        if seq.grammar is not None:
+            _resumed_check(seq.grammar.accepts(token_id), f"token {token_id} breaks the output's grammar")
+            seq.grammar.advance(token_id)
+        seq.append_token(token_id, None)
+        may_stop = seq.num_output_tokens >= seq.params.min_tokens
+        parts.append(detokenizer.add([token_id], may_stop=may_stop))
+        _resumed_check(
+            finish_reason(seq, token_id) is None and not detokenizer.is_stopped,
+            f"the choice would have finished at its token {seq.num_output_tokens}",
+        )
+    return RequestOutput(
+        request_id=seq.request_id,
+        new_token_ids=list(token_ids),
+        new_text="".join(parts),
+        finished=False,
+        finish_reason=None,
+        num_prompt_tokens=seq.num_prompt_tokens,
+        num_cached_tokens=0,
+        num_output_tokens=seq.num_output_tokens,
+        is_resumed=True,
+    )
+
+
+def _resumed_check(is_ok: bool, problem: str) -> None:
+    if not is_ok:
+        raise InvalidParamError(
+            RESUME_FIELD, f"{RESUME_FIELD} holds output tokens this request cannot have produced: {problem}"
+        )
 
 
 def _adapters(seqs: Iterable[Sequence]) -> list[str]:

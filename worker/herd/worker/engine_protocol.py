@@ -10,7 +10,7 @@ against it alone, so another front can serve the same routes.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
@@ -51,6 +51,7 @@ class EngineCore(Protocol):
         *,
         cache_salt: str | None = None,
         first_token_id: int | None = None,
+        resumed_token_ids: Sequence[int] = (),
         lora_name: str | None = None,
     ) -> RequestOutput | None: ...
 
@@ -155,6 +156,7 @@ class ServingEngine(Protocol):
         params: SamplingParams,
         cache_salt: str | None = None,
         first_token_id: int | None = None,
+        resumed_token_ids: Sequence[int] = (),
         lora_name: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]: ...
 

@@ -38,6 +38,9 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     held_block_ids: list[int] | None = None
     """On the last output of a ``hold_prompt_blocks`` request: the prompt blocks still held."""
+    is_resumed: bool = False
+    """The output tokens of a resumed stream (``herd.api.resume``), which its client already has:
+    parsers take their text, nothing is streamed for them."""
     embedding: list[float] | None = None
     """An embedding model's pooled vector, on its only (finished) output."""
     error: str | None = None

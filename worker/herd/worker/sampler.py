@@ -169,18 +169,28 @@ class Sampler:
         sampled = [seqs[row] for row in rows]
         probs = self.probs(logits[rows], sampled)
         for index, (row, seq) in enumerate(zip(rows, sampled, strict=True)):
-            race = torch.empty_like(probs[index]).exponential_(generator=self.generator_for(seq))
+            race = torch.empty_like(probs[index])
+            race.exponential_(generator=self.generator_for(seq, race))
             chosen[row] = (probs[index] / race).argmax()
         return chosen
 
-    def generator_for(self, seq: Sequence) -> torch.Generator:
-        """The sequence's own generator when it has a seed, else the shared one."""
+    def generator_for(self, seq: Sequence, race: torch.Tensor | None = None) -> torch.Generator:
+        """The sequence's own generator when it has a seed, else the shared one.
+
+        A seeded sequence's generator is made at its first draw. A sequence that already has output
+        tokens then (a stream resumed from another worker, ``herd.api.resume``) had each of them drawn
+        with a generator of the same seed, one race the size of ``race`` per token: the new one
+        replays those draws, so it stands where the other worker's stood. (A speculating engine draws
+        otherwise and refuses to resume a seeded stream, ``LLMEngine.add_request``.)"""
         seed = seq.params.seed
         if seed is None:
             return self.generator
         generator = self._seeded.get(seq)
         if generator is None:
             generator = torch.Generator(device=self.generator.device).manual_seed(seed)
+            if race is not None:
+                for _ in range(seq.num_output_tokens):
+                    race.exponential_(generator=generator)
             self._seeded[seq] = generator
         return generator
 

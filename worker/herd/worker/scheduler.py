@@ -2,8 +2,8 @@
 
 A step has a token budget (``max_batch_tokens``). The waiting queue is ordered by priority (the
 request's ``priority``: smaller first, as vLLM's priority policy), then by arrival. When the most
-urgent waiting sequence cannot get its blocks while less urgent ones run, the least urgent of those
-(the newest among equals) are preempted until it can. Running sequences go first, in arrival order:
+urgent waiting sequence cannot get its blocks, or a seat in the batch (``max_batch_size``), while
+less urgent ones run, the least urgent of those (the newest among equals) are preempted until it can. Running sequences go first, in arrival order:
 a decoding one needs one token, a partly prefilled one gets the next chunk of its prompt. When the
 pool has no block for a running sequence, the least urgent sequence not yet planned this step (the
 newest among equals) is preempted (its blocks are freed and it returns to the head of its priority in
@@ -195,7 +195,9 @@ class Scheduler:
         return self.running.pop(index)
 
     def _preempt_for_urgent(self, output: SchedulerOutput) -> None:
-        """Preempt less urgent running sequences while the head of the queue lacks the blocks to start."""
+        """Preempt less urgent running sequences while the head of the queue lacks a seat in the batch
+        (``max_batch_size``) or the blocks to start: an urgent request never waits for a less urgent
+        one (a batch line) to finish."""
         if not self.waiting:
             return
         head = self.waiting[0]
@@ -207,7 +209,8 @@ class Scheduler:
             num_tokens = min(
                 head.num_tokens - len(hits) * self.block_manager.block_size, self.max_batch_tokens
             )
-            if self.block_manager.can_allocate(head, hits, num_tokens):
+            has_seat = len(self.running) < self.max_batch_size
+            if has_seat and self.block_manager.can_allocate(head, hits, num_tokens):
                 return
             victim = self.running.pop(victim_index)
             self._preempt(victim)

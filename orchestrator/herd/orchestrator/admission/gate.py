@@ -9,16 +9,17 @@ difference to its real output when it ends (``finished``).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
 from herd.api.errors import HttpError
-from herd.orchestrator.admission.tenants import Tenant
+from herd.api.openai import EmbeddingRequest, SamplingFields
+from herd.orchestrator.admission.tenants import PRIORITY_HEADER, Tenant, effective_priority
 from herd.orchestrator.admission.waiting import ModelQueue, QueueRefusalError, QueueSettings, Turn
 from herd.orchestrator.routing import UnroutableError
 
-__all__ = ["DEFAULT_EXPECTED_OUTPUT", "Admission", "Ticket"]
+__all__ = ["DEFAULT_EXPECTED_OUTPUT", "Admission", "Ticket", "ticket_for"]
 
 R = TypeVar("R")
 
@@ -44,6 +45,23 @@ class Ticket:
     @property
     def num_charged(self) -> int:
         return self.num_prompt_tokens + self.num_expected_output
+
+
+def ticket_for(
+    tenant: Tenant,
+    request: SamplingFields | EmbeddingRequest,
+    headers: Mapping[str, str],
+    size: int,
+    num_prompt_tokens: int,
+) -> Ticket:
+    """A request's admission ticket; an untokenized prompt counts as ``size / 4`` tokens, and an
+    embedding generates none."""
+    priority = effective_priority(tenant, request.priority, headers.get(PRIORITY_HEADER))
+    if isinstance(request, EmbeddingRequest):
+        num_output = 0
+    else:
+        num_output = (request.output_limit or DEFAULT_EXPECTED_OUTPUT) * request.n
+    return Ticket(tenant, priority, num_prompt_tokens or size // 4, num_output)
 
 
 class Admission:

@@ -15,12 +15,17 @@ from typing import get_args
 from herd.api.errors import HttpError
 from herd.orchestrator.routing._types import SloMiss, SloTarget
 
-__all__ = ["SLO_POLICY_HEADER", "SLO_TPOT_HEADER", "SLO_TTFT_HEADER", "slo_target"]
+__all__ = ["SLO_POLICY_HEADER", "SLO_TPOT_HEADER", "SLO_TTFT_HEADER", "has_slo_headers", "slo_target"]
 
 SLO_TTFT_HEADER = "x-slo-ttft-ms"
 SLO_TPOT_HEADER = "x-slo-tpot-ms"
 SLO_POLICY_HEADER = "x-slo-policy"
 _POLICIES: tuple[SloMiss, ...] = get_args(SloMiss)
+
+
+def has_slo_headers(headers: Mapping[str, str]) -> bool:
+    """The request sets a latency target (valid or not: ``slo_target`` judges the value)."""
+    return SLO_TTFT_HEADER in headers or SLO_TPOT_HEADER in headers
 
 
 def slo_target(headers: Mapping[str, str], default: SloMiss) -> SloTarget | None:

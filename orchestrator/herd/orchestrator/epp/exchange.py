@@ -8,9 +8,11 @@
    answer followed by the body itself (full duplex, where Envoy forwards only what it is sent).
 3. response headers: the endpoint the data plane reports as the one that served (the hold moves there
    if it differs), the status; ``X-Herd-Worker`` names the worker to the client, as herd's gateway does.
-4. response body: passes; its end releases the hold with the answer's outcome. With a response
+4. response body: passes; its end releases the hold with the answer's outcome and charges the
+   tenant the tokens the answer's usage reports (``Picker.finished``; a stream's events are counted
+   when it carries no usage, a whole answer's JSON is read up to ``max_body_bytes``). With a response
    body mode of ``NONE`` Envoy ends the stream after the response headers, which then releases it:
-   a streamed answer is then counted only until its headers.
+   a streamed answer is then counted only until its headers, and the tenant is charged its prompt.
 
 Whatever ends the stream first (the response's end, an immediate response, Envoy closing it, the
 client leaving) releases the hold, exactly once.
@@ -29,6 +31,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 
 from herd.api.errors import HttpError
 from herd.api.protocol import WORKER_HEADER
+from herd.orchestrator.admission.usage import StreamTally, Usage, usage_of
 from herd.orchestrator.breaker import answer_outcome
 from herd.orchestrator.epp import wire
 from herd.orchestrator.epp.picker import Picked, Picker
@@ -51,6 +54,10 @@ class Exchange:
         self.picked: Picked | None = None
         self.status = 0
         self.has_retry_after = False
+        self.tally = StreamTally()
+        self.answer = bytearray()
+        """A whole (not streamed) answer's body, kept for its usage up to ``max_body_bytes``."""
+        self.is_stream = False
 
     async def handle(self, message: ProcessingRequest) -> list[ProcessingResponse]:
         """The answers to one message from Envoy (none while a full-duplex body is still arriving)."""
@@ -115,6 +122,7 @@ class Exchange:
         headers = wire.header_map(message.response_headers)
         self.status = int(headers.get(":status", "0") or 0)
         self.has_retry_after = "retry-after" in headers
+        self.is_stream = headers.get("content-type", "").startswith("text/event-stream")
         picked = self.picked
         if picked is None:
             return [wire.continue_headers(is_request=False)]
@@ -124,9 +132,14 @@ class Exchange:
         picked.route.hold.prefilled()  # the worker has answered: its prompt is no longer queued work
         if message.response_headers.end_of_stream:
             self._end()
-        return [wire.continue_headers(is_request=False, set_headers={WORKER_HEADER: picked.route.worker.id})]
+        added = {**picked.quota_headers, WORKER_HEADER: picked.route.worker.id}
+        return [wire.continue_headers(is_request=False, set_headers=added)]
 
     def _response_body(self, body: HttpBody) -> list[ProcessingResponse]:
+        if self.is_stream:
+            self.tally.observe(body.body)
+        elif len(self.answer) + len(body.body) <= self.picker.settings.max_body_bytes:
+            self.answer += body.body
         if body.end_of_stream:
             self._end()
         if self.is_response_full_duplex:
@@ -134,6 +147,17 @@ class Exchange:
         return [wire.continue_body(is_request=False)]
 
     def _end(self) -> None:
-        """The response is complete: release the worker with what its answer says about it."""
-        if self.picked is not None and self.status:
-            self.picked.route.release(answer_outcome(self.status, has_retry_after=self.has_retry_after))
+        """The response is complete: release the worker with what its answer says about it, and
+        charge the tenant what the answer used."""
+        picked = self.picked
+        if picked is None or not self.status or not picked.route.hold.is_held:
+            return
+        picked.route.release(answer_outcome(self.status, has_retry_after=self.has_retry_after))
+        num_prompt = picked.ticket.num_prompt_tokens
+        if self.status != 200:
+            usage = Usage(0, 0)
+        elif self.is_stream:
+            usage = self.tally.total(num_prompt)
+        else:
+            usage = usage_of(bytes(self.answer)) or Usage(num_prompt, 0)
+        self.picker.finished(picked, usage)

@@ -6,22 +6,40 @@ applies the decision in the same synchronous step (``apply_decision``: the worke
 its blocks expected). The returned ``Route`` stays held until the response ends (``Route.release``).
 A disaggregated model cannot be served through a gateway that forwards each request to one endpoint,
 so the picker refuses it and names herd's own gateway.
+
+Admission is the gateway's (docs/admission.md), as far as ext_proc lets it be: the API key in
+``Authorization`` names the tenant (401 for an unknown one when a keys file is given), whose models
+and per-minute quotas apply (403; 429 with ``x-ratelimit-*``, the headers also on every answer, the
+tokens counted from the answer's usage in ``finished``); ``x-slo-*`` headers set latency targets for
+``decide``; a request that finds every worker full waits in the model's fair, prioritized queue while
+Envoy holds it (Envoy's ``message_timeout`` must exceed ``queue.max_wait_seconds``). The picker
+never rewrites the body, so the engines schedule by the body's own ``priority`` (the tenant's
+priority orders this queue only), and the ``lower`` SLO policy routes as ``route`` does.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from herd.api.errors import HttpError
+from herd.orchestrator.admission.gate import Admission, Ticket, ticket_for
+from herd.orchestrator.admission.quotas import Quotas
+from herd.orchestrator.admission.targets import slo_target
+from herd.orchestrator.admission.tenants import ANONYMOUS, Tenant
+from herd.orchestrator.admission.usage import Usage
+from herd.orchestrator.admission.waiting import QueueSettings
 from herd.orchestrator.apply import Route, apply_decision, write_pin
+from herd.orchestrator.auth import ApiKeys
 from herd.orchestrator.cold_start import ColdStarts
 from herd.orchestrator.epp.wire import address_of
 from herd.orchestrator.prepare import Prepared, Preparer
 from herd.orchestrator.registry import Registry
 from herd.orchestrator.routing import UnroutableError, decide
+from herd.orchestrator.routing._types import SloMiss
 from herd.orchestrator.state import State
 
 __all__ = ["Picked", "Picker", "PickerSettings"]
@@ -34,6 +52,11 @@ class PickerSettings:
     retry_after_seconds: int = 1
     """``Retry-After`` on a 429 (every worker full) or a 503 (no worker ready)."""
     max_body_bytes: int = 4 * 1024 * 1024
+    queue: QueueSettings = field(default_factory=lambda: QueueSettings(max_wait_seconds=5.0))
+    """Each model's queue while every worker is full; its wait stays under Envoy's ``message_timeout``."""
+    slo_miss: SloMiss = "route"
+    """What a request with latency targets no worker is predicted to meet gets, unless ``x-slo-policy``
+    says; ``lower`` routes as ``route`` (the picker does not rewrite the body's priority)."""
 
 
 @dataclass(eq=False)
@@ -43,23 +66,36 @@ class Picked:
     route: Route
     address: str
     model: str
+    ticket: Ticket
+    quota_headers: dict[str, str] = field(default_factory=dict)
+    """The tenant's ``x-ratelimit-*`` headers, for the answer."""
 
 
 class Picker:
     def __init__(
-        self, registry: Registry, state: State, preparer: Preparer, settings: PickerSettings | None = None
+        self,
+        registry: Registry,
+        state: State,
+        preparer: Preparer,
+        settings: PickerSettings | None = None,
+        api_keys: ApiKeys | None = None,
     ) -> None:
         self.registry = registry
         self.state = state
         self.preparer = preparer
         self.settings = settings or PickerSettings()
+        self.api_keys = api_keys or ApiKeys([])
+        self.quotas = Quotas(state)
+        self.admission = Admission(self.settings.queue, retry_after_seconds=self.settings.retry_after_seconds)
+        registry.on_room = self.admission.wake
         self.cold_starts = ColdStarts(registry)
         registry.on_admitted = self.cold_starts.wake
 
     async def pick(
         self, path: str, body: bytes, headers: Mapping[str, str], subset: frozenset[str] | None
     ) -> Picked:
-        """The endpoint for one request, held; ``HttpError`` (400, 404, 429, 503, ...) when none."""
+        """The endpoint for one request, held; ``HttpError`` (400, 401, 403, 404, 429, 503, ...) when none."""
+        tenant = self._tenant(headers)
         prepared = await self.preparer.prepare(path, body, headers)
         served = prepared.served
         if served.config.mode == "disaggregated":
@@ -69,7 +105,37 @@ class Picker:
                 "that sends each request to one endpoint cannot run; send it through herd's gateway",
                 param="model",
             )
+        tenant.check_model(served.name)
+        ticket = ticket_for(tenant, prepared.parsed.request, headers, len(body), len(prepared.ctx.token_ids))
+        use = await self.quotas.admit(tenant, time.time())
+        if (target := slo_target(headers, self.settings.slo_miss)) is not None:
+            prepared = dataclasses.replace(prepared, ctx=dataclasses.replace(prepared.ctx, slo=target))
         await self.cold_starts.wait(served)  # a model at zero workers: until one is ready, as the gateway
+        try:
+            route = await self.admission.route(served.name, ticket, lambda: self._routed(prepared, subset))
+        except UnroutableError as refusal:
+            raise self._refused(served.name, refusal, subset) from None
+        quota_headers = {} if use is None else use.headers()
+        return Picked(route, address_of(route.worker.url), served.name, ticket, quota_headers)
+
+    def finished(self, picked: Picked, usage: Usage) -> None:
+        """The answer ended: the tenant's fair share and token quota are charged what it used."""
+        self.admission.finished(picked.model, picked.ticket, usage.completion_tokens)
+        self.quotas.spend_soon(picked.ticket.tenant, usage.total_tokens, time.time())
+
+    def _tenant(self, headers: Mapping[str, str]) -> Tenant:
+        """The tenant of the request's API key; 401 without a known one when keys are configured."""
+        if not self.api_keys.is_enabled:
+            return ANONYMOUS
+        tenant = self.api_keys.tenant(headers.get("authorization"))
+        if tenant is None:
+            raise HttpError(
+                401, "Incorrect API key provided; send a valid key as 'Authorization: Bearer <key>'"
+            )
+        return tenant
+
+    async def _routed(self, prepared: Prepared, subset: frozenset[str] | None) -> Route:
+        """Route (``UnroutableError`` when no worker may take it now), then write the session pin."""
         route = self._route(prepared, subset)
         try:
             winner = await write_pin(self.state, route)
@@ -80,7 +146,7 @@ class Picker:
         except BaseException:
             route.release("none")
             raise
-        return Picked(route, address_of(route.worker.url), served.name)
+        return route
 
     def _route(self, prepared: Prepared, subset: frozenset[str] | None) -> Route:
         """Decide and apply in one synchronous step, among the workers the subset allows."""
@@ -89,11 +155,7 @@ class Picker:
         if subset is not None:
             outside = frozenset(view.id for view in views if address_of(view.url) not in subset)
             ctx = dataclasses.replace(ctx, excluded=outside)
-        try:
-            decision = decide(served, views, ctx)
-        except UnroutableError as refusal:
-            raise self._refused(served.name, refusal, subset) from None
-        return apply_decision(self.registry, self.state, served, decision)
+        return apply_decision(self.registry, self.state, served, decide(served, views, ctx))
 
     def moved(self, picked: Picked, served_address: str) -> None:
         """The data plane served the request on another endpoint of the model (its retry or fallback):
@@ -115,6 +177,11 @@ class Picker:
 
     def _refused(self, model: str, refusal: UnroutableError, subset: frozenset[str] | None) -> HttpError:
         retry_after = {"Retry-After": str(self.settings.retry_after_seconds)}
+        if refusal.reason == "slo_unmet":
+            message = f"no worker of model {model!r} is predicted to meet the request's latency targets"
+            return HttpError(
+                429, f"{message}; retry after {retry_after['Retry-After']}s", headers=retry_after
+            )
         if refusal.reason == "at_capacity":
             message = (
                 f"every worker of model {model!r} is at capacity; retry after {retry_after['Retry-After']}s"

@@ -20,6 +20,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_gr
 from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest, ProcessingResponse
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from herd.orchestrator.auth import ApiKeys
 from herd.orchestrator.discovery import Membership, WorkerSource
 from herd.orchestrator.epp.exchange import Exchange
 from herd.orchestrator.epp.picker import Picker, PickerSettings
@@ -46,6 +47,8 @@ class EppSettings:
     prepare_threads: int = 2
     grace_seconds: float = 5.0
     """How long a stopping server lets open streams finish."""
+    api_keys: ApiKeys | None = None
+    """The tenants of the API keys (``--api-keys-file``); ``None``: every request is anonymous."""
 
 
 class _Processor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[misc]  # untyped generated code
@@ -139,7 +142,7 @@ def build_epp(
     client = http or build_http_client(connect_timeout=settings.connect_timeout)
     registry = Registry(WorkerClient(client, token=settings.internal_token), state, settings.registry)
     preparer = Preparer(registry, state, num_threads=settings.prepare_threads)
-    picker = Picker(registry, state, preparer, settings.picker)
+    picker = Picker(registry, state, preparer, settings.picker, settings.api_keys)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     ext_proc_grpc.add_ExternalProcessorServicer_to_server(_Processor(picker), server)
     health_servicer = health.aio.HealthServicer()

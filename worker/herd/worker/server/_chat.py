@@ -23,6 +23,7 @@ from herd.api.openai import (
     ToolCall,
     ToolCallDelta,
 )
+from herd.api.resume import mark
 from herd.worker.outputs import FinishReason, RequestOutput, TokenLogprob
 from herd.worker.server._logprobs import chat_logprobs
 from herd.worker.server._params import Choice
@@ -113,10 +114,14 @@ async def chat_chunks(
     ``[DONE]``."""
     parsers = {choice.index: _parser(context) for choice in context.generation.choices}
     async with aclosing(outputs):
-        for choice in context.generation.choices:
-            yield _chunk(context, choice.index, DeltaMessage(role="assistant", content=""))
+        if not context.is_opened:
+            for choice in context.generation.choices:
+                yield _chunk(context, choice.index, DeltaMessage(role="assistant", content=""))
         async for choice, output in outputs:
             parser = parsers[choice.index]
+            if output.is_resumed:
+                _events(parser, output)  # its client has these: the parser only catches up
+                continue
             logprobs = chat_logprobs(context.renderer, output.logprobs) if output.logprobs else None
             deltas = [_delta(item) for item in _events(parser, output)]
             if logprobs is not None and not deltas:
@@ -126,6 +131,8 @@ async def chat_chunks(
             if output.finished:
                 reason = _finish(parser, output.finish_reason)
                 yield _chunk(context, choice.index, DeltaMessage(), finish_reason=reason)
+            if context.has_marks:
+                yield mark(choice.index, output.new_token_ids, is_finished=output.finished)
     if context.include_usage:
         usage = context.generation.usage()
         yield event(

@@ -7,6 +7,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from herd.api.openai import CompletionChoice, CompletionLogprobs, CompletionResponse
+from herd.api.resume import mark
 from herd.worker.outputs import FinishReason, RequestOutput
 from herd.worker.server._logprobs import completion_logprobs
 from herd.worker.server._params import Choice
@@ -69,6 +70,10 @@ async def completion_chunks(
     collected = {choice.index: _Collected() for choice in context.generation.choices}
     async with aclosing(outputs):
         async for choice, output in outputs:
+            if output.is_resumed:  # its client has these: only the logprobs' text offset moves on
+                strings = context.renderer.token_strings(output.new_token_ids)
+                collected[choice.index].offset += sum(len(text) for text in strings)
+                continue
             logprobs = collected[choice.index].add(context, output)
             if output.new_text or output.finished or logprobs is not None:
                 yield _chunk(
@@ -80,6 +85,8 @@ async def completion_chunks(
                         finish_reason=output.finish_reason,
                     ),
                 )
+            if context.has_marks:
+                yield mark(choice.index, output.new_token_ids, is_finished=output.finished)
     if context.include_usage:
         usage = context.generation.usage()
         yield event(

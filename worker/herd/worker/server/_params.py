@@ -13,6 +13,7 @@ from herd.api.errors import HttpError, invalid_request
 from herd.api.openai import ChatCompletionRequest, CompletionRequest, LengthError, SamplingFields
 from herd.api.prompt import PromptError, PromptRenderer
 from herd.api.protocol import KVTransferParams
+from herd.api.resume import RESUME_FIELD, ResumeParams
 from herd.worker.grammar import CompiledGrammar
 from herd.worker.sampling_params import InvalidParamError, SamplingParams, check_token_ids
 
@@ -28,6 +29,7 @@ __all__ = [
     "handoff_params",
     "plan_choices",
     "prompt_errors",
+    "resume_params",
 ]
 
 
@@ -50,6 +52,10 @@ class Choice:
     params: SamplingParams
     first_token_id: int | None = None
     """The first output token, when a prefill worker sampled it (``handed_first_token``)."""
+    resumed_token_ids: tuple[int, ...] = ()
+    """Output tokens another worker already streamed (``herd.api.resume``)."""
+    is_finished: bool = False
+    """The choice ended on the worker that began the stream: nothing more to generate."""
 
 
 def chat_prompt(renderer: PromptRenderer, request: ChatCompletionRequest, max_model_len: int) -> list[int]:
@@ -87,13 +93,15 @@ def plan_choices(
     prompt_param: str,
     handoff: KVTransferParams | None,
     grammar: CompiledGrammar | None = None,
+    resume: ResumeParams | None = None,
 ) -> list[Choice]:
     """``n`` choices per prompt; seeded requests get ``seed + i`` for choice ``i`` of a prompt.
 
     Every token id and setting is checked against the model (``vocab_size``, None when the engine
     does not say: the engine's own check then answers), handed prompt ids included. A lone choice
     continues from the first token a prefill worker handed over (``handoff``), if it may. Every
-    choice is held to ``grammar`` when there is one, each sequence with its own matcher.
+    choice is held to ``grammar`` when there is one, each sequence with its own matcher. A resumed
+    stream's choices carry the tokens already sent (``resume``; the engine checks them).
     """
     _check_count(request, prompts, prompt_param)
     choices: list[Choice] = []
@@ -105,11 +113,50 @@ def plan_choices(
             choices.append(Choice(len(choices), prompt_index, prompt, params))
     if vocab_size is not None:
         _check_vocab(choices, vocab_size, prompt_param)
+    if resume is not None:
+        return _resumed(choices, resume)
     if len(choices) == 1 and (first := handed_first_token(handoff, choices[0].params)) is not None:
         if vocab_size is not None:
             _checked(check_token_ids, [first], vocab_size, param="kv_transfer_params")
         choices[0] = replace(choices[0], first_token_id=first)
     return choices
+
+
+def _resumed(choices: list[Choice], resume: ResumeParams) -> list[Choice]:
+    """``choices`` with the tokens and ends of a resumed stream; a choice past its budget is a 400."""
+    for given in resume.choices:
+        if given.index >= len(choices):
+            raise HttpError(
+                400,
+                f"{RESUME_FIELD} names choice {given.index} but the request has {len(choices)} choices",
+                param=RESUME_FIELD,
+            )
+        choice = choices[given.index]
+        if len(given.token_ids) >= choice.params.max_tokens and not given.is_finished:
+            raise HttpError(
+                400,
+                f"{RESUME_FIELD} gives choice {given.index} {len(given.token_ids)} tokens, which ends it "
+                f"(max_tokens {choice.params.max_tokens}), yet not finished",
+                param=RESUME_FIELD,
+            )
+        choices[given.index] = replace(
+            choice, resumed_token_ids=tuple(given.token_ids), is_finished=given.is_finished
+        )
+    return choices
+
+
+def resume_params(request: SamplingFields) -> ResumeParams | None:
+    """The request's ``herd_resume``, validated; only a stream resumes."""
+    raw = (request.model_extra or {}).get(RESUME_FIELD)
+    if raw is None:
+        return None
+    try:
+        resume = ResumeParams.model_validate(raw)
+    except ValidationError as error:
+        raise invalid_request(error.errors(include_url=False), within=RESUME_FIELD) from None
+    if not request.stream:
+        raise HttpError(400, f"{RESUME_FIELD} continues a stream: set stream to true", param=RESUME_FIELD)
+    return resume
 
 
 def _check_count(request: SamplingFields, prompts: list[list[int]], prompt_param: str) -> None:

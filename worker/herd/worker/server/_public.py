@@ -12,12 +12,14 @@ one the orchestrator routed with a peer to pull its cached prefix from (``kv_tra
 from __future__ import annotations
 
 import asyncio
+import secrets
 from collections.abc import AsyncGenerator, Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry.trace import Span, SpanKind, StatusCode, set_span_in_context
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
@@ -32,6 +34,8 @@ from herd.api.openai import (
 )
 from herd.api.prompt import PromptRenderer, PromptThreads
 from herd.api.protocol import TOKEN_HEADER, KVTransferParams
+from herd.api.resume import RESUMABLE_HEADER, RESUME_FIELD, ResumeParams
+from herd.api.tracing import context_from, tracer
 from herd.worker.engine_protocol import ServingEngine
 from herd.worker.outputs import RequestOutput
 from herd.worker.sampling_params import InvalidParamError, check_token_ids
@@ -58,6 +62,7 @@ from herd.worker.server._params import (
     handoff_params,
     plan_choices,
     prompt_errors,
+    resume_params,
 )
 from herd.worker.server._peer_routes import RenderedPrompt, RenderedPrompts, Route, peer_routes
 from herd.worker.server._remote_prefill import RemotePrefill
@@ -97,6 +102,8 @@ _COMPLETIONS = _Endpoint("cmpl", "prompt", completion_chunks, completion_respons
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 """Keep proxies (nginx, ingress controllers) from buffering a token stream."""
 
+_tracer = tracer(__name__)
+
 CLIENT_CLOSED = 499
 """nginx's status for a request whose client went away; nobody reads it, the logs do."""
 
@@ -106,7 +113,8 @@ class PublicOptions:
     served_name: str
     max_body_bytes: int = 4 * 1024 * 1024
     internal_token: str = ""
-    """Guards the runtime LoRA routes (``_lora``); without one they refuse."""
+    """The token herd's gateway presents (``X-Herd-Token``): it guards the runtime LoRA routes
+    (``_lora``; without one they refuse), and only a request carrying it may resume a stream."""
 
 
 def build_public_app(engine: ServingEngine, options: PublicOptions) -> FastAPI:
@@ -214,7 +222,32 @@ class _PublicRoutes:
         endpoint: _Endpoint,
         handoff: KVTransferParams | None,
     ) -> Response:
+        span = _tracer.start_span(
+            "herd.worker.request",
+            context=context_from(request.headers),
+            kind=SpanKind.SERVER,
+            attributes={"http.route": request.url.path, "herd.request_id": request_id(request)},
+        )
+        try:
+            return await self._traced_generate(request, body, prompts, endpoint, handoff, span)
+        except BaseException as error:
+            if span.is_recording():  # else the generation ended it already
+                span.set_status(StatusCode.ERROR, f"{type(error).__name__}: {error}")
+                span.end()
+            raise
+
+    async def _traced_generate(
+        self,
+        request: Request,
+        body: ChatCompletionRequest | CompletionRequest,
+        prompts: list[list[int]],
+        endpoint: _Endpoint,
+        handoff: KVTransferParams | None,
+        span: Span,
+    ) -> Response:
+        """``_generate`` under the request's ``span``, which the generation ends when it does."""
         is_handed = handed_prompt(handoff) is not None
+        resume = self._resume(request, body)
         grammar = await self._grammars.compile_for(body)
         choices = plan_choices(
             body,
@@ -225,12 +258,35 @@ class _PublicRoutes:
             prompt_param=HANDED_PROMPT_PARAM if is_handed else endpoint.prompt_param,
             handoff=handoff,
             grammar=grammar,
+            resume=resume,
         )
-        await self._pull(request, handoff, prompts, body)
-        context = self._context(request, body, choices, prefix=endpoint.id_prefix)
+        if handoff is not None and handoff.do_remote_prefill:
+            with _tracer.start_as_current_span("herd.worker.kv_transfer", context=set_span_in_context(span)):
+                await self._pull(request, handoff, prompts, body)
+        context = self._context(request, body, choices, prefix=endpoint.id_prefix, span=span)
         if body.stream:
-            return await _stream(context, endpoint.chunks)
+            has_marks = self._is_internal(request) and RESUMABLE_HEADER in request.headers
+            if resume is not None and resume.created is not None:
+                context = replace(context, created=resume.created, is_opened=True)
+            return await _stream(replace(context, has_marks=has_marks), endpoint.chunks)
         return await _json_unless_disconnected(request, endpoint.whole(context))
+
+    def _is_internal(self, request: Request) -> bool:
+        """Whether ``request`` carries the internal token (herd's gateway sent it)."""
+        presented = request.headers.get(TOKEN_HEADER, "").encode()
+        return secrets.compare_digest(presented, self.options.internal_token.encode())
+
+    def _resume(self, request: Request, body: SamplingFields) -> ResumeParams | None:
+        """The request's ``herd_resume``; 403 unless herd's gateway sent it."""
+        resume = resume_params(body)
+        if resume is not None and not self._is_internal(request):
+            raise HttpError(
+                403,
+                f"{RESUME_FIELD} continues a stream with tokens as this model's own output, which only "
+                f"herd's orchestrator may do (it sends the {TOKEN_HEADER} header); leave {RESUME_FIELD} out",
+                param=RESUME_FIELD,
+            )
+        return resume
 
     async def _pull(
         self,
@@ -272,11 +328,17 @@ class _PublicRoutes:
         return None if body.model == self.options.served_name else body.model
 
     def _context(
-        self, request: Request, body: SamplingFields, choices: list[Choice], *, prefix: str
+        self, request: Request, body: SamplingFields, choices: list[Choice], *, prefix: str, span: Span
     ) -> ResponseContext:
         rid = request_id(request)
         generation = Generation(
-            self.engine, self._metrics, rid, choices, body.cache_salt, lora_name=self._lora_name(body)
+            self.engine,
+            self._metrics,
+            rid,
+            choices,
+            body.cache_salt,
+            span,
+            lora_name=self._lora_name(body),
         )
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         tool_choice = body.effective_tool_choice if isinstance(body, ChatCompletionRequest) else "none"
@@ -363,8 +425,9 @@ def _tokenize(renderer: PromptRenderer, body: TokenizeRequest) -> list[int]:
 
 async def _stream(context: ResponseContext, chunks: _Chunks) -> StreamingResponse:
     outputs = await primed(context.generation.outputs())
+    headers = {**_SSE_HEADERS, RESUMABLE_HEADER: "1"} if context.has_marks else _SSE_HEADERS
     return StreamingResponse(
-        with_error_event(chunks(context, outputs)), media_type="text/event-stream", headers=_SSE_HEADERS
+        with_error_event(chunks(context, outputs)), media_type="text/event-stream", headers=headers
     )
 
 

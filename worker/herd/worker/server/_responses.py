@@ -21,3 +21,7 @@ class ResponseContext:
     created: int = field(default_factory=now)
     tool_choice: str | NamedToolChoice = "none"
     """Chat only: how the text becomes tool calls (``_tool_calls``)."""
+    has_marks: bool = False
+    """Close each output's events with a resume mark (``herd.api.resume``): herd's gateway asked."""
+    is_opened: bool = False
+    """A resumed stream whose opening events (chat's role chunks) its client already has."""
