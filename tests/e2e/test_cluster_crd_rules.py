@@ -105,6 +105,10 @@ BAD = {
         manifest(routing={"strategy": "least_request", "tierWeights": {"host": 0.5}}),
         "tierWeights applies only to strategy kv_cache_aware: remove it or set strategy: kv_cache_aware",
     ),
+    "peer-pulls-with-prefix-hash": (
+        manifest(routing={"strategy": "prefix_hash", "peerPulls": True}),
+        "peerPulls applies only to strategy kv_cache_aware: remove it or set strategy: kv_cache_aware",
+    ),
     "unknown-strategy": (
         manifest(routing={"strategy": "fastest"}),
         'spec.routing.strategy: Unsupported value: "fastest"',

@@ -152,7 +152,7 @@ def predicted_hit_blocks(up: Up) -> float:
     )
 
 
-def test_killing_a_worker_loses_no_unstarted_request(herd_up: Up) -> None:
+def test_killing_a_worker_loses_no_request_and_breaks_no_stream(herd_up: Up) -> None:
     client = herd_up.client()
     decoding: queue.Queue[str] = queue.Queue()  # the worker of each stream, once a token has come
 
@@ -181,8 +181,7 @@ def test_killing_a_worker_loses_no_unstarted_request(herd_up: Up) -> None:
         after_kill = [stream_finish(client, f"short {number}", 4) for number in range(6)]
         outcomes = [future.result(timeout=600) for future in long_streams]
     assert after_kill == ["length"] * 6
-    assert set(outcomes) <= {"finished", "error-event"}
-    assert "error-event" in outcomes
+    assert outcomes == ["finished"] * 4  # the killed worker's streams went on from another worker
 
 
 def restarts_of(up: Up, name: str) -> list[dict[str, object]]:
