@@ -2,8 +2,8 @@
 and its history charts draw the sampled points.
 
 A real orchestrator app is served by uvicorn on a loopback port over fake workers (their health, load
-and KV events are chosen here); Chromium loads the page, runs its script against the live server and
-dumps the DOM it rendered. Console output goes to stderr, where an uncaught JavaScript error shows.
+and KV events are chosen here), or over one real tiny-Llama worker with a host KV tier; Chromium
+loads the page, runs its script against the live server and dumps the DOM it rendered. Console output goes to stderr, where an uncaught JavaScript error shows.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import shutil
 import signal
 from collections.abc import AsyncIterator
@@ -24,6 +25,13 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, JSONResponse
+from support.dashboard_worker import (
+    cycle_prompts,
+    orchestrator_over_worker,
+    restored_from_host,
+    tiered_worker,
+    wait_for_point,
+)
 from support.engine_metrics import EngineMetrics
 from support.gateway_fakes import FAST_REGISTRY, FakeCluster, FakeWorker, running_gateway, wait_for
 from support.procs import free_port
@@ -67,6 +75,16 @@ class Chart:
 
     num_points: int
     lines: dict[str, tuple[int, str]] = field(default_factory=dict)
+    zero_y: float | None = None
+    """The height of the chart's zero axis (its first line)."""
+
+    def peak_height(self, series: str) -> float:
+        """How far above zero the line ``series`` rises at its highest point, in SVG units."""
+        assert self.zero_y is not None
+        heights = [
+            self.zero_y - float(y) for y in re.findall(r"[ML][-\d.]+ ([-\d.]+)", self.lines[series][1])
+        ]
+        return max(heights, default=0.0)
 
 
 class RenderedDashboard(HTMLParser):
@@ -102,6 +120,8 @@ class RenderedDashboard(HTMLParser):
             self.charts[self._model, values["data-chart"]] = self._chart
         elif tag == "path" and self._chart is not None:
             self._chart.lines[values["data-series"]] = (int(values["data-count"]), values["d"])
+        elif tag == "line" and self._chart is not None and self._chart.zero_y is None:
+            self._chart.zero_y = float(values["y1"])
 
     def handle_endtag(self, tag: str) -> None:
         while self._open:
@@ -282,16 +302,39 @@ async def test_dashboard_screenshot_is_a_picture(tmp_path: Path) -> None:
     shot = tmp_path / "dashboard.png"
     settings = AppSettings(registry=FAST_REGISTRY, history=SHORT_HISTORY)
     async with running_gateway(fakes, settings=settings) as (app, client), serving(app) as url:
-        for round_number in range(40):  # 4 s of traffic that rises and falls, for the charts
-            await stream_quickly(fakes, client, 1 + round_number % 8)
-            count_engine_work(fakes, engines, gap=0.01 + 0.005 * (round_number % 6))
-            await asyncio.sleep(SHORT_HISTORY.interval_seconds)
         await send(client, 6)
         await wait_for(lambda: indexed_blocks(app, "w0") == 40, within=30.0)
+        for round_number in range(40):  # 4 s of traffic that rises and falls, for the charts
+            await stream_quickly(fakes, client, 1 + round_number % 8)
+            await count_work(fakes, engines, round_number)
         async with held_stream(url):
-            size = "--window-size=1280,1100"
-            await chromium(f"{url}/dashboard", tmp_path / "profile", f"--screenshot={shot}", size)
+            # Traffic goes on while Chromium starts, so the charts' right ends are not a lull; unstreamed,
+            # so the held stream stays stalled.
+            more = asyncio.create_task(unstreamed_rounds(fakes, client, engines, start=40))
+            try:
+                size = "--window-size=1280,1380"
+                await chromium(f"{url}/dashboard", tmp_path / "profile", f"--screenshot={shot}", size)
+            finally:
+                more.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await more
     assert shot.read_bytes().startswith(b"\x89PNG") and shot.stat().st_size > 10_000
+
+
+async def unstreamed_rounds(
+    fakes: FakeCluster, client: httpx.AsyncClient, engines: dict[str, EngineMetrics], start: int
+) -> None:
+    """Rounds of traffic as the screenshot's, with requests that are not streamed, for at most 60 s."""
+    for round_number in range(start, start + 600):
+        await send(client, 1 + round_number % 8)
+        await count_work(fakes, engines, round_number)
+
+
+async def count_work(fakes: FakeCluster, engines: dict[str, EngineMetrics], round_number: int) -> None:
+    """One round of the screenshot's engine and tier work, then a sampling interval's sleep."""
+    count_engine_work(fakes, engines, gap=0.01 + 0.005 * (round_number % 6))
+    count_tier_work(fakes, engines, round_number)
+    await asyncio.sleep(SHORT_HISTORY.interval_seconds)
 
 
 async def stream_quickly(fakes: FakeCluster, client: httpx.AsyncClient, count: int) -> None:
@@ -321,6 +364,26 @@ def count_engine_work(fakes: FakeCluster, engines: dict[str, EngineMetrics], gap
             engine.hits.labels("tiny").inc(60)
             engine.itl.labels("tiny").observe(gap)
             worker.metrics = engine.text()
+
+
+def count_tier_work(fakes: FakeCluster, engines: dict[str, EngineMetrics], round_number: int) -> None:
+    """For the screenshot: the workers' engines fill a host and a disk tier, offload into them, restore
+    from them and evict, and pull prefixes from peers, in waves, as their /metrics then say."""
+    wave = round_number % 8
+    for index, worker in enumerate(fakes.workers):
+        engine = engines.get(worker.id)
+        if engine is None:
+            continue
+        engine.device_usage.labels("tiny").set(worker.load.kv_usage)
+        for medium, fill, blocks in (("host", 0.02, 12), ("disk", 0.008, 4)):
+            engine.tier_usage.labels("tiny", medium).set(min(1.0, fill * (round_number + 1) * (index + 1)))
+            engine.stored.labels("tiny", medium).inc(blocks + wave)
+            engine.restored.labels("tiny", medium).inc(blocks * wave // 4)
+        engine.evicted.labels("tiny", "device").inc(16 + 2 * wave)
+        engine.evicted.labels("tiny", "host").inc(4 if round_number > 20 else 0)
+        engine.pulls.labels("tiny", "pulled").inc(wave // 2)
+        engine.pulls.labels("tiny", "empty").inc(int(wave % 3 == 0))
+        worker.metrics = engine.text()
 
 
 def complete(point: dict[str, Any]) -> bool:
@@ -363,6 +426,35 @@ async def test_history_charts_draw_the_sampled_points_after_traffic(tmp_path: Pa
     # Every known worker has a share line; w2 is down, so its line lies at zero.
     assert sorted(rendered.charts["tiny", "shares"].lines) == ["w0", "w1", "w2"]
     assert {point["models"]["tiny"]["shares"].get("w2") for point in served if complete(point)} == {0.0}
+
+
+TIER_CHARTS = ("tier_usage", "tier_hits", "tier_stored", "tier_evictions")
+
+
+async def test_tier_charts_draw_a_real_workers_host_tier(tiny_llama: Path, tmp_path: Path) -> None:
+    async with (
+        orchestrator_over_worker(tiny_llama, tiered_worker) as (app, client),
+        serving(app) as url,
+    ):
+        await cycle_prompts(client)
+        await wait_for_point(client, restored_from_host)
+        rendered = await render(url, tmp_path)
+    charts = {chart: rendered.charts.get(("tiny", chart)) for chart in TIER_CHARTS}
+    assert all(chart is not None and chart.num_points > 0 for chart in charts.values()), charts
+    assert ("tiny", "pulls") not in rendered.charts, "a worker without peer pulls draws no pull chart"
+    expected = {"tier_usage": ["device", "host"], "tier_hits": ["host"], "tier_stored": ["host"]}
+    expected["tier_evictions"] = ["device", "host"]
+    assert {chart: sorted(rendered.charts["tiny", chart].lines) for chart in TIER_CHARTS} == expected
+    # Each line of what the worker did rises above zero, as the points /dashboard/data served say.
+    risen = [
+        ("tier_usage", "host"),
+        ("tier_hits", "host"),
+        ("tier_stored", "host"),
+        ("tier_evictions", "device"),
+    ]
+    assert all(rendered.charts["tiny", chart].peak_height(series) > 0 for chart, series in risen)
+    # The host tier (64 blocks) holds all four prompts: it evicts none, and its line lies at zero.
+    assert rendered.charts["tiny", "tier_evictions"].peak_height("host") == 0
 
 
 async def test_dashboard_says_when_its_data_does_not_come(tmp_path: Path) -> None:
