@@ -69,6 +69,7 @@ from herd.orchestrator.resume import StreamLedger
 from herd.orchestrator.routing import Decision, RequestContext, UnroutableError, WorkerView, decide
 from herd.orchestrator.routing._types import SloMiss
 from herd.orchestrator.routing.latency import LatencyFeatures
+from herd.orchestrator.routing.reserve import SlotReserve
 from herd.orchestrator.served import ServedModel
 from herd.orchestrator.state import State
 from herd.orchestrator.telemetry import Telemetry
@@ -110,6 +111,9 @@ class GatewaySettings:
     slo_miss: SloMiss = "route"
     """What happens to a request with latency targets no worker is predicted to meet, unless its
     ``x-slo-policy`` header says (``herd.orchestrator.routing.SloTarget``)."""
+    slot_reserve: SlotReserve = field(default_factory=SlotReserve)
+    """The part of each worker's slots that background requests (a batch's lines) leave to more urgent
+    ones (``herd.orchestrator.routing.reserve``)."""
     access_log_prompts: bool = False
     """Put each request's messages or prompt in its access-log line (``herd.access``); off by default."""
     max_resumes: int = 2
@@ -256,8 +260,9 @@ class Gateway:
         ticket = ticket_for(tenant, parsed.request, headers, len(body), len(ctx.token_ids))
         use = await self.quotas.admit(tenant, time.time())
         body = _with_priority(parsed, body, ticket.priority)
-        if (target := slo_target(headers, self.settings.slo_miss)) is not None:
-            ctx = dataclasses.replace(ctx, slo=target)
+        ctx = dataclasses.replace(
+            ctx, priority=ticket.priority, slo=slo_target(headers, self.settings.slo_miss)
+        )
         return _Request(
             served,
             self._metrics_of(served),
@@ -334,7 +339,7 @@ class Gateway:
         with _tracer.start_as_current_span(
             "herd.gateway.route", context=set_span_in_context(request.span)
         ) as span:
-            decision = decide(served, self.registry.all_views(served.name), ctx)
+            decision = decide(served, self.registry.all_views(served.name), ctx, self.settings.slot_reserve)
             span.set_attributes(_decision_attributes(served, decision))
         request.metrics.decision.observe(time.perf_counter() - started)
         if decision.expected_blocks:
@@ -342,7 +347,7 @@ class Gateway:
         if decision.is_slo_missed and ctx.slo is not None and ctx.slo.on_miss == "lower":
             request.payload["priority"] = LOWEST_PRIORITY
             request.body = json.dumps(request.payload).encode()
-        return apply_decision(self.registry, self.state, served, decision)
+        return apply_decision(self.registry, self.state, served, decision, priority=ctx.priority)
 
     async def _pin(self, request: _Request, route: Route, tried: set[str]) -> Route:
         """Write the session's pin; when another replica claimed the session first, route again to its

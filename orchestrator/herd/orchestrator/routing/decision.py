@@ -3,7 +3,8 @@
 ``decide(model, views, request)`` runs every step of the choice, in order, with no I/O and no await:
 
 1. the capacity filter: the serving pool (the decode pool of a disaggregated model) less the workers
-   the request already tried, healthy ones only, then those under ``max_in_flight_per_worker``,
+   the request already tried, healthy ones only, then those under ``max_in_flight_per_worker`` (for a
+   background request, under its part of them: ``routing.reserve``),
    then for a LoRA request the workers ``lora_candidates`` prefers (the same for every strategy);
 2. the model's strategy over what is left (``phase="decode"`` for a disaggregated model), unless
    the request carries latency targets (``RequestContext.slo``, unified models): then the worker
@@ -42,6 +43,7 @@ from herd.orchestrator.routing.pairing import (
     num_uncached_tokens,
     queued_prefill_tokens,
 )
+from herd.orchestrator.routing.reserve import DEFAULT_RESERVE, SlotReserve, may_take_slot
 from herd.orchestrator.routing.slo import choose_by_slo, features_of
 
 __all__ = [
@@ -117,8 +119,14 @@ class Decision:
     them from it before it prefills (``kv_transfer_params.peer_url``)."""
 
 
-def decide(model: RoutedModel, views: Sequence[WorkerView], request: RequestContext) -> Decision:
-    """The whole choice for ``request`` over every worker of ``model`` (both pools, any health)."""
+def decide(
+    model: RoutedModel,
+    views: Sequence[WorkerView],
+    request: RequestContext,
+    reserve: SlotReserve = DEFAULT_RESERVE,
+) -> Decision:
+    """The whole choice for ``request`` over every worker of ``model`` (both pools, any health);
+    ``reserve``: the slots background requests leave to more urgent ones."""
     config = model.config
     is_disaggregated = config.mode == "disaggregated"
     role = "decode" if is_disaggregated else "unified"
@@ -127,7 +135,13 @@ def decide(model: RoutedModel, views: Sequence[WorkerView], request: RequestCont
         raise UnroutableError("no_healthy_worker")
     limit = config.max_in_flight_per_worker
     open_pool = lora_candidates(
-        [view for view in pool if not limit or view.num_in_flight < limit], request.lora_name
+        [
+            view
+            for view in pool
+            if (not limit or view.num_in_flight < limit)
+            and may_take_slot(request.priority, view.in_flight_by_priority, limit, reserve)
+        ],
+        request.lora_name,
     )
     ctx = dataclasses.replace(request, phase="decode") if is_disaggregated else request
     matched = model.kv_index.match(request.block_hashes) if request.block_hashes else {}
