@@ -46,7 +46,7 @@ from herd.api.errors import HttpError, enveloped
 from herd.api.protocol import REQUEST_ID_HEADER, WORKER_HEADER, is_valid_request_id
 from herd.api.resume import RESUMABLE_HEADER, RESUME_FIELD
 from herd.api.tracing import TRACE_HEADERS, context_from, trace_headers, tracer
-from herd.orchestrator.access_log import AccessEntry
+from herd.orchestrator.access_log import AccessEntry, slo_note
 from herd.orchestrator.admission.gate import Admission, Ticket, ticket_for
 from herd.orchestrator.admission.quotas import Quotas
 from herd.orchestrator.admission.targets import slo_target
@@ -68,7 +68,7 @@ from herd.orchestrator.registry import Hold, Registry
 from herd.orchestrator.resume import StreamLedger
 from herd.orchestrator.routing import Decision, RequestContext, UnroutableError, WorkerView, decide
 from herd.orchestrator.routing._types import SloMiss
-from herd.orchestrator.routing.latency import LatencyFeatures
+from herd.orchestrator.routing.latency import LatencyFeatures, Prediction
 from herd.orchestrator.routing.reserve import SlotReserve
 from herd.orchestrator.served import ServedModel
 from herd.orchestrator.state import State
@@ -149,6 +149,8 @@ class _Request:
     worker_request_id: str | None = None
     """The id the worker gave the response (its ``X-Request-Id``) when the client sent none."""
     num_resumes: int = 0
+    slo_note: dict[str, float] | None = None
+    """What the SLO choice predicted against what followed, for the access log (``slo_note``)."""
 
     def end_upstream(self, status: int, error: BaseException | None = None) -> None:
         span, self.upstream_span = self.upstream_span, None
@@ -366,7 +368,10 @@ class Gateway:
             await self._hand_off(request, route.prefill_hold)
             request.ctx = dataclasses.replace(request.ctx, is_prefilled=True)
         body = self._with_pull(request, route.decision.pull_from)
-        return await self._respond(request, route.worker, route.hold, route.decision.features, body)
+        decision = route.decision
+        return await self._respond(
+            request, route.worker, route.hold, decision.features, body, decision.predicted
+        )
 
     def _with_pull(self, request: _Request, peer: WorkerView | None) -> bytes:
         """The body for the chosen worker: with the peer to pull the prompt's cached blocks from
@@ -435,9 +440,11 @@ class Gateway:
         hold: Hold,
         features: LatencyFeatures | None,
         body: bytes,
+        predicted: Prediction | None = None,
     ) -> Response:
         """The worker's answer; it releases the worker's ``hold`` exactly when the answer ends. A
-        stream's first-token time and pace, from the moment it was sent, fit the latency model."""
+        stream's first-token time and pace, from the moment it was sent, fit the latency model (and,
+        with the SLO choice's ``predicted`` latency, go in its access-log line)."""
         sent = time.perf_counter()
         upstream = await self._open(request, worker, body)
         request.worker_request_id = upstream.headers.get(REQUEST_ID_HEADER.lower())
@@ -448,6 +455,8 @@ class Gateway:
             ttft = first - request.started
             if features is not None:
                 request.served.latency.observe_ttft(worker.id, features, first - sent)
+                if predicted is not None:
+                    request.slo_note = slo_note(features, predicted.ttft_seconds, first - sent)
             request.metrics.ttft.observe(ttft)
             if request.prefill_seconds is not None:
                 self.disagg.observe_decode(request.served, ttft - request.prefill_seconds)
@@ -623,6 +632,7 @@ class Gateway:
             usage=usage,
             ttft=ttft,
             num_resumes=request.num_resumes,
+            slo=request.slo_note,
             prompt=_prompt_of(request.payload) if self.settings.access_log_prompts else None,
         )
         entry.log()

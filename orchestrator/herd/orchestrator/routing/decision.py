@@ -36,7 +36,7 @@ from herd.api.kv_hash import BlockHash
 from herd.orchestrator.discovery import ModelConfig
 from herd.orchestrator.kv_index import KVIndex
 from herd.orchestrator.routing._types import RequestContext, RoutingStrategy, WorkerView, healthy
-from herd.orchestrator.routing.latency import LatencyFeatures, LatencyModel
+from herd.orchestrator.routing.latency import LatencyFeatures, LatencyModel, Prediction
 from herd.orchestrator.routing.pairing import (
     choose_path,
     choose_prefill,
@@ -44,7 +44,7 @@ from herd.orchestrator.routing.pairing import (
     queued_prefill_tokens,
 )
 from herd.orchestrator.routing.reserve import DEFAULT_RESERVE, SlotReserve, may_take_slot
-from herd.orchestrator.routing.slo import choose_by_slo, features_of
+from herd.orchestrator.routing.slo import SloChoice, choose_by_slo, features_of
 
 __all__ = [
     "LORA_SPILL_IN_FLIGHT",
@@ -114,6 +114,8 @@ class Decision:
     """The chosen worker's state as the latency model sees it, to fit it with what follows."""
     is_slo_missed: bool = False
     """The request's latency targets are predicted to be missed on ``worker`` (the best there was)."""
+    predicted: Prediction | None = None
+    """The latency the SLO choice predicted on ``worker`` (``None``: the strategy chose)."""
     pull_from: WorkerView | None = None
     """A peer whose device holds the prompt's leading blocks that ``worker`` lacks: ``worker`` pulls
     them from it before it prefills (``kv_transfer_params.peer_url``)."""
@@ -145,7 +147,8 @@ def decide(
     )
     ctx = dataclasses.replace(request, phase="decode") if is_disaggregated else request
     matched = model.kv_index.match(request.block_hashes) if request.block_hashes else {}
-    choice, is_slo_missed = _by_slo(model, open_pool, request, matched)
+    slo_choice = _by_slo(model, open_pool, request, matched)
+    choice = None if slo_choice is None else slo_choice.worker
     if choice is None:
         choice = model.strategy.select(open_pool, ctx) if open_pool else None
     if choice is None:
@@ -162,7 +165,8 @@ def decide(
         expected_blocks=request.block_hashes,
         pin=_pin(model, request, choice),
         features=features_of(choice, len(request.token_ids), num_cached, config.block_size),
-        is_slo_missed=is_slo_missed,
+        is_slo_missed=slo_choice is not None and not slo_choice.is_met,
+        predicted=None if slo_choice is None else slo_choice.prediction,
         pull_from=None if pull is None else pull.peer,
     )
     if is_disaggregated and not request.is_prefilled:
@@ -172,12 +176,12 @@ def decide(
 
 def _by_slo(
     model: RoutedModel, workers: Sequence[WorkerView], request: RequestContext, matched: Mapping[str, int]
-) -> tuple[WorkerView | None, bool]:
-    """The SLO choice and whether it misses the targets; ``(None, False)`` without one (no targets,
-    a disaggregated model, nothing to predict with yet): the strategy chooses."""
+) -> SloChoice | None:
+    """The SLO choice (it may miss the targets); ``None`` without one (no targets, a disaggregated
+    model, nothing to predict with yet): the strategy chooses."""
     target = request.slo
     if target is None or not workers or model.config.mode == "disaggregated":
-        return None, False
+        return None
     choice = choose_by_slo(
         model.latency,
         workers,
@@ -187,12 +191,12 @@ def _by_slo(
         block_size=model.config.block_size,
     )
     if choice is None:
-        return None, False
+        return None
     if not choice.is_met and target.on_miss == "queue":
         raise UnroutableError("at_capacity")
     if not choice.is_met and target.on_miss == "refuse":
         raise UnroutableError("slo_unmet")
-    return choice.worker, not choice.is_met
+    return choice
 
 
 def lora_candidates(workers: list[WorkerView], lora_name: str | None) -> list[WorkerView]:
