@@ -10,8 +10,9 @@ measure their time to first token. The two setups differ in one thing:
 * ``with-batch``: before they start, a batch of ``--batch-lines`` completions (``--batch-output``
   tokens each) is uploaded and created through ``/v1/files`` and ``/v1/batches``; the gateway runs
   ``--batch-concurrency`` lines at once (16: twice the 8 sequences the fleet runs), at the lowest
-  priority; the interactive window starts once the fleet is busy with them, and the batch is
-  cancelled after.
+  priority; the interactive window starts once the fleet holds as many as the gateway lets it
+  (``--batch-concurrency``, at most the part of each worker's 8 slots that background work may take,
+  ``herd.orchestrator.routing.reserve``: 6 a worker by default), and the batch is cancelled after.
 
 Each run has a fresh orchestrator and batch folder; the setups alternate over ``--rounds`` rounds.
 The figure is the interactive TTFT p99 with the batch over the same round's without (target <= 1.2).
@@ -44,10 +45,19 @@ from _common import (
 )
 
 from herd.cli.up import free_port_block
+from herd.orchestrator.routing.reserve import DEFAULT_RESERVE, background_limit
 
+NUM_WORKERS = 2
 NAME = "sim"
 TOKEN = "batch-interference"
-ENGINE = {"backend": "simulated", "maxModelLen": 1024, "maxBatchSize": 4, "maxQueueLen": 4}
+MAX_BATCH_SIZE = 4
+MAX_QUEUE_LEN = 4
+ENGINE = {
+    "backend": "simulated",
+    "maxModelLen": 1024,
+    "maxBatchSize": MAX_BATCH_SIZE,
+    "maxQueueLen": MAX_QUEUE_LEN,
+}
 SETUPS = ("alone", "with-batch")
 
 
@@ -132,10 +142,13 @@ async def run(url: str, args: argparse.Namespace, setup: str) -> dict[str, Any]:
         base_url=url, timeout=300.0, limits=httpx.Limits(max_connections=256)
     ) as client:
         batch_id = None
+        batch_in_flight = 0
         if setup == "with-batch":
             batch_id = await start_batch(client, args)
+            cap = MAX_BATCH_SIZE + MAX_QUEUE_LEN  # the gateway's slots on a worker
+            fill = min(args.batch_concurrency, NUM_WORKERS * background_limit(cap, DEFAULT_RESERVE))
             for _ in range(300):  # up to a minute for the gateway to fill the fleet with batch lines
-                if await busy_slots(client) >= args.batch_concurrency:
+                if (batch_in_flight := await busy_slots(client)) >= fill:
                     break
                 await asyncio.sleep(0.2)
         deadline = time.monotonic() + args.seconds
@@ -152,6 +165,7 @@ async def run(url: str, args: argparse.Namespace, setup: str) -> dict[str, Any]:
         "ttft_p50_ms": round(1000 * statistics.median(ordered), 1),
         "ttft_p99_ms": round(1000 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 1),
         "batch_lines_completed": completed,
+        "batch_in_flight_at_start": batch_in_flight,
     }
 
 
@@ -200,8 +214,8 @@ def main() -> int:
     argv = herd_worker_argv(
         DEMO_MODEL, name=NAME, port=ports[0], internal_port=ports[2], token=TOKEN, engine=ENGINE
     )
-    argv += ["--replicas", "2"]
-    endpoints = [f"http://{HOST}:{ports[n]},http://{HOST}:{ports[2 + n]}" for n in range(2)]
+    argv += ["--replicas", str(NUM_WORKERS)]
+    endpoints = [f"http://{HOST}:{ports[n]},http://{HOST}:{ports[2 + n]}" for n in range(NUM_WORKERS)]
     runs: list[dict[str, Any]] = []
     with serving(
         argv, ready_url=f"http://{HOST}:{ports[1]}/ready", log=log_dir / "workers.log", env=thread_env(1)

@@ -13,7 +13,10 @@ streams ``--output-len`` tokens. The two setups send the same arrivals and diffe
 * ``least_request``: no header; the model's strategy, least_request, decides.
 
 The figure is the share of requests whose time to first token (client side) met ``--ttft-ms``, with
-TTFT p50/p99. Setups alternate over ``--rounds`` rounds at each load; each run has a fresh
+TTFT p50/p99. Each ``slo`` run also reads the gateway's access log: every stream the SLO choice routed
+carries what the latency fit predicted on its worker and the TTFT that followed (``slo_note``), which
+``predictions`` sums up per worker (bias, mean absolute error, how many the fit wrongly said would
+meet the target) along with the gateway's own time before it sent each request. Setups alternate over ``--rounds`` rounds at each load; each run has a fresh
 orchestrator (so the latency fit starts empty and learns during the warm-up), the workers stay up.
 
     .venv/bin/python bench/slo_routing.py --rounds 3 --out bench/results/slo_routing.json
@@ -135,7 +138,46 @@ async def capacity(url: str, args: argparse.Namespace) -> float:
 def gateway_argv(endpoints: list[str], log_dir: Path, port: int) -> list[str]:
     manifest_path = log_dir / "manifest.yaml"
     manifest_path.write_text(json.dumps(manifest()))
-    return orchestrator_argv(manifest_path, endpoints, token=TOKEN, port=port, extra=["--no-access-log"])
+    return orchestrator_argv(manifest_path, endpoints, token=TOKEN, port=port)
+
+
+def predictions(log: Path, target_ms: int) -> dict[str, Any]:
+    """The SLO choice's predicted TTFT against the observed one (both from sending the request to its
+    first chunk), per worker and over all, from the access-log lines of ``log``; and the gateway's time
+    before it sent the request (its access-log TTFT less the observed one: parsing, tokenizing,
+    deciding, waiting in its queue)."""
+    notes: list[tuple[str, dict[str, float], float]] = []
+    for line in log.read_text().splitlines():
+        if not line.startswith("{") or '"slo"' not in line:
+            continue
+        entry = json.loads(line)
+        if entry.get("ttft_ms") is not None:
+            notes.append((str(entry["worker"]), entry["slo"], float(entry["ttft_ms"])))
+
+    def summary(group: list[tuple[str, dict[str, float], float]]) -> dict[str, Any]:
+        errors = [note["predicted_ttft_ms"] - note["observed_ttft_ms"] for _, note, _ in group]
+        wrong = [
+            note for _, note, _ in group if note["predicted_ttft_ms"] <= target_ms < note["observed_ttft_ms"]
+        ]
+        return {
+            "num": len(group),
+            "observed_ms_p50": round(statistics.median(note["observed_ttft_ms"] for _, note, _ in group), 1),
+            "bias_ms": round(statistics.fmean(errors), 1),
+            "mae_ms": round(statistics.fmean(abs(error) for error in errors), 1),
+            "predicted_met_but_missed": len(wrong),
+            "missed_with_queued_prefill_zero": sum(note["queued_prefill_tokens"] == 0 for note in wrong),
+            "gateway_before_send_ms_p50": round(
+                statistics.median(total - note["observed_ttft_ms"] for _, note, total in group), 1
+            ),
+        }
+
+    if not notes:
+        return {}
+    workers = sorted({worker for worker, _, _ in notes})
+    return {
+        "all": summary(notes),
+        **{worker: summary([n for n in notes if n[0] == worker]) for worker in workers},
+    }
 
 
 def measure(
@@ -144,12 +186,8 @@ def measure(
     port = free_port()
     url = f"http://{HOST}:{port}"
     headers = {"x-slo-ttft-ms": str(args.ttft_ms)} if setup == "slo" else {}
-    with serving(
-        gateway_argv(endpoints, log_dir, port),
-        ready_url=f"{url}/health",
-        log=log_dir / f"gw-{setup}.log",
-        env={},
-    ):
+    log = log_dir / f"gw-{setup}.log"
+    with serving(gateway_argv(endpoints, log_dir, port), ready_url=f"{url}/health", log=log, env={}):
         time.sleep(2.0)  # a few health polls admit every worker
         ttfts = asyncio.run(arrivals(url, args, rate, headers, seed))
     finite = sorted(ttft for ttft in ttfts if ttft != float("inf"))
@@ -163,6 +201,7 @@ def measure(
         "ttft_p99_ms": round(1000 * finite[min(len(finite) - 1, int(0.99 * len(finite)))], 1)
         if finite
         else None,
+        "predictions": predictions(log, args.ttft_ms),
     }
 
 

@@ -20,6 +20,7 @@ from herd.orchestrator.auth import ADMIN_API_KEYS_ENV, load_api_keys
 from herd.orchestrator.discovery import ModelConfig, StaticSource, WorkerEndpoint, WorkerSource
 from herd.orchestrator.gateway import GatewaySettings
 from herd.orchestrator.registry import RegistrySettings
+from herd.orchestrator.routing.reserve import SlotReserve
 from herd.orchestrator.server import ServerLimits, run_server
 from herd.orchestrator.state import build_state
 
@@ -117,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
             max_resumes=args.max_resumes,
             access_log_prompts=args.access_log_prompts,
             queue=QueueSettings(max_size=args.queue_max_size, max_wait_seconds=args.queue_max_wait),
+            slot_reserve=SlotReserve(share=args.slot_reserve),
         ),
         registry=RegistrySettings(poll_interval=args.poll_interval),
         ready_when_synced=args.kubernetes,
@@ -211,6 +213,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=queue.max_wait_seconds,
         help="seconds a request waits for a worker before its 429",
     )
+    parser.add_argument(
+        "--slot-reserve",
+        type=_share,
+        default=SlotReserve().share,
+        help="the part of each worker's slots (maxBatchSize + maxQueueLen) that batch lines and other "
+        "requests at the lowest priority leave to more urgent ones, in [0, 1)",
+    )
     parser.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     parser.add_argument(
         "--body-timeout", type=float, default=30.0, help="seconds a client may take to send a body (then 408)"
@@ -259,3 +268,11 @@ def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
         return value
 
     return parse
+
+
+def _share(text: str) -> float:
+    """An argparse type: a fraction in [0, 1), else a usage error naming the value."""
+    value = float(text)
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"{text} is not in [0, 1)")
+    return value

@@ -38,14 +38,18 @@ class Route:
             self.prefill_hold.release(outcome)
 
 
-def apply_decision(registry: Registry, state: State, served: ServedModel, decision: Decision) -> Route:
-    """Count the decision's workers in flight and expect its blocks on them; synchronous, so nothing
-    runs between the choice and the counts and the next decision sees them."""
+def apply_decision(
+    registry: Registry, state: State, served: ServedModel, decision: Decision, *, priority: int = 0
+) -> Route:
+    """Count the decision's workers in flight (at the request's ``priority``) and expect its blocks on
+    them; synchronous, so nothing runs between the choice and the counts and the next decision sees them."""
     prefill = decision.prefill
     local_prefill_tokens = decision.num_prefill_tokens if prefill is None else 0
-    hold = registry.hold(decision.worker.id, num_prefill_tokens=local_prefill_tokens)
+    hold = registry.hold(decision.worker.id, num_prefill_tokens=local_prefill_tokens, priority=priority)
     prefill_hold = (
-        None if prefill is None else registry.hold(prefill.id, num_prefill_tokens=decision.num_prefill_tokens)
+        None
+        if prefill is None
+        else registry.hold(prefill.id, num_prefill_tokens=decision.num_prefill_tokens, priority=priority)
     )
     if decision.expected_blocks:
         for worker in (decision.worker, prefill):

@@ -46,7 +46,7 @@ from herd.api.errors import HttpError, enveloped
 from herd.api.protocol import REQUEST_ID_HEADER, WORKER_HEADER, is_valid_request_id
 from herd.api.resume import RESUMABLE_HEADER, RESUME_FIELD
 from herd.api.tracing import TRACE_HEADERS, context_from, trace_headers, tracer
-from herd.orchestrator.access_log import AccessEntry
+from herd.orchestrator.access_log import AccessEntry, slo_note
 from herd.orchestrator.admission.gate import Admission, Ticket, ticket_for
 from herd.orchestrator.admission.quotas import Quotas
 from herd.orchestrator.admission.targets import slo_target
@@ -68,7 +68,8 @@ from herd.orchestrator.registry import Hold, Registry
 from herd.orchestrator.resume import StreamLedger
 from herd.orchestrator.routing import Decision, RequestContext, UnroutableError, WorkerView, decide
 from herd.orchestrator.routing._types import SloMiss
-from herd.orchestrator.routing.latency import LatencyFeatures
+from herd.orchestrator.routing.latency import LatencyFeatures, Prediction
+from herd.orchestrator.routing.reserve import SlotReserve
 from herd.orchestrator.served import ServedModel
 from herd.orchestrator.state import State
 from herd.orchestrator.telemetry import Telemetry
@@ -110,6 +111,9 @@ class GatewaySettings:
     slo_miss: SloMiss = "route"
     """What happens to a request with latency targets no worker is predicted to meet, unless its
     ``x-slo-policy`` header says (``herd.orchestrator.routing.SloTarget``)."""
+    slot_reserve: SlotReserve = field(default_factory=SlotReserve)
+    """The part of each worker's slots that background requests (a batch's lines) leave to more urgent
+    ones (``herd.orchestrator.routing.reserve``)."""
     access_log_prompts: bool = False
     """Put each request's messages or prompt in its access-log line (``herd.access``); off by default."""
     max_resumes: int = 2
@@ -145,6 +149,8 @@ class _Request:
     worker_request_id: str | None = None
     """The id the worker gave the response (its ``X-Request-Id``) when the client sent none."""
     num_resumes: int = 0
+    slo_note: dict[str, float] | None = None
+    """What the SLO choice predicted against what followed, for the access log (``slo_note``)."""
 
     def end_upstream(self, status: int, error: BaseException | None = None) -> None:
         span, self.upstream_span = self.upstream_span, None
@@ -256,8 +262,9 @@ class Gateway:
         ticket = ticket_for(tenant, parsed.request, headers, len(body), len(ctx.token_ids))
         use = await self.quotas.admit(tenant, time.time())
         body = _with_priority(parsed, body, ticket.priority)
-        if (target := slo_target(headers, self.settings.slo_miss)) is not None:
-            ctx = dataclasses.replace(ctx, slo=target)
+        ctx = dataclasses.replace(
+            ctx, priority=ticket.priority, slo=slo_target(headers, self.settings.slo_miss)
+        )
         return _Request(
             served,
             self._metrics_of(served),
@@ -334,7 +341,7 @@ class Gateway:
         with _tracer.start_as_current_span(
             "herd.gateway.route", context=set_span_in_context(request.span)
         ) as span:
-            decision = decide(served, self.registry.all_views(served.name), ctx)
+            decision = decide(served, self.registry.all_views(served.name), ctx, self.settings.slot_reserve)
             span.set_attributes(_decision_attributes(served, decision))
         request.metrics.decision.observe(time.perf_counter() - started)
         if decision.expected_blocks:
@@ -342,7 +349,7 @@ class Gateway:
         if decision.is_slo_missed and ctx.slo is not None and ctx.slo.on_miss == "lower":
             request.payload["priority"] = LOWEST_PRIORITY
             request.body = json.dumps(request.payload).encode()
-        return apply_decision(self.registry, self.state, served, decision)
+        return apply_decision(self.registry, self.state, served, decision, priority=ctx.priority)
 
     async def _pin(self, request: _Request, route: Route, tried: set[str]) -> Route:
         """Write the session's pin; when another replica claimed the session first, route again to its
@@ -361,7 +368,10 @@ class Gateway:
             await self._hand_off(request, route.prefill_hold)
             request.ctx = dataclasses.replace(request.ctx, is_prefilled=True)
         body = self._with_pull(request, route.decision.pull_from)
-        return await self._respond(request, route.worker, route.hold, route.decision.features, body)
+        decision = route.decision
+        return await self._respond(
+            request, route.worker, route.hold, decision.features, body, decision.predicted
+        )
 
     def _with_pull(self, request: _Request, peer: WorkerView | None) -> bytes:
         """The body for the chosen worker: with the peer to pull the prompt's cached blocks from
@@ -430,9 +440,11 @@ class Gateway:
         hold: Hold,
         features: LatencyFeatures | None,
         body: bytes,
+        predicted: Prediction | None = None,
     ) -> Response:
         """The worker's answer; it releases the worker's ``hold`` exactly when the answer ends. A
-        stream's first-token time and pace, from the moment it was sent, fit the latency model."""
+        stream's first-token time and pace, from the moment it was sent, fit the latency model (and,
+        with the SLO choice's ``predicted`` latency, go in its access-log line)."""
         sent = time.perf_counter()
         upstream = await self._open(request, worker, body)
         request.worker_request_id = upstream.headers.get(REQUEST_ID_HEADER.lower())
@@ -443,6 +455,8 @@ class Gateway:
             ttft = first - request.started
             if features is not None:
                 request.served.latency.observe_ttft(worker.id, features, first - sent)
+                if predicted is not None:
+                    request.slo_note = slo_note(features, predicted.ttft_seconds, first - sent)
             request.metrics.ttft.observe(ttft)
             if request.prefill_seconds is not None:
                 self.disagg.observe_decode(request.served, ttft - request.prefill_seconds)
@@ -618,6 +632,7 @@ class Gateway:
             usage=usage,
             ttft=ttft,
             num_resumes=request.num_resumes,
+            slo=request.slo_note,
             prompt=_prompt_of(request.payload) if self.settings.access_log_prompts else None,
         )
         entry.log()

@@ -91,6 +91,7 @@ class WorkerState:
     num_failures: int = 0
     num_in_flight: int = 0
     num_prefill_tokens_in_flight: int = 0
+    in_flight_by_priority: dict[int, int] = field(default_factory=dict)
     report: LoadReport = field(default_factory=LoadReport)
     needs_snapshot: bool = True
     task: asyncio.Task[None] | None = None
@@ -121,6 +122,7 @@ class WorkerState:
             role=self.endpoint.role,
             num_in_flight=self.num_in_flight + num_elsewhere,
             num_prefill_tokens_in_flight=self.num_prefill_tokens_in_flight,
+            in_flight_by_priority=dict(self.in_flight_by_priority),
             num_running=report.num_running,
             num_waiting=report.num_waiting,
             num_waiting_prefill_tokens=report.num_waiting_prefill_tokens,
@@ -251,15 +253,16 @@ class Registry:
             worker.view(now, elsewhere.get(worker.endpoint.id, 0)) for worker in self.model_workers(model)
         ]
 
-    def hold(self, worker_id: str, *, num_prefill_tokens: int = 0) -> Hold:
-        """Count a request routed to the worker now (in the breaker's half-open state, it is the probe);
-        the returned ``Hold`` releases it."""
+    def hold(self, worker_id: str, *, num_prefill_tokens: int = 0, priority: int = 0) -> Hold:
+        """Count a request of ``priority`` routed to the worker now (in the breaker's half-open state,
+        it is the probe); the returned ``Hold`` releases it."""
         if (worker := self.workers.get(worker_id)) is not None:
             worker.num_in_flight += 1
+            worker.in_flight_by_priority[priority] = worker.in_flight_by_priority.get(priority, 0) + 1
             worker.num_prefill_tokens_in_flight += num_prefill_tokens
             worker.breaker.on_send(time.monotonic())
             self._share_in_flight(worker)
-        return Hold(self, worker_id, num_prefill_tokens)
+        return Hold(self, worker_id, num_prefill_tokens, priority)
 
     def _share_in_flight(self, worker: WorkerState) -> None:
         self._own_in_flight[worker.endpoint.id] = worker.num_in_flight
@@ -271,10 +274,14 @@ class Registry:
                 0, worker.num_prefill_tokens_in_flight - num_prefill_tokens
             )
 
-    def _release(self, worker_id: str, num_prefill_tokens: int, outcome: Outcome) -> None:
+    def _release(self, worker_id: str, num_prefill_tokens: int, priority: int, outcome: Outcome) -> None:
         if (worker := self.workers.get(worker_id)) is None:
             return
         worker.num_in_flight = max(0, worker.num_in_flight - 1)
+        if (left := worker.in_flight_by_priority.get(priority, 0) - 1) > 0:
+            worker.in_flight_by_priority[priority] = left
+        else:
+            worker.in_flight_by_priority.pop(priority, None)
         self._share_in_flight(worker)
         self._prefilled(worker_id, num_prefill_tokens)
         self._room(worker)
@@ -507,10 +514,13 @@ class Hold:
     so no path out of a request, a cancellation included, leaves a worker counted.
     """
 
-    def __init__(self, registry: Registry, worker_id: str, num_prefill_tokens: int) -> None:
+    def __init__(
+        self, registry: Registry, worker_id: str, num_prefill_tokens: int, priority: int = 0
+    ) -> None:
         self.worker_id = worker_id
         self._registry: Registry | None = registry
         self._num_prefill_tokens = num_prefill_tokens
+        self._priority = priority
 
     @property
     def is_held(self) -> bool:
@@ -525,7 +535,7 @@ class Hold:
     def release(self, outcome: Outcome) -> None:
         registry, self._registry = self._registry, None
         if registry is not None:
-            registry._release(self.worker_id, self._num_prefill_tokens, outcome)
+            registry._release(self.worker_id, self._num_prefill_tokens, self._priority, outcome)
 
     def __enter__(self) -> Hold:
         return self

@@ -141,3 +141,20 @@ async def test_a_client_that_leaves_while_waiting_leaves_the_queue() -> None:
         responses = await asyncio.gather(first, third)
     assert [response.status_code for response in responses] == [200, 200]
     assert served_order(cluster.workers[0]) == ["first", "third"]
+
+
+async def test_batch_lines_leave_a_reserved_slot_that_an_urgent_request_takes_at_once() -> None:
+    """A worker of 4 slots: background requests (priority 1000) hold at most 3 (the default reserve,
+    a quarter); the 4th waits, and an urgent newcomer routes at once past it to the reserved slot."""
+    cluster = slow_worker(delay=0.3)
+    async with running_gateway(
+        cluster, settings=settings(), model_config={"max_in_flight_per_worker": 4}, api_keys=KEYS
+    ) as (app, client):
+        tasks = [await start(client, cluster, f"b{i}", priority=1000) for i in range(4)]
+        assert app.state.gateway.admission.num_waiting(MODEL) == 1
+        tasks.append(await start(client, cluster, "urgent"))
+        assert served_order(cluster.workers[0]) == ["b0", "b1", "b2", "urgent"]
+        assert app.state.gateway.admission.num_waiting(MODEL) == 1
+        responses = await asyncio.gather(*tasks)
+    assert all(response.status_code == 200 for response in responses)
+    assert served_order(cluster.workers[0])[-1] == "b3"

@@ -114,7 +114,7 @@ def test_decide_picks_by_predicted_latency(
 ) -> None:
     decision = decide(served(), views, ctx(**target))
     assert (decision.worker.id, decision.is_slo_missed) == (worker, missed)
-    assert decision.features is not None
+    assert decision.features is not None and decision.predicted is not None
 
 
 @pytest.mark.parametrize(("policy", "reason"), [("queue", "at_capacity"), ("refuse", "slo_unmet")])
@@ -129,6 +129,7 @@ def test_before_any_sample_the_strategy_decides() -> None:
     views[1].num_in_flight = 3
     decision = decide(served(warm=False), views, ctx(ttft_seconds=0.01, on_miss="refuse"))
     assert decision.worker.id == "a" and not decision.is_slo_missed  # least in flight
+    assert decision.predicted is None
 
 
 @pytest.mark.parametrize(
@@ -200,3 +201,20 @@ async def test_streams_feed_the_latency_model() -> None:
             await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
         latency: LatencyModel = app.state.registry.models[MODEL].latency
     assert latency.num_samples("w0") == (3, 3)
+
+
+async def test_the_access_log_line_of_an_slo_stream_has_the_prediction_and_what_followed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    cluster = FakeCluster([FakeWorker("w0", num_chunks=3, chunk_delay=0.01)])
+    async with running_gateway(cluster) as (app, client):
+        warm_gateway_model(app)
+        with caplog.at_level("INFO", logger="herd.access"):
+            await client.post(
+                "/v1/chat/completions", json={**CHAT, "stream": True}, headers={"x-slo-ttft-ms": "5000"}
+            )
+            await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    notes = [getattr(record, "slo", None) for record in caplog.records if record.name == "herd.access"]
+    assert len(notes) == 2 and notes[1] is None
+    assert notes[0] is not None and notes[0]["predicted_ttft_ms"] == pytest.approx(1000, abs=50)
+    assert 0 < notes[0]["observed_ttft_ms"] < 5000 and notes[0]["batch"] == 0

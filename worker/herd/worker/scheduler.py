@@ -14,7 +14,9 @@ later steps (with ``is_chunked`` off, for an encoder, a prompt runs whole or wai
 the whole budget runs alone). A prompt's prefix found in a tier below the device
 (``BlockManager.tier_hits``) is restored, not computed: the plan lists the moves (``kv_moves``, made
 before the forward, as block copies are) and the sequence starts after it. No admission happens in a
-step that preempted, so a preempted sequence cannot bounce straight back. With LoRA, the running
+step that preempted a running sequence for room, so a preempted sequence cannot bounce straight back;
+a step that preempted only for a more urgent arrival admits only sequences more urgent than those it
+preempted (the arrival starts in that step, not the next). With LoRA, the running
 sequences use at most ``max_loras`` distinct adapters (the runner's slots): a waiting sequence whose
 adapter would be one too many is passed over, keeping its place, until a running adapter's last
 sequence finishes. With speculative decoding a decoding sequence also gets up to ``num_draft_tokens``
@@ -133,10 +135,13 @@ class Scheduler:
         ``num_draft_seqs`` of them (all when None)."""
         output = SchedulerOutput()
         self._preempt_for_urgent(output)
+        num_for_urgent = len(output.preempted)
         quota = _DraftQuota(num_draft_tokens, len(self.running) if num_draft_seqs is None else num_draft_seqs)
         budget = self._schedule_running(output, quota)
         if not output.preempted:
             self._schedule_waiting(output, budget)
+        elif len(output.preempted) == num_for_urgent:  # preempted for urgency only: the urgent start now
+            self._schedule_waiting(output, budget, below=min(seq.params.priority for seq in output.preempted))
         output.kv_moves, restored = self.block_manager.end_plan()
         output.cached_block_ids.extend(restored)
         return output
@@ -216,11 +221,14 @@ class Scheduler:
             self._preempt(victim)
             output.preempted.append(victim)
 
-    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int, below: int | None = None) -> None:
+        """Admit waiting sequences in order (``below``: only those more urgent than that priority)."""
         loras = {seq.lora_name for seq in self.running if seq.lora_name is not None}
         passed_over: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
+            if below is not None and seq.params.priority >= below:
+                break
             if seq.lora_name is not None and seq.lora_name not in loras and len(loras) >= self.max_loras:
                 passed_over.append(self.waiting.popleft())
                 continue

@@ -57,6 +57,11 @@ class FairQueue(Generic[T]):
     def __len__(self) -> int:
         return self._size
 
+    @property
+    def most_urgent(self) -> int | None:
+        """The smallest priority number waiting; ``None`` when none waits."""
+        return min(self._bands) if self._bands else None
+
     def counter(self, tenant: str) -> float:
         return self._counters.get(tenant, 0.0)
 

@@ -1,7 +1,7 @@
 """The gateway's admission step: route now, or wait in the model's fair queue until a worker has room.
 
 ``Admission.route`` runs the gateway's routing attempt; when it finds every worker full
-(``UnroutableError("at_capacity")``), or other requests already wait for that model, the request
+(``UnroutableError("at_capacity")``), or requests as urgent as it already wait for that model, the request
 waits its turn (``herd.orchestrator.admission.waiting``) and tries again when woken. A request that
 routes is charged to its tenant's virtual token counter: its prompt and expected output then, the
 difference to its real output when it ends (``finished``).
@@ -94,7 +94,7 @@ class Admission:
         is_routed = False
         try:
             while True:
-                if turn is None and not queue.is_idle:
+                if turn is None and not queue.is_open_to(ticket.priority):
                     turn = await self._wait(queue, None, ticket)
                 try:
                     routed = await attempt()

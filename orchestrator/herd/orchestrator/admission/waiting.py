@@ -4,8 +4,10 @@ A request that finds every worker of its model full (or others already waiting) 
 (``ModelQueue.wait``) and sleeps until a worker frees a slot: the registry calls ``wake`` whenever
 a request on the model ends or a worker is admitted, and ``wake`` hands the turn to the next request
 by priority and fair share. The woken request then routes; if another request took the slot first
-(another replica, a retry), it goes back to the head of its line. While a woken request has not
-routed yet (``num_woken``), newcomers queue behind it instead of taking its slot.
+(another replica, a retry, a more urgent newcomer), it goes back to the head of its line. While a
+woken request has not routed yet, newcomers as urgent as it or less queue behind it instead of taking
+its slot; a newcomer more urgent than every waiting and woken request tries to route at once
+(``is_open_to``): batch lines waiting for a slot do not hold an interactive request back.
 
 A request leaves the line with ``QueueRefusalError`` (the gateway's 429 with ``Retry-After``) when the
 line is full and it is the least urgent, when a more urgent newcomer sheds it, or when it waited
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -59,12 +62,15 @@ class ModelQueue:
         self.fair: FairQueue[Turn] = FairQueue(
             max_size=settings.max_size, max_wait_seconds=settings.max_wait_seconds
         )
-        self.num_woken = 0
+        self._woken: Counter[int] = Counter()
+        """The priorities of the requests holding a turn (woken, not routed yet)."""
 
-    @property
-    def is_idle(self) -> bool:
-        """No request waits or holds a turn: a newcomer may route at once."""
-        return not self.fair and not self.num_woken
+    def is_open_to(self, priority: int) -> bool:
+        """A newcomer of ``priority`` may route at once: every request waiting or holding a turn is
+        less urgent (or there is none)."""
+        waiting = self.fair.most_urgent
+        woken = min(self._woken, default=None)
+        return all(urgent is None or urgent > priority for urgent in (waiting, woken))
 
     def charge(self, tenant: str, num_tokens: float, weight: float) -> None:
         self.fair.charge(tenant, num_tokens, weight)
@@ -89,8 +95,11 @@ class ModelQueue:
     def done(self, turn: Turn) -> None:
         """The request with ``turn`` routed, or left: its turn is over."""
         if turn.is_woken:
+            assert turn.entry is not None
             turn.is_woken = False
-            self.num_woken -= 1
+            self._woken[turn.entry.priority] -= 1
+            if not self._woken[turn.entry.priority]:
+                del self._woken[turn.entry.priority]
 
     def wake(self) -> None:
         """A worker has room: hand the turn to the next request in line."""
@@ -99,7 +108,7 @@ class ModelQueue:
         entry = self.fair.pop()
         if entry is not None:
             entry.item.is_woken = True
-            self.num_woken += 1
+            self._woken[entry.priority] += 1
             entry.item.future.set_result(None)
 
     def _give_back(self, turn: Turn) -> None:

@@ -63,6 +63,8 @@ class WorkerView:
     is_healthy: bool = True
     num_prefill_tokens_in_flight: int = 0
     """Uncached prompt tokens of the prefills this orchestrator has in flight on the worker."""
+    in_flight_by_priority: Mapping[int, int] = field(default_factory=dict)
+    """This orchestrator's requests in flight to the worker by their priority (for ``SlotReserve``)."""
     host_block_tokens: float | None = None
     """What restoring one block from its host tier costs the worker, in prompt tokens it could
     prefill meanwhile (``restore_block_tokens``); None until it measured both rates."""
@@ -106,6 +108,8 @@ class RequestContext:
     """Latency targets: ``decide`` then picks by predicted latency rather than by the strategy."""
     lora_name: str | None = None
     """The LoRA adapter the request runs with (``None``: the base model); its hashes carry it."""
+    priority: int = 0
+    """Its admission priority (0 most urgent): background ones leave the reserved slots free."""
 
 
 @dataclass(slots=True, frozen=True)

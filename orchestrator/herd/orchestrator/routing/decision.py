@@ -3,7 +3,8 @@
 ``decide(model, views, request)`` runs every step of the choice, in order, with no I/O and no await:
 
 1. the capacity filter: the serving pool (the decode pool of a disaggregated model) less the workers
-   the request already tried, healthy ones only, then those under ``max_in_flight_per_worker``,
+   the request already tried, healthy ones only, then those under ``max_in_flight_per_worker`` (for a
+   background request, under its part of them: ``routing.reserve``),
    then for a LoRA request the workers ``lora_candidates`` prefers (the same for every strategy);
 2. the model's strategy over what is left (``phase="decode"`` for a disaggregated model), unless
    the request carries latency targets (``RequestContext.slo``, unified models): then the worker
@@ -35,14 +36,15 @@ from herd.api.kv_hash import BlockHash
 from herd.orchestrator.discovery import ModelConfig
 from herd.orchestrator.kv_index import KVIndex
 from herd.orchestrator.routing._types import RequestContext, RoutingStrategy, WorkerView, healthy
-from herd.orchestrator.routing.latency import LatencyFeatures, LatencyModel
+from herd.orchestrator.routing.latency import LatencyFeatures, LatencyModel, Prediction
 from herd.orchestrator.routing.pairing import (
     choose_path,
     choose_prefill,
     num_uncached_tokens,
     queued_prefill_tokens,
 )
-from herd.orchestrator.routing.slo import choose_by_slo, features_of
+from herd.orchestrator.routing.reserve import DEFAULT_RESERVE, SlotReserve, may_take_slot
+from herd.orchestrator.routing.slo import SloChoice, choose_by_slo, features_of
 
 __all__ = [
     "LORA_SPILL_IN_FLIGHT",
@@ -112,13 +114,21 @@ class Decision:
     """The chosen worker's state as the latency model sees it, to fit it with what follows."""
     is_slo_missed: bool = False
     """The request's latency targets are predicted to be missed on ``worker`` (the best there was)."""
+    predicted: Prediction | None = None
+    """The latency the SLO choice predicted on ``worker`` (``None``: the strategy chose)."""
     pull_from: WorkerView | None = None
     """A peer whose device holds the prompt's leading blocks that ``worker`` lacks: ``worker`` pulls
     them from it before it prefills (``kv_transfer_params.peer_url``)."""
 
 
-def decide(model: RoutedModel, views: Sequence[WorkerView], request: RequestContext) -> Decision:
-    """The whole choice for ``request`` over every worker of ``model`` (both pools, any health)."""
+def decide(
+    model: RoutedModel,
+    views: Sequence[WorkerView],
+    request: RequestContext,
+    reserve: SlotReserve = DEFAULT_RESERVE,
+) -> Decision:
+    """The whole choice for ``request`` over every worker of ``model`` (both pools, any health);
+    ``reserve``: the slots background requests leave to more urgent ones."""
     config = model.config
     is_disaggregated = config.mode == "disaggregated"
     role = "decode" if is_disaggregated else "unified"
@@ -127,11 +137,18 @@ def decide(model: RoutedModel, views: Sequence[WorkerView], request: RequestCont
         raise UnroutableError("no_healthy_worker")
     limit = config.max_in_flight_per_worker
     open_pool = lora_candidates(
-        [view for view in pool if not limit or view.num_in_flight < limit], request.lora_name
+        [
+            view
+            for view in pool
+            if (not limit or view.num_in_flight < limit)
+            and may_take_slot(request.priority, view.in_flight_by_priority, limit, reserve)
+        ],
+        request.lora_name,
     )
     ctx = dataclasses.replace(request, phase="decode") if is_disaggregated else request
     matched = model.kv_index.match(request.block_hashes) if request.block_hashes else {}
-    choice, is_slo_missed = _by_slo(model, open_pool, request, matched)
+    slo_choice = _by_slo(model, open_pool, request, matched)
+    choice = None if slo_choice is None else slo_choice.worker
     if choice is None:
         choice = model.strategy.select(open_pool, ctx) if open_pool else None
     if choice is None:
@@ -148,7 +165,8 @@ def decide(model: RoutedModel, views: Sequence[WorkerView], request: RequestCont
         expected_blocks=request.block_hashes,
         pin=_pin(model, request, choice),
         features=features_of(choice, len(request.token_ids), num_cached, config.block_size),
-        is_slo_missed=is_slo_missed,
+        is_slo_missed=slo_choice is not None and not slo_choice.is_met,
+        predicted=None if slo_choice is None else slo_choice.prediction,
         pull_from=None if pull is None else pull.peer,
     )
     if is_disaggregated and not request.is_prefilled:
@@ -158,12 +176,12 @@ def decide(model: RoutedModel, views: Sequence[WorkerView], request: RequestCont
 
 def _by_slo(
     model: RoutedModel, workers: Sequence[WorkerView], request: RequestContext, matched: Mapping[str, int]
-) -> tuple[WorkerView | None, bool]:
-    """The SLO choice and whether it misses the targets; ``(None, False)`` without one (no targets,
-    a disaggregated model, nothing to predict with yet): the strategy chooses."""
+) -> SloChoice | None:
+    """The SLO choice (it may miss the targets); ``None`` without one (no targets, a disaggregated
+    model, nothing to predict with yet): the strategy chooses."""
     target = request.slo
     if target is None or not workers or model.config.mode == "disaggregated":
-        return None, False
+        return None
     choice = choose_by_slo(
         model.latency,
         workers,
@@ -173,12 +191,12 @@ def _by_slo(
         block_size=model.config.block_size,
     )
     if choice is None:
-        return None, False
+        return None
     if not choice.is_met and target.on_miss == "queue":
         raise UnroutableError("at_capacity")
     if not choice.is_met and target.on_miss == "refuse":
         raise UnroutableError("slo_unmet")
-    return choice.worker, not choice.is_met
+    return choice
 
 
 def lora_candidates(workers: list[WorkerView], lora_name: str | None) -> list[WorkerView]:

@@ -1,0 +1,62 @@
+"""The slots of each worker kept for urgent requests: background work may fill only part of them.
+
+The gateway holds at most ``max_in_flight_per_worker`` requests on a worker (``engine.maxBatchSize +
+engine.maxQueueLen``). Were background work (a batch job, at ``BATCH_PRIORITY``) let fill all of
+them, an interactive request would wait in the gateway's queue for one of its lines to *end*, though
+it is more urgent: the queue orders who gets the next free slot, it takes no slot back. So requests
+at ``SlotReserve.priority`` or a larger number (less urgent) may hold at most the ``1 - share`` part
+of each worker's slots between them, and the rest stays open to the more urgent ones; once such a
+request is on the worker, the engine preempts a background sequence for it when its batch is full
+(``herd.worker.scheduler``). llm-d's flow control and Dynamo keep similar per-band limits.
+
+``may_take_slot`` is the rule, pure; ``decide`` applies it in its capacity filter.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+__all__ = ["BACKGROUND_PRIORITY", "DEFAULT_RESERVE", "SlotReserve", "background_limit", "may_take_slot"]
+
+BACKGROUND_PRIORITY = 1000
+"""The least urgent priority (``herd.orchestrator.admission.tenants.LOWEST_PRIORITY``, the batch's)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SlotReserve:
+    share: float = 0.25
+    """The part of each worker's slots that background requests may not take (0: none is kept)."""
+    priority: int = BACKGROUND_PRIORITY
+    """Requests at this priority number or larger are background."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.share < 1.0:
+            raise ValueError(f"the slot reserve's share must be in [0, 1), got {self.share}")
+
+
+DEFAULT_RESERVE = SlotReserve()
+
+
+def background_limit(cap: int, reserve: SlotReserve) -> int:
+    """The slots background requests may hold on a worker of ``cap`` slots (0: no limit): ``cap`` less
+    the reserve (rounded up), but at least one, so background work always progresses."""
+    if not cap:
+        return 0
+    return max(1, cap - math.ceil(cap * reserve.share))
+
+
+def may_take_slot(
+    priority: int, in_flight_by_priority: Mapping[int, int], cap: int, reserve: SlotReserve
+) -> bool:
+    """Whether a request of ``priority`` may take a slot on a worker whose requests in flight, by
+    priority, are ``in_flight_by_priority`` (``cap``: its slots, 0 for no limit). A request more urgent
+    than background may use every slot; a background one only while the background requests already
+    there are under ``background_limit``."""
+    if cap and sum(in_flight_by_priority.values()) >= cap:
+        return False
+    if priority < reserve.priority or not cap:
+        return True
+    num_background = sum(n for p, n in in_flight_by_priority.items() if p >= reserve.priority)
+    return num_background < background_limit(cap, reserve)

@@ -1,0 +1,108 @@
+"""The slots each worker keeps for urgent requests: background requests fill only part of them."""
+
+from __future__ import annotations
+
+import pytest
+
+from herd.api.crd import RoundRobinRouting
+from herd.orchestrator.discovery import ModelConfig
+from herd.orchestrator.routing import RequestContext, UnroutableError, WorkerView, decide
+from herd.orchestrator.routing.reserve import SlotReserve, background_limit, may_take_slot
+from herd.orchestrator.served import ServedModel
+
+BATCH = 1000
+QUARTER = SlotReserve(share=0.25)
+
+
+@pytest.mark.parametrize(
+    ("cap", "share", "limit"),
+    [
+        (8, 0.25, 6),
+        (4, 0.25, 3),
+        (5, 0.25, 3),
+        (2, 0.25, 1),
+        (1, 0.25, 1),
+        (8, 0.0, 8),
+        (8, 0.9, 1),
+        (0, 0.25, 0),
+    ],
+    ids=[
+        "8",
+        "4",
+        "5-rounds-the-reserve-up",
+        "2",
+        "1-keeps-one-for-background",
+        "no-reserve",
+        "large",
+        "no-cap",
+    ],
+)
+def test_background_limit(cap: int, share: float, limit: int) -> None:
+    assert background_limit(cap, SlotReserve(share=share)) == limit
+
+
+@pytest.mark.parametrize(
+    ("priority", "in_flight", "cap", "reserve", "allowed"),
+    [
+        (BATCH, {}, 8, QUARTER, True),
+        (BATCH, {BATCH: 5}, 8, QUARTER, True),
+        (BATCH, {BATCH: 6}, 8, QUARTER, False),
+        (BATCH, {0: 2, BATCH: 5}, 8, QUARTER, True),
+        (0, {BATCH: 6}, 8, QUARTER, True),
+        (0, {BATCH: 6, 0: 1}, 8, QUARTER, True),
+        (0, {BATCH: 6, 0: 2}, 8, QUARTER, False),
+        (5, {BATCH: 6, 5: 1}, 8, QUARTER, True),
+        (5, {5: 6}, 8, SlotReserve(share=0.25, priority=5), False),
+        (BATCH, {5: 6}, 8, SlotReserve(share=0.25, priority=5), False),
+        (BATCH, {BATCH: 7}, 8, SlotReserve(share=0.0), True),
+        (BATCH, {BATCH: 500}, 0, QUARTER, True),
+    ],
+    ids=[
+        "background-on-an-idle-worker",
+        "background-under-its-part",
+        "background-at-its-part",
+        "urgent-ones-do-not-count-against-background",
+        "urgent-takes-a-reserved-slot",
+        "urgent-takes-the-last-reserved-slot",
+        "nobody-past-the-cap",
+        "a-middle-priority-is-not-background",
+        "a-lower-threshold-makes-it-background",
+        "every-priority-past-the-threshold-counts",
+        "no-reserve",
+        "no-cap",
+    ],
+)
+def test_may_take_slot(
+    priority: int, in_flight: dict[int, int], cap: int, reserve: SlotReserve, allowed: bool
+) -> None:
+    assert may_take_slot(priority, in_flight, cap, reserve) is allowed
+
+
+@pytest.mark.parametrize("share", [-0.1, 1.0, 1.5])
+def test_a_share_outside_0_1_is_refused(share: float) -> None:
+    with pytest.raises(ValueError, match="share"):
+        SlotReserve(share=share)
+
+
+def served(limit: int) -> ServedModel:
+    return ServedModel(
+        ModelConfig("m", RoundRobinRouting(strategy="round_robin"), max_in_flight_per_worker=limit)
+    )
+
+
+BUSY_WITH_BATCH = [
+    WorkerView(id=name, url=f"http://{name}", num_in_flight=3, in_flight_by_priority={BATCH: 3})
+    for name in "ab"
+]
+"""Two workers of 4 slots, each with 3 batch lines: the part of background (4 less a quarter)."""
+
+
+def test_decide_keeps_the_reserved_slot_for_an_urgent_request() -> None:
+    with pytest.raises(UnroutableError) as refused:
+        decide(served(4), BUSY_WITH_BATCH, RequestContext(model="m", priority=BATCH), QUARTER)
+    assert refused.value.reason == "at_capacity"
+    assert (
+        decide(served(4), BUSY_WITH_BATCH, RequestContext(model="m", priority=0), QUARTER).worker.id in "ab"
+    )
+    no_reserve = SlotReserve(share=0.0)
+    assert decide(served(4), BUSY_WITH_BATCH, RequestContext(model="m", priority=BATCH), no_reserve).worker
