@@ -51,6 +51,24 @@ HOST = "127.0.0.1"
 BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 4
 
 
+def demo_manifest(name: str, engine: dict[str, Any], *, replicas: int | None = None) -> dict[str, Any]:
+    """A ModelDeployment of the demo model served as ``name``, routed by least_request (the
+    admission and resumption benchmarks' fleet); ``replicas`` workers when given."""
+    spec: dict[str, Any] = {
+        "model": {"source": f"file://{DEMO_MODEL}", "servedName": name},
+        "engine": engine,
+        "routing": {"strategy": "least_request"},
+    }
+    if replicas is not None:
+        spec["workers"] = {"replicas": replicas}
+    return {
+        "apiVersion": "herd.dev/v1alpha1",
+        "kind": "ModelDeployment",
+        "metadata": {"name": name},
+        "spec": spec,
+    }
+
+
 def thread_env(num_threads: int) -> dict[str, str]:
     """Caps a server's torch/OpenMP threads; on an oversubscribed 2-core machine one thread per
     process avoids OpenMP spin-waiting against other processes (measured ~9x faster under load)."""

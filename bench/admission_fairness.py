@@ -30,6 +30,7 @@ import httpx
 from _common import (
     DEMO_MODEL,
     HOST,
+    demo_manifest,
     free_port,
     herd_worker_argv,
     orchestrator_argv,
@@ -47,20 +48,6 @@ SETUPS = {
     "tenants": "tenants:\n  - {name: heavy, keys: [k-heavy]}\n  - {name: light, keys: [k-light]}\n",
     "one-tenant": "tenants:\n  - {name: shared, keys: [k-heavy, k-light]}\n",
 }
-
-
-def manifest() -> dict[str, Any]:
-    return {
-        "apiVersion": "herd.dev/v1alpha1",
-        "kind": "ModelDeployment",
-        "metadata": {"name": NAME},
-        "spec": {
-            "model": {"source": f"file://{DEMO_MODEL}", "servedName": NAME},
-            "engine": ENGINE,
-            "workers": {"replicas": 2},
-            "routing": {"strategy": "least_request"},
-        },
-    }
 
 
 async def client_loop(
@@ -98,7 +85,7 @@ def measure(args: argparse.Namespace, setup: str, endpoints: list[str], log_dir:
     keys = log_dir / f"{setup}.yaml"
     keys.write_text(SETUPS[setup])
     manifest_path = log_dir / "manifest.yaml"
-    manifest_path.write_text(json.dumps(manifest()))
+    manifest_path.write_text(json.dumps(demo_manifest(NAME, ENGINE, replicas=2)))
     port = free_port()
     argv = orchestrator_argv(
         manifest_path, endpoints, token=TOKEN, port=port, extra=["--api-keys-file", str(keys)]

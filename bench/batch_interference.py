@@ -36,6 +36,7 @@ import httpx
 from _common import (
     DEMO_MODEL,
     HOST,
+    demo_manifest,
     free_port,
     herd_worker_argv,
     orchestrator_argv,
@@ -59,20 +60,6 @@ ENGINE = {
     "maxQueueLen": MAX_QUEUE_LEN,
 }
 SETUPS = ("alone", "with-batch")
-
-
-def manifest() -> dict[str, Any]:
-    return {
-        "apiVersion": "herd.dev/v1alpha1",
-        "kind": "ModelDeployment",
-        "metadata": {"name": NAME},
-        "spec": {
-            "model": {"source": f"file://{DEMO_MODEL}", "servedName": NAME},
-            "engine": ENGINE,
-            "workers": {"replicas": 2},
-            "routing": {"strategy": "least_request"},
-        },
-    }
 
 
 async def user(
@@ -171,7 +158,7 @@ async def run(url: str, args: argparse.Namespace, setup: str) -> dict[str, Any]:
 
 def measure(args: argparse.Namespace, setup: str, endpoints: list[str], log_dir: Path) -> dict[str, Any]:
     manifest_path = log_dir / "manifest.yaml"
-    manifest_path.write_text(json.dumps(manifest()))
+    manifest_path.write_text(json.dumps(demo_manifest(NAME, ENGINE, replicas=2)))
     batch_dir = log_dir / f"batches-{setup}"
     shutil.rmtree(batch_dir, ignore_errors=True)
     port = free_port()

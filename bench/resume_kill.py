@@ -36,6 +36,7 @@ import httpx
 from _common import (
     DEMO_MODEL,
     HOST,
+    demo_manifest,
     free_port,
     herd_worker_argv,
     orchestrator_argv,
@@ -65,19 +66,6 @@ TOPICS = [
 ]  # fmt: skip
 SETUPS = ("undisturbed", "killed")
 KILLED = "worker-0"
-
-
-def manifest(engine: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "apiVersion": "herd.dev/v1alpha1",
-        "kind": "ModelDeployment",
-        "metadata": {"name": NAME},
-        "spec": {
-            "model": {"source": f"file://{DEMO_MODEL}", "servedName": NAME},
-            "engine": engine,
-            "routing": {"strategy": "least_request"},
-        },
-    }
 
 
 class Stream:
@@ -219,7 +207,7 @@ def main() -> int:
     ports = [(free_port(), free_port()) for _ in range(2)]
     manifest_path = log_dir / "manifest.yaml"
     engine = ENGINES[args.backend]
-    manifest_path.write_text(json.dumps(manifest(engine)))
+    manifest_path.write_text(json.dumps(demo_manifest(NAME, engine)))
     gateway_port = free_port()
     url = f"http://{HOST}:{gateway_port}"
     endpoints = [f"http://{HOST}:{port},http://{HOST}:{internal}" for port, internal in ports]

@@ -38,6 +38,7 @@ import httpx
 from _common import (
     DEMO_MODEL,
     HOST,
+    demo_manifest,
     free_port,
     herd_worker_argv,
     orchestrator_argv,
@@ -54,20 +55,6 @@ NUM_WORKERS = 4
 ENGINE = {"backend": "simulated", "maxModelLen": 4096, "maxBatchSize": 8, "maxQueueLen": 64}
 SETUPS = ("slo", "least_request")
 WORDS = ["amber", "birch", "cedar", "delta", "ember", "fjord", "grove", "harbor", "island", "juniper"]
-
-
-def manifest() -> dict[str, Any]:
-    return {
-        "apiVersion": "herd.dev/v1alpha1",
-        "kind": "ModelDeployment",
-        "metadata": {"name": NAME},
-        "spec": {
-            "model": {"source": f"file://{DEMO_MODEL}", "servedName": NAME},
-            "engine": ENGINE,
-            "workers": {"replicas": NUM_WORKERS},
-            "routing": {"strategy": "least_request"},
-        },
-    }
 
 
 def prompt(rng: random.Random, num_words: int) -> str:
@@ -137,7 +124,7 @@ async def capacity(url: str, args: argparse.Namespace) -> float:
 
 def gateway_argv(endpoints: list[str], log_dir: Path, port: int) -> list[str]:
     manifest_path = log_dir / "manifest.yaml"
-    manifest_path.write_text(json.dumps(manifest()))
+    manifest_path.write_text(json.dumps(demo_manifest(NAME, ENGINE, replicas=NUM_WORKERS)))
     return orchestrator_argv(manifest_path, endpoints, token=TOKEN, port=port)
 
 
