@@ -260,7 +260,7 @@ class _PublicRoutes:
             grammar=grammar,
             resume=resume,
         )
-        if handoff is not None and handoff.do_remote_prefill:
+        if handoff is not None and (handoff.do_remote_prefill or handoff.peer_url is not None):
             with _tracer.start_as_current_span("herd.worker.kv_transfer", context=set_span_in_context(span)):
                 await self._pull(request, handoff, prompts, body)
         context = self._context(request, body, choices, prefix=endpoint.id_prefix, span=span)
