@@ -91,7 +91,7 @@ def envoy_config(
         "grpc_service": {"envoy_grpc": {"cluster_name": "herd_epp"}, "timeout": "10s"},
         "failure_mode_allow": fail_open,
         "status_on_error": {"code": 503},
-        "message_timeout": "10s",
+        "message_timeout": "35s",  # longer than `herd epp --queue-max-wait` (30 s by default)
         "processing_mode": {
             "request_header_mode": "SEND",
             "request_body_mode": body_mode,

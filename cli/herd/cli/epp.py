@@ -7,18 +7,18 @@ import asyncio
 import logging
 import os
 import sys
-from pathlib import Path
 
 from herd.api.logs import configure_logging
 from herd.api.manifest import ManifestError
 from herd.api.protocol import TOKEN_ENV
-from herd.cli.orchestrator import add_source_arguments, load_source
-from herd.orchestrator.auth import load_api_keys
+from herd.cli.orchestrator import add_admission_arguments, add_source_arguments, load_source, queue_settings
+from herd.orchestrator.auth import ApiKeys, load_api_keys
 from herd.orchestrator.epp import EppSettings, PickerSettings, serve_epp
 from herd.orchestrator.registry import RegistrySettings
+from herd.orchestrator.routing.reserve import SlotReserve
 from herd.orchestrator.state import build_state
 
-__all__ = ["register"]
+__all__ = ["epp_settings", "register"]
 
 DEFAULT_PORT = 9002
 """The port InferencePools name for their endpoint picker by default."""
@@ -33,17 +33,30 @@ def run(args: argparse.Namespace) -> int:
         return 2
     configure_logging("epp", args.log_level)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health poll otherwise
-    settings = EppSettings(
-        internal_token=args.internal_token or os.environ.get(TOKEN_ENV),
-        registry=RegistrySettings(poll_interval=args.poll_interval),
-        picker=PickerSettings(max_body_bytes=args.max_body_bytes),
-        api_keys=api_keys,
-    )
     serving = serve_epp(
-        source, host=args.host, port=args.port, state=build_state(args.redis), settings=settings
+        source,
+        host=args.host,
+        port=args.port,
+        state=build_state(args.redis),
+        settings=epp_settings(args, api_keys),
     )
     asyncio.run(serving)
     return 0
+
+
+def epp_settings(args: argparse.Namespace, api_keys: ApiKeys | None) -> EppSettings:
+    """The picker's settings from its flags: admission (the queue's bounds, the slot reserve) as
+    ``herd orchestrator`` reads the same flags."""
+    return EppSettings(
+        internal_token=args.internal_token or os.environ.get(TOKEN_ENV),
+        registry=RegistrySettings(poll_interval=args.poll_interval),
+        picker=PickerSettings(
+            max_body_bytes=args.max_body_bytes,
+            queue=queue_settings(args),
+            slot_reserve=SlotReserve(share=args.slot_reserve),
+        ),
+        api_keys=api_keys,
+    )
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -54,11 +67,6 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="ext_proc and gRPC health")
     add_source_arguments(parser)
     parser.add_argument("--max-body-bytes", type=int, default=PickerSettings().max_body_bytes)
-    parser.add_argument(
-        "--api-keys-file",
-        type=Path,
-        default=None,
-        help="the tenants YAML (or one key a line) whose keys, priorities and quotas apply (docs/admission.md)",
-    )
+    add_admission_arguments(parser)
     parser.add_argument("--log-level", default="INFO")
     parser.set_defaults(func=run)

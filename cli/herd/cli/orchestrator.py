@@ -25,11 +25,13 @@ from herd.orchestrator.server import ServerLimits, run_server
 from herd.orchestrator.state import build_state
 
 __all__ = [
+    "add_admission_arguments",
     "add_source_arguments",
     "load_source",
     "local_model_path",
     "model_configs",
     "parse_worker",
+    "queue_settings",
     "register",
     "worker_source",
 ]
@@ -117,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
             request_timeout=args.request_timeout,
             max_resumes=args.max_resumes,
             access_log_prompts=args.access_log_prompts,
-            queue=QueueSettings(max_size=args.queue_max_size, max_wait_seconds=args.queue_max_wait),
+            queue=queue_settings(args),
             slot_reserve=SlotReserve(share=args.slot_reserve),
         ),
         registry=RegistrySettings(poll_interval=args.poll_interval),
@@ -171,34 +173,16 @@ def add_source_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = subparsers.add_parser("orchestrator", help="run the OpenAI gateway and router")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    add_source_arguments(parser)
+def add_admission_arguments(parser: argparse.ArgumentParser) -> None:
+    """The tenants, the wait queue's bounds and the slot reserve (the orchestrator's and the endpoint
+    picker's flags, read back with ``load_api_keys``, ``queue_settings`` and
+    ``SlotReserve(share=args.slot_reserve)``)."""
     parser.add_argument(
         "--api-keys-file",
         type=Path,
         default=None,
-        help="accepted API keys: one per line, or a tenants YAML document (docs/admission.md)",
-    )
-    parser.add_argument(
-        "--batch-dir",
-        type=Path,
-        default=None,
-        help="serve the Batch API (/v1/files, /v1/batches), keeping its state in this folder",
-    )
-    parser.add_argument(
-        "--batch-concurrency", type=int, default=8, help="lines of one batch in flight at once (at least 1)"
-    )
-    parser.add_argument(
-        "--request-timeout", type=float, default=600.0, help="seconds to wait for a worker's next byte"
-    )
-    parser.add_argument(
-        "--max-resumes",
-        type=int,
-        default=2,
-        help="times a stream whose worker failed mid-answer goes on from another worker (0: never)",
+        help="accepted API keys: one per line, or a tenants YAML document with their priorities, "
+        "weights, models and quotas (docs/admission.md)",
     )
     queue = QueueSettings()
     parser.add_argument(
@@ -220,6 +204,37 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="the part of each worker's slots (maxBatchSize + maxQueueLen) that batch lines and other "
         "requests at the lowest priority leave to more urgent ones, in [0, 1)",
     )
+
+
+def queue_settings(args: argparse.Namespace) -> QueueSettings:
+    """The wait queue ``add_admission_arguments`` describe."""
+    return QueueSettings(max_size=args.queue_max_size, max_wait_seconds=args.queue_max_wait)
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser("orchestrator", help="run the OpenAI gateway and router")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    add_source_arguments(parser)
+    parser.add_argument(
+        "--batch-dir",
+        type=Path,
+        default=None,
+        help="serve the Batch API (/v1/files, /v1/batches), keeping its state in this folder",
+    )
+    parser.add_argument(
+        "--batch-concurrency", type=int, default=8, help="lines of one batch in flight at once (at least 1)"
+    )
+    parser.add_argument(
+        "--request-timeout", type=float, default=600.0, help="seconds to wait for a worker's next byte"
+    )
+    parser.add_argument(
+        "--max-resumes",
+        type=int,
+        default=2,
+        help="times a stream whose worker failed mid-answer goes on from another worker (0: never)",
+    )
+    add_admission_arguments(parser)
     parser.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     parser.add_argument(
         "--body-timeout", type=float, default=30.0, help="seconds a client may take to send a body (then 408)"

@@ -47,9 +47,8 @@ from herd.api.protocol import REQUEST_ID_HEADER, WORKER_HEADER, is_valid_request
 from herd.api.resume import RESUMABLE_HEADER, RESUME_FIELD
 from herd.api.tracing import TRACE_HEADERS, context_from, trace_headers, tracer
 from herd.orchestrator.access_log import AccessEntry, slo_note
-from herd.orchestrator.admission.gate import Admission, Ticket, ticket_for
+from herd.orchestrator.admission.gate import Admission, Ticket, admitted_context, ticket_for
 from herd.orchestrator.admission.quotas import Quotas
-from herd.orchestrator.admission.targets import slo_target
 from herd.orchestrator.admission.tenants import (
     ANONYMOUS,
     LOWEST_PRIORITY,
@@ -262,9 +261,7 @@ class Gateway:
         ticket = ticket_for(tenant, parsed.request, headers, len(body), len(ctx.token_ids))
         use = await self.quotas.admit(tenant, time.time())
         body = _with_priority(parsed, body, ticket.priority)
-        ctx = dataclasses.replace(
-            ctx, priority=ticket.priority, slo=slo_target(headers, self.settings.slo_miss)
-        )
+        ctx = admitted_context(ctx, ticket, headers, self.settings.slo_miss)
         return _Request(
             served,
             self._metrics_of(served),

@@ -168,13 +168,15 @@ async def test_bad_requests_get_the_openai_envelope(
 async def test_the_endpoint_the_data_plane_served_on_takes_the_hold() -> None:
     async with running_epp(_cluster()) as epp:
         stream = epp.stream()
-        chosen = destination_of((await stream.request(chat_body()))[-1])[0].removesuffix(".test")
+        batch = chat_body(priority=1000)  # the hold keeps its priority, for the slot reserve
+        chosen = destination_of((await stream.request(batch))[-1])[0].removesuffix(".test")
         other = "w1" if chosen == "w0" else "w0"
         await stream.send(response_headers_message(served=f"{other}.test"))
         answer = await stream.read()
         added = answer.response_headers.response.header_mutation.set_headers
         assert [(h.header.key, h.header.raw_value) for h in added] == [("X-Herd-Worker", other.encode())]
         assert epp.in_flight() == {chosen: 0, other: 1}
+        assert epp.registry.workers[other].in_flight_by_priority == {1000: 1}
         await stream.close()
         await wait_for(lambda: set(epp.in_flight().values()) == {0})
 

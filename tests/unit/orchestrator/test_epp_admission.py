@@ -1,6 +1,7 @@
 """Admission in ``herd epp``, as far as ext_proc allows: tenants from the API key, their models and
 quotas (immediate 401 / 403 / 429 with ``x-ratelimit-*``, tokens charged from the answer's usage),
-SLO headers, and the fair queue a request waits in while Envoy holds it."""
+SLO headers, the slot reserve that batch-priority requests leave to urgent ones, and the bounded fair
+queue a request waits in while Envoy holds it (a full queue sheds the least urgent with a 429)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ from pathlib import Path
 
 import pytest
 from support.epp_fakes import RunningEpp, chat_body, destination_of, running_epp
-from support.gateway_fakes import FAST_REGISTRY, FakeCluster, FakeWorker
+from support.gateway_fakes import FAST_REGISTRY, MODEL, FakeCluster, FakeWorker, wait_for
 
 from herd.orchestrator.admission.waiting import QueueSettings
 from herd.orchestrator.auth import load_api_keys
 from herd.orchestrator.epp.picker import PickerSettings
 from herd.orchestrator.epp.server import EppSettings
+from herd.orchestrator.routing.reserve import SlotReserve
 
 KEYS = """
 tenants:
@@ -132,3 +134,91 @@ async def test_a_wait_past_the_queues_limit_is_a_429(tmp_path: Path) -> None:
         status, sent, error = await refusal(epp, **bearer("k-metered"))
         assert (status, sent["Retry-After"]) == (429, "1") and "waited in the queue" in str(error["message"])
         await held.close()
+
+
+BATCH = 1000
+"""The lowest priority, a batch line's: such requests are background to the slot reserve."""
+
+
+def anonymous(*, max_size: int = 1024, share: float = 0.25) -> EppSettings:
+    queue = QueueSettings(max_size=max_size, max_wait_seconds=5.0)
+    picker = PickerSettings(queue=queue, slot_reserve=SlotReserve(share=share))
+    return EppSettings(registry=FAST_REGISTRY, picker=picker)
+
+
+def num_waiting(epp: RunningEpp) -> int:
+    return epp.epp.picker.admission.num_waiting(MODEL)
+
+
+async def routed(epp: RunningEpp, **fields: object) -> str:
+    """A request's stream, routed: the worker it names (the stream stays open, the worker held)."""
+    stream = epp.stream()
+    answers = await stream.request(chat_body(**fields))
+    return destination_of(answers[-1])[0]
+
+
+async def test_batch_requests_leave_the_reserved_slot_that_an_interactive_one_then_takes() -> None:
+    """A worker of 4 slots: requests at the batch priority hold at most 3 of them (the default
+    reserve, a quarter), so the 4th waits; an interactive newcomer routes at once past it to the
+    reserved slot, whose end frees no slot for the batch; a batch request's end does."""
+    cluster = FakeCluster([FakeWorker("w0")])
+    async with running_epp(
+        cluster, model_config={"max_in_flight_per_worker": 4}, settings=anonymous()
+    ) as epp:
+        batch = [epp.stream() for _ in range(4)]
+        for stream in batch[:3]:
+            answers = await stream.request(chat_body(priority=BATCH))
+            assert destination_of(answers[-1])[0] == "w0.test"
+        fourth = asyncio.create_task(batch[3].request(chat_body(priority=BATCH)))
+        await wait_for(lambda: num_waiting(epp) == 1)
+        interactive = epp.stream()
+        answers = await interactive.request(chat_body())
+        assert destination_of(answers[-1])[0] == "w0.test" and num_waiting(epp) == 1
+        assert epp.registry.workers["w0"].in_flight_by_priority == {BATCH: 3, 0: 1}
+        await interactive.response()  # the reserved slot is free again, and still not the batch's
+        await asyncio.sleep(0.3)
+        assert not fourth.done() and epp.in_flight() == {"w0": 3}
+        await batch[0].response()  # a batch request ends: the waiting one takes its slot
+        answers = await asyncio.wait_for(fourth, 5)
+        assert destination_of(answers[-1])[0] == "w0.test" and num_waiting(epp) == 0
+        assert epp.registry.workers["w0"].in_flight_by_priority == {BATCH: 3}
+        for stream in [*batch, interactive]:
+            await stream.close()
+
+
+async def test_without_a_reserve_batch_requests_may_fill_every_slot() -> None:
+    cluster = FakeCluster([FakeWorker("w0")])
+    async with running_epp(
+        cluster, model_config={"max_in_flight_per_worker": 4}, settings=anonymous(share=0.0)
+    ) as epp:
+        assert [await routed(epp, priority=BATCH) for _ in range(4)] == ["w0.test"] * 4
+        assert epp.in_flight() == {"w0": 4}
+
+
+async def test_a_full_queue_sheds_the_least_urgent_with_a_429_and_releases_the_rest_when_a_slot_frees() -> (
+    None
+):
+    """One slot, a queue of one: a batch request waits; an interactive one takes its place in line
+    (the batch request gets a 429 with Retry-After); another batch request finds the line full (429);
+    the interactive one routes when the slot frees."""
+    cluster = FakeCluster([FakeWorker("w0")])
+    async with running_epp(
+        cluster, model_config={"max_in_flight_per_worker": 1}, settings=anonymous(max_size=1)
+    ) as epp:
+        busy = epp.stream()
+        await busy.request(chat_body())
+        shed = asyncio.create_task(refusal(epp, **{"x-herd-priority": str(BATCH)}))
+        await wait_for(lambda: num_waiting(epp) == 1)
+        interactive = epp.stream()
+        waiting = asyncio.create_task(interactive.request(chat_body()))
+        status, sent, error = await asyncio.wait_for(shed, 5)
+        assert (status, sent["Retry-After"], error["type"]) == (429, "1", "rate_limit_error")
+        assert "a more urgent request took its place in the queue" in str(error["message"])
+        status, sent, error = await refusal(epp, **{"x-herd-priority": str(BATCH)})
+        assert (status, sent["Retry-After"]) == (429, "1") and "its queue is full" in str(error["message"])
+        assert not waiting.done() and num_waiting(epp) == 1
+        await busy.response()
+        answers = await asyncio.wait_for(waiting, 5)
+        assert destination_of(answers[-1])[0] == "w0.test" and num_waiting(epp) == 0
+        await busy.close()
+        await interactive.close()

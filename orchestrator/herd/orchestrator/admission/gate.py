@@ -9,17 +9,20 @@ difference to its real output when it ends (``finished``).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
 from herd.api.errors import HttpError
 from herd.api.openai import EmbeddingRequest, SamplingFields
+from herd.orchestrator.admission.targets import slo_target
 from herd.orchestrator.admission.tenants import PRIORITY_HEADER, Tenant, effective_priority
 from herd.orchestrator.admission.waiting import ModelQueue, QueueRefusalError, QueueSettings, Turn
-from herd.orchestrator.routing import UnroutableError
+from herd.orchestrator.routing import RequestContext, UnroutableError
+from herd.orchestrator.routing._types import SloMiss
 
-__all__ = ["DEFAULT_EXPECTED_OUTPUT", "Admission", "Ticket", "ticket_for"]
+__all__ = ["DEFAULT_EXPECTED_OUTPUT", "Admission", "Ticket", "admitted_context", "ticket_for"]
 
 R = TypeVar("R")
 
@@ -62,6 +65,15 @@ def ticket_for(
     else:
         num_output = (request.output_limit or DEFAULT_EXPECTED_OUTPUT) * request.n
     return Ticket(tenant, priority, num_prompt_tokens or size // 4, num_output)
+
+
+def admitted_context(
+    ctx: RequestContext, ticket: Ticket, headers: Mapping[str, str], slo_miss: SloMiss
+) -> RequestContext:
+    """``ctx`` as ``decide`` routes the admitted request: at its ticket's priority (so a background
+    one leaves the slot reserve to more urgent ones), with the latency targets of its headers (400
+    for a bad one; ``slo_miss`` when they name no policy)."""
+    return dataclasses.replace(ctx, priority=ticket.priority, slo=slo_target(headers, slo_miss))
 
 
 class Admission:

@@ -11,10 +11,13 @@ Admission is the gateway's (docs/admission.md), as far as ext_proc lets it be: t
 ``Authorization`` names the tenant (401 for an unknown one when a keys file is given), whose models
 and per-minute quotas apply (403; 429 with ``x-ratelimit-*``, the headers also on every answer, the
 tokens counted from the answer's usage in ``finished``); ``x-slo-*`` headers set latency targets for
-``decide``; a request that finds every worker full waits in the model's fair, prioritized queue while
-Envoy holds it (Envoy's ``message_timeout`` must exceed ``queue.max_wait_seconds``). The picker
-never rewrites the body, so the engines schedule by the body's own ``priority`` (the tenant's
-priority orders this queue only), and the ``lower`` SLO policy routes as ``route`` does.
+``decide``. The tenant's priority (lowered by the body's ``priority`` or ``X-Herd-Priority``) orders
+the model's fair queue and, in ``decide``, keeps requests at the lowest priority out of the slot
+reserve (``herd.orchestrator.routing.reserve``). A request that finds every worker full (or, at the
+lowest priority, every unreserved slot taken) waits in that queue, the gateway's own ``Admission``,
+while Envoy holds it (Envoy's ``message_timeout`` must exceed ``queue.max_wait_seconds``). The picker
+never rewrites the body, so the engines schedule by the body's own ``priority``, and the ``lower``
+SLO policy routes as ``route`` does.
 """
 
 from __future__ import annotations
@@ -26,9 +29,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from herd.api.errors import HttpError
-from herd.orchestrator.admission.gate import Admission, Ticket, ticket_for
+from herd.orchestrator.admission.gate import Admission, Ticket, admitted_context, ticket_for
 from herd.orchestrator.admission.quotas import Quotas
-from herd.orchestrator.admission.targets import slo_target
 from herd.orchestrator.admission.tenants import ANONYMOUS, Tenant
 from herd.orchestrator.admission.usage import Usage
 from herd.orchestrator.admission.waiting import QueueSettings
@@ -40,6 +42,7 @@ from herd.orchestrator.prepare import Prepared, Preparer
 from herd.orchestrator.registry import Registry
 from herd.orchestrator.routing import UnroutableError, decide
 from herd.orchestrator.routing._types import SloMiss
+from herd.orchestrator.routing.reserve import SlotReserve
 from herd.orchestrator.state import State
 
 __all__ = ["Picked", "Picker", "PickerSettings"]
@@ -52,8 +55,10 @@ class PickerSettings:
     retry_after_seconds: int = 1
     """``Retry-After`` on a 429 (every worker full) or a 503 (no worker ready)."""
     max_body_bytes: int = 4 * 1024 * 1024
-    queue: QueueSettings = field(default_factory=lambda: QueueSettings(max_wait_seconds=5.0))
+    queue: QueueSettings = field(default_factory=QueueSettings)
     """Each model's queue while every worker is full; its wait stays under Envoy's ``message_timeout``."""
+    slot_reserve: SlotReserve = field(default_factory=SlotReserve)
+    """The part of each worker's slots that requests at the lowest priority leave to more urgent ones."""
     slo_miss: SloMiss = "route"
     """What a request with latency targets no worker is predicted to meet gets, unless ``x-slo-policy``
     says; ``lower`` routes as ``route`` (the picker does not rewrite the body's priority)."""
@@ -108,8 +113,8 @@ class Picker:
         tenant.check_model(served.name)
         ticket = ticket_for(tenant, prepared.parsed.request, headers, len(body), len(prepared.ctx.token_ids))
         use = await self.quotas.admit(tenant, time.time())
-        if (target := slo_target(headers, self.settings.slo_miss)) is not None:
-            prepared = dataclasses.replace(prepared, ctx=dataclasses.replace(prepared.ctx, slo=target))
+        ctx = admitted_context(prepared.ctx, ticket, headers, self.settings.slo_miss)
+        prepared = dataclasses.replace(prepared, ctx=ctx)
         await self.cold_starts.wait(served)  # a model at zero workers: until one is ready, as the gateway
         try:
             route = await self.admission.route(served.name, ticket, lambda: self._routed(prepared, subset))
@@ -155,7 +160,8 @@ class Picker:
         if subset is not None:
             outside = frozenset(view.id for view in views if address_of(view.url) not in subset)
             ctx = dataclasses.replace(ctx, excluded=outside)
-        return apply_decision(self.registry, self.state, served, decide(served, views, ctx))
+        decision = decide(served, views, ctx, self.settings.slot_reserve)
+        return apply_decision(self.registry, self.state, served, decision, priority=ctx.priority)
 
     def moved(self, picked: Picked, served_address: str) -> None:
         """The data plane served the request on another endpoint of the model (its retry or fallback):
@@ -171,7 +177,7 @@ class Picker:
             )
             return
         picked.route.release("none")
-        hold = self.registry.hold(worker.id)
+        hold = self.registry.hold(worker.id, priority=picked.ticket.priority)
         picked.route = Route(dataclasses.replace(picked.route.decision, worker=worker), hold, None)
         picked.address = served_address
 

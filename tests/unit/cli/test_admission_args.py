@@ -1,0 +1,68 @@
+"""The admission flags ``herd orchestrator`` and ``herd epp`` share: the queue's bounds (defaults from
+``QueueSettings``, numbers above zero only) and the slot reserve (default ``SlotReserve``'s, in [0, 1));
+a bad value is a usage error that names the flag and says what it must be."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from herd.cli.epp import epp_settings
+from herd.cli.main import build_parser
+from herd.orchestrator.admission.waiting import QueueSettings
+from herd.orchestrator.routing.reserve import SlotReserve
+
+COMMANDS = ["orchestrator", "epp"]
+DEFAULT_SIZE, DEFAULT_WAIT = QueueSettings().max_size, QueueSettings().max_wait_seconds
+
+
+def parsed(command: str, *flags: str) -> argparse.Namespace:
+    argv = [command, *flags]
+    return build_parser(argv).parse_args(argv)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        ((), (DEFAULT_SIZE, DEFAULT_WAIT, SlotReserve().share)),
+        (("--queue-max-size", "8"), (8, DEFAULT_WAIT, SlotReserve().share)),
+        (("--queue-max-wait", "0.5"), (DEFAULT_SIZE, 0.5, SlotReserve().share)),
+        (("--slot-reserve", "0"), (DEFAULT_SIZE, DEFAULT_WAIT, 0.0)),
+        (("--slot-reserve", "0.5"), (DEFAULT_SIZE, DEFAULT_WAIT, 0.5)),
+    ],
+)
+def test_admission_flags(command: str, flags: tuple[str, ...], expected: tuple[int, float, float]) -> None:
+    args = parsed(command, *flags)
+    assert (args.queue_max_size, args.queue_max_wait, args.slot_reserve) == expected
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (("--queue-max-size", "0"), "0 is not above zero"),
+        (("--queue-max-wait", "-1"), "-1 is not above zero"),
+        (("--queue-max-size", "x"), "invalid"),
+        (("--slot-reserve", "1"), "1 is not in [0, 1)"),
+        (("--slot-reserve", "-0.1"), "-0.1 is not in [0, 1)"),
+        (("--slot-reserve", "half"), "invalid"),
+    ],
+)
+def test_a_bad_admission_flag_is_a_usage_error_naming_it(
+    command: str, flags: tuple[str, ...], words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        parsed(command, *flags)
+    error = capsys.readouterr().err
+    assert exited.value.code == 2 and f"argument {flags[0]}: " in error and words in error
+
+
+def test_the_endpoint_pickers_admission_is_what_its_flags_say() -> None:
+    flags = ("--queue-max-size", "8", "--queue-max-wait", "2.5", "--slot-reserve", "0.5")
+    picker = epp_settings(parsed("epp", *flags), None).picker
+    assert picker.queue == QueueSettings(max_size=8, max_wait_seconds=2.5)
+    assert picker.slot_reserve == SlotReserve(share=0.5)
+    defaults = epp_settings(parsed("epp"), None).picker
+    assert (defaults.queue, defaults.slot_reserve) == (QueueSettings(), SlotReserve())
