@@ -10,7 +10,10 @@ configuration docs/gateway-api.md documents:
 - kv_cache_aware keeps each conversation on one worker through Envoy, and the workers report the same
   cached prompt tokens as through herd's own gateway on the same workers;
 - with the picker down, a fail-open Envoy still serves (its fallback cluster) and a fail-closed one
-  answers 503.
+  answers 503;
+- admission as herd's gateway applies it: a batch-priority request waits in the picker's queue while
+  Envoy holds it, an interactive one takes the slot reserved for it at once, a full queue is a 429
+  with ``Retry-After`` in the OpenAI envelope, and the waiting request goes on once a slot frees.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +46,9 @@ pytestmark = [skip_without_envoy, pytest.mark.e2e]
 TOKEN = "envoy-token"
 NUM_WORKERS = 2
 SIMULATED = {"backend": "simulated", "simulation": {"costModel": {"stepMs": 2.0, "tokenMs": 0.05}}}
+SLOW = {"backend": "simulated", "simulation": {"costModel": {"stepMs": 40.0}}}
+BATCH = 1000
+"""The lowest priority, a batch line's."""
 
 
 @dataclass(frozen=True)
@@ -73,10 +81,12 @@ def _num_finished(worker: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in samples)
 
 
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    """Two simulated workers serving the tiny model as ``tiny``, and its kv_cache_aware manifest."""
-    folder = tmp_path_factory.mktemp("fleet")
+@contextlib.contextmanager
+def simulated_fleet(
+    folder: Path, *, num_workers: int, simulated: dict[str, Any], engine: dict[str, Any] | None = None
+) -> Iterator[Fleet]:
+    """``num_workers`` simulated workers (one ``herd worker --replicas``) serving the tiny model as
+    ``tiny``, and its manifests (with ``engine`` added to their engine block)."""
     model = make_tiny_model(folder / "tiny")
     manifest = folder / "tiny.yaml"
     deployment = {
@@ -85,7 +95,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         "metadata": {"name": "tiny"},
         "spec": {
             "model": {"source": f"file://{model}"},
-            "engine": {"maxModelLen": 512},
+            "engine": {"maxModelLen": 512, **(engine or {})},
             "routing": {"strategy": "kv_cache_aware"},
         },
     }
@@ -93,28 +103,55 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     round_robin = folder / "tiny-round-robin.yaml"
     deployment["spec"]["routing"] = {"strategy": "round_robin"}  # type: ignore[index]
     round_robin.write_text(yaml.safe_dump(deployment))
-    ports = free_port_block(2 * NUM_WORKERS)
-    argv = worker_argv(model, port=ports[0], internal_port=ports[NUM_WORKERS], token=TOKEN)
-    argv += ["--engine-json", json.dumps(SIMULATED), "--replicas", str(NUM_WORKERS)]
-    urls = [f"http://127.0.0.1:{port}" for port in ports[:NUM_WORKERS]]
-    internal = [f"http://127.0.0.1:{port}" for port in ports[NUM_WORKERS:]]
+    ports = free_port_block(2 * num_workers)
+    argv = worker_argv(model, port=ports[0], internal_port=ports[num_workers], token=TOKEN)
+    argv += ["--engine-json", json.dumps(simulated), "--replicas", str(num_workers)]
+    urls = [f"http://127.0.0.1:{port}" for port in ports[:num_workers]]
+    internal = [f"http://127.0.0.1:{port}" for port in ports[num_workers:]]
     with running(argv, log=folder / "workers.log") as process:
 
         def are_ready() -> bool:
             assert process.poll() is None, f"the simulated workers exited early; see {folder / 'workers.log'}"
             return all(httpx.get(f"{url}/ready", timeout=2).status_code == 200 for url in urls)
 
-        wait_until(are_ready, timeout=60, interval=0.2, what="two simulated workers ready")
+        wait_until(are_ready, timeout=60, interval=0.2, what=f"{num_workers} simulated workers ready")
         yield Fleet(manifest, round_robin, urls, internal)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """Two simulated workers serving the tiny model as ``tiny``, and its kv_cache_aware manifest."""
+    with simulated_fleet(
+        tmp_path_factory.mktemp("fleet"), num_workers=NUM_WORKERS, simulated=SIMULATED
+    ) as made:
+        yield made
+
+
+@pytest.fixture(scope="module")
+def slow_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """One simulated worker at 40 ms a step (a 100-token answer takes about 4 s), which herd counts as
+    2 slots (the manifest's ``maxBatchSize`` 1 + ``maxQueueLen`` 1; the worker itself runs more)."""
+    with simulated_fleet(
+        tmp_path_factory.mktemp("slow-fleet"),
+        num_workers=1,
+        simulated=SLOW,
+        engine={"maxBatchSize": 1, "maxQueueLen": 1},
+    ) as made:
+        yield made
 
 
 @contextlib.contextmanager
 def herd_process(
-    command: str, fleet: Fleet, folder: Path, port: int, manifest: Path | None = None
+    command: str,
+    fleet: Fleet,
+    folder: Path,
+    port: int,
+    manifest: Path | None = None,
+    flags: Sequence[str] = (),
 ) -> Iterator[None]:
     """``herd epp`` or ``herd orchestrator`` over the fleet on ``port`` (the kv_cache_aware manifest
-    unless given one), stopped by its pid."""
-    argv = [sys.executable, "-m", "herd.cli.main", command, "--port", str(port)]
+    unless given one, ``flags`` added), stopped by its pid."""
+    argv = [sys.executable, "-m", "herd.cli.main", command, "--port", str(port), *flags]
     argv += ["--manifest", str(manifest or fleet.manifest), "--internal-token", TOKEN, *fleet.worker_flags()]
     log = folder / f"{command}.log"
     with running(argv, log=log) as process:
@@ -123,11 +160,13 @@ def herd_process(
 
 
 @contextlib.contextmanager
-def herd_epp(fleet: Fleet, folder: Path, manifest: Path | None = None) -> Iterator[int]:
+def herd_epp(
+    fleet: Fleet, folder: Path, manifest: Path | None = None, flags: Sequence[str] = ()
+) -> Iterator[int]:
     """``herd epp`` over the fleet, once its gRPC readiness serves; yields its port."""
     port = free_port()
     with (
-        herd_process("epp", fleet, folder, port, manifest),
+        herd_process("epp", fleet, folder, port, manifest, flags),
         grpc.insecure_channel(f"127.0.0.1:{port}") as channel,
     ):
         stub = health_pb2_grpc.HealthStub(channel)
@@ -272,6 +311,55 @@ def test_with_the_picker_down_envoy_fails_open_or_closed_as_configured(
             + envoy.stat("http.gateway.ext_proc.failure_mode_allowed")
             >= 1
         )
+
+
+def _num_running(worker: str) -> float:
+    page = httpx.get(f"{worker}/metrics", timeout=5).text
+    samples = (line for line in page.splitlines() if line.startswith("vllm:num_requests_running"))
+    return sum(float(line.rsplit(" ", 1)[1]) for line in samples)
+
+
+def _timed_chat(url: str, content: str, **fields: Any) -> tuple[httpx.Response, float]:
+    """The answer and when it came (``time.monotonic``)."""
+    response = _chat(url, content, **fields)
+    return response, time.monotonic()
+
+
+def test_the_pickers_slot_reserve_and_bounded_queue_through_envoy(slow_fleet: Fleet, tmp_path: Path) -> None:
+    """``herd epp --queue-max-size 1`` over one worker of 2 slots: a batch request (priority 1000) takes
+    the one slot the reserve leaves to batch work; the next batch request waits in the picker's queue
+    while Envoy holds it; an interactive request takes the reserved slot at once; another batch request
+    finds the queue full (429); the waiting one is answered after the first ends."""
+    long = {"priority": BATCH, "max_tokens": 100, "ignore_eos": True}  # about 4 s on the slow worker
+    with (
+        herd_epp(slow_fleet, tmp_path, flags=("--queue-max-size", "1")) as epp_port,
+        running_envoy(tmp_path, epp_port=epp_port, fallback=slow_fleet.addresses, fail_open=False) as envoy,
+        ThreadPoolExecutor(2) as pool,
+    ):
+        _wait_serving(envoy.url)
+        first = pool.submit(_timed_chat, envoy.url, "batch 1", **long)
+        wait_until(
+            lambda: _num_running(slow_fleet.urls[0]) == 1, timeout=10, interval=0.05, what="batch 1 running"
+        )
+        started = envoy.stat("http.gateway.ext_proc.streams_started")
+        waiting = pool.submit(_timed_chat, envoy.url, "batch 2", **long)
+        wait_until(
+            lambda: envoy.stat("http.gateway.ext_proc.streams_started") > started,
+            timeout=10,
+            interval=0.05,
+            what="batch 2 at the picker",
+        )
+        interactive = _chat(envoy.url, "interactive")
+        assert interactive.status_code == 200, interactive.text
+        assert not first.done() and not waiting.done()  # the reserved slot, while batch work waits
+        refused = _chat(envoy.url, "batch 3", priority=BATCH)
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "1", refused.text
+        error = refused.json()["error"]
+        assert error["type"] == "rate_limit_error" and "its queue is full" in error["message"]
+        assert not waiting.done()
+        (first_answer, first_at), (waited, waited_at) = first.result(60), waiting.result(60)
+    assert first_answer.status_code == 200 and waited.status_code == 200, (first_answer.text, waited.text)
+    assert waited_at > first_at  # it routed only once the first batch request's slot was free
 
 
 def test_the_envoy_under_test_is_the_pinned_one() -> None:
