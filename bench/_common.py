@@ -168,11 +168,13 @@ def herd_workers(
     threads: int = 1,
     extra: Sequence[str] = (),
     timeout: float = 300.0,
+    ports: Sequence[int] | None = None,
 ) -> Iterator[HerdWorkers]:
     """One ``herd worker`` process serving ``replicas`` workers (more than one: simulated ones) on
-    consecutive loopback ports, ``threads`` torch threads, ``extra`` flags; once the last worker
-    answers ``/ready``; stopped by pid on exit."""
-    ports = free_port_block(2 * replicas)
+    consecutive loopback ports (``ports``: the public ones, then the internal ones; default a free
+    block), ``threads`` torch threads, ``extra`` flags; once the last worker answers ``/ready``;
+    stopped by pid on exit."""
+    ports = ports or free_port_block(2 * replicas)
     argv = herd_worker_argv(
         model, name=name, port=ports[0], internal_port=ports[replicas], token=token, engine=engine
     )
