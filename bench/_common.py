@@ -1,6 +1,7 @@
-"""Shared by the serving benchmarks (``worker_serving.py``, ``routing_strategies.py``): servers as
-subprocesses on free loopback ports, stopped by pid and bounded in time; one load run through herd's
-load generator (``herd.cli.loadgen``, the client behind ``herd bench``); the machine's description."""
+"""Shared by the benchmarks: servers as subprocesses on free loopback ports (herd workers,
+orchestrators), stopped by pid and bounded in time; one load run through herd's load generator
+(``herd.cli.loadgen``, the client behind ``herd bench``); the results written with the command and
+the machine's description."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
@@ -21,15 +23,20 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from herd.cli.loadgen import BenchConfig, run_benchmark
+from herd.cli.up import free_port_block
 
 __all__ = [
     "BYTES_PER_TOKEN",
     "DEMO_MODEL",
     "HOST",
     "REPO",
+    "HerdWorkers",
     "Launch",
+    "command_line",
+    "demo_manifest",
     "free_port",
     "herd_worker_argv",
+    "herd_workers",
     "machine_info",
     "metric_sums",
     "orchestrator_argv",
@@ -39,6 +46,7 @@ __all__ = [
     "thread_env",
     "write_json",
     "write_report",
+    "write_results",
 ]
 
 REPO = Path(__file__).resolve().parent.parent
@@ -135,6 +143,50 @@ def serving(
         yield process
 
 
+@dataclass(frozen=True)
+class HerdWorkers:
+    """The workers of one ``herd worker`` process: the process and each worker's (public, internal) URL."""
+
+    process: subprocess.Popen[bytes]
+    urls: list[tuple[str, str]]
+
+    @property
+    def endpoints(self) -> list[str]:
+        """Each worker as ``URL,INTERNAL_URL``, as ``orchestrator_argv`` takes them."""
+        return [f"{public},{internal}" for public, internal in self.urls]
+
+
+@contextlib.contextmanager
+def herd_workers(
+    model: Path,
+    *,
+    name: str,
+    token: str,
+    engine: dict[str, Any],
+    log: Path,
+    replicas: int = 1,
+    threads: int = 1,
+    extra: Sequence[str] = (),
+    timeout: float = 300.0,
+    ports: Sequence[int] | None = None,
+) -> Iterator[HerdWorkers]:
+    """One ``herd worker`` process serving ``replicas`` workers (more than one: simulated ones) on
+    consecutive loopback ports (``ports``: the public ones, then the internal ones; default a free
+    block), ``threads`` torch threads, ``extra`` flags; once the last worker answers ``/ready``;
+    stopped by pid on exit."""
+    ports = ports or free_port_block(2 * replicas)
+    argv = herd_worker_argv(
+        model, name=name, port=ports[0], internal_port=ports[replicas], token=token, engine=engine
+    )
+    if replicas > 1:
+        argv += ["--replicas", str(replicas)]
+    urls = [(f"http://{HOST}:{ports[n]}", f"http://{HOST}:{ports[replicas + n]}") for n in range(replicas)]
+    with serving(
+        [*argv, *extra], ready_url=f"{urls[-1][0]}/ready", log=log, env=thread_env(threads), timeout=timeout
+    ) as process:
+        yield HerdWorkers(process, urls)
+
+
 def run_load(
     config: BenchConfig, *, transport: Callable[[], httpx.AsyncBaseTransport] | None = None
 ) -> dict[str, Any]:
@@ -207,19 +259,24 @@ def orchestrator_argv(
     return [*argv, *extra]
 
 
+def command_line() -> str:
+    """This run's command as typed: the interpreter's name, the script and its arguments."""
+    return " ".join([Path(sys.executable).name, *sys.argv])
+
+
+def write_results(path: Path, results: dict[str, Any], *, command: str, shown: Any = None) -> None:
+    """``results`` after the command that made them and the machine, as JSON at ``path``; ``shown``
+    printed (default: the whole document)."""
+    document = {"command": command, "machine": machine_info(), **results}
+    write_json(path, document)
+    print(json.dumps(document if shown is None else shown, indent=2))
+
+
 def write_report(
     args: Any, engine: dict[str, Any], runs: list[dict[str, Any]], summary: dict[str, Any], **extra: Any
 ) -> None:
     """The run's JSON at ``args.out`` (its command, the machine, the settings, ``extra``, every run and
     the summary); the summary printed."""
     settings = {key: value for key, value in vars(args).items() if key != "out"} | {"engine": engine}
-    result = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "machine": machine_info(),
-        "settings": settings,
-        **extra,
-        "runs": runs,
-        "summary": summary,
-    }
-    write_json(args.out, result)
-    print(json.dumps(summary, indent=2))
+    results = {"settings": settings, **extra, "runs": runs, "summary": summary}
+    write_results(args.out, results, command=command_line(), shown=summary)

@@ -32,14 +32,11 @@ from _common import (
     HOST,
     demo_manifest,
     free_port,
-    herd_worker_argv,
+    herd_workers,
     orchestrator_argv,
     serving,
-    thread_env,
     write_report,
 )
-
-from herd.cli.up import free_port_block
 
 NAME = "sim"
 TOKEN = "admission-fairness"
@@ -117,19 +114,12 @@ def main() -> int:
     args = parser.parse_args()
     log_dir = Path("/tmp/herd-admission-fairness")
     log_dir.mkdir(parents=True, exist_ok=True)
-    ports = free_port_block(4)
-    argv = herd_worker_argv(
-        DEMO_MODEL, name=NAME, port=ports[0], internal_port=ports[2], token=TOKEN, engine=ENGINE
-    )
-    argv += ["--replicas", "2"]
-    endpoints = [f"http://{HOST}:{ports[n]},http://{HOST}:{ports[2 + n]}" for n in range(2)]
     runs = []
-    with serving(
-        argv, ready_url=f"http://{HOST}:{ports[1]}/ready", log=log_dir / "workers.log", env=thread_env(1)
-    ):
+    log = log_dir / "workers.log"
+    with herd_workers(DEMO_MODEL, name=NAME, token=TOKEN, engine=ENGINE, log=log, replicas=2) as workers:
         for number in range(args.rounds):
             for setup in SETUPS if number % 2 == 0 else reversed(SETUPS):
-                run = {"round": number, **measure(args, setup, endpoints, log_dir)}
+                run = {"round": number, **measure(args, setup, workers.endpoints, log_dir)}
                 print(json.dumps(run), flush=True)
                 runs.append(run)
     summary = {

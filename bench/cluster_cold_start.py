@@ -21,9 +21,7 @@ The cold request's parts, polled through the API every 50 ms with the admin's to
 
 from __future__ import annotations
 
-import argparse
 import json
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -31,9 +29,9 @@ from typing import Any
 
 import httpx
 import yaml
-from _common import DEMO_MODEL, REPO, machine_info, wait_until, write_json
+from _common import REPO, wait_until
 from cluster_scale import MODEL, NAMESPACE, TOKEN_SECRET, api, is_started, is_true, read, workers
-from cold_start import first_token_at, summary
+from cold_start import cold_start_main, first_token_at, summary
 from support.cluster import ControlPlane, control_plane, install_herd_chart
 
 __all__ = ["main"]
@@ -124,21 +122,7 @@ def run(rounds: int, idle_s: int, workdir: Path) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--idle", type=int, default=5, help="scaleToZeroAfterSeconds")
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "cluster_cold_start.json")
-    args = parser.parse_args()
-    if not (DEMO_MODEL / "config.json").exists():
-        raise SystemExit(f"{DEMO_MODEL} is missing: run `herd model prepare smollm2 --out {DEMO_MODEL}`")
-    with tempfile.TemporaryDirectory(prefix="herd-cluster-cold-") as workdir:
-        results = run(args.rounds, args.idle, Path(workdir))
-    results["command"] = f"python bench/cluster_cold_start.py --rounds {args.rounds} --idle {args.idle}"
-    results["machine"] = machine_info()
-    write_json(args.out, results)
-    print(json.dumps(results, indent=2))
+    cold_start_main(run, doc=__doc__, name="cluster_cold_start", idle_s=5)
 
 
 if __name__ == "__main__":

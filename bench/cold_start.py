@@ -27,15 +27,16 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
-from _common import DEMO_MODEL, HOST, REPO, free_port, machine_info, running, wait_until, write_json
+from _common import DEMO_MODEL, HOST, REPO, free_port, running, wait_until, write_results
 from support.cluster import is_alive
 
-__all__ = ["main"]
+__all__ = ["cold_start_main", "main"]
 
 MODEL = "smollm2"
 TIMEOUT_S = 300.0
@@ -170,22 +171,26 @@ def _is_ready(url: str) -> bool:
         return False
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def cold_start_main(
+    run: Callable[[int, int, Path], dict[str, Any]], *, doc: str | None, name: str, idle_s: int
+) -> None:
+    """The command line of the cold-start benchmark ``bench/NAME.py``: ``run(rounds, idle_s, folder)``
+    in a temporary folder, its results written with the command and the machine."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--idle", type=int, default=3, help="scaleToZeroAfterSeconds")
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "cold_start.json")
+    parser.add_argument("--idle", type=int, default=idle_s, help="scaleToZeroAfterSeconds")
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / f"{name}.json")
     args = parser.parse_args()
     if not (DEMO_MODEL / "config.json").exists():
         raise SystemExit(f"{DEMO_MODEL} is missing: run `herd model prepare smollm2 --out {DEMO_MODEL}`")
-    with tempfile.TemporaryDirectory(prefix="herd-cold-") as folder:
+    with tempfile.TemporaryDirectory(prefix=f"herd-{name.replace('_', '-')}-") as folder:
         results = run(args.rounds, args.idle, Path(folder))
-    results["command"] = f"python bench/cold_start.py --rounds {args.rounds} --idle {args.idle}"
-    results["machine"] = machine_info()
-    write_json(args.out, results)
-    print(json.dumps(results, indent=2))
+    command = f"python bench/{name}.py --rounds {args.rounds} --idle {args.idle}"
+    write_results(args.out, results, command=command)
+
+
+def main() -> None:
+    cold_start_main(run, doc=__doc__, name="cold_start", idle_s=3)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import json
 import random
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -34,8 +33,9 @@ from _common import (
     HOST,
     REPO,
     free_port,
-    herd_worker_argv,
+    herd_workers,
     machine_info,
+    orchestrator_argv,
     serving,
     thread_env,
     write_json,
@@ -156,28 +156,25 @@ def summarize(phases: list[tuple[str, Samples]]) -> dict[str, Any]:
 @contextlib.contextmanager
 def servers(model: Path, logs: Path, max_body_bytes: int) -> Iterator[tuple[str, str]]:
     """A worker and an orchestrator over it; yields their base URLs."""
-    port, internal, gateway_port = free_port(), free_port(), free_port()
     engine = {"maxModelLen": 2048, "kvCache": {"memoryGiB": 0.5}, "device": "cpu", "dtype": "float32"}
-    worker_argv = herd_worker_argv(
-        model, name=NAME, port=port, internal_port=internal, token=TOKEN, engine=engine
-    )
-    worker_argv += ["--max-body-bytes", str(max_body_bytes)]
+    body_limit = ["--max-body-bytes", str(max_body_bytes)]
     manifest = logs / "manifest.yaml"
     manifest.write_text(
         f'{{"apiVersion": "herd.dev/v1alpha1", "kind": "ModelDeployment", "metadata": {{"name": "{NAME}"}},'
         f' "spec": {{"model": {{"source": "file://{model}", "servedName": "{NAME}"}},'
         f' "engine": {{"maxModelLen": 2048}}, "routing": {{"strategy": "kv_cache_aware"}}}}}}'
     )
-    gateway_argv = [sys.executable, "-m", "herd.cli.main", "orchestrator", "--host", HOST, "--port", str(gateway_port),
-                    "--manifest", str(manifest), f"--internal-token={TOKEN}", "--log-level", "WARNING",
-                    "--max-body-bytes", str(max_body_bytes), "--worker", f"http://{HOST}:{port},http://{HOST}:{internal}"]  # fmt: skip
-    env = thread_env(1)
-    worker_url, gateway_url = f"http://{HOST}:{port}", f"http://{HOST}:{gateway_port}"
-    with (
-        serving(worker_argv, ready_url=f"{worker_url}/ready", log=logs / "worker.log", env=env),
-        serving(gateway_argv, ready_url=f"{gateway_url}/ready", log=logs / "orchestrator.log", env=env),
-    ):
-        yield gateway_url, worker_url
+    worker_log, gateway_log = logs / "worker.log", logs / "orchestrator.log"
+    with herd_workers(
+        model, name=NAME, token=TOKEN, engine=engine, log=worker_log, extra=body_limit
+    ) as worker:
+        gateway_port = free_port()
+        gateway_argv = orchestrator_argv(
+            manifest, worker.endpoints, token=TOKEN, port=gateway_port, extra=body_limit
+        )
+        gateway_url = f"http://{HOST}:{gateway_port}"
+        with serving(gateway_argv, ready_url=f"{gateway_url}/ready", log=gateway_log, env=thread_env(1)):
+            yield gateway_url, worker.urls[0][0]
 
 
 def main() -> None:

@@ -34,17 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from _common import (
-    DEMO_MODEL,
-    HOST,
-    REPO,
-    free_port,
-    herd_worker_argv,
-    machine_info,
-    serving,
-    thread_env,
-    write_json,
-)
+from _common import DEMO_MODEL, REPO, herd_workers, machine_info, write_json
 from prometheus_client.parser import text_string_to_metric_families
 
 from herd.api import metrics
@@ -88,14 +78,9 @@ def workers(log_dir: Path, token: str) -> Iterator[dict[str, tuple[str, str]]]:
     urls: dict[str, tuple[str, str]] = {}
     with contextlib.ExitStack() as stack:
         for role in ("holder", "puller"):
-            port, internal = free_port(), free_port()
-            argv = herd_worker_argv(
-                DEMO_MODEL, name=NAME, port=port, internal_port=internal, token=token, engine=ENGINE
-            )
-            url = f"http://{HOST}:{port}"
             log = log_dir / f"{role}.log"
-            stack.enter_context(serving(argv, ready_url=f"{url}/ready", log=log, env=thread_env(1)))
-            urls[role] = (url, f"http://{HOST}:{internal}")
+            worker = herd_workers(DEMO_MODEL, name=NAME, token=token, engine=ENGINE, log=log)
+            urls[role] = stack.enter_context(worker).urls[0]
         yield urls
 
 

@@ -33,20 +33,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from _common import (
-    DEMO_MODEL,
-    HOST,
-    REPO,
-    free_port,
-    herd_worker_argv,
-    machine_info,
-    serving,
-    thread_env,
-    write_json,
-)
+from _common import DEMO_MODEL, HOST, REPO, free_port, herd_workers, machine_info, serving, write_json
 from routing_scale import admitted_workers
-
-from herd.cli.up import free_port_block
 
 __all__ = ["main"]
 
@@ -68,20 +56,11 @@ COMPONENTS = ("api", "cli", "kube", "operator", "orchestrator", "sidecar", "work
 
 @contextlib.contextmanager
 def fleet(size: int, model: Path, log_dir: Path) -> Iterator[list[tuple[str, str]]]:
-    ports = free_port_block(2 * size)
-    argv = herd_worker_argv(
-        model, name=NAME, port=ports[0], internal_port=ports[size], token=TOKEN, engine=ENGINE
-    )
-    argv += ["--replicas", str(size)]
-    urls = [(f"http://{HOST}:{ports[n]}", f"http://{HOST}:{ports[size + n]}") for n in range(size)]
-    with serving(
-        argv,
-        ready_url=f"{urls[-1][0]}/ready",
-        log=log_dir / f"fleet-{size}.log",
-        env=thread_env(1),
-        timeout=900,
-    ):
-        yield urls
+    log = log_dir / f"fleet-{size}.log"
+    with herd_workers(
+        model, name=NAME, token=TOKEN, engine=ENGINE, log=log, replicas=size, timeout=900
+    ) as workers:
+        yield workers.urls
 
 
 @contextlib.contextmanager

@@ -36,16 +36,17 @@ import httpx
 from _common import (
     DEMO_MODEL,
     HOST,
+    HerdWorkers,
     demo_manifest,
     free_port,
-    herd_worker_argv,
+    herd_workers,
     orchestrator_argv,
     serving,
-    thread_env,
     write_report,
 )
 
 from herd.api.protocol import WORKER_HEADER
+from herd.cli.up import free_port_block
 
 NAME = "smol"
 TOKEN = "resume-kill"
@@ -204,7 +205,7 @@ def main() -> int:
     args = parser.parse_args()
     log_dir = Path("/tmp/herd-resume-kill")
     log_dir.mkdir(parents=True, exist_ok=True)
-    ports = [(free_port(), free_port()) for _ in range(2)]
+    ports = [free_port_block(2) for _ in range(2)]
     manifest_path = log_dir / "manifest.yaml"
     engine = ENGINES[args.backend]
     manifest_path.write_text(json.dumps(demo_manifest(NAME, engine)))
@@ -215,21 +216,14 @@ def main() -> int:
         manifest_path, endpoints, token=TOKEN, port=gateway_port, extra=["--log-level", "INFO"]
     )
 
-    def worker(n: int, attempt: int) -> contextlib.AbstractContextManager[Any]:
-        port, internal = ports[n]
-        command = herd_worker_argv(
-            DEMO_MODEL, name=NAME, port=port, internal_port=internal, token=TOKEN, engine=engine
-        )
-        return serving(
-            command,
-            ready_url=f"http://{HOST}:{port}/ready",
-            log=log_dir / f"worker{n}-{attempt}.log",
-            env=thread_env(1),
-        )
+    def worker(n: int, attempt: int) -> contextlib.AbstractContextManager[HerdWorkers]:
+        """Worker ``n`` on its own ports (a restart too: the orchestrator's ``--worker`` names them)."""
+        log = log_dir / f"worker{n}-{attempt}.log"
+        return herd_workers(DEMO_MODEL, name=NAME, token=TOKEN, engine=engine, log=log, ports=ports[n])
 
     runs: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
-        processes = [stack.enter_context(worker(n, 0)) for n in range(2)]
+        processes = [stack.enter_context(worker(n, 0)).process for n in range(2)]
         stack.enter_context(
             serving(argv, ready_url=f"{url}/health", log=log_dir / "orchestrator.log", env={})
         )
@@ -251,7 +245,7 @@ def main() -> int:
                                 summarize("killed", earlier.pop("_streams"), streams, earlier["wall_s"])
                             )
                 else:
-                    processes[0] = stack.enter_context(worker(0, number + 1))
+                    processes[0] = stack.enter_context(worker(0, number + 1)).process
                     wait_admitted(url, 2)
                     if reference is None:
                         run["_streams"] = streams

@@ -73,12 +73,11 @@ from _common import (
     HOST,
     REPO,
     free_port,
-    herd_worker_argv,
+    herd_workers,
     machine_info,
     metric_sums,
     run_load,
     serving,
-    thread_env,
     write_json,
 )
 from prometheus_client.parser import text_string_to_metric_families
@@ -88,7 +87,6 @@ from support.peer_routers import PEERS, peer_router
 from herd.api.prompt import PromptRenderer
 from herd.cli.loadgen import BenchConfig
 from herd.cli.loadgen.stats import percentile
-from herd.cli.up import free_port_block
 
 __all__ = ["main"]
 
@@ -385,15 +383,12 @@ def fleet(
     factor = 1.0 if cost else fleet_dilation(case.base_shape, args)
     cost, num_blocks = cost or dilated(UNIT_COST, factor), case.num_blocks
     engine = engine_block(cost, num_blocks, args)
-    ports = free_port_block(2 * count)
-    argv = herd_worker_argv(
-        args.model, name=SERVED_NAME, port=ports[0], internal_port=ports[count], token=TOKEN, engine=engine
-    )
-    argv += ["--replicas", str(count)]
-    public = [f"http://{HOST}:{port}" for port in ports[:count]]
-    internal = [f"http://{HOST}:{port}" for port in ports[count:]]
     log = log_dir / f"fleet-{case.kind}-{count}.log"
-    with serving(argv, ready_url=f"{public[-1]}/ready", log=log, env=thread_env(1), timeout=600):
+    fleet = herd_workers(
+        args.model, name=SERVED_NAME, token=TOKEN, engine=engine, log=log, replicas=count, timeout=600
+    )
+    with fleet as workers:
+        public, internal = [url for url, _ in workers.urls], [url for _, url in workers.urls]
         yield Fleet(public, internal, factor, cost, engine, num_blocks)
 
 

@@ -417,14 +417,18 @@ class Simulation:
             self._send()
 
     def _poll(self) -> None:
-        """The registry's poll: each worker's KV events since the last one, and its load report."""
+        """The registry's poll: the workers read, and the duplication sampled."""
+        self._read_workers()
+        self.duplication.append(self._num_duplicated())
+
+    def _read_workers(self) -> None:
+        """Each worker's KV events since the last read, into the index, and its load report."""
         for worker in self.workers:
             engine = worker.engine
             batch = KVEventBatch(epoch=engine.info.epoch, events=engine.drain_kv_events())
             if batch.events and not self.index.apply(worker.id, batch):
                 raise RuntimeError(f"{worker.id}: KV events out of order; the simulation lost some")
             worker.report = engine.load_report()
-        self.duplication.append(self._num_duplicated())
 
     def _num_duplicated(self) -> int:
         """Tenants whose whole prefix every worker's cache holds."""

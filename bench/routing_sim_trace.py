@@ -31,7 +31,6 @@ from routing_sim import MODEL_ID, Request, Shape, Simulation, SimWorker
 
 from herd.api.kv_hash import block_hashes
 from herd.api.prompt import PromptRenderer
-from herd.api.protocol import KVEventBatch
 from herd.orchestrator.routing import RequestContext, decide
 from herd.orchestrator.routing._load import bounded_load_cap
 from herd.worker.config import EngineConfig
@@ -129,13 +128,8 @@ class TraceSimulation(Simulation):
             self._route(waiting)
 
     def _poll(self) -> None:
-        """The status streams' period: each worker's KV events since the last one, and its load."""
-        for worker in self.workers:
-            engine = worker.engine
-            batch = KVEventBatch(epoch=engine.info.epoch, events=engine.drain_kv_events())
-            if batch.events and not self.index.apply(worker.id, batch):
-                raise RuntimeError(f"{worker.id}: KV events out of order")
-            worker.report = engine.load_report()
+        """The status streams' period: the workers read."""
+        self._read_workers()
 
     def _trace_summary(self) -> dict[str, Any]:
         done = self.done

@@ -49,12 +49,12 @@ from _common import (
     HOST,
     REPO,
     free_port,
-    herd_worker_argv,
+    herd_workers,
     machine_info,
+    orchestrator_argv,
     run_load,
     serving,
     summary_row,
-    thread_env,
     write_json,
 )
 
@@ -188,21 +188,11 @@ def workers(
     with contextlib.ExitStack() as stack:
         endpoints = []
         for number in range(2):
-            port, internal_port = free_port(), free_port()
-            argv = herd_worker_argv(
-                args.model,
-                name=SERVED_NAME,
-                port=port,
-                internal_port=internal_port,
-                token=token,
-                engine=engine,
-            )
-            url = f"http://{HOST}:{port}"
             log = log_dir / f"worker-{number}.log"
-            stack.enter_context(
-                serving(argv, ready_url=f"{url}/ready", log=log, env=thread_env(args.threads))
+            worker = herd_workers(
+                args.model, name=SERVED_NAME, token=token, engine=engine, log=log, threads=args.threads
             )
-            endpoints.append(f"{url},http://{HOST}:{internal_port}")
+            endpoints += stack.enter_context(worker).endpoints
         yield endpoints
 
 
@@ -215,9 +205,7 @@ def measure(
     manifest_path = log_dir / f"{strategy}.yaml"
     manifest_path.write_text(json.dumps(manifest(args, strategy, engine)))
     port = free_port()
-    argv = [sys.executable, "-m", "herd.cli.main", "orchestrator", "--manifest", str(manifest_path)]
-    argv += [arg for endpoint in endpoints for arg in ("--worker", endpoint)]
-    argv += [f"--internal-token={token}", "--host", HOST, "--port", str(port), "--log-level", "WARNING"]
+    argv = orchestrator_argv(manifest_path, endpoints, token=token, port=port)
     url = f"http://{HOST}:{port}"
     with serving(argv, ready_url=f"{url}/ready", log=log_dir / f"orchestrator-{strategy}.log", env={}):
         time.sleep(2.0)  # /ready needs one healthy worker; a few health polls admit the second

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 import time
@@ -20,9 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from _common import DEMO_MODEL, HOST, herd_worker_argv, machine_info, serving, thread_env, write_json
-
-from herd.cli.up import free_port_block
+from _common import DEMO_MODEL, command_line, herd_workers, write_results
 
 ENGINE = {"backend": "simulated", "maxModelLen": 1024, "kvCache": {"memoryGiB": 0.05}}
 TOKEN = "sim-fleet"
@@ -44,7 +41,7 @@ def _threads(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/task"))
 
 
-async def _light_load(ports: list[int], seconds: float, concurrency: int) -> dict[str, Any]:
+async def _light_load(urls: list[str], seconds: float, concurrency: int) -> dict[str, Any]:
     """Short completions spread round-robin over the workers, ``concurrency`` in flight."""
     deadline = time.monotonic() + seconds
     latencies: list[float] = []
@@ -52,7 +49,7 @@ async def _light_load(ports: list[int], seconds: float, concurrency: int) -> dic
 
     async def loop(client: httpx.AsyncClient) -> None:
         while time.monotonic() < deadline:
-            port = ports[next(counter) % len(ports)]
+            url = urls[next(counter) % len(urls)]
             body = {
                 "model": "sim",
                 "prompt": "Tell me a story about a cat",
@@ -60,7 +57,7 @@ async def _light_load(ports: list[int], seconds: float, concurrency: int) -> dic
                 "ignore_eos": True,
             }
             start = time.monotonic()
-            response = await client.post(f"http://{HOST}:{port}/v1/completions", json=body)
+            response = await client.post(f"{url}/v1/completions", json=body)
             response.raise_for_status()
             latencies.append(time.monotonic() - start)
 
@@ -88,32 +85,23 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=8, help="requests in flight under load")
     parser.add_argument("--out", type=Path, default=Path("bench/results/sim_fleet.json"))
     args = parser.parse_args()
-    ports = free_port_block(2 * args.count)
-    public = ports[: args.count]
-    argv = herd_worker_argv(
-        DEMO_MODEL, name="sim", port=ports[0], internal_port=ports[args.count], token=TOKEN, engine=ENGINE
-    )
-    argv += ["--replicas", str(args.count)]
     log = Path("/tmp/herd-sim-fleet.log")
     started = time.monotonic()
-    with serving(argv, ready_url=f"http://{HOST}:{public[-1]}/ready", log=log, env=thread_env(1)) as process:
+    fleet = herd_workers(DEMO_MODEL, name="sim", token=TOKEN, engine=ENGINE, log=log, replicas=args.count)
+    with fleet as workers:
         ready_s = time.monotonic() - started
-        idle = _phase(process.pid, args.seconds)
-        loaded = _phase(
-            process.pid, args.seconds, lambda: _light_load(public, args.seconds, args.concurrency)
-        )
-        threads = _threads(process.pid)
+        pid, public = workers.process.pid, [url for url, _ in workers.urls]
+        idle = _phase(pid, args.seconds)
+        loaded = _phase(pid, args.seconds, lambda: _light_load(public, args.seconds, args.concurrency))
+        threads = _threads(pid)
     result = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "machine": machine_info(),
         "count": args.count,
         "ready_s": round(ready_s, 1),
         "threads": threads,
         "idle": idle,
         "light_load": {"concurrency": args.concurrency, **loaded},
     }
-    write_json(args.out, result)
-    print(json.dumps(result, indent=2))
+    write_results(args.out, result, command=command_line())
     return 0
 
 

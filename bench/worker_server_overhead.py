@@ -28,17 +28,7 @@ from typing import Any
 
 import httpx
 import torch
-from _common import (
-    DEMO_MODEL,
-    HOST,
-    REPO,
-    free_port,
-    herd_worker_argv,
-    machine_info,
-    serving,
-    thread_env,
-    write_json,
-)
+from _common import DEMO_MODEL, REPO, herd_workers, machine_info, write_json
 
 from herd.api.crd import EngineSpec
 from herd.api.prompt import PromptRenderer
@@ -123,14 +113,13 @@ async def drive(url: str, prompts: list[list[int]], output_len: int) -> dict[str
 
 def run_rounds(args: argparse.Namespace, prompts: list[list[int]], log_dir: Path) -> list[dict[str, Any]]:
     engine = load_engine(args.model)
-    port = free_port()
     token = secrets.token_hex(8)
-    argv = herd_worker_argv(
-        args.model, name="bench", port=port, internal_port=free_port(), token=token, engine=ENGINE
-    )
-    url = f"http://{HOST}:{port}"
+    log = log_dir / "worker.log"
     rounds = []
-    with serving(argv, ready_url=f"{url}/ready", log=log_dir / "worker.log", env=thread_env(args.threads)):
+    with herd_workers(
+        args.model, name="bench", token=token, engine=ENGINE, log=log, threads=args.threads
+    ) as worker:
+        url = worker.urls[0][0]
         for _ in range(args.rounds):
             alone = run_engine(engine, prompts, args.output_len)
             served = asyncio.run(drive(url, prompts, args.output_len))
