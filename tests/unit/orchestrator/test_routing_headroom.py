@@ -123,12 +123,16 @@ def served(limit: int) -> ServedModel:
 
 
 def test_decide_keeps_batch_lines_off_the_headroom_workers() -> None:
+    """New batch lines keep off; a retried one (its worker failed it) moves work, adds none: it may
+    take the kept worker rather than wait at its queue's head for the window to end."""
     fleet = [worker("a", 3), worker("b", interactive=1), worker("c"), worker("d", 1)]
     batch = RequestContext(model="m", priority=BATCH)
     model = served(8)
     assert {decide(model, fleet, batch, headroom=1).worker.id for _ in range(6)} == {"a", "c", "d"}
     assert {decide(model, fleet, batch, headroom=2).worker.id for _ in range(6)} == {"a", "d"}
     assert decide(served(8), fleet, RequestContext(model="m", priority=0), headroom=1).worker.id in "abc"
+    retry = RequestContext(model="m", priority=BATCH, excluded=frozenset({"a"}))
+    assert decide(served(8), [worker("a"), worker("b", interactive=1)], retry, headroom=1).worker.id == "b"
     full = [worker("a", 6), worker("b")]
     with pytest.raises(UnroutableError) as refused:
         decide(served(8), full, batch, headroom=1)  # the slot reserve holds a's last slots

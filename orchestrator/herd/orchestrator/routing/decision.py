@@ -140,7 +140,10 @@ def decide(
     if not pool:
         raise UnroutableError("no_healthy_worker")
     limit = config.max_in_flight_per_worker
-    idle = kept_idle(pool, headroom, reserve) if request.priority >= reserve.priority else frozenset()
+    # A retry (``excluded``) moves background work a worker failed to serve; it adds none, and kept
+    # off the headroom with its own worker excluded it could block its queue's head until the window ends.
+    is_new_background = request.priority >= reserve.priority and not request.excluded
+    idle = kept_idle(pool, headroom, reserve) if is_new_background else frozenset()
     open_pool = lora_candidates(
         [
             view
