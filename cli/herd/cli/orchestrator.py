@@ -20,6 +20,7 @@ from herd.orchestrator.auth import ADMIN_API_KEYS_ENV, load_api_keys
 from herd.orchestrator.discovery import ModelConfig, StaticSource, WorkerEndpoint, WorkerSource
 from herd.orchestrator.gateway import GatewaySettings
 from herd.orchestrator.registry import RegistrySettings
+from herd.orchestrator.routing.headroom import IdleHeadroom
 from herd.orchestrator.routing.reserve import SlotReserve
 from herd.orchestrator.server import ServerLimits, run_server
 from herd.orchestrator.state import build_state
@@ -121,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
             access_log_prompts=args.access_log_prompts,
             queue=queue_settings(args),
             slot_reserve=SlotReserve(share=args.slot_reserve),
+            idle_headroom=IdleHeadroom(max_share=args.batch_idle_max_share, window_s=args.batch_idle_window),
         ),
         registry=RegistrySettings(poll_interval=args.poll_interval),
         ready_when_synced=args.kubernetes,
@@ -235,6 +237,21 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="times a stream whose worker failed mid-answer goes on from another worker (0: never)",
     )
     add_admission_arguments(parser)
+    headroom = IdleHeadroom()
+    parser.add_argument(
+        "--batch-idle-max-share",
+        type=_share,
+        default=headroom.max_share,
+        help="the most of a model's workers (rounded up, never all) that batch lines leave free of batch "
+        "work while interactive requests are recent: as many as the recent peak of interactive requests "
+        "in flight; in [0, 1), 0 turns it off (docs/batch.md)",
+    )
+    parser.add_argument(
+        "--batch-idle-window",
+        type=_positive(float),
+        default=headroom.window_s,
+        help="seconds the peak of interactive requests in flight is remembered for --batch-idle-max-share",
+    )
     parser.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     parser.add_argument(
         "--body-timeout", type=float, default=30.0, help="seconds a client may take to send a body (then 408)"

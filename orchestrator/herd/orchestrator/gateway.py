@@ -67,6 +67,7 @@ from herd.orchestrator.registry import Hold, Registry
 from herd.orchestrator.resume import StreamLedger
 from herd.orchestrator.routing import Decision, RequestContext, UnroutableError, WorkerView, decide
 from herd.orchestrator.routing._types import SloMiss
+from herd.orchestrator.routing.headroom import Headroom, IdleHeadroom
 from herd.orchestrator.routing.latency import LatencyFeatures, Prediction
 from herd.orchestrator.routing.reserve import SlotReserve
 from herd.orchestrator.served import ServedModel
@@ -113,6 +114,9 @@ class GatewaySettings:
     slot_reserve: SlotReserve = field(default_factory=SlotReserve)
     """The part of each worker's slots that background requests (a batch's lines) leave to more urgent
     ones (``herd.orchestrator.routing.reserve``)."""
+    idle_headroom: IdleHeadroom = field(default_factory=IdleHeadroom)
+    """The workers background requests leave free of background work while interactive traffic is
+    recent (``herd.orchestrator.routing.headroom``)."""
     access_log_prompts: bool = False
     """Put each request's messages or prompt in its access-log line (``herd.access``); off by default."""
     max_resumes: int = 2
@@ -195,6 +199,8 @@ class Gateway:
         self.telemetry = telemetry
         self.settings = settings or GatewaySettings()
         self._metrics: dict[str, ModelMetrics] = {}
+        self._headroom: dict[str, Headroom] = {}
+        """Each model's recent interactive peak, for the workers kept free of batch work."""
         self.disagg = TwoPhase(registry, http, telemetry.registry, max_attempts=self.settings.max_attempts)
         self.preparer = Preparer(
             registry,
@@ -338,7 +344,9 @@ class Gateway:
         with _tracer.start_as_current_span(
             "herd.gateway.route", context=set_span_in_context(request.span)
         ) as span:
-            decision = decide(served, self.registry.all_views(served.name), ctx, self.settings.slot_reserve)
+            views = self.registry.all_views(served.name)
+            headroom = self._headroom_of(served.name).workers(views, ctx.priority, time.monotonic())
+            decision = decide(served, views, ctx, self.settings.slot_reserve, headroom)
             span.set_attributes(_decision_attributes(served, decision))
         request.metrics.decision.observe(time.perf_counter() - started)
         if decision.expected_blocks:
@@ -347,6 +355,13 @@ class Gateway:
             request.payload["priority"] = LOWEST_PRIORITY
             request.body = json.dumps(request.payload).encode()
         return apply_decision(self.registry, self.state, served, decision, priority=ctx.priority)
+
+    def _headroom_of(self, model: str) -> Headroom:
+        headroom = self._headroom.get(model)
+        if headroom is None:
+            headroom = Headroom(self.settings.idle_headroom, self.settings.slot_reserve)
+            self._headroom[model] = headroom
+        return headroom
 
     async def _pin(self, request: _Request, route: Route, tried: set[str]) -> Route:
         """Write the session's pin; when another replica claimed the session first, route again to its

@@ -11,6 +11,7 @@ import pytest
 from herd.cli.epp import epp_settings
 from herd.cli.main import build_parser
 from herd.orchestrator.admission.waiting import QueueSettings
+from herd.orchestrator.routing.headroom import IdleHeadroom
 from herd.orchestrator.routing.reserve import SlotReserve
 
 COMMANDS = ["orchestrator", "epp"]
@@ -66,3 +67,34 @@ def test_the_endpoint_pickers_admission_is_what_its_flags_say() -> None:
     assert picker.slot_reserve == SlotReserve(share=0.5)
     defaults = epp_settings(parsed("epp"), None).picker
     assert (defaults.queue, defaults.slot_reserve) == (QueueSettings(), SlotReserve())
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        ((), (IdleHeadroom().max_share, IdleHeadroom().window_s)),
+        (("--batch-idle-max-share", "0"), (0.0, IdleHeadroom().window_s)),
+        (("--batch-idle-max-share", "0.5", "--batch-idle-window", "30"), (0.5, 30.0)),
+    ],
+)
+def test_batch_idle_headroom(flags: tuple[str, ...], expected: tuple[float, float]) -> None:
+    """The gateway's own: ``herd epp`` keeps no idle headroom (docs/batch.md)."""
+    args = parsed("orchestrator", *flags)
+    assert (args.batch_idle_max_share, args.batch_idle_window) == expected
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (("--batch-idle-max-share", "1"), "1 is not in [0, 1)"),
+        (("--batch-idle-max-share", "-0.1"), "-0.1 is not in [0, 1)"),
+        (("--batch-idle-window", "0"), "0 is not above zero"),
+    ],
+)
+def test_a_bad_idle_headroom_is_a_usage_error(
+    flags: tuple[str, ...], words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        parsed("orchestrator", *flags)
+    error = capsys.readouterr().err
+    assert exited.value.code == 2 and f"argument {flags[0]}: " in error and words in error

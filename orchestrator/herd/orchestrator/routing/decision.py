@@ -4,7 +4,8 @@
 
 1. the capacity filter: the serving pool (the decode pool of a disaggregated model) less the workers
    the request already tried, healthy ones only, then those under ``max_in_flight_per_worker`` (for a
-   background request, under its part of them: ``routing.reserve``),
+   background request, under its part of them: ``routing.reserve``, and none of the workers
+   kept free of background work for interactive traffic: ``routing.headroom``),
    then for a LoRA request the workers ``lora_candidates`` prefers (the same for every strategy);
 2. the model's strategy over what is left (``phase="decode"`` for a disaggregated model), unless
    the request carries latency targets (``RequestContext.slo``, unified models): then the worker
@@ -36,6 +37,7 @@ from herd.api.kv_hash import BlockHash
 from herd.orchestrator.discovery import ModelConfig
 from herd.orchestrator.kv_index import KVIndex
 from herd.orchestrator.routing._types import RequestContext, RoutingStrategy, WorkerView, healthy
+from herd.orchestrator.routing.headroom import kept_idle
 from herd.orchestrator.routing.latency import LatencyFeatures, LatencyModel, Prediction
 from herd.orchestrator.routing.pairing import (
     choose_path,
@@ -126,9 +128,11 @@ def decide(
     views: Sequence[WorkerView],
     request: RequestContext,
     reserve: SlotReserve = DEFAULT_RESERVE,
+    headroom: int = 0,
 ) -> Decision:
     """The whole choice for ``request`` over every worker of ``model`` (both pools, any health);
-    ``reserve``: the slots background requests leave to more urgent ones."""
+    ``reserve``: the slots background requests leave to more urgent ones; ``headroom``: the workers
+    background requests leave free of background work (``routing.headroom.IdleHeadroom.workers``)."""
     config = model.config
     is_disaggregated = config.mode == "disaggregated"
     role = "decode" if is_disaggregated else "unified"
@@ -136,12 +140,17 @@ def decide(
     if not pool:
         raise UnroutableError("no_healthy_worker")
     limit = config.max_in_flight_per_worker
+    # A retry (``excluded``) moves background work a worker failed to serve; it adds none, and kept
+    # off the headroom with its own worker excluded it could block its queue's head until the window ends.
+    is_new_background = request.priority >= reserve.priority and not request.excluded
+    idle = kept_idle(pool, headroom, reserve) if is_new_background else frozenset()
     open_pool = lora_candidates(
         [
             view
             for view in pool
             if (not limit or view.num_in_flight < limit)
             and may_take_slot(request.priority, view.in_flight_by_priority, limit, reserve)
+            and view.id not in idle
         ],
         request.lora_name,
     )

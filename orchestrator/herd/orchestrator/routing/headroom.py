@@ -1,0 +1,147 @@
+"""Idle headroom: workers kept free of background work while interactive traffic is recent.
+
+The slot reserve (``routing.reserve``) keeps slots open on every worker, but a worker that runs batch
+lines runs an engine step all the time: an interactive request that lands on it waits for the step
+in progress to end (half a step on average, a whole one at worst) before its prefill starts, where
+on an idle worker it starts at once. A decode step has a fixed cost (reading the weights), so no
+shorter step removes that wait; a worker without background work does. So a background request (at
+``SlotReserve.priority`` or a larger number) may not take the headroom's workers: batch-free ones
+(those with interactive requests first, where least-loaded routing sends interactive traffic), and
+while there are too few of them, the ones holding the least background work, which then drain.
+
+The headroom is the recent peak of interactive requests (more urgent than background) in flight on
+the model's workers (``RecentPeak``, over ``IdleHeadroom.window_s``), capped by
+``IdleHeadroom.max_share`` of the workers (rounded up) and never all of them: without interactive
+traffic there is none and the batch fills the fleet. The least-loaded strategies send interactive
+requests to the batch-free workers, which hold fewer in flight. The cost is the batch's throughput
+on those workers, only while interactive traffic is recent.
+
+``kept_idle`` is the rule, pure; ``decide`` applies it in its capacity filter, after the slot reserve,
+and the gateway keeps a ``Headroom`` a model to say how many workers to keep.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from herd.orchestrator.routing._types import WorkerView, healthy
+from herd.orchestrator.routing.reserve import DEFAULT_RESERVE, SlotReserve
+
+__all__ = [
+    "NO_HEADROOM",
+    "Headroom",
+    "IdleHeadroom",
+    "RecentPeak",
+    "background_in_flight",
+    "interactive_in_flight",
+    "kept_idle",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class IdleHeadroom:
+    max_share: float = 0.25
+    """The most of a model's workers kept free of background work, rounded up (0: none)."""
+    window_s: float = 10.0
+    """How far back the peak of interactive requests in flight is remembered."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.max_share < 1.0:
+            raise ValueError(f"the idle headroom's max share must be in [0, 1), got {self.max_share}")
+        if self.window_s <= 0:
+            raise ValueError(f"the idle headroom's window must be positive, got {self.window_s}")
+
+    def workers(self, interactive_peak: int, num_workers: int) -> int:
+        """The batch-free workers to keep: the interactive peak, at most ``max_share`` of
+        ``num_workers`` rounded up, and never every worker (background work always progresses)."""
+        if not self.max_share or num_workers <= 1:
+            return 0
+        return max(0, min(interactive_peak, math.ceil(num_workers * self.max_share), num_workers - 1))
+
+
+NO_HEADROOM = IdleHeadroom(max_share=0.0)
+
+
+def background_in_flight(view: WorkerView, reserve: SlotReserve = DEFAULT_RESERVE) -> int:
+    return sum(n for p, n in view.in_flight_by_priority.items() if p >= reserve.priority)
+
+
+def interactive_in_flight(views: Sequence[WorkerView], reserve: SlotReserve = DEFAULT_RESERVE) -> int:
+    """The requests more urgent than background in flight on ``views`` (prefill workers left out: a
+    disaggregated request counts once, on its decode worker)."""
+    return sum(
+        n
+        for view in views
+        if view.role != "prefill"
+        for p, n in view.in_flight_by_priority.items()
+        if p < reserve.priority
+    )
+
+
+def kept_idle(
+    views: Sequence[WorkerView], headroom: int, reserve: SlotReserve = DEFAULT_RESERVE
+) -> frozenset[str]:
+    """The ids of the ``headroom`` workers among ``views`` (the serving pool) that a background
+    request may not take: those holding no background work first, the ones with the most interactive
+    requests among them first (where interactive traffic already goes); when too few hold none, the
+    ones holding the least background work (then the most interactive), so that they drain. Ties: by
+    id, so that successive decisions keep the same ones."""
+    if headroom <= 0:
+        return frozenset()
+
+    def order(view: WorkerView) -> tuple[int, int, str]:
+        background = background_in_flight(view, reserve)
+        return (background, background - view.num_in_flight, view.id)
+
+    return frozenset(view.id for view in sorted(views, key=order)[:headroom])
+
+
+class RecentPeak:
+    """The largest value observed over the last ``window_s`` seconds (times from the caller's clock).
+
+    A deque of (time, value) whose values fall from the front: a value older and no larger than a
+    newer one can never be the peak again, so observing drops it; the front is the peak once the
+    points older than the window are dropped. Amortized O(1) per observation."""
+
+    def __init__(self, window_s: float) -> None:
+        self._window_s = window_s
+        self._points: deque[tuple[float, int]] = deque()
+
+    def observe(self, value: int, now: float) -> None:
+        while self._points and self._points[-1][1] <= value:
+            self._points.pop()
+        self._points.append((now, value))
+
+    def peak(self, now: float) -> int:
+        while self._points and self._points[0][0] < now - self._window_s:
+            self._points.popleft()
+        return self._points[0][1] if self._points else 0
+
+
+class Headroom:
+    """One model's idle headroom: the recent peak of its interactive requests in flight, and how many
+    batch-free workers that asks for. The gateway calls ``workers`` before each decision, with the
+    model's workers and the request's priority; an interactive request counts itself in the peak."""
+
+    def __init__(self, settings: IdleHeadroom, reserve: SlotReserve = DEFAULT_RESERVE) -> None:
+        self.settings = settings
+        self.reserve = reserve
+        self.recent = RecentPeak(settings.window_s)
+
+    def workers(self, views: Sequence[WorkerView], priority: int, now: float) -> int:
+        """The headroom for a request of ``priority`` over ``views`` (every worker of the model) at
+        ``now``: 0 for an interactive request (the rule binds background ones only). Every decision
+        observes the interactive requests in flight (an interactive request counts itself), so a long
+        one counts until it ends, while the batch's decisions come."""
+        if not self.settings.max_share:
+            return 0
+        serving = [view for view in healthy(views) if view.role != "prefill"]
+        in_flight = interactive_in_flight(serving, self.reserve)
+        if priority < self.reserve.priority:
+            self.recent.observe(in_flight + 1, now)
+            return 0
+        self.recent.observe(in_flight, now)
+        return self.settings.workers(self.recent.peak(now), len(serving))

@@ -1,0 +1,205 @@
+"""Idle headroom: workers kept free of batch work while interactive traffic is recent."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import openai
+import pytest
+from support.gateway_fakes import FAST_REGISTRY, MODEL, FakeCluster, FakeWorker, running_gateway, wait_for
+
+from herd.api.crd import RoundRobinRouting
+from herd.orchestrator.admission.tenants import Tenant
+from herd.orchestrator.app import AppSettings
+from herd.orchestrator.auth import ApiKeys
+from herd.orchestrator.discovery import ModelConfig
+from herd.orchestrator.gateway import GatewaySettings
+from herd.orchestrator.routing import RequestContext, UnroutableError, WorkerView, decide
+from herd.orchestrator.routing.headroom import Headroom, IdleHeadroom, RecentPeak, kept_idle
+from herd.orchestrator.served import ServedModel
+
+BATCH = 1000
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def worker(name: str, batch: int = 0, interactive: int = 0, **fields: object) -> WorkerView:
+    by_priority = {p: n for p, n in ((BATCH, batch), (0, interactive)) if n}
+    return WorkerView(
+        id=name,
+        url=f"http://{name}",
+        num_in_flight=batch + interactive,
+        in_flight_by_priority=by_priority,
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+@pytest.mark.parametrize(
+    ("share", "peak", "num_workers", "headroom"),
+    [
+        (0.25, 2, 8, 2),
+        (0.25, 5, 8, 2),
+        (0.25, 0, 8, 0),
+        (0.25, 2, 2, 1),
+        (0.5, 2, 2, 1),
+        (0.9, 9, 4, 3),
+        (0.25, 2, 1, 0),
+        (0.25, 1, 0, 0),
+        (0.0, 4, 8, 0),
+    ],
+    ids=[
+        "the-peak",
+        "capped-by-the-share",
+        "no-interactive-traffic",
+        "a-quarter-of-2-rounds-up",
+        "half-of-2",
+        "never-every-worker",
+        "one-worker-is-never-kept",
+        "no-worker",
+        "off",
+    ],
+)
+def test_workers_to_keep(share: float, peak: int, num_workers: int, headroom: int) -> None:
+    assert IdleHeadroom(max_share=share).workers(peak, num_workers) == headroom
+
+
+@pytest.mark.parametrize(
+    ("views", "headroom", "kept"),
+    [
+        ([worker("a", 3), worker("b"), worker("c")], 1, {"b"}),
+        ([worker("a", 3), worker("b"), worker("c", interactive=1)], 1, {"c"}),
+        ([worker("a", 3), worker("b", interactive=1), worker("c", interactive=2)], 2, {"b", "c"}),
+        ([worker("a", 3), worker("b"), worker("c", 1)], 1, {"b"}),
+        ([worker("a", 1), worker("b", 2), worker("c", 2, interactive=1)], 1, {"a"}),
+        ([worker("a", 3), worker("b", 2), worker("c", 2, interactive=1)], 1, {"c"}),
+        ([worker("a", 3), worker("b", 2), worker("c", 2)], 2, {"b", "c"}),
+        ([worker("a", 3), worker("b"), worker("c", 1)], 2, {"b", "c"}),
+        ([worker("a", 3), worker("b"), worker("c", 1)], 0, set()),
+    ],
+    ids=[
+        "a-free-one-by-id",
+        "the-free-one-with-interactive-work",
+        "the-most-interactive-work",
+        "a-worker-with-batch-work-is-not-kept-while-one-is-free",
+        "none-free-drains-the-least-batch-work",
+        "then-the-most-interactive-work",
+        "none-free-drains-two",
+        "short-by-one-keeps-the-free-and-drains-one",
+        "no-headroom",
+    ],
+)
+def test_kept_idle(views: list[WorkerView], headroom: int, kept: set[str]) -> None:
+    assert kept_idle(views, headroom) == kept
+
+
+def test_the_recent_peak_forgets_what_left_the_window() -> None:
+    peak = RecentPeak(window_s=10.0)
+    assert peak.peak(0.0) == 0
+    for now, value in [(0.0, 3), (1.0, 1), (2.0, 2), (5.0, 1)]:
+        peak.observe(value, now)
+    assert [peak.peak(now) for now in (5.0, 10.0, 11.0, 12.5, 15.0, 16.0)] == [3, 3, 2, 1, 1, 0]
+
+
+def test_headroom_counts_interactive_requests_and_binds_background_ones() -> None:
+    headroom = Headroom(IdleHeadroom(max_share=0.5, window_s=10.0))
+    batch_only = [worker(n, 4) for n in "abcd"]
+    assert headroom.workers(batch_only, BATCH, 0.0) == 0  # no interactive traffic: the batch fills it
+    fleet = [worker("a", 4), worker("b", 4, interactive=1), worker("c", 4), worker("d", 4)]
+    assert headroom.workers(fleet, BATCH, 0.0) == 1  # the one in flight now
+    assert headroom.workers(fleet, 0, 1.0) == 0  # observed: 1 in flight and itself
+    assert headroom.workers(fleet, BATCH, 8.0) == 2  # the peak, recent
+    assert headroom.workers(batch_only, BATCH, 17.0) == 1  # ended, but in flight at 8.0
+    assert headroom.workers(batch_only, BATCH, 18.5) == 0
+    down = [worker("a", 4), worker("b", 4, interactive=3, is_healthy=False), worker("c", 4)]
+    assert headroom.workers(down, BATCH, 11.0) == 0  # an ejected worker's requests do not count
+
+
+def served(limit: int) -> ServedModel:
+    return ServedModel(
+        ModelConfig("m", RoundRobinRouting(strategy="round_robin"), max_in_flight_per_worker=limit)
+    )
+
+
+def test_decide_keeps_batch_lines_off_the_headroom_workers() -> None:
+    """New batch lines keep off; a retried one (its worker failed it) moves work, adds none: it may
+    take the kept worker rather than wait at its queue's head for the window to end."""
+    fleet = [worker("a", 3), worker("b", interactive=1), worker("c"), worker("d", 1)]
+    batch = RequestContext(model="m", priority=BATCH)
+    model = served(8)
+    assert {decide(model, fleet, batch, headroom=1).worker.id for _ in range(6)} == {"a", "c", "d"}
+    assert {decide(model, fleet, batch, headroom=2).worker.id for _ in range(6)} == {"a", "d"}
+    assert decide(served(8), fleet, RequestContext(model="m", priority=0), headroom=1).worker.id in "abc"
+    retry = RequestContext(model="m", priority=BATCH, excluded=frozenset({"a"}))
+    assert decide(served(8), [worker("a"), worker("b", interactive=1)], retry, headroom=1).worker.id == "b"
+    full = [worker("a", 6), worker("b")]
+    with pytest.raises(UnroutableError) as refused:
+        decide(served(8), full, batch, headroom=1)  # the slot reserve holds a's last slots
+    assert refused.value.reason == "at_capacity"
+    assert decide(served(8), full, batch, headroom=0).worker.id == "b"
+
+
+LINE_URL = "/v1/chat/completions"
+KEYS = ApiKeys.of_tenants([("k", Tenant(name="team"))])
+
+
+async def run_batch(api: openai.AsyncOpenAI, name: str, num_lines: int) -> None:
+    lines = [
+        {
+            "custom_id": f"{name}-{n}",
+            "method": "POST",
+            "url": LINE_URL,
+            "body": {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "user": f"{name}-{n}"},
+        }
+        for n in range(num_lines)
+    ]
+    content = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+    upload = await api.files.create(file=("in.jsonl", content), purpose="batch")
+    batch = await api.batches.create(input_file_id=upload.id, endpoint=LINE_URL, completion_window="24h")
+    for _ in range(400):
+        batch = await api.batches.retrieve(batch.id)
+        if batch.status in ("completed", "failed", "expired", "cancelled"):
+            break
+        await asyncio.sleep(0.025)
+    assert batch.status == "completed" and batch.request_counts is not None
+    assert batch.request_counts.completed == num_lines
+
+
+def takers(cluster: FakeCluster, name: str) -> set[str]:
+    """The workers that served a line of the batch ``name``."""
+    return {
+        worker.id
+        for worker in cluster.workers
+        for body in worker.bodies
+        if str(body["user"]).startswith(name)
+    }
+
+
+async def test_batch_lines_keep_off_a_worker_while_interactive_traffic_is_recent(tmp_path: Path) -> None:
+    """Three workers, an interactive stream on one: the batch's lines keep off it while the stream
+    is in flight and for the window after (the recent peak, 1 worker), and take it once that passed."""
+    cluster = FakeCluster([FakeWorker(f"w{n}", chunk_delay=0.1, num_chunks=12) for n in range(3)])
+    window = 3.0
+    gateway = GatewaySettings(idle_headroom=IdleHeadroom(max_share=0.5, window_s=window))
+    settings = AppSettings(registry=FAST_REGISTRY, batch_dir=tmp_path, gateway=gateway)
+    async with running_gateway(cluster, settings=settings, api_keys=KEYS) as (_, client):
+        api = openai.AsyncOpenAI(
+            api_key="k", base_url="http://orchestrator/v1", http_client=client, max_retries=0
+        )
+        body = {**CHAT, "stream": True, "user": "interactive"}
+        interactive = asyncio.create_task(
+            client.post("/v1/chat/completions", json=body, headers={"authorization": "Bearer k"})
+        )
+        await wait_for(lambda: takers(cluster, "interactive") != set())
+        (kept,) = takers(cluster, "interactive")
+        await run_batch(api, "during", 12)
+        others = {worker.id for worker in cluster.workers} - {kept}
+        assert not interactive.done() and takers(cluster, "during") == others
+        assert (await interactive).status_code == 200
+        ended = time.monotonic()
+        await run_batch(api, "after", 6)
+        assert time.monotonic() - ended < window and kept not in takers(cluster, "after")
+        await asyncio.sleep(window)
+        await run_batch(api, "later", 6)
+    assert takers(cluster, "later") == {"w0", "w1", "w2"}
