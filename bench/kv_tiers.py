@@ -20,10 +20,18 @@ Traces: ``tenants`` (multi-tenant: herd bench's shared-prefix workload, tenants 
 system prompt of ``--prefix-blocks`` blocks each plus a 16-32 word user turn) and ``turns``
 (multi-turn: sessions of up to ``--max-turns`` turns whose next prompt is the previous one plus its
 output plus a new user turn, sessions drawn uniformly; a session that reached its last turn starts
-over with a new history). The working set is the trace's distinct prefix blocks (tenants x prefix
-blocks; sessions x their longest history) over the whole fleet's device blocks, ``--working-sets``
-(1.5 and 3). Closed loop, ``--concurrency`` requests in flight per worker. Each setup runs every
-round (seeds 0..rounds-1) in turn, alternating; the table gives each figure's median and its range.
+over with a new history; a turn drawn while its session's previous turn is in flight waits for that
+answer and is sent when it comes, its TTFT counted from then). The working set is the trace's
+distinct prefix blocks (tenants x prefix blocks; sessions x their longest history) over the whole
+fleet's device blocks, ``--working-sets`` (1.5 and 3).
+
+Two loops, every round. Closed: ``--concurrency`` requests in flight per worker, each finish sending
+the next. Open (``--loads``): requests arrive as a Poisson process at ``F`` x the requests a second
+the ``none`` setup served in the same round's closed loop, for each load ``F``; the arrival times
+come from the seed alone, so every setup of a round sees the same ones, and a request's TTFT counts
+its wait in the worker's queue (as vLLM's ``benchmark_serving --request-rate``). Each round (seeds
+0..rounds-1) runs every setup in the closed loop, ``none`` first, then every setup at each load, in
+turn; the table gives each figure's median over the rounds and its range.
 
     .venv/bin/python bench/kv_tiers.py --out bench/results/kv_tiers_sim.json
 """
