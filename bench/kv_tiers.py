@@ -20,10 +20,18 @@ Traces: ``tenants`` (multi-tenant: herd bench's shared-prefix workload, tenants 
 system prompt of ``--prefix-blocks`` blocks each plus a 16-32 word user turn) and ``turns``
 (multi-turn: sessions of up to ``--max-turns`` turns whose next prompt is the previous one plus its
 output plus a new user turn, sessions drawn uniformly; a session that reached its last turn starts
-over with a new history). The working set is the trace's distinct prefix blocks (tenants x prefix
-blocks; sessions x their longest history) over the whole fleet's device blocks, ``--working-sets``
-(1.5 and 3). Closed loop, ``--concurrency`` requests in flight per worker. Each setup runs every
-round (seeds 0..rounds-1) in turn, alternating; the table gives each figure's median and its range.
+over with a new history; a turn drawn while its session's previous turn is in flight waits for that
+answer and is sent when it comes, its TTFT counted from then). The working set is the trace's
+distinct prefix blocks (tenants x prefix blocks; sessions x their longest history) over the whole
+fleet's device blocks, ``--working-sets`` (1.5 and 3).
+
+Two loops, every round. Closed: ``--concurrency`` requests in flight per worker, each finish sending
+the next. Open (``--loads``): requests arrive as a Poisson process at ``F`` x the requests a second
+the ``none`` setup served in the same round's closed loop, for each load ``F``; the arrival times
+come from the seed alone, so every setup of a round sees the same ones, and a request's TTFT counts
+its wait in the worker's queue (as vLLM's ``benchmark_serving --request-rate``). Each round (seeds
+0..rounds-1) runs every setup in the closed loop, ``none`` first, then every setup at each load, in
+turn; the table gives each figure's median over the rounds and its range.
 
     .venv/bin/python bench/kv_tiers.py --out bench/results/kv_tiers_sim.json
 """
@@ -31,11 +39,13 @@ round (seeds 0..rounds-1) in turn, alternating; the table gives each figure's me
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import statistics
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,8 +101,16 @@ class TierSimulation(Simulation):
     """``Simulation`` with tiered workers, tier-priced routing and a multi-turn trace."""
 
     def __init__(
-        self, shape: Shape, tiers: TierShape, setup: Setup, seed: int, renderer: PromptRenderer
+        self,
+        shape: Shape,
+        tiers: TierShape,
+        setup: Setup,
+        seed: int,
+        renderer: PromptRenderer,
+        arrivals: list[float] | None = None,
     ) -> None:
+        """``arrivals``: the open loop's arrival time of every request in simulated ms (``None``: the
+        closed loop of ``shape.concurrency`` requests in flight)."""
         self.tiers, self.setup = tiers, setup
         per_block = bytes_per_block(read_model_args(DEMO_MODEL), BLOCK_SIZE, _dtype())
         share = tiers.working_set * tiers.pool_blocks
@@ -107,9 +125,14 @@ class TierSimulation(Simulation):
         spec = TypeAdapter(RoutingSpec).validate_python(settings)
         strategy = build_strategy(spec, kv_index=self.index, block_size=BLOCK_SIZE, rng=random.Random(seed))
         self.model = SimModel(ModelConfig(MODEL_ID, spec, block_size=BLOCK_SIZE), strategy, self.index)
+        self.arrivals = arrivals
+        self.num_issued = 0
         self.histories: dict[int, list[int]] = {}
         self.num_turns: dict[int, int] = {}
         self.outputs: dict[int, list[int]] = {}
+        self.busy_sessions: set[int] = set()
+        self.waiting: dict[int, deque[int]] = {}
+        """Per session, the turns drawn while its previous turn was in flight, in order."""
 
     def _worker(self, number: int, renderer: PromptRenderer) -> SimWorker:
         shape, clock = self.shape, VirtualClock()
@@ -136,28 +159,60 @@ class TierSimulation(Simulation):
         view.disk_block_tokens = restore_block_tokens(worker.report, "disk")
         return view
 
+    def run(self) -> dict[str, Any]:
+        if self.arrivals is None:
+            return super().run()
+        for number, when in enumerate(self.arrivals[: len(self.turns)]):
+            self._at(when, "arrive", number)
+        self._run_until(len(self.turns))
+        first, end = self.shape.warmup, self.shape.warmup + self.shape.measured
+        return self._summary([request for request in self.done if first <= request.number < end])
+
+    def _handle(self, kind: str, payload: Any) -> None:
+        if kind == "arrive":
+            self._issue()
+        else:
+            super()._handle(kind, payload)
+
     def _send(self) -> None:
+        """The closed loop's next request (each finish calls it); the open loop's come on arrival."""
+        if self.arrivals is None:
+            self._issue()
+
+    def _issue(self) -> None:
+        """The next request of the trace arrives: sent now, or for a chat turn whose session still
+        waits for its previous answer, once that answer is in (its TTFT counts from then)."""
+        if self.num_issued >= len(self.turns):
+            return
+        number = self.num_issued
+        self.num_issued += 1
         if self.tiers.trace == "tenants":
-            super()._send()
+            super()._send()  # sends self.turns[self.num_sent], and num_sent == number here
             return
-        if self.num_sent >= len(self.turns):
-            return
-        session, num_words = self.turns[self.num_sent]
+        session = self.turns[number][0]
+        if session in self.busy_sessions:
+            self.waiting.setdefault(session, deque()).append(number)
+        else:
+            self._send_turn(number)
+
+    def _send_turn(self, number: int) -> None:
+        session, num_words = self.turns[number]
         if self.num_turns.get(session, 0) >= self.tiers.max_turns or session not in self.histories:
             self.histories[session] = random.Random(1_000_003 * session).choices(
                 range(49152), k=self._prefix_len()
             )
             self.num_turns[session] = 0
-        user = random.Random(self.num_sent).choices(range(49152), k=num_words + 9)
+        user = random.Random(number).choices(range(49152), k=num_words + 9)
         token_ids = self.histories[session] + user
         request = Request(
-            self.num_sent,
+            number,
             session,
             token_ids,
             block_hashes(token_ids, BLOCK_SIZE, model_id=MODEL_ID),
             self.now,
         )
         self.num_sent += 1
+        self.busy_sessions.add(session)
         views = [self._view(worker) for worker in self.workers]
         decision = decide(self.model, views, self._context(request))
         self._apply(decision)
@@ -171,6 +226,13 @@ class TierSimulation(Simulation):
             self.histories[request.tenant] = request.token_ids + self.outputs.pop(request.number)
             self.num_turns[request.tenant] = self.num_turns.get(request.tenant, 0) + 1
         super()._record(worker, output, finish_ms)
+
+    def _finish(self, worker: SimWorker, request: Request) -> None:
+        super()._finish(worker, request)
+        if self.tiers.trace == "turns":
+            self.busy_sessions.discard(request.tenant)
+            if waiting := self.waiting.get(request.tenant):
+                self._send_turn(waiting.popleft())
 
     def _context(self, request: Request) -> RequestContext:
         return RequestContext(model=MODEL_ID, token_ids=request.token_ids, block_hashes=request.hashes)
@@ -211,7 +273,26 @@ SETUPS = [
 ]
 
 
-def run(tiers: TierShape, setups: list[Setup], rounds: int, warmup: int, measured: int) -> dict[str, Any]:
+def poisson_arrivals(rate_per_s: float, count: int, seed: int) -> list[float]:
+    """``count`` arrival times in simulated ms of a Poisson process at ``rate_per_s``, the same for a
+    seed whatever the setup."""
+    rng = random.Random(f"arrivals-{seed}")
+    return list(itertools.accumulate(rng.expovariate(rate_per_s / 1000) for _ in range(count)))
+
+
+def run(
+    tiers: TierShape,
+    setups: list[Setup],
+    rounds: int,
+    warmup: int,
+    measured: int,
+    loads: list[float],
+) -> dict[str, Any]:
+    """Each round (seed): every setup in the closed loop, ``none`` first; then for each load ``F``
+    every setup in the open loop at ``F`` x that round's closed-loop ``none`` throughput, all setups
+    on the same arrival times."""
+    if setups[0].name != "none":
+        raise ValueError("the open loop's rate comes from the none setup: it must run first")
     renderer = PromptRenderer.from_pretrained(DEMO_MODEL)
     streams = tiers.num_streams()
     shape = Shape(
@@ -225,17 +306,39 @@ def run(tiers: TierShape, setups: list[Setup], rounds: int, warmup: int, measure
         measured=measured,
         **ISSUE14_COST,
     )
-    runs: dict[str, list[dict[str, Any]]] = {setup.name: [] for setup in setups}
+    labels = ["closed", *(f"open {load:g}" for load in loads)]
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {
+        label: {setup.name: [] for setup in setups} for label in labels
+    }
+    rates: dict[str, list[float]] = {label: [] for label in labels[1:]}
+    count = warmup + measured + shape.concurrency
     for seed in range(rounds):
-        for setup in setups:
-            started = time.perf_counter()
-            result = TierSimulation(shape, tiers, setup, seed, renderer).run()
-            runs[setup.name].append(result)
-            print(
-                f"  {tiers.trace} {tiers.working_set}x seed {seed} {setup.name}: {result} ({time.perf_counter() - started:.0f} s)",
-                flush=True,
-            )
-    table = {
+        for label in labels:
+            arrivals = None
+            if label != "closed":
+                load = loads[labels.index(label) - 1]
+                rate = load * runs["closed"]["none"][seed]["requests_per_s"]
+                rates[label].append(round(rate, 3))
+                arrivals = poisson_arrivals(rate, count, seed)
+            for setup in setups:
+                started = time.perf_counter()
+                result = TierSimulation(shape, tiers, setup, seed, renderer, arrivals).run()
+                runs[label][setup.name].append(result)
+                print(
+                    f"  {tiers.trace} {tiers.working_set}x {label} seed {seed} {setup.name}: {result} "
+                    f"({time.perf_counter() - started:.0f} s)",
+                    flush=True,
+                )
+    loops = {
+        label: {"rates_per_s": rates.get(label), "setups": _table(by_setup), "runs": by_setup}
+        for label, by_setup in runs.items()
+    }
+    return {"shape": {**vars(tiers), "streams": streams}, "loops": loops}
+
+
+def _table(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, dict[str, float]]]:
+    """Each setup's figures over the rounds: median, min and max."""
+    return {
         name: {
             key: {
                 "median": round(statistics.median(r[key] for r in results), 4),
@@ -246,24 +349,25 @@ def run(tiers: TierShape, setups: list[Setup], rounds: int, warmup: int, measure
         }
         for name, results in runs.items()
     }
-    return {"shape": {**vars(tiers), "streams": streams}, "setups": table, "runs": runs}
 
 
 def print_table(result: dict[str, Any]) -> None:
     shape = result["shape"]
-    print(
-        f"\n{shape['trace']} at {shape['working_set']}x the fleet's device pool "
-        f"({shape['streams']} streams, {shape['num_workers']} workers x {shape['pool_blocks']} blocks)"
-    )
-    print("| setup | hit rate | TTFT p50 (sim ms) | TTFT p99 (sim ms) | req/s | restored host / disk |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for name, row in result["setups"].items():
-        cells = [
-            f"{row[key]['median']:.3g} ({row[key]['min']:.3g}-{row[key]['max']:.3g})"
-            for key in ("hit_rate", "ttft_p50_ms", "ttft_p99_ms", "requests_per_s")
-        ]
-        restored = f"{row['restored_host']['median']:.0f} / {row['restored_disk']['median']:.0f}"
-        print(f"| {name} | {' | '.join(cells)} | {restored} |")
+    for label, loop in result["loops"].items():
+        rates = "" if loop["rates_per_s"] is None else f", offered {loop['rates_per_s']} req/s by round"
+        print(
+            f"\n{shape['trace']} at {shape['working_set']}x the fleet's device pool, {label} loop "
+            f"({shape['streams']} streams, {shape['num_workers']} workers x {shape['pool_blocks']} blocks{rates})"
+        )
+        print("| setup | hit rate | TTFT p50 (sim ms) | TTFT p99 (sim ms) | req/s | restored host / disk |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for name, row in loop["setups"].items():
+            cells = [
+                f"{row[key]['median']:.3g} ({row[key]['min']:.3g}-{row[key]['max']:.3g})"
+                for key in ("hit_rate", "ttft_p50_ms", "ttft_p99_ms", "requests_per_s")
+            ]
+            restored = f"{row['restored_host']['median']:.0f} / {row['restored_disk']['median']:.0f}"
+            print(f"| {name} | {' | '.join(cells)} | {restored} |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -278,6 +382,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1500)
     parser.add_argument("--measured", type=int, default=1500)
+    parser.add_argument(
+        "--loads",
+        type=float,
+        nargs="*",
+        default=[0.8, 0.95],
+        help="open-loop rates, as shares of the round's closed-loop throughput with no tier",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     results = []
@@ -292,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.max_turns,
                 args.concurrency,
             )
-            result = run(tiers, SETUPS, args.rounds, args.warmup, args.measured)
+            result = run(tiers, SETUPS, args.rounds, args.warmup, args.measured, args.loads)
             print_table(result)
             results.append(result)
     if args.out is not None:

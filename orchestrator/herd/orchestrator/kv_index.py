@@ -145,6 +145,21 @@ class KVIndex:
                 run[worker_id] = depth + 1
         return run
 
+    def held_run(self, worker_id: str, block_hashes: Sequence[BlockHash], *, start: int = 0) -> int:
+        """Length of the leading run of ``block_hashes`` that ``worker_id`` holds in any tier or is
+        expected to hold on its device: the blocks it will not compute, restores included. ``start``:
+        a run already known (``match``), checked from there on."""
+        self._expire(self._clock())
+        for depth in range(start, len(block_hashes)):
+            block = block_hashes[depth]
+            if (
+                worker_id not in self._holders.get(block, ())
+                and worker_id not in self._expected.get(block, ())
+                and worker_id not in self._lower.get(block, ())
+            ):
+                return depth
+        return len(block_hashes)
+
     def match_tiers(self, block_hashes: Sequence[BlockHash]) -> dict[str, TierRun]:
         """Each worker's leading run of ``block_hashes`` held in any tier (or expected on its
         device), with how many of its blocks only a lower tier holds (workers with none omitted)."""

@@ -153,6 +153,40 @@ def test_tier_runs_count_each_tier(
         assert index.apply("b", _tier_event(seq, kind, blocks, medium))
     assert index.match_tiers([1, 2, 3, 4]) == expected
     assert index.match([1, 2, 3, 4])["a"] == 3
+    assert index.held_run("b", [1, 2, 3, 4]) == expected.get("b", TierRun(0)).length
+
+
+@pytest.mark.parametrize(
+    ("worker_id", "query", "start", "expected"),
+    [
+        ("b", [1, 2, 3, 4, 5], 0, 4),
+        ("b", [1, 2, 3, 4, 5], 2, 4),
+        ("b", [1, 2, 3, 4, 5], 4, 4),
+        ("b", [3, 4], 0, 2),
+        ("b", [1, 5, 3], 0, 1),
+        ("a", [1, 2, 3, 4, 7, 8], 0, 6),
+        ("a", [9], 0, 0),
+        ("gone", [1], 0, 0),
+        ("b", [], 0, 0),
+    ],
+    ids=[
+        "device-then-host",
+        "from-a-known-run",
+        "nothing-past-the-known-run",
+        "host-from-the-first-block",
+        "stops-at-the-first-miss",
+        "expected-blocks-count",
+        "miss-first",
+        "unknown-worker",
+        "empty",
+    ],
+)
+def test_held_run_counts_every_tier_for_one_worker(
+    index: KVIndex, worker_id: str, query: list[int], start: int, expected: int
+) -> None:
+    assert index.apply("b", _tier_event(1, "stored", [3, 4], "host"))
+    index.expect("a", [4, 7, 8])
+    assert index.held_run(worker_id, query, start=start) == expected
 
 
 def test_a_snapshot_carries_the_tiers() -> None:

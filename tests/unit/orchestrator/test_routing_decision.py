@@ -37,8 +37,10 @@ def model(
     *,
     limit: int = 0,
     cached: dict[str, int] | None = None,
+    host: dict[str, tuple[int, int]] | None = None,
 ) -> ServedModel:
-    """A served model whose KV index says worker ``w`` holds the first ``cached[w]`` blocks of ``HASHES``."""
+    """A served model whose KV index says worker ``w`` holds the first ``cached[w]`` blocks of ``HASHES``
+    on its device and ``HASHES[start:end]`` in its host tier, ``(start, end) = host[w]``."""
     config = ModelConfig(
         "m",
         routing or RoundRobinRouting(strategy="round_robin"),
@@ -48,8 +50,15 @@ def model(
         max_in_flight_per_worker=limit,
     )
     served = ServedModel(config)
-    for worker_id, num_blocks in (cached or {}).items():
-        snapshot = KVSnapshot(epoch="e", seq=0, block_size=BLOCK, block_hashes=HASHES[:num_blocks])
+    for worker_id in {*(cached or {}), *(host or {})}:
+        start, end = (host or {}).get(worker_id, (0, 0))
+        snapshot = KVSnapshot(
+            epoch="e",
+            seq=0,
+            block_size=BLOCK,
+            block_hashes=HASHES[: (cached or {}).get(worker_id, 0)],
+            tier_block_hashes={"host": HASHES[start:end]} if end else {},
+        )
         served.kv_index.reset(worker_id, snapshot)
     return served
 
@@ -72,6 +81,7 @@ class Case:
     mode: str = "aggregated"
     limit: int = 0
     cached: dict[str, int] = field(default_factory=dict)
+    host: dict[str, tuple[int, int]] = field(default_factory=dict)
     worker: str = ""
     prefill: str | None = None
     num_prefill_tokens: int = 0
@@ -89,6 +99,24 @@ CASES = {
     "other-roles-left-out": Case([view("d0", "decode"), view("b")], worker="b"),
     "cached-blocks-counted": Case(
         UNIFIED, request(6), cached={"a": 4}, worker="a", num_prefill_tokens=2 * BLOCK, num_cached_blocks=4
+    ),
+    "host-tier-blocks-are-restored-not-prefilled": Case(
+        UNIFIED,
+        request(8),
+        cached={"a": 4},
+        host={"a": (4, 7)},
+        worker="a",
+        num_prefill_tokens=1 * BLOCK,
+        num_cached_blocks=4,
+    ),
+    "host-tier-blocks-past-a-gap-are-prefilled": Case(
+        UNIFIED,
+        request(8),
+        cached={"a": 2},
+        host={"a": (3, 8)},
+        worker="a",
+        num_prefill_tokens=6 * BLOCK,
+        num_cached_blocks=2,
     ),
     "long-prompt-prefills-on-the-least-queued": Case(
         POOLS, request(20), mode="disaggregated", worker="d0", prefill="p0", num_prefill_tokens=20 * BLOCK
@@ -139,7 +167,8 @@ CASES = {
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_decide(case: Case) -> None:
-    decision = decide(model(case.mode, limit=case.limit, cached=case.cached), case.views, case.request)
+    served = model(case.mode, limit=case.limit, cached=case.cached, host=case.host)
+    decision = decide(served, case.views, case.request)
     assert decision.worker.id == case.worker
     assert (None if decision.prefill is None else decision.prefill.id) == case.prefill
     assert decision.num_prefill_tokens == case.num_prefill_tokens

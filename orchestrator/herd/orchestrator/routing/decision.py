@@ -163,8 +163,11 @@ def decide(
     if choice is None:
         raise UnroutableError("at_capacity")
     num_cached = matched.get(choice.id, 0)
+    # Blocks the worker holds only in a host or disk tier are restored, not computed: its queued
+    # prefill counts from the end of its run over every tier.
+    num_held = model.kv_index.held_run(choice.id, request.block_hashes, start=num_cached)
     pull = None if is_disaggregated else model.strategy.pull_source(choice, pool, ctx)
-    num_known = num_cached if pull is None else max(num_cached, pull.num_blocks)
+    num_known = num_held if pull is None else max(num_held, pull.num_blocks)
     # A prefilled request's decode worker imports the prompt's KV blocks; it computes none of them.
     num_local = 0 if request.is_prefilled else len(request.token_ids)
     decision = Decision(
