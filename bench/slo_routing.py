@@ -17,7 +17,8 @@ TTFT p50/p99. Each ``slo`` run also reads the gateway's access log: every stream
 carries what the latency fit predicted on its worker and the TTFT that followed (``slo_note``), which
 ``predictions`` sums up per worker (bias, mean absolute error, how many the fit wrongly said would
 meet the target) along with the gateway's own time before it sent each request. Setups alternate over ``--rounds`` rounds at each load; each run has a fresh
-orchestrator (so the latency fit starts empty and learns during the warm-up), the workers stay up.
+orchestrator (so the latency fit starts empty and learns during the warm-up), the workers stay up;
+each run records the machine's 1-minute load average before and after it (the machine is shared).
 
     .venv/bin/python bench/slo_routing.py --rounds 3 --out bench/results/slo_routing.json
 """
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -174,6 +176,7 @@ def measure(
     url = f"http://{HOST}:{port}"
     headers = {"x-slo-ttft-ms": str(args.ttft_ms)} if setup == "slo" else {}
     log = log_dir / f"gw-{setup}.log"
+    load_before = os.getloadavg()[0]
     with serving(gateway_argv(endpoints, log_dir, port), ready_url=f"{url}/health", log=log, env={}):
         time.sleep(2.0)  # a few health polls admit every worker
         ttfts = asyncio.run(arrivals(url, args, rate, headers, seed))
@@ -189,6 +192,7 @@ def measure(
         if finite
         else None,
         "predictions": predictions(log, args.ttft_ms),
+        "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }
 
 
