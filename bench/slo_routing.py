@@ -6,7 +6,8 @@ long prompt's prefill holds a worker's steps for seconds) behind one ``herd orch
 strategy is least_request. Requests arrive as a Poisson process at ``--loads`` times the fleet's
 capacity, which a closed-loop probe measures first (requests finished per second with every batch
 slot busy). A quarter of the prompts are long (``--long-len`` tokens), the rest short; every request
-streams ``--output-len`` tokens. The two setups send the same arrivals and differ in one header:
+streams ``--output-len`` tokens. The two setups send the same arrivals (each prompt led by a tag of
+its run, so no run finds another's prompts cached on the workers) and differ in one header:
 
 * ``slo``: every request carries ``x-slo-ttft-ms: --ttft-ms``, so ``decide`` sends it to the worker
   its online latency fit predicts has the most headroom (docs/admission.md).
@@ -17,7 +18,8 @@ TTFT p50/p99. Each ``slo`` run also reads the gateway's access log: every stream
 carries what the latency fit predicted on its worker and the TTFT that followed (``slo_note``), which
 ``predictions`` sums up per worker (bias, mean absolute error, how many the fit wrongly said would
 meet the target) along with the gateway's own time before it sent each request. Setups alternate over ``--rounds`` rounds at each load; each run has a fresh
-orchestrator (so the latency fit starts empty and learns during the warm-up), the workers stay up.
+orchestrator (so the latency fit starts empty and learns during the warm-up), the workers stay up;
+each run records the machine's 1-minute load average before and after it (the machine is shared).
 
     .venv/bin/python bench/slo_routing.py --rounds 3 --out bench/results/slo_routing.json
 """
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -83,9 +86,13 @@ async def one(
 
 
 async def arrivals(
-    url: str, args: argparse.Namespace, rate: float, headers: dict[str, str], seed: int
+    url: str, args: argparse.Namespace, rate: float, headers: dict[str, str], seed: int, tag: str
 ) -> list[float]:
-    """Poisson arrivals at ``rate`` for ``--warmup-s`` plus ``--seconds``; the TTFTs of the measured ones."""
+    """Poisson arrivals at ``rate`` for ``--warmup-s`` plus ``--seconds``; the TTFTs of the measured ones.
+
+    Every prompt starts with ``tag``, the run's own: the workers outlive the runs, and the two setups
+    of a pair draw the same prompts from ``seed``, so without it the second would find the first's
+    prompts in the workers' prefix caches."""
     rng = random.Random(seed)
     tasks: list[tuple[float, asyncio.Task[float]]] = []
     limits = httpx.Limits(max_connections=1024)
@@ -96,7 +103,7 @@ async def arrivals(
             at += rng.expovariate(rate)
             await asyncio.sleep(max(0.0, at - time.monotonic()))
             length = args.long_len if rng.random() < 0.25 else args.short_len
-            task = asyncio.create_task(one(client, prompt(rng, length), args, headers))
+            task = asyncio.create_task(one(client, f"{tag} {prompt(rng, length)}", args, headers))
             tasks.append((at - start, task))
         finished = [(sent, await task) for sent, task in tasks]
     return [ttft for sent, ttft in finished if sent >= args.warmup_s]
@@ -168,15 +175,22 @@ def predictions(log: Path, target_ms: int) -> dict[str, Any]:
 
 
 def measure(
-    args: argparse.Namespace, setup: str, rate: float, endpoints: list[str], log_dir: Path, seed: int
+    args: argparse.Namespace,
+    setup: str,
+    rate: float,
+    endpoints: list[str],
+    log_dir: Path,
+    seed: int,
+    tag: str,
 ) -> dict[str, Any]:
     port = free_port()
     url = f"http://{HOST}:{port}"
     headers = {"x-slo-ttft-ms": str(args.ttft_ms)} if setup == "slo" else {}
     log = log_dir / f"gw-{setup}.log"
+    load_before = os.getloadavg()[0]
     with serving(gateway_argv(endpoints, log_dir, port), ready_url=f"{url}/health", log=log, env={}):
         time.sleep(2.0)  # a few health polls admit every worker
-        ttfts = asyncio.run(arrivals(url, args, rate, headers, seed))
+        ttfts = asyncio.run(arrivals(url, args, rate, headers, seed, tag))
     finite = sorted(ttft for ttft in ttfts if ttft != float("inf"))
     met = sum(ttft * 1000 <= args.ttft_ms for ttft in ttfts)
     return {
@@ -189,6 +203,7 @@ def measure(
         if finite
         else None,
         "predictions": predictions(log, args.ttft_ms),
+        "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }
 
 
@@ -246,6 +261,7 @@ def main() -> int:
                         endpoints,
                         log_dir,
                         seed=1000 * number + int(100 * load),
+                        tag=f"run {len(runs):02d}:",
                     )
                     print(json.dumps(run), flush=True)
                     runs.append(run)

@@ -14,7 +14,13 @@ from herd.orchestrator.admission.targets import slo_target
 from herd.orchestrator.discovery import ModelConfig
 from herd.orchestrator.routing import RequestContext, UnroutableError, WorkerView, decide
 from herd.orchestrator.routing._types import SloTarget
-from herd.orchestrator.routing.latency import LatencyFeatures, LatencyModel, OnlineRegression, Prediction
+from herd.orchestrator.routing.latency import (
+    LatencyFeatures,
+    LatencyModel,
+    OnlineRegression,
+    Prediction,
+    ttft_prior,
+)
 from herd.orchestrator.routing.slo import headroom
 from herd.orchestrator.served import ServedModel
 
@@ -54,6 +60,79 @@ def test_a_worker_without_samples_borrows_the_pooled_fit() -> None:
         latency.observe_tpot("b", features, 0.02)
     own = latency.predict("b", features)
     assert own is not None and own.ttft_seconds == pytest.approx(0.1, rel=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("rate", "expected"),
+    [(None, {}), (0.0, {}), (500.0, {1: 2.0, 3: 2.0}), (2000.0, {1: 0.5, 3: 0.5})],
+    ids=["unmeasured", "zero", "500-per-s", "2000-per-s"],
+)
+def test_the_prior_slopes_are_the_seconds_a_thousand_tokens_take(
+    rate: float | None, expected: dict[int, float]
+) -> None:
+    assert ttft_prior(rate) == expected
+
+
+def idle_samples(latency: LatencyModel, worker_id: str, num: int = 16) -> None:
+    """Samples of a worker that never had prefill queued: TTFT 0.2 s plus 50 ms a request in its batch."""
+    for n in range(num):
+        features = LatencyFeatures(0, n % 4, 64)
+        latency.observe_ttft(worker_id, features, 0.2 + 0.05 * features.batch)
+        latency.observe_tpot(worker_id, features, 0.02)
+
+
+@pytest.mark.parametrize(
+    ("rate", "queued", "expected"),
+    [
+        (None, 0, 0.2),
+        (None, 3000, 0.2),  # no sample ever had prefill queued: the fit alone says it costs nothing
+        (500.0, 0, 0.2),
+        (500.0, 3000, 0.2 + 6.0),  # 2 s per 1,000 tokens: no sample says otherwise
+        (1000.0, 3000, 0.2 + 3.0),
+    ],
+    ids=["no-rate-idle", "no-rate-queued", "rate-idle", "rate-queued", "faster-rate-queued"],
+)
+def test_the_prefill_rate_prices_queued_prefill_before_any_sample_had_it(
+    rate: float | None, queued: int, expected: float
+) -> None:
+    latency = LatencyModel()
+    idle_samples(latency, "w")
+    prediction = latency.predict("w", LatencyFeatures(queued, 0, 64), rate)
+    assert prediction is not None and prediction.ttft_seconds == pytest.approx(expected, abs=0.01)
+
+
+def test_samples_enough_outweigh_the_prior() -> None:
+    """A worker whose queued prefill truly costs 0.1 s per 1,000 tokens, against a prior of 2 s."""
+    latency = LatencyModel()
+    for n in range(300):
+        features = LatencyFeatures(500 * (n % 9), n % 4, 64 + 1000 * (n % 2))
+        ttft = (
+            0.2 + 0.1 * features.queued_prefill_tokens / 1000 + 0.1 * features.uncached_prompt_tokens / 1000
+        )
+        latency.observe_ttft("w", features, ttft)
+        latency.observe_tpot("w", features, 0.02)
+    prediction = latency.predict("w", LatencyFeatures(4000, 0, 64), 500.0)
+    truth, prior_alone = 0.2 + 0.4 + 0.0064, 0.2 + 8.0 + 0.128
+    assert prediction is not None
+    assert abs(prediction.ttft_seconds - truth) < 0.1 * (prior_alone - truth)
+
+
+@pytest.mark.parametrize(("rate", "worker"), [(None, "queued"), (500.0, "idle")], ids=["no-rate", "rate"])
+def test_decide_avoids_a_worker_with_prefill_queued_that_its_samples_never_priced(
+    rate: float | None, worker: str
+) -> None:
+    """Both fits learnt only idle samples; the busy worker has 1,500 prompt tokens in flight and a
+    batch of 1, the idle one a batch of 4 (predicted 0.25 s against 0.4 s without the prior)."""
+    model = served(warm=False)
+    idle_samples(model.latency, "queued")
+    idle_samples(model.latency, "idle")
+    views = [
+        WorkerView(id="queued", url="http://q", num_running=1, prefill_tokens_per_s=rate),
+        WorkerView(id="idle", url="http://i", num_running=4, prefill_tokens_per_s=rate),
+    ]
+    views[0].num_prefill_tokens_in_flight = 1500
+    decision = decide(model, views, ctx(ttft_seconds=2.0))
+    assert decision.worker.id == worker and not decision.is_slo_missed
 
 
 @pytest.mark.parametrize(

@@ -70,6 +70,9 @@ class WorkerView:
     prefill meanwhile (``restore_block_tokens``); None until it measured both rates."""
     disk_block_tokens: float | None = None
     """The same for its disk tier."""
+    prefill_tokens_per_s: float | None = None
+    """Its measured prefill rate, from its load report (None until measured): the prior of its
+    latency fit's TTFT slopes (``herd.orchestrator.routing.latency``)."""
     pull_block_tokens: float | None = None
     """What pulling one block from a peer costs the worker, in prompt tokens it could prefill
     meanwhile (``pull_block_tokens``); None until it measured both rates."""

@@ -1,7 +1,8 @@
 """SLO-aware choice: the worker predicted to meet a request's latency targets with the most headroom.
 
 For each open worker, ``LatencyModel`` predicts the request's TTFT and time per output token from
-the worker's queued prefill tokens, its batch and the request's uncached prompt there. A worker's
+the worker's queued prefill tokens, its batch and the request's uncached prompt there (the TTFT
+slopes on prefill tokens start from the worker's reported prefill rate). A worker's
 headroom is the smallest relative slack over the targets the request set (``(target - predicted) /
 target``); the worker with the largest headroom wins, and it meets the targets when that headroom
 is not negative. Before the model has samples enough to predict, there is no SLO choice and the
@@ -67,7 +68,7 @@ def choose_by_slo(
     best: SloChoice | None = None
     for worker in workers:
         features = features_of(worker, num_prompt_tokens, matched.get(worker.id, 0), block_size)
-        prediction = latency.predict(worker.id, features)
+        prediction = latency.predict(worker.id, features, worker.prefill_tokens_per_s)
         if prediction is None:
             return None
         choice = SloChoice(worker, prediction, headroom(prediction, target))
