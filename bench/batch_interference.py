@@ -16,8 +16,9 @@ reads to the end, sends the next) measure their time to first token. The setups 
   batch is cancelled after.
 * ``with-batch-headroom``: ``with-batch`` with the gateway's idle headroom on
   (``--batch-idle-max-share``, ``herd.orchestrator.routing.headroom``): batch lines leave up to that
-  share of the workers free of batch work while interactive requests are recent. ``alone`` and
-  ``with-batch`` run with it off (``--batch-idle-max-share 0``), as the gateway ran before it.
+  share of the workers free of batch work while interactive requests are recent, and
+  ``--idle-min-workers`` of them even without (``--batch-idle-min-workers``, 0 by default). ``alone``
+  and ``with-batch`` run with it off (``--batch-idle-max-share 0``), as the gateway ran before it.
 
 Each run has a fresh orchestrator and batch folder; the setups alternate over ``--rounds`` rounds
 (forward, then reversed). The figure is the interactive TTFT p99 with the batch over the same round's
@@ -154,7 +155,10 @@ async def run(url: str, args: argparse.Namespace, setup: str) -> dict[str, Any]:
         if setup in BATCH_SETUPS:
             batch_id = await start_batch(client, args)
             cap = MAX_BATCH_SIZE + MAX_QUEUE_LEN  # the gateway's slots on a worker
-            fill = min(args.batch_concurrency, args.replicas * background_limit(cap, DEFAULT_RESERVE))
+            # A standing reserve keeps its workers free of batch lines from the start.
+            kept = args.idle_min_workers if setup == "with-batch-headroom" else 0
+            batch_workers = args.replicas - min(kept, args.replicas - 1)
+            fill = min(args.batch_concurrency, batch_workers * background_limit(cap, DEFAULT_RESERVE))
             for _ in range(300):  # up to a minute for the gateway to fill the fleet with batch lines
                 if (batch_in_flight := await busy_slots(client)) >= fill:
                     break
@@ -196,6 +200,8 @@ def measure(args: argparse.Namespace, setup: str, endpoints: list[str], log_dir:
         "--no-access-log",
         "--batch-idle-max-share",
         str(args.idle_max_share if setup == "with-batch-headroom" else 0.0),
+        "--batch-idle-min-workers",
+        str(args.idle_min_workers if setup == "with-batch-headroom" else 0),
     ]
     argv = orchestrator_argv(manifest_path, endpoints, token=TOKEN, port=port, extra=batch)
     url = f"http://{HOST}:{port}"
@@ -229,6 +235,12 @@ def main() -> int:
         type=float,
         default=IdleHeadroom().max_share,
         help="--batch-idle-max-share of the with-batch-headroom setup (the gateway's default)",
+    )
+    parser.add_argument(
+        "--idle-min-workers",
+        type=int,
+        default=IdleHeadroom().min_workers,
+        help="--batch-idle-min-workers of the with-batch-headroom setup (a standing reserve; default 0)",
     )
     parser.add_argument("--seconds", type=float, default=30.0, help="the interactive window of each run")
     parser.add_argument("--out", type=Path, default=Path("bench/results/batch_interference.json"))

@@ -122,7 +122,11 @@ def run(args: argparse.Namespace) -> int:
             access_log_prompts=args.access_log_prompts,
             queue=queue_settings(args),
             slot_reserve=SlotReserve(share=args.slot_reserve),
-            idle_headroom=IdleHeadroom(max_share=args.batch_idle_max_share, window_s=args.batch_idle_window),
+            idle_headroom=IdleHeadroom(
+                max_share=args.batch_idle_max_share,
+                window_s=args.batch_idle_window,
+                min_workers=args.batch_idle_min_workers,
+            ),
         ),
         registry=RegistrySettings(poll_interval=args.poll_interval),
         ready_when_synced=args.kubernetes,
@@ -252,6 +256,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=headroom.window_s,
         help="seconds the peak of interactive requests in flight is remembered for --batch-idle-max-share",
     )
+    parser.add_argument(
+        "--batch-idle-min-workers",
+        type=_at_least_zero,
+        default=headroom.min_workers,
+        help="workers of each model that batch lines leave free of batch work even without interactive "
+        "traffic (never all of them): a standing reserve that costs batch throughput all the time "
+        "(docs/batch.md)",
+    )
     parser.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     parser.add_argument(
         "--body-timeout", type=float, default=30.0, help="seconds a client may take to send a body (then 408)"
@@ -300,6 +312,14 @@ def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
         return value
 
     return parse
+
+
+def _at_least_zero(text: str) -> int:
+    """An argparse type: a whole number of 0 or more, else a usage error naming the value."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is below zero")
+    return value
 
 
 def _share(text: str) -> float:

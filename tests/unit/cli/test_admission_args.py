@@ -72,15 +72,16 @@ def test_the_endpoint_pickers_admission_is_what_its_flags_say() -> None:
 @pytest.mark.parametrize(
     ("flags", "expected"),
     [
-        ((), (IdleHeadroom().max_share, IdleHeadroom().window_s)),
-        (("--batch-idle-max-share", "0"), (0.0, IdleHeadroom().window_s)),
-        (("--batch-idle-max-share", "0.5", "--batch-idle-window", "30"), (0.5, 30.0)),
+        ((), (IdleHeadroom().max_share, IdleHeadroom().window_s, 0)),
+        (("--batch-idle-max-share", "0"), (0.0, IdleHeadroom().window_s, 0)),
+        (("--batch-idle-max-share", "0.5", "--batch-idle-window", "30"), (0.5, 30.0, 0)),
+        (("--batch-idle-min-workers", "2"), (IdleHeadroom().max_share, IdleHeadroom().window_s, 2)),
     ],
 )
-def test_batch_idle_headroom(flags: tuple[str, ...], expected: tuple[float, float]) -> None:
+def test_batch_idle_headroom(flags: tuple[str, ...], expected: tuple[float, float, int]) -> None:
     """The gateway's own: ``herd epp`` keeps no idle headroom (docs/batch.md)."""
     args = parsed("orchestrator", *flags)
-    assert (args.batch_idle_max_share, args.batch_idle_window) == expected
+    assert (args.batch_idle_max_share, args.batch_idle_window, args.batch_idle_min_workers) == expected
 
 
 @pytest.mark.parametrize(
@@ -89,6 +90,8 @@ def test_batch_idle_headroom(flags: tuple[str, ...], expected: tuple[float, floa
         (("--batch-idle-max-share", "1"), "1 is not in [0, 1)"),
         (("--batch-idle-max-share", "-0.1"), "-0.1 is not in [0, 1)"),
         (("--batch-idle-window", "0"), "0 is not above zero"),
+        (("--batch-idle-min-workers", "-1"), "-1 is below zero"),
+        (("--batch-idle-min-workers", "one"), "invalid"),
     ],
 )
 def test_a_bad_idle_headroom_is_a_usage_error(

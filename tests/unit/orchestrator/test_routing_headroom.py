@@ -66,6 +66,36 @@ def test_workers_to_keep(share: float, peak: int, num_workers: int, headroom: in
 
 
 @pytest.mark.parametrize(
+    ("share", "minimum", "peak", "num_workers", "headroom"),
+    [
+        (0.25, 2, 0, 8, 2),
+        (0.25, 1, 3, 8, 2),
+        (0.25, 3, 1, 8, 3),
+        (0.0, 2, 5, 8, 2),
+        (0.25, 4, 0, 3, 2),
+        (0.25, 1, 0, 1, 0),
+    ],
+    ids=[
+        "a-standing-reserve-without-interactive-traffic",
+        "the-peak-above-it",
+        "above-the-share",
+        "the-minimum-alone",
+        "never-every-worker",
+        "one-worker-is-never-kept",
+    ],
+)
+def test_a_minimum_of_workers_to_keep(
+    share: float, minimum: int, peak: int, num_workers: int, headroom: int
+) -> None:
+    assert IdleHeadroom(max_share=share, min_workers=minimum).workers(peak, num_workers) == headroom
+
+
+def test_a_negative_minimum_is_refused() -> None:
+    with pytest.raises(ValueError, match="0 or more workers, got -1"):
+        IdleHeadroom(min_workers=-1)
+
+
+@pytest.mark.parametrize(
     ("views", "headroom", "kept"),
     [
         ([worker("a", 3), worker("b"), worker("c")], 1, {"b"}),
@@ -114,6 +144,9 @@ def test_headroom_counts_interactive_requests_and_binds_background_ones() -> Non
     assert headroom.workers(batch_only, BATCH, 18.5) == 0
     down = [worker("a", 4), worker("b", 4, interactive=3, is_healthy=False), worker("c", 4)]
     assert headroom.workers(down, BATCH, 11.0) == 0  # an ejected worker's requests do not count
+    standing = Headroom(IdleHeadroom(max_share=0.0, min_workers=1))
+    assert standing.workers(batch_only, BATCH, 0.0) == 1  # kept without interactive traffic
+    assert standing.workers(fleet, 0, 0.0) == 0  # the rule binds background requests only
 
 
 def served(limit: int) -> ServedModel:
@@ -203,3 +236,19 @@ async def test_batch_lines_keep_off_a_worker_while_interactive_traffic_is_recent
         await asyncio.sleep(window)
         await run_batch(api, "later", 6)
     assert takers(cluster, "later") == {"w0", "w1", "w2"}
+
+
+async def test_a_standing_reserve_keeps_a_worker_off_the_batch_without_interactive_traffic(
+    tmp_path: Path,
+) -> None:
+    """``min_workers`` 1 on three workers and no interactive request: the batch's lines use two of
+    them, the same two throughout (the kept one is chosen by id among the batch-free ones)."""
+    cluster = FakeCluster([FakeWorker(f"w{n}", chunk_delay=0.05, num_chunks=4) for n in range(3)])
+    gateway = GatewaySettings(idle_headroom=IdleHeadroom(max_share=0.0, min_workers=1))
+    settings = AppSettings(registry=FAST_REGISTRY, batch_dir=tmp_path, gateway=gateway)
+    async with running_gateway(cluster, settings=settings, api_keys=KEYS) as (_, client):
+        api = openai.AsyncOpenAI(
+            api_key="k", base_url="http://orchestrator/v1", http_client=client, max_retries=0
+        )
+        await run_batch(api, "standing", 12)
+    assert len(takers(cluster, "standing")) == 2

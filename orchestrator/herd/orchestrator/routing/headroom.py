@@ -12,7 +12,10 @@ while there are too few of them, the ones holding the least background work, whi
 The headroom is the recent peak of interactive requests (more urgent than background) in flight on
 the model's workers (``RecentPeak``, over ``IdleHeadroom.window_s``), capped by
 ``IdleHeadroom.max_share`` of the workers (rounded up) and never all of them: without interactive
-traffic there is none and the batch fills the fleet. The least-loaded strategies send interactive
+traffic there is none and the batch fills the fleet. The adaptive part pays only while interactive
+traffic is recent, but it starts when that traffic does, on workers still finishing their batch
+lines (a line's length); ``IdleHeadroom.min_workers`` keeps a standing reserve that the first
+interactive requests after a quiet spell find idle, paid in batch throughput all the time. The least-loaded strategies send interactive
 requests to the batch-free workers, which hold fewer in flight. The cost is the batch's throughput
 on those workers, only while interactive traffic is recent.
 
@@ -47,19 +50,27 @@ class IdleHeadroom:
     """The most of a model's workers kept free of background work, rounded up (0: none)."""
     window_s: float = 10.0
     """How far back the peak of interactive requests in flight is remembered."""
+    min_workers: int = 0
+    """Workers kept free of background work even without interactive traffic (never every worker)."""
 
     def __post_init__(self) -> None:
+        if self.min_workers < 0:
+            raise ValueError(f"the idle headroom's minimum must be 0 or more workers, got {self.min_workers}")
         if not 0.0 <= self.max_share < 1.0:
             raise ValueError(f"the idle headroom's max share must be in [0, 1), got {self.max_share}")
         if self.window_s <= 0:
             raise ValueError(f"the idle headroom's window must be positive, got {self.window_s}")
 
+    @property
+    def is_on(self) -> bool:
+        return bool(self.max_share or self.min_workers)
+
     def workers(self, interactive_peak: int, num_workers: int) -> int:
         """The batch-free workers to keep: the interactive peak, at most ``max_share`` of
-        ``num_workers`` rounded up, and never every worker (background work always progresses)."""
-        if not self.max_share or num_workers <= 1:
-            return 0
-        return max(0, min(interactive_peak, math.ceil(num_workers * self.max_share), num_workers - 1))
+        ``num_workers`` rounded up, at least ``min_workers``, and never every worker (background work
+        always progresses)."""
+        adaptive = min(interactive_peak, math.ceil(num_workers * self.max_share))
+        return max(0, min(max(adaptive, self.min_workers), num_workers - 1))
 
 
 NO_HEADROOM = IdleHeadroom(max_share=0.0)
@@ -136,7 +147,7 @@ class Headroom:
         ``now``: 0 for an interactive request (the rule binds background ones only). Every decision
         observes the interactive requests in flight (an interactive request counts itself), so a long
         one counts until it ends, while the batch's decisions come."""
-        if not self.settings.max_share:
+        if not self.settings.is_on:
             return 0
         serving = [view for view in healthy(views) if view.role != "prefill"]
         in_flight = interactive_in_flight(serving, self.reserve)
