@@ -11,7 +11,13 @@ import sys
 from herd.api.logs import configure_logging
 from herd.api.manifest import ManifestError
 from herd.api.protocol import TOKEN_ENV
-from herd.cli.orchestrator import add_admission_arguments, add_source_arguments, load_source, queue_settings
+from herd.cli.orchestrator import (
+    add_admission_arguments,
+    add_source_arguments,
+    idle_headroom,
+    load_source,
+    queue_settings,
+)
 from herd.orchestrator.auth import ApiKeys, load_api_keys
 from herd.orchestrator.epp import EppSettings, PickerSettings, serve_epp
 from herd.orchestrator.registry import RegistrySettings
@@ -45,8 +51,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def epp_settings(args: argparse.Namespace, api_keys: ApiKeys | None) -> EppSettings:
-    """The picker's settings from its flags: admission (the queue's bounds, the slot reserve) as
-    ``herd orchestrator`` reads the same flags."""
+    """The picker's settings from its flags: admission (the queue's bounds, the slot reserve, the idle
+    headroom) as ``herd orchestrator`` reads the same flags."""
     return EppSettings(
         internal_token=args.internal_token or os.environ.get(TOKEN_ENV),
         registry=RegistrySettings(poll_interval=args.poll_interval),
@@ -54,6 +60,7 @@ def epp_settings(args: argparse.Namespace, api_keys: ApiKeys | None) -> EppSetti
             max_body_bytes=args.max_body_bytes,
             queue=queue_settings(args),
             slot_reserve=SlotReserve(share=args.slot_reserve),
+            idle_headroom=idle_headroom(args),
         ),
         api_keys=api_keys,
     )

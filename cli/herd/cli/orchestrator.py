@@ -122,11 +122,7 @@ def run(args: argparse.Namespace) -> int:
             access_log_prompts=args.access_log_prompts,
             queue=queue_settings(args),
             slot_reserve=SlotReserve(share=args.slot_reserve),
-            idle_headroom=IdleHeadroom(
-                max_share=args.batch_idle_max_share,
-                window_s=args.batch_idle_window,
-                min_workers=args.batch_idle_min_workers,
-            ),
+            idle_headroom=idle_headroom(args),
         ),
         registry=RegistrySettings(poll_interval=args.poll_interval),
         ready_when_synced=args.kubernetes,
@@ -180,9 +176,9 @@ def add_source_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_admission_arguments(parser: argparse.ArgumentParser) -> None:
-    """The tenants, the wait queue's bounds and the slot reserve (the orchestrator's and the endpoint
-    picker's flags, read back with ``load_api_keys``, ``queue_settings`` and
-    ``SlotReserve(share=args.slot_reserve)``)."""
+    """The tenants, the wait queue's bounds, the slot reserve and the idle headroom (the orchestrator's
+    and the endpoint picker's flags, read back with ``load_api_keys``, ``queue_settings``,
+    ``SlotReserve(share=args.slot_reserve)`` and ``idle_headroom``)."""
     parser.add_argument(
         "--api-keys-file",
         type=Path,
@@ -210,11 +206,43 @@ def add_admission_arguments(parser: argparse.ArgumentParser) -> None:
         help="the part of each worker's slots (maxBatchSize + maxQueueLen) that batch lines and other "
         "requests at the lowest priority leave to more urgent ones, in [0, 1)",
     )
+    headroom = IdleHeadroom()
+    parser.add_argument(
+        "--batch-idle-max-share",
+        type=_share,
+        default=headroom.max_share,
+        help="the most of a model's workers (rounded up, never all) that batch lines leave free of batch "
+        "work while interactive requests are recent: as many as the recent peak of interactive requests "
+        "in flight; in [0, 1), 0 turns it off (docs/batch.md)",
+    )
+    parser.add_argument(
+        "--batch-idle-window",
+        type=_positive(float),
+        default=headroom.window_s,
+        help="seconds the peak of interactive requests in flight is remembered for --batch-idle-max-share",
+    )
+    parser.add_argument(
+        "--batch-idle-min-workers",
+        type=_at_least_zero,
+        default=headroom.min_workers,
+        help="workers of each model that batch lines leave free of batch work even without interactive "
+        "traffic (never all of them): a standing reserve that costs batch throughput all the time "
+        "(docs/batch.md)",
+    )
 
 
 def queue_settings(args: argparse.Namespace) -> QueueSettings:
     """The wait queue ``add_admission_arguments`` describe."""
     return QueueSettings(max_size=args.queue_max_size, max_wait_seconds=args.queue_max_wait)
+
+
+def idle_headroom(args: argparse.Namespace) -> IdleHeadroom:
+    """The idle headroom ``add_admission_arguments`` describe."""
+    return IdleHeadroom(
+        max_share=args.batch_idle_max_share,
+        window_s=args.batch_idle_window,
+        min_workers=args.batch_idle_min_workers,
+    )
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -241,29 +269,6 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="times a stream whose worker failed mid-answer goes on from another worker (0: never)",
     )
     add_admission_arguments(parser)
-    headroom = IdleHeadroom()
-    parser.add_argument(
-        "--batch-idle-max-share",
-        type=_share,
-        default=headroom.max_share,
-        help="the most of a model's workers (rounded up, never all) that batch lines leave free of batch "
-        "work while interactive requests are recent: as many as the recent peak of interactive requests "
-        "in flight; in [0, 1), 0 turns it off (docs/batch.md)",
-    )
-    parser.add_argument(
-        "--batch-idle-window",
-        type=_positive(float),
-        default=headroom.window_s,
-        help="seconds the peak of interactive requests in flight is remembered for --batch-idle-max-share",
-    )
-    parser.add_argument(
-        "--batch-idle-min-workers",
-        type=_at_least_zero,
-        default=headroom.min_workers,
-        help="workers of each model that batch lines leave free of batch work even without interactive "
-        "traffic (never all of them): a standing reserve that costs batch throughput all the time "
-        "(docs/batch.md)",
-    )
     parser.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     parser.add_argument(
         "--body-timeout", type=float, default=30.0, help="seconds a client may take to send a body (then 408)"

@@ -67,7 +67,7 @@ from herd.orchestrator.registry import Hold, Registry
 from herd.orchestrator.resume import StreamLedger
 from herd.orchestrator.routing import Decision, RequestContext, UnroutableError, WorkerView, decide
 from herd.orchestrator.routing._types import SloMiss
-from herd.orchestrator.routing.headroom import Headroom, IdleHeadroom
+from herd.orchestrator.routing.headroom import Headrooms, IdleHeadroom
 from herd.orchestrator.routing.latency import LatencyFeatures, Prediction
 from herd.orchestrator.routing.reserve import SlotReserve
 from herd.orchestrator.served import ServedModel
@@ -199,7 +199,7 @@ class Gateway:
         self.telemetry = telemetry
         self.settings = settings or GatewaySettings()
         self._metrics: dict[str, ModelMetrics] = {}
-        self._headroom: dict[str, Headroom] = {}
+        self._headrooms = Headrooms(self.settings.idle_headroom, self.settings.slot_reserve)
         """Each model's recent interactive peak, for the workers kept free of batch work."""
         self.disagg = TwoPhase(registry, http, telemetry.registry, max_attempts=self.settings.max_attempts)
         self.preparer = Preparer(
@@ -345,7 +345,7 @@ class Gateway:
             "herd.gateway.route", context=set_span_in_context(request.span)
         ) as span:
             views = self.registry.all_views(served.name)
-            headroom = self._headroom_of(served.name).workers(views, ctx.priority, time.monotonic())
+            headroom = self._headrooms.workers(served.name, views, ctx.priority, time.monotonic())
             decision = decide(served, views, ctx, self.settings.slot_reserve, headroom)
             span.set_attributes(_decision_attributes(served, decision))
         request.metrics.decision.observe(time.perf_counter() - started)
@@ -355,13 +355,6 @@ class Gateway:
             request.payload["priority"] = LOWEST_PRIORITY
             request.body = json.dumps(request.payload).encode()
         return apply_decision(self.registry, self.state, served, decision, priority=ctx.priority)
-
-    def _headroom_of(self, model: str) -> Headroom:
-        headroom = self._headroom.get(model)
-        if headroom is None:
-            headroom = Headroom(self.settings.idle_headroom, self.settings.slot_reserve)
-            self._headroom[model] = headroom
-        return headroom
 
     async def _pin(self, request: _Request, route: Route, tried: set[str]) -> Route:
         """Write the session's pin; when another replica claimed the session first, route again to its

@@ -1,5 +1,6 @@
 """The admission flags ``herd orchestrator`` and ``herd epp`` share: the queue's bounds (defaults from
-``QueueSettings``, numbers above zero only) and the slot reserve (default ``SlotReserve``'s, in [0, 1));
+``QueueSettings``, numbers above zero only), the slot reserve (default ``SlotReserve``'s, in [0, 1)) and
+the idle headroom (``IdleHeadroom``'s);
 a bad value is a usage error that names the flag and says what it must be."""
 
 from __future__ import annotations
@@ -62,13 +63,20 @@ def test_a_bad_admission_flag_is_a_usage_error_naming_it(
 
 def test_the_endpoint_pickers_admission_is_what_its_flags_say() -> None:
     flags = ("--queue-max-size", "8", "--queue-max-wait", "2.5", "--slot-reserve", "0.5")
-    picker = epp_settings(parsed("epp", *flags), None).picker
+    headroom = ("--batch-idle-max-share", "0.5", "--batch-idle-window", "3", "--batch-idle-min-workers", "1")
+    picker = epp_settings(parsed("epp", *flags, *headroom), None).picker
     assert picker.queue == QueueSettings(max_size=8, max_wait_seconds=2.5)
     assert picker.slot_reserve == SlotReserve(share=0.5)
+    assert picker.idle_headroom == IdleHeadroom(max_share=0.5, window_s=3.0, min_workers=1)
     defaults = epp_settings(parsed("epp"), None).picker
-    assert (defaults.queue, defaults.slot_reserve) == (QueueSettings(), SlotReserve())
+    assert (defaults.queue, defaults.slot_reserve, defaults.idle_headroom) == (
+        QueueSettings(),
+        SlotReserve(),
+        IdleHeadroom(),
+    )
 
 
+@pytest.mark.parametrize("command", COMMANDS)
 @pytest.mark.parametrize(
     ("flags", "expected"),
     [
@@ -78,12 +86,14 @@ def test_the_endpoint_pickers_admission_is_what_its_flags_say() -> None:
         (("--batch-idle-min-workers", "2"), (IdleHeadroom().max_share, IdleHeadroom().window_s, 2)),
     ],
 )
-def test_batch_idle_headroom(flags: tuple[str, ...], expected: tuple[float, float, int]) -> None:
-    """The gateway's own: ``herd epp`` keeps no idle headroom (docs/batch.md)."""
-    args = parsed("orchestrator", *flags)
+def test_batch_idle_headroom(
+    command: str, flags: tuple[str, ...], expected: tuple[float, float, int]
+) -> None:
+    args = parsed(command, *flags)
     assert (args.batch_idle_max_share, args.batch_idle_window, args.batch_idle_min_workers) == expected
 
 
+@pytest.mark.parametrize("command", COMMANDS)
 @pytest.mark.parametrize(
     ("flags", "words"),
     [
@@ -95,9 +105,9 @@ def test_batch_idle_headroom(flags: tuple[str, ...], expected: tuple[float, floa
     ],
 )
 def test_a_bad_idle_headroom_is_a_usage_error(
-    flags: tuple[str, ...], words: str, capsys: pytest.CaptureFixture[str]
+    command: str, flags: tuple[str, ...], words: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit) as exited:
-        parsed("orchestrator", *flags)
+        parsed(command, *flags)
     error = capsys.readouterr().err
     assert exited.value.code == 2 and f"argument {flags[0]}: " in error and words in error

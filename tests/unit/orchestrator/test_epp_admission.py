@@ -13,10 +13,12 @@ import pytest
 from support.epp_fakes import RunningEpp, chat_body, destination_of, running_epp
 from support.gateway_fakes import FAST_REGISTRY, MODEL, FakeCluster, FakeWorker, wait_for
 
+from herd.api.crd import LeastRequestRouting
 from herd.orchestrator.admission.waiting import QueueSettings
 from herd.orchestrator.auth import load_api_keys
 from herd.orchestrator.epp.picker import PickerSettings
 from herd.orchestrator.epp.server import EppSettings
+from herd.orchestrator.routing.headroom import IdleHeadroom
 from herd.orchestrator.routing.reserve import SlotReserve
 
 KEYS = """
@@ -140,9 +142,13 @@ BATCH = 1000
 """The lowest priority, a batch line's: such requests are background to the slot reserve."""
 
 
-def anonymous(*, max_size: int = 1024, share: float = 0.25) -> EppSettings:
+def anonymous(
+    *, max_size: int = 1024, share: float = 0.25, headroom: IdleHeadroom | None = None
+) -> EppSettings:
     queue = QueueSettings(max_size=max_size, max_wait_seconds=5.0)
-    picker = PickerSettings(queue=queue, slot_reserve=SlotReserve(share=share))
+    picker = PickerSettings(
+        queue=queue, slot_reserve=SlotReserve(share=share), idle_headroom=headroom or IdleHeadroom()
+    )
     return EppSettings(registry=FAST_REGISTRY, picker=picker)
 
 
@@ -193,6 +199,24 @@ async def test_without_a_reserve_batch_requests_may_fill_every_slot() -> None:
     ) as epp:
         assert [await routed(epp, priority=BATCH) for _ in range(4)] == ["w0.test"] * 4
         assert epp.in_flight() == {"w0": 4}
+
+
+@pytest.mark.parametrize(
+    ("headroom", "kept"),
+    [(IdleHeadroom(max_share=0.5), True), (IdleHeadroom(max_share=0.0), False)],
+    ids=["kept", "off"],
+)
+async def test_batch_requests_keep_off_the_worker_an_interactive_one_is_on(
+    headroom: IdleHeadroom, kept: bool
+) -> None:
+    """Two workers, an interactive request on one: with idle headroom (the recent peak of 1 interactive
+    request, at most half the fleet) every batch request goes to the other; without, they spread."""
+    cluster = FakeCluster([FakeWorker("w0"), FakeWorker("w1")])
+    routing = LeastRequestRouting(strategy="least_request")
+    async with running_epp(cluster, routing=routing, settings=anonymous(headroom=headroom)) as epp:
+        interactive = await routed(epp)
+        batch = {await routed(epp, priority=BATCH) for _ in range(4)}
+        assert (interactive not in batch) is kept and len(batch) == (1 if kept else 2)
 
 
 async def test_a_full_queue_sheds_the_least_urgent_with_a_429_and_releases_the_rest_when_a_slot_frees() -> (

@@ -13,7 +13,8 @@ and per-minute quotas apply (403; 429 with ``x-ratelimit-*``, the headers also o
 tokens counted from the answer's usage in ``finished``); ``x-slo-*`` headers set latency targets for
 ``decide``. The tenant's priority (lowered by the body's ``priority`` or ``X-Herd-Priority``) orders
 the model's fair queue and, in ``decide``, keeps requests at the lowest priority out of the slot
-reserve (``herd.orchestrator.routing.reserve``). A request that finds every worker full (or, at the
+reserve (``herd.orchestrator.routing.reserve``) and off the workers kept idle for interactive traffic
+(``herd.orchestrator.routing.headroom``). A request that finds every worker full (or, at the
 lowest priority, every unreserved slot taken) waits in that queue, the gateway's own ``Admission``,
 while Envoy holds it (Envoy's ``message_timeout`` must exceed ``queue.max_wait_seconds``). The picker
 never rewrites the body, so the engines schedule by the body's own ``priority``, and the ``lower``
@@ -42,6 +43,7 @@ from herd.orchestrator.prepare import Prepared, Preparer
 from herd.orchestrator.registry import Registry
 from herd.orchestrator.routing import UnroutableError, decide
 from herd.orchestrator.routing._types import SloMiss
+from herd.orchestrator.routing.headroom import Headrooms, IdleHeadroom
 from herd.orchestrator.routing.reserve import SlotReserve
 from herd.orchestrator.state import State
 
@@ -59,6 +61,9 @@ class PickerSettings:
     """Each model's queue while every worker is full; its wait stays under Envoy's ``message_timeout``."""
     slot_reserve: SlotReserve = field(default_factory=SlotReserve)
     """The part of each worker's slots that requests at the lowest priority leave to more urgent ones."""
+    idle_headroom: IdleHeadroom = field(default_factory=IdleHeadroom)
+    """The workers that requests at the lowest priority leave free of their work while interactive
+    traffic is recent, or always (``herd.orchestrator.routing.headroom``)."""
     slo_miss: SloMiss = "route"
     """What a request with latency targets no worker is predicted to meet gets, unless ``x-slo-policy``
     says; ``lower`` routes as ``route`` (the picker does not rewrite the body's priority)."""
@@ -92,6 +97,7 @@ class Picker:
         self.api_keys = api_keys or ApiKeys([])
         self.quotas = Quotas(state)
         self.admission = Admission(self.settings.queue, retry_after_seconds=self.settings.retry_after_seconds)
+        self.headrooms = Headrooms(self.settings.idle_headroom, self.settings.slot_reserve)
         registry.on_room = self.admission.wake
         self.cold_starts = ColdStarts(registry)
         registry.on_admitted = self.cold_starts.wake
@@ -160,7 +166,8 @@ class Picker:
         if subset is not None:
             outside = frozenset(view.id for view in views if address_of(view.url) not in subset)
             ctx = dataclasses.replace(ctx, excluded=outside)
-        decision = decide(served, views, ctx, self.settings.slot_reserve)
+        headroom = self.headrooms.workers(served.name, views, ctx.priority, time.monotonic())
+        decision = decide(served, views, ctx, self.settings.slot_reserve, headroom)
         return apply_decision(self.registry, self.state, served, decision, priority=ctx.priority)
 
     def moved(self, picked: Picked, served_address: str) -> None:

@@ -20,7 +20,8 @@ requests to the batch-free workers, which hold fewer in flight. The cost is the 
 on those workers, only while interactive traffic is recent.
 
 ``kept_idle`` is the rule, pure; ``decide`` applies it in its capacity filter, after the slot reserve,
-and the gateway keeps a ``Headroom`` a model to say how many workers to keep.
+and the gateway and the endpoint picker each keep ``Headrooms``, a ``Headroom`` a model, to say how
+many workers to keep.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from herd.orchestrator.routing.reserve import DEFAULT_RESERVE, SlotReserve
 __all__ = [
     "NO_HEADROOM",
     "Headroom",
+    "Headrooms",
     "IdleHeadroom",
     "RecentPeak",
     "background_in_flight",
@@ -156,3 +158,19 @@ class Headroom:
             return 0
         self.recent.observe(in_flight, now)
         return self.settings.workers(self.recent.peak(now), len(serving))
+
+
+class Headrooms:
+    """Each model's ``Headroom``, made on its first decision: one set per gateway or endpoint picker."""
+
+    def __init__(self, settings: IdleHeadroom, reserve: SlotReserve = DEFAULT_RESERVE) -> None:
+        self.settings = settings
+        self.reserve = reserve
+        self._models: dict[str, Headroom] = {}
+
+    def workers(self, model: str, views: Sequence[WorkerView], priority: int, now: float) -> int:
+        """``Headroom.workers`` for ``model``."""
+        headroom = self._models.get(model)
+        if headroom is None:
+            headroom = self._models[model] = Headroom(self.settings, self.reserve)
+        return headroom.workers(views, priority, now)
