@@ -345,7 +345,13 @@ class Gateway:
             "herd.gateway.route", context=set_span_in_context(request.span)
         ) as span:
             views = self.registry.all_views(served.name)
-            headroom = self._headrooms.workers(served.name, views, ctx.priority, time.monotonic())
+            headroom = self._headrooms.workers(
+                served.name,
+                self.registry.in_flight_by_priority(served.name),
+                views,
+                ctx.priority,
+                time.monotonic(),
+            )
             decision = decide(served, views, ctx, self.settings.slot_reserve, headroom)
             span.set_attributes(_decision_attributes(served, decision))
         request.metrics.decision.observe(time.perf_counter() - started)

@@ -34,7 +34,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
 
@@ -91,7 +91,8 @@ class WorkerState:
     num_failures: int = 0
     num_in_flight: int = 0
     num_prefill_tokens_in_flight: int = 0
-    in_flight_by_priority: dict[int, int] = field(default_factory=dict)
+    in_flight_by_priority: Mapping[int, int] = field(default_factory=dict)
+    """Requests in flight by priority: replaced on every change, never edited, so views share it."""
     report: LoadReport = field(default_factory=LoadReport)
     needs_snapshot: bool = True
     task: asyncio.Task[None] | None = None
@@ -104,6 +105,8 @@ class WorkerState:
     host_block_tokens: float | None = None
     disk_block_tokens: float | None = None
     pull_block_tokens: float | None = None
+    _viewed: tuple[LoadReport, WorkerView] | None = field(default=None, init=False, repr=False)
+    """The last view and the report it was built from (``view``)."""
 
     def take_report(self, report: LoadReport) -> None:
         """A new load report, with the tier restore and peer pull costs routing reads from it (worked out once here,
@@ -114,20 +117,38 @@ class WorkerState:
         self.pull_block_tokens = pull_block_tokens(report)
 
     def view(self, now: float, num_elsewhere: int = 0) -> WorkerView:
-        """``num_elsewhere``: the requests other orchestrator replicas have in flight to it."""
+        """``num_elsewhere``: the requests other orchestrator replicas have in flight to it.
+
+        Every decision takes a view of every worker of its model, and between two decisions few
+        workers change, so the last view is given again while nothing it shows has changed: the same
+        report object (``take_report`` assigns a new one; nothing edits one in place), the same
+        counts, the same ``in_flight_by_priority`` object (the registry replaces it, never edits it,
+        so views share it) and the same health. At 1,000 workers that turns the views from the
+        largest cost of a decision into a pass of comparisons."""
         report = self.report
-        return WorkerView(
+        num_in_flight = self.num_in_flight + num_elsewhere
+        is_healthy = self.is_healthy and not report.is_draining and self.breaker.can_send(now)
+        if (
+            (viewed := self._viewed) is not None
+            and viewed[0] is report
+            and (last := viewed[1]).num_in_flight == num_in_flight
+            and last.is_healthy == is_healthy
+            and last.in_flight_by_priority is self.in_flight_by_priority
+            and last.num_prefill_tokens_in_flight == self.num_prefill_tokens_in_flight
+        ):
+            return last
+        view = WorkerView(
             id=self.endpoint.id,
             url=self.endpoint.url,
             role=self.endpoint.role,
-            num_in_flight=self.num_in_flight + num_elsewhere,
+            num_in_flight=num_in_flight,
             num_prefill_tokens_in_flight=self.num_prefill_tokens_in_flight,
-            in_flight_by_priority=dict(self.in_flight_by_priority),
+            in_flight_by_priority=self.in_flight_by_priority,
             num_running=report.num_running,
             num_waiting=report.num_waiting,
             num_waiting_prefill_tokens=report.num_waiting_prefill_tokens,
             num_total_blocks=report.num_total_blocks,
-            is_healthy=self.is_healthy and not report.is_draining and self.breaker.can_send(now),
+            is_healthy=is_healthy,
             host_block_tokens=self.host_block_tokens,
             disk_block_tokens=self.disk_block_tokens,
             pull_block_tokens=self.pull_block_tokens,
@@ -136,6 +157,8 @@ class WorkerState:
             lora_adapters=frozenset(report.lora_adapters),
             running_lora_adapters=frozenset(report.running_lora_adapters),
         )
+        self._viewed = (report, view)
+        return view
 
 
 def _message_of(answer: httpx.Response) -> str:
@@ -173,6 +196,8 @@ class Registry:
         """This replica's requests in flight per worker, shared with the other replicas (``State``)."""
         self._elsewhere = _SharedCounts()
         """The other replicas' requests in flight per worker, as they last shared them."""
+        self._serving_in_flight: dict[str, Mapping[int, int]] = {}
+        """Per model, this replica's requests in flight to its serving workers, by priority."""
         self.on_admitted: Callable[[str], None] | None = None
         """Told a model's name when one of its workers is admitted (requests held for it go on)."""
 
@@ -238,12 +263,12 @@ class Registry:
             raise HttpError(
                 answer.status_code, f"worker {worker_id}: {_message_of(answer)}", param="lora_name"
             )
-        loaded = worker.report.lora_adapters
-        name = body["lora_name"]
+        loaded, name = worker.report.lora_adapters, body["lora_name"]
         if action == "load" and name not in loaded:
-            loaded.append(name)
+            loaded = [*loaded, name]
         elif action == "unload" and name in loaded:
-            loaded.remove(name)
+            loaded = [adapter for adapter in loaded if adapter != name]
+        worker.take_report(worker.report.model_copy(update={"lora_adapters": loaded}))
 
     def all_views(self, model: str) -> list[WorkerView]:
         """Views of every worker of the model, both pools of a disaggregated one (what ``decide`` takes),
@@ -259,11 +284,24 @@ class Registry:
         it is the probe); the returned ``Hold`` releases it."""
         if (worker := self.workers.get(worker_id)) is not None:
             worker.num_in_flight += 1
-            worker.in_flight_by_priority[priority] = worker.in_flight_by_priority.get(priority, 0) + 1
+            self._count(worker, priority, 1)
             worker.num_prefill_tokens_in_flight += num_prefill_tokens
             worker.breaker.on_send(time.monotonic())
             self._share_in_flight(worker)
         return Hold(self, worker_id, num_prefill_tokens, priority)
+
+    def in_flight_by_priority(self, model: str) -> Mapping[int, int]:
+        """This replica's requests in flight to ``model``'s serving workers, by priority (its prefill
+        pool left out: a disaggregated request counts once, on its decode worker), kept as requests
+        are held and released, so reading it costs nothing at any fleet size."""
+        return self._serving_in_flight.get(model, {})
+
+    def _count(self, worker: WorkerState, priority: int, delta: int) -> None:
+        """``delta`` requests of ``priority`` on ``worker``, and on its model's serving count."""
+        worker.in_flight_by_priority = _counted(worker.in_flight_by_priority, priority, delta)
+        if worker.endpoint.role != "prefill":
+            model = worker.endpoint.model
+            self._serving_in_flight[model] = _counted(self.in_flight_by_priority(model), priority, delta)
 
     def _share_in_flight(self, worker: WorkerState) -> None:
         self._own_in_flight[worker.endpoint.id] = worker.num_in_flight
@@ -279,10 +317,8 @@ class Registry:
         if (worker := self.workers.get(worker_id)) is None:
             return
         worker.num_in_flight = max(0, worker.num_in_flight - 1)
-        if (left := worker.in_flight_by_priority.get(priority, 0) - 1) > 0:
-            worker.in_flight_by_priority[priority] = left
-        else:
-            worker.in_flight_by_priority.pop(priority, None)
+        if worker.in_flight_by_priority.get(priority, 0):  # not a request held on a worker it replaced
+            self._count(worker, priority, -1)
         self._share_in_flight(worker)
         self._prefilled(worker_id, num_prefill_tokens)
         self._room(worker)
@@ -347,6 +383,8 @@ class Registry:
         if worker is None:
             return
         self._own_in_flight.pop(worker_id, None)
+        for priority, num in worker.in_flight_by_priority.items():
+            self._count(worker, priority, -num)
         if worker.task is not None:
             worker.task.cancel()
         served = self.models.get(worker.endpoint.model)
@@ -474,6 +512,15 @@ class Registry:
             if self.on_restart is not None:
                 self.on_restart(worker)
         worker.epoch = epoch
+
+
+def _counted(counts: Mapping[int, int], priority: int, delta: int) -> dict[int, int]:
+    """A copy of ``counts`` with ``delta`` added at ``priority`` (a count that reaches 0 is dropped):
+    counts are replaced, never edited, so that views may share them."""
+    updated = {p: n for p, n in counts.items() if p != priority}
+    if (count := counts.get(priority, 0) + delta) > 0:
+        updated[priority] = count
+    return updated
 
 
 class _SharedCounts:

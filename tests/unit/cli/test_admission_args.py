@@ -16,7 +16,14 @@ from herd.orchestrator.routing.headroom import IdleHeadroom
 from herd.orchestrator.routing.reserve import SlotReserve
 
 COMMANDS = ["orchestrator", "epp"]
-DEFAULT_SIZE, DEFAULT_WAIT = QueueSettings().max_size, QueueSettings().max_wait_seconds
+DEFAULTS = {
+    "queue_max_size": QueueSettings().max_size,
+    "queue_max_wait": QueueSettings().max_wait_seconds,
+    "slot_reserve": SlotReserve().share,
+    "batch_idle_max_share": IdleHeadroom().max_share,
+    "batch_idle_window": IdleHeadroom().window_s,
+    "batch_idle_min_workers": IdleHeadroom().min_workers,
+}
 
 
 def parsed(command: str, *flags: str) -> argparse.Namespace:
@@ -26,18 +33,24 @@ def parsed(command: str, *flags: str) -> argparse.Namespace:
 
 @pytest.mark.parametrize("command", COMMANDS)
 @pytest.mark.parametrize(
-    ("flags", "expected"),
+    ("flags", "changed"),
     [
-        ((), (DEFAULT_SIZE, DEFAULT_WAIT, SlotReserve().share)),
-        (("--queue-max-size", "8"), (8, DEFAULT_WAIT, SlotReserve().share)),
-        (("--queue-max-wait", "0.5"), (DEFAULT_SIZE, 0.5, SlotReserve().share)),
-        (("--slot-reserve", "0"), (DEFAULT_SIZE, DEFAULT_WAIT, 0.0)),
-        (("--slot-reserve", "0.5"), (DEFAULT_SIZE, DEFAULT_WAIT, 0.5)),
+        ((), {}),
+        (("--queue-max-size", "8"), {"queue_max_size": 8}),
+        (("--queue-max-wait", "0.5"), {"queue_max_wait": 0.5}),
+        (("--slot-reserve", "0"), {"slot_reserve": 0.0}),
+        (("--slot-reserve", "0.5"), {"slot_reserve": 0.5}),
+        (("--batch-idle-max-share", "0"), {"batch_idle_max_share": 0.0}),
+        (
+            ("--batch-idle-max-share", "0.5", "--batch-idle-window", "30"),
+            {"batch_idle_max_share": 0.5, "batch_idle_window": 30.0},
+        ),
+        (("--batch-idle-min-workers", "2"), {"batch_idle_min_workers": 2}),
     ],
 )
-def test_admission_flags(command: str, flags: tuple[str, ...], expected: tuple[int, float, float]) -> None:
+def test_admission_flags(command: str, flags: tuple[str, ...], changed: dict[str, float]) -> None:
     args = parsed(command, *flags)
-    assert (args.queue_max_size, args.queue_max_wait, args.slot_reserve) == expected
+    assert {name: getattr(args, name) for name in DEFAULTS} == DEFAULTS | changed
 
 
 @pytest.mark.parametrize("command", COMMANDS)
@@ -50,6 +63,11 @@ def test_admission_flags(command: str, flags: tuple[str, ...], expected: tuple[i
         (("--slot-reserve", "1"), "1 is not in [0, 1)"),
         (("--slot-reserve", "-0.1"), "-0.1 is not in [0, 1)"),
         (("--slot-reserve", "half"), "invalid"),
+        (("--batch-idle-max-share", "1"), "1 is not in [0, 1)"),
+        (("--batch-idle-max-share", "-0.1"), "-0.1 is not in [0, 1)"),
+        (("--batch-idle-window", "0"), "0 is not above zero"),
+        (("--batch-idle-min-workers", "-1"), "-1 is below zero"),
+        (("--batch-idle-min-workers", "one"), "invalid"),
     ],
 )
 def test_a_bad_admission_flag_is_a_usage_error_naming_it(
@@ -74,40 +92,3 @@ def test_the_endpoint_pickers_admission_is_what_its_flags_say() -> None:
         SlotReserve(),
         IdleHeadroom(),
     )
-
-
-@pytest.mark.parametrize("command", COMMANDS)
-@pytest.mark.parametrize(
-    ("flags", "expected"),
-    [
-        ((), (IdleHeadroom().max_share, IdleHeadroom().window_s, 0)),
-        (("--batch-idle-max-share", "0"), (0.0, IdleHeadroom().window_s, 0)),
-        (("--batch-idle-max-share", "0.5", "--batch-idle-window", "30"), (0.5, 30.0, 0)),
-        (("--batch-idle-min-workers", "2"), (IdleHeadroom().max_share, IdleHeadroom().window_s, 2)),
-    ],
-)
-def test_batch_idle_headroom(
-    command: str, flags: tuple[str, ...], expected: tuple[float, float, int]
-) -> None:
-    args = parsed(command, *flags)
-    assert (args.batch_idle_max_share, args.batch_idle_window, args.batch_idle_min_workers) == expected
-
-
-@pytest.mark.parametrize("command", COMMANDS)
-@pytest.mark.parametrize(
-    ("flags", "words"),
-    [
-        (("--batch-idle-max-share", "1"), "1 is not in [0, 1)"),
-        (("--batch-idle-max-share", "-0.1"), "-0.1 is not in [0, 1)"),
-        (("--batch-idle-window", "0"), "0 is not above zero"),
-        (("--batch-idle-min-workers", "-1"), "-1 is below zero"),
-        (("--batch-idle-min-workers", "one"), "invalid"),
-    ],
-)
-def test_a_bad_idle_headroom_is_a_usage_error(
-    command: str, flags: tuple[str, ...], words: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    with pytest.raises(SystemExit) as exited:
-        parsed(command, *flags)
-    error = capsys.readouterr().err
-    assert exited.value.code == 2 and f"argument {flags[0]}: " in error and words in error

@@ -140,6 +140,64 @@ async def test_in_flight_counts_feed_the_views() -> None:
         assert registry.views(MODEL)[0].num_in_flight == 1
 
 
+async def test_a_view_is_given_again_until_its_worker_changes() -> None:
+    """Views are reused between decisions while nothing they show changed, and a view taken earlier
+    keeps what it showed (the registry replaces what it changes, never edits it)."""
+    cluster = FakeCluster([FakeWorker("w0")])
+    async with registry_for(cluster) as registry:
+        worker = registry.workers["w0"]
+        await wait_for(lambda: worker.is_healthy)
+        first = registry.views(MODEL)[0]
+        assert registry.views(MODEL)[0] is first
+        hold = registry.hold("w0", priority=3)
+        held = registry.views(MODEL)[0]
+        hold.release("none")
+        released = registry.views(MODEL)[0]
+        worker.take_report(LoadReport(num_running=2))
+        reported = registry.views(MODEL)[0]
+        worker.is_healthy = False
+        ejected = registry.all_views(MODEL)[0]
+        seen = [
+            (v.num_in_flight, dict(v.in_flight_by_priority), v.num_running, v.is_healthy)
+            for v in (first, held, released, reported, ejected)
+        ]
+        assert seen == [
+            (0, {}, 0, True),
+            (1, {3: 1}, 0, True),
+            (0, {}, 0, True),
+            (0, {}, 2, True),
+            (0, {}, 2, False),
+        ]
+        assert len({id(view) for view in (first, held, released, reported, ejected)}) == 5
+
+
+async def test_the_models_requests_in_flight_by_priority_follow_holds_releases_and_leaves() -> None:
+    """Counted on serving workers only (a disaggregated request counts once, on its decode worker);
+    a worker that leaves takes its requests off, and their later releases take nothing more."""
+    cluster = FakeCluster(
+        [FakeWorker("d0", role="decode"), FakeWorker("d1", role="decode"), FakeWorker("p0", role="prefill")]
+    )
+    async with registry_for(cluster) as registry:
+        holds = [
+            registry.hold("d0", priority=0),
+            registry.hold("d0", priority=9),
+            registry.hold("d1", priority=9),
+        ]
+        prefill = registry.hold("p0", priority=0)
+        counted = [dict(registry.in_flight_by_priority(MODEL))]
+        holds[1].release("success")
+        prefill.release("success")
+        counted.append(dict(registry.in_flight_by_priority(MODEL)))
+        registry.apply_membership(
+            Membership(models=(ModelConfig(MODEL, KV_AWARE),), endpoints=(cluster.workers[1].endpoint,))
+        )
+        counted.append(dict(registry.in_flight_by_priority(MODEL)))
+        holds[0].release("none")  # its worker left: nothing more to take off
+        holds[2].release("success")
+        counted.append(dict(registry.in_flight_by_priority(MODEL)))
+        assert counted == [{0: 1, 9: 2}, {0: 1, 9: 1}, {9: 1}, {}]
+
+
 async def test_a_hold_counts_its_prefill_tokens_until_the_worker_has_computed_them() -> None:
     cluster = FakeCluster([FakeWorker("w0")])
     async with registry_for(cluster) as registry:

@@ -134,19 +134,20 @@ def test_the_recent_peak_forgets_what_left_the_window() -> None:
 
 def test_headroom_counts_interactive_requests_and_binds_background_ones() -> None:
     headroom = Headroom(IdleHeadroom(max_share=0.5, window_s=10.0))
-    batch_only = [worker(n, 4) for n in "abcd"]
-    assert headroom.workers(batch_only, BATCH, 0.0) == 0  # no interactive traffic: the batch fills it
-    fleet = [worker("a", 4), worker("b", 4, interactive=1), worker("c", 4), worker("d", 4)]
-    assert headroom.workers(fleet, BATCH, 0.0) == 1  # the one in flight now
-    assert headroom.workers(fleet, 0, 1.0) == 0  # observed: 1 in flight and itself
-    assert headroom.workers(fleet, BATCH, 8.0) == 2  # the peak, recent
-    assert headroom.workers(batch_only, BATCH, 17.0) == 1  # ended, but in flight at 8.0
-    assert headroom.workers(batch_only, BATCH, 18.5) == 0
-    down = [worker("a", 4), worker("b", 4, interactive=3, is_healthy=False), worker("c", 4)]
-    assert headroom.workers(down, BATCH, 11.0) == 0  # an ejected worker's requests do not count
+    fleet = [worker(n, 4) for n in "abcd"]
+    batch_only, one_interactive = {BATCH: 16}, {BATCH: 16, 0: 1}
+    assert headroom.workers(batch_only, fleet, BATCH, 0.0) == 0  # no interactive traffic: the batch fills it
+    assert headroom.workers(one_interactive, fleet, BATCH, 0.0) == 1  # the one in flight now
+    assert headroom.workers(one_interactive, fleet, 0, 1.0) == 0  # observed: 1 in flight and itself
+    assert headroom.workers(one_interactive, fleet, BATCH, 8.0) == 2  # the peak, recent
+    assert headroom.workers(batch_only, fleet, BATCH, 17.0) == 1  # ended, but in flight at 8.0
+    assert headroom.workers(batch_only, fleet, BATCH, 18.5) == 0
+    # The share is of the serving pool: healthy workers, not a prefill pool (half of 2 here).
+    pools = [worker("a", 4), worker("b", 4, is_healthy=False), worker("c", 4), worker("p", role="prefill")]
+    assert headroom.workers({BATCH: 12, 0: 3}, pools, BATCH, 30.0) == 1
     standing = Headroom(IdleHeadroom(max_share=0.0, min_workers=1))
-    assert standing.workers(batch_only, BATCH, 0.0) == 1  # kept without interactive traffic
-    assert standing.workers(fleet, 0, 0.0) == 0  # the rule binds background requests only
+    assert standing.workers(batch_only, fleet, BATCH, 0.0) == 1  # kept without interactive traffic
+    assert standing.workers(one_interactive, fleet, 0, 0.0) == 0  # the rule binds background requests only
 
 
 def served(limit: int) -> ServedModel:

@@ -166,7 +166,13 @@ class Picker:
         if subset is not None:
             outside = frozenset(view.id for view in views if address_of(view.url) not in subset)
             ctx = dataclasses.replace(ctx, excluded=outside)
-        headroom = self.headrooms.workers(served.name, views, ctx.priority, time.monotonic())
+        headroom = self.headrooms.workers(
+            served.name,
+            self.registry.in_flight_by_priority(served.name),
+            views,
+            ctx.priority,
+            time.monotonic(),
+        )
         decision = decide(served, views, ctx, self.settings.slot_reserve, headroom)
         return apply_decision(self.registry, self.state, served, decision, priority=ctx.priority)
 

@@ -47,7 +47,8 @@ class SloTarget:
 
 @dataclass(slots=True)
 class WorkerView:
-    """A read-only view of one worker, built by the registry for each decision."""
+    """A read-only view of one worker, as the registry saw it at a decision. The registry gives the
+    same view to later decisions while the worker has not changed, so nothing may edit one."""
 
     id: str
     url: str

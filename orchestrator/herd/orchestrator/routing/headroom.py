@@ -26,9 +26,10 @@ many workers to keep.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from herd.orchestrator.routing._types import WorkerView, healthy
@@ -41,7 +42,6 @@ __all__ = [
     "IdleHeadroom",
     "RecentPeak",
     "background_in_flight",
-    "interactive_in_flight",
     "kept_idle",
 ]
 
@@ -82,18 +82,6 @@ def background_in_flight(view: WorkerView, reserve: SlotReserve = DEFAULT_RESERV
     return sum(n for p, n in view.in_flight_by_priority.items() if p >= reserve.priority)
 
 
-def interactive_in_flight(views: Sequence[WorkerView], reserve: SlotReserve = DEFAULT_RESERVE) -> int:
-    """The requests more urgent than background in flight on ``views`` (prefill workers left out: a
-    disaggregated request counts once, on its decode worker)."""
-    return sum(
-        n
-        for view in views
-        if view.role != "prefill"
-        for p, n in view.in_flight_by_priority.items()
-        if p < reserve.priority
-    )
-
-
 def kept_idle(
     views: Sequence[WorkerView], headroom: int, reserve: SlotReserve = DEFAULT_RESERVE
 ) -> frozenset[str]:
@@ -109,7 +97,7 @@ def kept_idle(
         background = background_in_flight(view, reserve)
         return (background, background - view.num_in_flight, view.id)
 
-    return frozenset(view.id for view in sorted(views, key=order)[:headroom])
+    return frozenset(view.id for view in heapq.nsmallest(headroom, views, key=order))
 
 
 class RecentPeak:
@@ -136,28 +124,33 @@ class RecentPeak:
 
 class Headroom:
     """One model's idle headroom: the recent peak of its interactive requests in flight, and how many
-    batch-free workers that asks for. The gateway calls ``workers`` before each decision, with the
-    model's workers and the request's priority; an interactive request counts itself in the peak."""
+    batch-free workers that asks for. The gateway calls ``workers`` before each decision with the
+    model's requests in flight by priority (``Registry.in_flight_by_priority``, kept as requests come
+    and go, so an interactive decision walks no worker) and the request's priority; an interactive
+    request counts itself in the peak."""
 
     def __init__(self, settings: IdleHeadroom, reserve: SlotReserve = DEFAULT_RESERVE) -> None:
         self.settings = settings
         self.reserve = reserve
         self.recent = RecentPeak(settings.window_s)
 
-    def workers(self, views: Sequence[WorkerView], priority: int, now: float) -> int:
-        """The headroom for a request of ``priority`` over ``views`` (every worker of the model) at
-        ``now``: 0 for an interactive request (the rule binds background ones only). Every decision
+    def workers(
+        self, in_flight: Mapping[int, int], views: Sequence[WorkerView], priority: int, now: float
+    ) -> int:
+        """The headroom for a request of ``priority`` at ``now``, ``in_flight`` being the model's
+        requests in flight by priority (on its serving workers) and ``views`` every worker of the
+        model: 0 for an interactive request (the rule binds background ones only). Every decision
         observes the interactive requests in flight (an interactive request counts itself), so a long
         one counts until it ends, while the batch's decisions come."""
         if not self.settings.is_on:
             return 0
-        serving = [view for view in healthy(views) if view.role != "prefill"]
-        in_flight = interactive_in_flight(serving, self.reserve)
+        interactive = sum(n for p, n in in_flight.items() if p < self.reserve.priority)
         if priority < self.reserve.priority:
-            self.recent.observe(in_flight + 1, now)
+            self.recent.observe(interactive + 1, now)
             return 0
-        self.recent.observe(in_flight, now)
-        return self.settings.workers(self.recent.peak(now), len(serving))
+        self.recent.observe(interactive, now)
+        num_serving = sum(1 for view in healthy(views) if view.role != "prefill")
+        return self.settings.workers(self.recent.peak(now), num_serving)
 
 
 class Headrooms:
@@ -168,9 +161,11 @@ class Headrooms:
         self.reserve = reserve
         self._models: dict[str, Headroom] = {}
 
-    def workers(self, model: str, views: Sequence[WorkerView], priority: int, now: float) -> int:
+    def workers(
+        self, model: str, in_flight: Mapping[int, int], views: Sequence[WorkerView], priority: int, now: float
+    ) -> int:
         """``Headroom.workers`` for ``model``."""
         headroom = self._models.get(model)
         if headroom is None:
             headroom = self._models[model] = Headroom(self.settings, self.reserve)
-        return headroom.workers(views, priority, now)
+        return headroom.workers(in_flight, views, priority, now)
