@@ -53,8 +53,11 @@ class CircuitBreaker:
         return "open" if now - self._opened_at < self.cooldown_seconds else "half_open"
 
     def can_send(self, now: float) -> bool:
-        state = self.state(now)
-        return state == "closed" or (state == "half_open" and not self._is_probing)
+        """Closed, or half-open with no probe out. The registry asks for every worker on every
+        decision, so the closed state is tested first, without working out the state."""
+        if self._opened_at is None:
+            return True
+        return now - self._opened_at >= self.cooldown_seconds and not self._is_probing
 
     def on_send(self, now: float) -> None:
         """A request was sent to the worker: in half-open, it is the probe."""

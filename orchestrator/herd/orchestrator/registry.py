@@ -186,6 +186,8 @@ class Registry:
         self.on_restart = on_restart
         self.models: dict[str, ServedModel] = {}
         self.workers: dict[str, WorkerState] = {}
+        self._by_model: dict[str, list[WorkerState]] = {}
+        """``workers`` by model, in the order they joined."""
         self.tokenizers = TokenizerFetcher(client)
         self.has_membership = False
         """The source has given its first membership (a discovery has synced)."""
@@ -223,7 +225,8 @@ class Registry:
                 self._add_worker(endpoint)
 
     def model_workers(self, model: str) -> list[WorkerState]:
-        return [worker for worker in self.workers.values() if worker.endpoint.model == model]
+        """The model's workers in the order they joined (kept per model: every decision asks)."""
+        return list(self._by_model.get(model, ()))
 
     def views(self, model: str) -> list[WorkerView]:
         """Views of the workers that answer the model's clients (a disaggregated model's decode pool)."""
@@ -376,12 +379,14 @@ class Registry:
         worker = WorkerState(endpoint, breaker=CircuitBreaker(self.settings.breaker))
         worker.task = asyncio.create_task(self._follow(worker), name=f"herd-status-{endpoint.id}")
         self.workers[endpoint.id] = worker
+        self._by_model.setdefault(endpoint.model, []).append(worker)
         log.info("worker joined", extra={"worker": endpoint.id, "model": endpoint.model, "url": endpoint.url})
 
     def _remove_worker(self, worker_id: str) -> None:
         worker = self.workers.pop(worker_id, None)
         if worker is None:
             return
+        self._by_model[worker.endpoint.model].remove(worker)
         self._own_in_flight.pop(worker_id, None)
         for priority, num in worker.in_flight_by_priority.items():
             self._count(worker, priority, -num)

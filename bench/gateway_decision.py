@@ -1,0 +1,192 @@
+"""The gateway's whole routing step at 1,000 workers: views, idle headroom, decision, counts.
+
+``bench/routing_decision.py`` times a strategy's ``select`` alone. What a request waits for in the
+gateway is more: ``Gateway._route`` takes a view of every worker of the model from the registry
+(``Registry.all_views``), asks the idle headroom how many workers to keep off batch work
+(``Headrooms.workers``), decides (``decide``: health, capacity and slot reserve, the strategy, the
+session pin, the expected blocks) and counts the choice in flight (``apply_decision``), in one
+synchronous step. This script times that step on a real ``Registry`` holding ``--workers`` worker
+states (loads, KV index, prompts and sessions from ``routing_decision.make_fleet``; no worker process:
+the status streams are not started), every tenth request at the batch's priority. Between decisions
+the oldest request in flight ends (its hold is released), so the fleet's load stays steady and each
+decision sees one worker changed by its own choice and one by an ending request, as in a gateway
+under a steady load.
+
+Two setups alternate over ``--rounds`` rounds on the same fleet and requests: ``reused`` is the
+registry as it is (a worker's view is given again while nothing it shows has changed); ``rebuilt``
+drops every worker's kept view before each decision (untimed), so every decision builds 1,000 views,
+as the registry did before it kept them (that registry also copied each worker's in-flight counts
+by priority into its view; ``rebuilt`` does not, so it slightly flatters the old cost).
+
+    .venv/bin/python bench/gateway_decision.py --out bench/results/gateway_decision.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from pydantic import TypeAdapter
+from routing_decision import BLOCK_SIZE, Fleet, make_fleet, percentile
+
+from herd.api.crd import RoutingSpec
+from herd.api.protocol import LoadReport
+from herd.orchestrator.apply import apply_decision
+from herd.orchestrator.discovery import Membership, ModelConfig, WorkerEndpoint
+from herd.orchestrator.registry import Hold, Registry
+from herd.orchestrator.routing import decide
+from herd.orchestrator.routing.headroom import Headrooms, IdleHeadroom
+from herd.orchestrator.routing.reserve import BACKGROUND_PRIORITY, DEFAULT_RESERVE
+from herd.orchestrator.served import ServedModel
+from herd.orchestrator.state import MemoryState
+from herd.orchestrator.worker_client import WorkerClient
+
+__all__ = ["main"]
+
+MODEL = "bench"
+SETUPS = ("reused", "rebuilt")
+TARGET_P99_US = 1000.0
+
+
+def gateway_of(
+    num_workers: int, num_requests: int, strategy: str, seed: int
+) -> tuple[Registry, ServedModel, Fleet]:
+    """A registry whose workers joined as the fleet's (their status streams not yet started: nothing
+    awaits while the steps are timed), with the fleet's loads and KV index, and the fleet."""
+    fleet = make_fleet(num_workers, num_requests, seed)
+    spec = TypeAdapter(RoutingSpec).validate_python({"strategy": strategy})
+    config = ModelConfig(MODEL, spec, block_size=BLOCK_SIZE)
+    registry = Registry(WorkerClient(httpx.AsyncClient(), token=None), MemoryState())
+    endpoints = tuple(WorkerEndpoint(view.id, MODEL, view.url, view.url) for view in fleet.workers)
+    registry.apply_membership(Membership(models=(config,), endpoints=endpoints))
+    served = registry.models[MODEL] = ServedModel(config, kv_index=fleet.kv_index)
+    for view in fleet.workers:
+        worker = registry.workers[view.id]
+        worker.is_healthy = view.is_healthy
+        worker.take_report(
+            LoadReport(
+                num_running=view.num_running,
+                num_waiting=view.num_waiting,
+                num_waiting_prefill_tokens=view.num_waiting_prefill_tokens,
+                num_total_blocks=view.num_total_blocks,
+            )
+        )
+    return registry, served, fleet
+
+
+async def time_steps(
+    strategy: str, num_workers: int, num_decisions: int, setup: str, seed: int
+) -> dict[str, float]:
+    num_warmup = 200
+    registry, served, fleet = gateway_of(num_workers, num_decisions + num_warmup, strategy, seed)
+    state = registry.state
+    headrooms = Headrooms(IdleHeadroom(), DEFAULT_RESERVE)
+    in_flight: collections.deque[Hold] = collections.deque()
+    for view in fleet.workers:  # the fleet's starting load, held as the gateway holds requests
+        in_flight.extend(registry.hold(view.id) for _ in range(view.num_in_flight))
+    workers = list(registry.workers.values())
+    wall: list[float] = []
+    cpu: list[float] = []
+    for i, ctx in enumerate(fleet.requests):
+        if setup == "rebuilt":
+            for worker in workers:
+                worker._viewed = None
+        priority = BACKGROUND_PRIORITY if i % 10 == 9 else 0
+        cpu_start, wall_start = time.thread_time_ns(), time.perf_counter_ns()
+        views = registry.all_views(MODEL)
+        in_flight_now = registry.in_flight_by_priority(MODEL)
+        headroom = headrooms.workers(MODEL, in_flight_now, views, priority, time.monotonic())
+        route = apply_decision(
+            registry, state, served, decide(served, views, ctx, DEFAULT_RESERVE, headroom), priority=priority
+        )
+        wall_end, cpu_end = time.perf_counter_ns(), time.thread_time_ns()
+        in_flight.append(route.hold)
+        in_flight.popleft().release("success")
+        if i >= num_warmup:
+            wall.append((wall_end - wall_start) / 1000)
+            cpu.append((cpu_end - cpu_start) / 1000)
+    tasks = [worker.task for worker in registry.workers.values() if worker.task is not None]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return {
+        "wall_p50_us": percentile(wall, 0.50),
+        "wall_p99_us": percentile(wall, 0.99),
+        "cpu_p50_us": percentile(cpu, 0.50),
+        "cpu_p99_us": percentile(cpu, 0.99),
+    }
+
+
+def summary(runs: list[dict[str, float]]) -> dict[str, Any]:
+    """Each figure's median over the rounds and its range."""
+    return {
+        key: {
+            "median": round(statistics.median(run[key] for run in runs), 1),
+            "range": [round(min(run[key] for run in runs), 1), round(max(run[key] for run in runs), 1)],
+        }
+        for key in runs[0]
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, default=1000)
+    parser.add_argument("--decisions", type=int, default=3000, help="timed decisions per run")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--strategies", default="kv_cache_aware,least_request,round_robin")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    load_before = os.getloadavg()[0]
+    runs: dict[tuple[str, str], list[dict[str, float]]] = {}
+    for round_number in range(args.rounds):
+        order = SETUPS if round_number % 2 == 0 else SETUPS[::-1]
+        for strategy in args.strategies.split(","):
+            for setup in order:
+                run = asyncio.run(time_steps(strategy, args.workers, args.decisions, setup, args.seed))
+                runs.setdefault((strategy, setup), []).append(run)
+                print(
+                    json.dumps({"round": round_number, "strategy": strategy, "setup": setup, **run}),
+                    flush=True,
+                )
+    results = [
+        {"strategy": strategy, "setup": setup, "workers": args.workers, "rounds": len(rows), **summary(rows)}
+        for (strategy, setup), rows in runs.items()
+    ]
+    print("| strategy | views | wall p50 (us) | wall p99 (us) | CPU p50 (us) | CPU p99 (us) |")
+    print("|---|---|---:|---:|---:|---:|")
+    for row in results:
+        cells = [
+            f"{row[k]['median']} ({row[k]['range'][0]}-{row[k]['range'][1]})"
+            for k in ("wall_p50_us", "wall_p99_us", "cpu_p50_us", "cpu_p99_us")
+        ]
+        print(f"| {row['strategy']} | {row['setup']} | " + " | ".join(cells) + " |")
+    load_after = os.getloadavg()[0]
+    print(
+        f"load average (1 min) before / after: {load_before:.1f} / {load_after:.1f}; p99 target {TARGET_P99_US:.0f} us"
+    )
+    if args.out is not None:
+        report = {
+            "command": " ".join([".venv/bin/python bench/gateway_decision.py", *sys.argv[1:]]),
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "load_average_1m_before_after": [load_before, load_after],
+            "results": results,
+        }
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
