@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,8 @@ from herd.orchestrator.admission.tenants import BATCH_PRIORITY, Tenant
 from herd.orchestrator.app import AppSettings
 from herd.orchestrator.auth import ApiKeys
 from herd.orchestrator.batch.lines import InputError, done_ids, parse_input
+from herd.orchestrator.batch.runner import cancelling
+from herd.orchestrator.batch.store import BatchRecord, BatchStatus, BatchStore, FileRecord, RequestCounts
 
 ENDPOINT = "/v1/chat/completions"
 
@@ -233,3 +237,120 @@ async def test_lines_wait_for_a_worker_instead_of_failing(tmp_path: Path) -> Non
         done = await finished(api, batch.id)
     assert done.status == "completed" and done.request_counts is not None
     assert (done.request_counts.completed, done.request_counts.failed) == (6, 0)
+
+
+class SlowDisk:
+    """``BatchStore.append`` taking ``seconds`` a call (a busy disk's fsync), counted."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+        self.calls = 0
+        append = BatchStore.append
+
+        def slow_append(store: BatchStore, record: FileRecord, line: bytes) -> FileRecord:
+            self.calls += 1
+            time.sleep(seconds)
+            return append(store, record, line)
+
+        monkeypatch.setattr(BatchStore, "append", slow_append)
+
+
+async def loop_lag(until: asyncio.Event) -> float:
+    """The longest the event loop came late to a 10 ms sleep until ``until`` is set."""
+    worst = 0.0
+    while not until.is_set():
+        started = time.perf_counter()
+        await asyncio.sleep(0.01)
+        worst = max(worst, time.perf_counter() - started - 0.01)
+    return worst
+
+
+async def test_answers_are_written_off_the_event_loop_and_together(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a disk taking 0.2 s a write, the gateway's loop (which relays every interactive stream)
+    is never held for it, and the 12 answers that arrive at once take fewer writes than answers;
+    every one of them is on disk and counted."""
+    disk = SlowDisk(monkeypatch, 0.2)
+    cluster = FakeCluster([FakeWorker("w0")])
+    lines = [request_line(f"r{i}") for i in range(12)]
+    root_settings = AppSettings(registry=FAST_REGISTRY, batch_dir=tmp_path, batch_concurrency=12)
+    model_config = {"max_in_flight_per_worker": 12}
+    async with running_gateway(cluster, settings=root_settings, api_keys=KEYS, model_config=model_config) as (
+        _,
+        client,
+    ):
+        api = sdk(client)
+        upload = await api.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+        batch = await api.batches.create(input_file_id=upload.id, endpoint=ENDPOINT, completion_window="24h")
+        stop = asyncio.Event()
+        lag = asyncio.create_task(loop_lag(stop))
+        done = await finished(api, batch.id)
+        stop.set()
+        worst = await lag
+        assert done.output_file_id is not None
+        output = (await api.files.content(done.output_file_id)).content
+    assert done.status == "completed" and done.request_counts is not None
+    assert done.request_counts.completed == 12
+    assert sorted(json.loads(line)["custom_id"] for line in output.splitlines()) == sorted(
+        f"r{i}" for i in range(12)
+    )
+    assert worst < 0.15, f"the event loop was held {worst:.3f} s by a batch write"
+    assert 1 <= disk.calls < 12
+
+
+@pytest.mark.parametrize(
+    ("status", "becomes"),
+    [
+        ("in_progress", "cancelling"),
+        ("validating", "cancelling"),
+        ("cancelling", "cancelling"),
+        ("completed", "completed"),
+        ("cancelled", "cancelled"),
+    ],
+)
+def test_cancelling_changes_only_a_running_batch(status: BatchStatus, becomes: BatchStatus) -> None:
+    record = BatchRecord(
+        id="batch-1",
+        endpoint=ENDPOINT,
+        input_file_id="file-1",
+        completion_window="24h",
+        status=status,
+        created_at=0,
+        expires_at=1,
+        tenant=Tenant(name="team"),
+    )
+    changed = cancelling(record)
+    assert changed.status == becomes
+    assert (changed.cancelling_at is not None) == (status != becomes)
+
+
+def test_an_update_waits_for_the_one_under_way(tmp_path: Path) -> None:
+    """Two read-change-writes of one record at once (the runner's thread saving counts, the loop
+    cancelling): the second reads what the first wrote, so neither change is lost."""
+    store = BatchStore(tmp_path)
+    tenant = Tenant(name="team")
+    record = BatchRecord(
+        id="batch-1",
+        endpoint=ENDPOINT,
+        input_file_id="file-1",
+        completion_window="24h",
+        status="in_progress",
+        created_at=0,
+        expires_at=1,
+        tenant=tenant,
+    )
+    store.save_batch(record)
+    reading = threading.Event()
+
+    def slow_counts(stored: BatchRecord) -> BatchRecord:
+        reading.set()
+        time.sleep(0.2)
+        return stored.model_copy(update={"request_counts": RequestCounts(total=3, completed=2)})
+
+    writer = threading.Thread(target=store.update_batch, args=("batch-1", tenant, slow_counts))
+    writer.start()
+    assert reading.wait(5.0)
+    store.update_batch("batch-1", tenant, cancelling)
+    writer.join(5.0)
+    stored = store.batch("batch-1", tenant)
+    assert stored.status == "cancelling" and stored.request_counts.completed == 2

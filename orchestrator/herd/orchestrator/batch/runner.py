@@ -8,7 +8,11 @@ interactive traffic leaves. At most ``concurrency`` lines of a batch are in flig
 Durability: the batch's record and every answered line are on disk (``BatchStore``) before the next
 step. On start, ``resume`` picks up every batch that had not finished, reads which ``custom_id``
 already have an output or error line, and runs only the others: a restarted gateway loses no batch
-and repeats no line (a line in flight at the crash had written nothing, and runs again).
+and repeats no line (a line in flight at the crash had written nothing, and runs again). The writes
+(an append and two records, each fsync'd) run in a thread, off the event loop, and the answers that
+come in while one write is under way go together in the next (one append, one fsync): on the loop
+they held up every interactive stream the gateway relays, by milliseconds a line and by hundreds
+when the disk was busy (docs/benchmarks.md, the batch interference section).
 
 A refusal that says "not now" (429 or 503: no worker ready yet, the fleet at capacity, a quota's
 minute used up) is no answer to the line: it is sent again after the refusal's ``Retry-After`` (else
@@ -41,7 +45,7 @@ from herd.orchestrator.batch.lines import (
 )
 from herd.orchestrator.batch.store import BatchRecord, BatchStore, FileRecord, RequestCounts
 
-__all__ = ["BatchRunner", "Forward"]
+__all__ = ["BatchRunner", "Forward", "cancelling"]
 
 log = logging.getLogger(__name__)
 
@@ -79,11 +83,10 @@ class BatchRunner:
         if record.is_finished or record.status == "cancelling":
             return record
         self._cancelling.add(record.id)
-        cancelling = record.model_copy(update={"status": "cancelling", "cancelling_at": int(time.time())})
-        self.store.save_batch(cancelling)
+        stopping = self.store.update_batch(record.id, record.tenant, cancelling)
         if record.id not in self._tasks:
-            self.start(cancelling)
-        return cancelling
+            self.start(stopping)
+        return stopping
 
     async def close(self) -> None:
         """Stop every batch where it is (``resume`` carries on from there)."""
@@ -111,6 +114,8 @@ class _Run:
         self.record = record
         self.output: FileRecord | None = None
         self.errors: FileRecord | None = None
+        self._unwritten: list[tuple[bytes, bool, asyncio.Future[None]]] = []
+        self._writer: asyncio.Task[None] | None = None
 
     async def run(self) -> None:
         lines = self._validated()
@@ -178,7 +183,7 @@ class _Run:
         while True:
             if time.time() >= self.record.expires_at:
                 message = "the batch expired before this request ran"
-                self._write(line, error_line(line.custom_id, None, None, message), ok=False)
+                await self._write(line, error_line(line.custom_id, None, None, message), ok=False)
                 return
             answer = await self._send(line)
             if answer is None:
@@ -200,10 +205,10 @@ class _Run:
             if error.status in RETRY_STATUSES:
                 return error.status, _seconds(error.headers.get("Retry-After"))
             body = error.envelope().model_dump()
-            self._write(line, error_line(line.custom_id, error.status, body, error.message), ok=False)
+            await self._write(line, error_line(line.custom_id, error.status, body, error.message), ok=False)
             return None
         except Exception as error:  # this line fails alone; the batch goes on
-            self._write(
+            await self._write(
                 line, error_line(line.custom_id, None, None, f"{type(error).__name__}: {error}"), ok=False
             )
             return None
@@ -212,24 +217,52 @@ class _Run:
             return status, _seconds(response.headers.get("retry-after"))
         request_id = response.headers.get("x-request-id")
         if status == 200:
-            self._write(line, output_line(line.custom_id, status, body, request_id), ok=True)
+            await self._write(line, output_line(line.custom_id, status, body, request_id), ok=True)
         else:
-            self._write(
+            await self._write(
                 line, error_line(line.custom_id, status, body, f"the request was answered {status}"), ok=False
             )
         return None
 
-    def _write(self, line: BatchLine, text: bytes, *, ok: bool) -> None:
+    async def _write(self, line: BatchLine, text: bytes, *, ok: bool) -> None:
+        """``text``, the answer to ``line``, on disk (in the output file when ``ok``, else the error
+        file) with the batch's counts before this returns, written off the event loop together with
+        the answers that arrive meanwhile."""
+        written = asyncio.get_running_loop().create_future()
+        self._unwritten.append((text, ok, written))
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.create_task(
+                self._write_waiting(), name=f"herd-batch-write-{self.record.id}"
+            )
+        await written
+
+    async def _write_waiting(self) -> None:
+        """Write what waits, one group at a time, until nothing does."""
+        while self._unwritten:
+            group, self._unwritten = self._unwritten, []
+            try:
+                await asyncio.to_thread(self._commit, [(text, ok) for text, ok, _ in group])
+            except Exception as error:  # every line of the group fails as its write did
+                for *_, written in group:
+                    if not written.done():
+                        written.set_exception(error)
+            else:
+                for *_, written in group:
+                    if not written.done():
+                        written.set_result(None)
+
+    def _commit(self, group: list[tuple[bytes, bool]]) -> None:
+        """Append the group's answers (one write and fsync a file) and save the counts; in a thread."""
+        assert self.output is not None and self.errors is not None
+        outputs = [text for text, ok in group if ok]
+        errors = [text for text, ok in group if not ok]
         counts = self.record.request_counts
-        if ok:
-            assert self.output is not None
-            self.output = self.store.append(self.output, text)
-            counts = counts.model_copy(update={"completed": counts.completed + 1})
-        else:
-            assert self.errors is not None
-            self.errors = self.store.append(self.errors, text)
-            counts = counts.model_copy(update={"failed": counts.failed + 1})
-        self._save(request_counts=counts)
+        if outputs:
+            self.output = self.store.append(self.output, b"".join(outputs))
+        if errors:
+            self.errors = self.store.append(self.errors, b"".join(errors))
+        update = {"completed": counts.completed + len(outputs), "failed": counts.failed + len(errors)}
+        self._save(request_counts=counts.model_copy(update=update))
 
     def _finish(self, lines: list[BatchLine]) -> None:
         now = int(time.time())
@@ -247,13 +280,21 @@ class _Run:
             self._save(error_file_id=None)
 
     def _save(self, **changes: Any) -> None:
-        stored = self.store.batch(self.record.id, self.record.tenant)
-        if stored.status == "cancelling" and changes.get("status") == "in_progress":
-            changes.pop("status")
-        if stored.status == "cancelling":
-            self.runner._cancelling.add(self.record.id)
-        self.record = stored.model_copy(update=changes)
-        self.store.save_batch(self.record)
+        def change(stored: BatchRecord) -> BatchRecord:
+            if stored.status == "cancelling" and changes.get("status") == "in_progress":
+                changes.pop("status")
+            if stored.status == "cancelling":
+                self.runner._cancelling.add(self.record.id)
+            return stored.model_copy(update=changes)
+
+        self.record = self.store.update_batch(self.record.id, self.record.tenant, change)
+
+
+def cancelling(record: BatchRecord) -> BatchRecord:
+    """``record`` asked to stop: ``cancelling`` from now, unless it has finished or is already stopping."""
+    if record.is_finished or record.status == "cancelling":
+        return record
+    return record.model_copy(update={"status": "cancelling", "cancelling_at": int(time.time())})
 
 
 def _json(content: bytes) -> Any:

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import os
 import secrets
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -22,7 +23,7 @@ from pydantic import BaseModel, ConfigDict
 from herd.api.errors import HttpError
 from herd.orchestrator.admission.tenants import Tenant
 
-__all__ = ["BatchRecord", "BatchStore", "FileRecord", "RequestCounts"]
+__all__ = ["BatchRecord", "BatchStatus", "BatchStore", "FileRecord", "RequestCounts"]
 
 BatchStatus = Literal[
     "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"
@@ -85,8 +86,12 @@ class BatchRecord(_Record):
 
 
 class BatchStore:
+    """Its methods may run on the event loop or in a worker thread (the runner writes answers off
+    the loop); ``update_batch`` is the read-change-write of a batch record that both may do at once."""
+
     def __init__(self, root: Path) -> None:
         self.root = root
+        self._batch_lock = threading.Lock()
         for folder in ("files", "batches"):
             (root / folder).mkdir(parents=True, exist_ok=True)
 
@@ -124,7 +129,7 @@ class BatchStore:
         self._data(record.id).unlink(missing_ok=True)
 
     def append(self, record: FileRecord, line: bytes) -> FileRecord:
-        """Append one whole line, on disk before this returns; the record with its new size."""
+        """Append whole lines (one or more), on disk before this returns; the record with its new size."""
         with self._data(record.id).open("ab") as data:
             data.write(line)
             data.flush()
@@ -150,7 +155,18 @@ class BatchStore:
     # batches
 
     def save_batch(self, record: BatchRecord) -> None:
-        self._save(self.root / "batches" / f"{record.id}.json", record)
+        with self._batch_lock:
+            self._save(self.root / "batches" / f"{record.id}.json", record)
+
+    def update_batch(
+        self, batch_id: str, tenant: Tenant, change: Callable[[BatchRecord], BatchRecord]
+    ) -> BatchRecord:
+        """The stored record through ``change``, saved and returned; no other ``update_batch`` or
+        ``save_batch`` comes between the read and the write (a thread's and the loop's)."""
+        with self._batch_lock:
+            record = change(self.batch(batch_id, tenant))
+            self._save(self.root / "batches" / f"{record.id}.json", record)
+            return record
 
     def batch(self, batch_id: str, tenant: Tenant) -> BatchRecord:
         path = self.root / "batches" / f"{batch_id}.json"
