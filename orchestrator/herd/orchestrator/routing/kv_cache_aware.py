@@ -71,7 +71,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from herd.api.crd import TierWeights
-from herd.orchestrator.kv_index import KVIndex, TierRun
+from herd.orchestrator.kv_index import KVIndex, PromptMatch, TierRun
 from herd.orchestrator.routing._load import bounded_load_cap
 from herd.orchestrator.routing._types import PeerPull, RequestContext, RoutingStrategy, WorkerView
 
@@ -166,19 +166,18 @@ class KVCacheAware(RoutingStrategy):
         return tied[0] if len(tied) == 1 else self._rng.choice(tied)
 
     def _lookup(self, ctx: RequestContext) -> _Prompt:
-        """The index's answers for the prompt, looked up once a decision."""
-        if not ctx.block_hashes:
-            return _Prompt({}, None, {})
+        """The index's answers for the prompt: those ``decide`` already has, else looked up here."""
+        kv = ctx.kv
+        if kv is None or kv.index is not self._kv_index:
+            kv = PromptMatch(self._kv_index, ctx.block_hashes)
         tiers = None
         if self._tier_cost == "device":
-            matched = self._kv_index.match(ctx.block_hashes)
+            matched = kv.device
         else:
-            runs = self._kv_index.match_tiers(ctx.block_hashes)
-            matched = {worker_id: run.length for worker_id, run in runs.items()}
-            if any(run.host or run.disk for run in runs.values()):
-                tiers = runs
-        peers = self._kv_index.match(ctx.block_hashes, include_expected=False) if self._peer_pulls else {}
-        return _Prompt(matched, tiers, peers)
+            matched = {worker_id: run.length for worker_id, run in kv.tiers.items()}
+            if any(run.host or run.disk for run in kv.tiers.values()):
+                tiers = kv.tiers
+        return _Prompt(matched, tiers, kv.events if self._peer_pulls else {})
 
     def _candidates(
         self, workers: Sequence[WorkerView], ctx: RequestContext, cap: int, prompt: _Prompt
@@ -225,7 +224,7 @@ class KVCacheAware(RoutingStrategy):
         # Inline conditionals instead of max() or helper calls: a call per worker costs more than the
         # arithmetic, and this runs for every worker on every request.
         return [
-            (floors[i] if (i := w.id) in floors else floor)
+            floors.get(w.id, floor)
             + load
             * (
                 (
