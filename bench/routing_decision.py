@@ -18,7 +18,7 @@ restore cost, so every decision prices restores.
 
 ``--baseline REV`` times kv_cache_aware as it was at git revision ``REV`` (its module loaded from git)
 against the working tree's, on the same fleet and requests, alternating them over ``--rounds`` rounds:
-per setup the median and the range of each round's percentiles.
+per setup the median and the range of each round's percentiles (with ``--tiers``, on the tiered fleet).
 
     .venv/bin/python bench/routing_decision.py            # writes bench/results/routing.json
     .venv/bin/python bench/routing_decision.py --tiers --out bench/results/routing_decision_tiers.json
@@ -204,15 +204,15 @@ def baseline_class(rev: str) -> type[KVCacheAware]:
 
 
 def compare(
-    rev: str, num_workers: int, num_decisions: int, rounds: int, seed: int
+    rev: str, num_workers: int, num_decisions: int, rounds: int, seed: int, *, tiers: bool
 ) -> list[dict[str, object]]:
-    """kv_cache_aware at ``rev`` and in the working tree, alternating, each round on a fresh copy of
-    the same fleet (the decisions move its loads)."""
+    """kv_cache_aware (its default tier cost, measured) at ``rev`` and in the working tree,
+    alternating, each round on a fresh copy of the same fleet (the decisions move its loads)."""
     setups = {rev: baseline_class(rev), "working tree": KVCacheAware}
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in setups}
     for _ in range(rounds):
         for name, cls in setups.items():
-            fleet = make_fleet(num_workers, num_decisions + 200, seed)
+            fleet = make_fleet(num_workers, num_decisions + 200, seed, tiers=tiers)
             strategy = cls(
                 kv_index=fleet.kv_index,
                 load_factor=1.25,
@@ -232,7 +232,12 @@ def compare(
             )
     rows: list[dict[str, object]] = []
     for name, rounds_of in samples.items():
-        row: dict[str, object] = {"setup": name, "workers": num_workers, "decisions": num_decisions}
+        row: dict[str, object] = {
+            "setup": name,
+            "workers": num_workers,
+            "decisions": num_decisions,
+            "tiers": tiers,
+        }
         for key in rounds_of[0]:
             values = [sample[key] for sample in rounds_of]
             row[key] = round(statistics.median(values), 1)
@@ -290,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = [
             row
             for n in args.workers
-            for row in compare(args.baseline, n, args.decisions, args.rounds, args.seed)
+            for row in compare(args.baseline, n, args.decisions, args.rounds, args.seed, tiers=args.tiers)
         ]
         args.out.parent.mkdir(parents=True, exist_ok=True)
         report = {"command": command, "python": platform.python_version(), "cpus": os.cpu_count()}
