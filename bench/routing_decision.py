@@ -277,6 +277,29 @@ def markdown(results: list[dict[str, object]], command: str) -> str:
     return f"Command: `{command}`  (bold: p99 above its target)\n\n" + "\n".join(lines) + "\n"
 
 
+def run_baseline(args: argparse.Namespace, command: str, load_before: float) -> int:
+    """``--baseline``: the two kv_cache_aware versions side by side, a table and the raw JSON."""
+    rows = [
+        row
+        for n in args.workers
+        for row in compare(args.baseline, n, args.decisions, args.rounds, args.seed, tiers=args.tiers)
+    ]
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+    load = [load_before, os.getloadavg()[0]]
+    report = {
+        "command": command,
+        "commit": head.stdout.strip(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "load_average_1m_before_after": load,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({**report, "results": rows}, indent=2) + "\n")
+    print(compare_markdown(rows, command))
+    print(f"load average (1 min) before / after: {load_before:.1f} / {load[1]:.1f}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--decisions", type=int, default=5000, help="timed decisions per case")
@@ -292,20 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()[0]
     command = " ".join([".venv/bin/python bench/routing_decision.py", *sys.argv[1:]])
     if args.baseline:
-        rows = [
-            row
-            for n in args.workers
-            for row in compare(args.baseline, n, args.decisions, args.rounds, args.seed, tiers=args.tiers)
-        ]
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        report = {"command": command, "python": platform.python_version(), "cpus": os.cpu_count()}
-        load = [load_before, os.getloadavg()[0]]
-        args.out.write_text(
-            json.dumps({**report, "load_average_1m_before_after": load, "results": rows}, indent=2) + "\n"
-        )
-        print(compare_markdown(rows, command))
-        print(f"load average (1 min) before / after: {load_before:.1f} / {load[1]:.1f}")
-        return 0
+        return run_baseline(args, command, load_before)
     if args.tiers:
         cases = [("kv_cache_aware", n, cost) for n in args.workers for cost in TIER_COSTS]
     else:
