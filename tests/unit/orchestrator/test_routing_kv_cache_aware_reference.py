@@ -1,8 +1,9 @@
 """kv_cache_aware picks exactly what a plain computation of its documented cost picks, over randomized
 fleets: full pools, lower tiers, expected blocks, peer pulls, workers at the bounded-load cap, ties.
 
-The strategy prices only the workers whose lower bound can reach the least cost (``_candidates``);
-the reference below prices every worker the way the module's docstring reads, one worker at a time.
+The strategy prices only the workers whose lower bound can reach the least cost (``_candidates``:
+from ``BOUND_MIN_WORKERS`` workers on, and here on every fleet too); the reference below prices every
+worker the way the module's docstring reads, one worker at a time.
 Restore and pull costs are multiples of a quarter token so that both sum the terms exactly; the
 load term is built in the same order in both, so equal costs stay equal.
 """
@@ -22,6 +23,7 @@ from herd.api.crd import TierWeights
 from herd.api.protocol import KVSnapshot
 from herd.orchestrator.kv_index import KVIndex, TierRun
 from herd.orchestrator.routing import RequestContext, WorkerView
+from herd.orchestrator.routing import kv_cache_aware as kv_cache_aware_module
 from herd.orchestrator.routing._load import MIN_CAP
 from herd.orchestrator.routing.kv_cache_aware import REQUEST_SHARE
 
@@ -146,8 +148,13 @@ def _reference_pick(case: Case, costs: Sequence[float], seed: int) -> str:
     return tied[0].id if len(tied) == 1 else random.Random(seed).choice(tied).id
 
 
+@pytest.mark.parametrize("bound_from", [0, kv_cache_aware_module.BOUND_MIN_WORKERS], ids=["bound", "default"])
 @pytest.mark.parametrize("seed", range(400))
-def test_the_choice_is_the_least_documented_cost(seed: int) -> None:
+def test_the_choice_is_the_least_documented_cost(
+    seed: int, bound_from: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every fleet with the bound (whatever its size) and as the strategy runs by default."""
+    monkeypatch.setattr(kv_cache_aware_module, "BOUND_MIN_WORKERS", bound_from)
     case = _fleet(seed)
     strategy = kv_cache_aware(
         case.index,
