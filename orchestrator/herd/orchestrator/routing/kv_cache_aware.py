@@ -196,10 +196,12 @@ class KVCacheAware(RoutingStrategy):
         at most the exact cost of the worker with the lowest bound.
 
         The bound is the load term plus the prompt less the longest run the worker could skip (its
-        own, or a peer's it could pull), with no eviction or restore (neither is ever negative): one
-        read of the index per worker, where the exact prefill reads two and prices the tiers and
-        pulls. Floating point rounds monotonically, so the bound never exceeds the cost: every
-        worker that ties at the least cost is kept.
+        own, or a peer's it could pull), with no eviction or restore: neither is ever negative, and a
+        pulled block costs no less than nothing (the restore and pull costs come from measured rates
+        and weights in [0, 1]). It reads one small map per worker, where the exact prefill reads the
+        index's counts and prices the tiers and pulls. Floating point rounds monotonically and the
+        bound is built as ``_costs`` builds the cost, so it never exceeds it: every worker that ties
+        at the least cost is kept.
         """
         num_tokens, block_size, cache = len(ctx.token_ids), self._block_size, self._cache_weight
         floor = cache * (num_tokens - block_size * prompt.longest_peer_run)
