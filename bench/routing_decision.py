@@ -16,18 +16,26 @@ the CPU-time figures show what the routing core costs apart from that.
 whose holders also keep the rest of each prompt in their host tier, each worker with its own measured
 restore cost, so every decision prices restores.
 
+``--baseline REV`` times kv_cache_aware as it was at git revision ``REV`` (its module loaded from git)
+against the working tree's, on the same fleet and requests, alternating them over ``--rounds`` rounds:
+per setup the median and the range of each round's percentiles (with ``--tiers``, on the tiered fleet).
+
     .venv/bin/python bench/routing_decision.py            # writes bench/results/routing.json
     .venv/bin/python bench/routing_decision.py --tiers --out bench/results/routing_decision_tiers.json
+    .venv/bin/python bench/routing_decision.py --baseline 9928186 --workers 1000 --rounds 5 \
+        --out bench/results/routing_decision_kv_ab.json
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
 import random
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -39,7 +47,14 @@ from herd.api.crd import RoutingSpec
 from herd.api.kv_hash import block_hashes
 from herd.api.protocol import KVSnapshot
 from herd.orchestrator.kv_index import KVIndex
-from herd.orchestrator.routing import RequestContext, RoutingStrategy, WorkerView, build_strategy, healthy
+from herd.orchestrator.routing import (
+    KVCacheAware,
+    RequestContext,
+    RoutingStrategy,
+    WorkerView,
+    build_strategy,
+    healthy,
+)
 
 __all__ = ["main"]
 
@@ -172,6 +187,81 @@ def measure(
     }
 
 
+def baseline_class(rev: str) -> type[KVCacheAware]:
+    """``KVCacheAware`` as it was at git revision ``rev``, loaded as a module of its own."""
+    path = "orchestrator/herd/orchestrator/routing/kv_cache_aware.py"
+    source = subprocess.run(
+        ["git", "show", f"{rev}:{path}"], capture_output=True, text=True, check=True
+    ).stdout
+    name = f"kv_cache_aware_{rev}"
+    spec = importlib.util.spec_from_loader(name, loader=None)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up
+    exec(compile(source, f"{rev}:{path}", "exec"), module.__dict__)
+    strategy: type[KVCacheAware] = module.KVCacheAware
+    return strategy
+
+
+def compare(
+    rev: str, num_workers: int, num_decisions: int, rounds: int, seed: int, *, tiers: bool
+) -> list[dict[str, object]]:
+    """kv_cache_aware (its default tier cost, measured) at ``rev`` and in the working tree,
+    alternating, each round on a fresh copy of the same fleet (the decisions move its loads)."""
+    setups = {rev: baseline_class(rev), "working tree": KVCacheAware}
+    samples: dict[str, list[dict[str, float]]] = {name: [] for name in setups}
+    for _ in range(rounds):
+        for name, cls in setups.items():
+            fleet = make_fleet(num_workers, num_decisions + 200, seed, tiers=tiers)
+            strategy = cls(
+                kv_index=fleet.kv_index,
+                load_factor=1.25,
+                cache_weight=1.0,
+                load_weight=1.0,
+                block_size=BLOCK_SIZE,
+                rng=random.Random(seed),
+            )
+            wall, cpu = time_decisions(strategy, fleet, num_warmup=200, seed=seed)
+            samples[name].append(
+                {
+                    "wall_p50_us": percentile(wall, 0.50),
+                    "wall_p99_us": percentile(wall, 0.99),
+                    "cpu_p50_us": percentile(cpu, 0.50),
+                    "cpu_p99_us": percentile(cpu, 0.99),
+                }
+            )
+    rows: list[dict[str, object]] = []
+    for name, rounds_of in samples.items():
+        row: dict[str, object] = {
+            "setup": name,
+            "workers": num_workers,
+            "decisions": num_decisions,
+            "tiers": tiers,
+        }
+        for key in rounds_of[0]:
+            values = [sample[key] for sample in rounds_of]
+            row[key] = round(statistics.median(values), 1)
+            row[f"{key}_range"] = [round(min(values), 1), round(max(values), 1)]
+        rows.append(row)
+    return rows
+
+
+def compare_markdown(rows: list[dict[str, object]], command: str) -> str:
+    lines = [
+        "| kv_cache_aware | workers | wall p50 (us) | wall p99 (us) | CPU p50 (us) | CPU p99 (us) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        cells = [f"{row[key]} ({row[f'{key}_range'][0]}-{row[f'{key}_range'][1]})" for key in PERCENTILES]  # type: ignore[index]
+        lines.append(f"| {row['setup']} | {row['workers']} | " + " | ".join(cells) + " |")
+    return (
+        f"Command: `{command}`  (median of the rounds, their range in brackets)\n\n" + "\n".join(lines) + "\n"
+    )
+
+
+PERCENTILES = ["wall_p50_us", "wall_p99_us", "cpu_p50_us", "cpu_p99_us"]
+
+
 def markdown(results: list[dict[str, object]], command: str) -> str:
     lines = [
         "| strategy | workers | wall p50 (us) | wall p99 (us) | CPU p50 (us) | CPU p99 (us) | p99 target (us) |",
@@ -187,6 +277,29 @@ def markdown(results: list[dict[str, object]], command: str) -> str:
     return f"Command: `{command}`  (bold: p99 above its target)\n\n" + "\n".join(lines) + "\n"
 
 
+def run_baseline(args: argparse.Namespace, command: str, load_before: float) -> int:
+    """``--baseline``: the two kv_cache_aware versions side by side, a table and the raw JSON."""
+    rows = [
+        row
+        for n in args.workers
+        for row in compare(args.baseline, n, args.decisions, args.rounds, args.seed, tiers=args.tiers)
+    ]
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+    load = [load_before, os.getloadavg()[0]]
+    report = {
+        "command": command,
+        "commit": head.stdout.strip(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "load_average_1m_before_after": load,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({**report, "results": rows}, indent=2) + "\n")
+    print(compare_markdown(rows, command))
+    print(f"load average (1 min) before / after: {load_before:.1f} / {load[1]:.1f}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--decisions", type=int, default=5000, help="timed decisions per case")
@@ -194,14 +307,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench/results/routing.json"))
     parser.add_argument("--tiers", action="store_true", help="kv_cache_aware's tier costs on a tiered fleet")
+    parser.add_argument(
+        "--baseline", help="git revision whose kv_cache_aware to time against the working tree's"
+    )
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds of --baseline")
     args = parser.parse_args(argv)
     load_before = os.getloadavg()[0]
+    command = " ".join([".venv/bin/python bench/routing_decision.py", *sys.argv[1:]])
+    if args.baseline:
+        return run_baseline(args, command, load_before)
     if args.tiers:
         cases = [("kv_cache_aware", n, cost) for n in args.workers for cost in TIER_COSTS]
     else:
         cases = [(name, n, None) for n in args.workers for name in STRATEGIES]
     results = [measure(name, n, args.decisions, args.seed, cost) for name, n, cost in cases]
-    command = " ".join([".venv/bin/python bench/routing_decision.py", *sys.argv[1:]])
     report = {
         "command": command,
         "python": platform.python_version(),

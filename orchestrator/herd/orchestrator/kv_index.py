@@ -33,11 +33,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from herd.api.kv_hash import BlockHash
 from herd.api.protocol import KVEvent, KVEventBatch, KVSnapshot, Medium
 
-__all__ = ["KVIndex", "TierRun"]
+__all__ = ["KVIndex", "PromptMatch", "TierRun"]
 
 _TIER_BITS: dict[Medium, int] = {"host": 1, "disk": 2}
 
@@ -297,3 +298,39 @@ class KVIndex:
                 # A later expect() of the same block on the same worker extended the deadline.
                 if expected is not None and expected.get(worker_id) == deadline:
                     self._unexpect(worker_id, block)
+
+
+class PromptMatch:
+    """One prompt's leading runs in ``index``, each kind walked at most once: the steps of one routing
+    decision (the strategy, the decision's own counts, a peer pull) read them in several ways.
+
+    The answers are those of the moment each was first read; build one for each decision and drop it
+    with the decision (a decision is synchronous: the index does not change meanwhile).
+    """
+
+    def __init__(self, index: KVIndex, block_hashes: Sequence[BlockHash]) -> None:
+        self.index = index
+        self.block_hashes = block_hashes
+
+    @cached_property
+    def device(self) -> dict[str, int]:
+        """``KVIndex.match``: each worker's leading run on its device, expected blocks included."""
+        return self.index.match(self.block_hashes) if self.block_hashes else {}
+
+    @cached_property
+    def events(self) -> dict[str, int]:
+        """Each worker's leading run on its device by its events alone (nothing expected)."""
+        return self.index.match(self.block_hashes, include_expected=False) if self.block_hashes else {}
+
+    @cached_property
+    def tiers(self) -> dict[str, TierRun]:
+        """``KVIndex.match_tiers``: each worker's leading run over every tier."""
+        return self.index.match_tiers(self.block_hashes) if self.block_hashes else {}
+
+    def held_run(self, worker_id: str) -> int:
+        """``KVIndex.held_run`` of one worker: read off ``tiers`` when something walked them, else
+        that worker's own walk from the end of its device run."""
+        if "tiers" in self.__dict__:
+            run = self.tiers.get(worker_id)
+            return 0 if run is None else run.length
+        return self.index.held_run(worker_id, self.block_hashes, start=self.device.get(worker_id, 0))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from herd.api.protocol import KVEvent, KVEventBatch, KVSnapshot
-from herd.orchestrator.kv_index import KVIndex, TierRun
+from herd.orchestrator.kv_index import KVIndex, PromptMatch, TierRun
 
 
 def _snapshot(blocks: list[int], *, seq: int = 0, epoch: str = "e1") -> KVSnapshot:
@@ -187,6 +187,25 @@ def test_held_run_counts_every_tier_for_one_worker(
     assert index.apply("b", _tier_event(1, "stored", [3, 4], "host"))
     index.expect("a", [4, 7, 8])
     assert index.held_run(worker_id, query, start=start) == expected
+
+
+@pytest.mark.parametrize("tiers_walked", [False, True], ids=["own-walk", "read-off-the-tiers"])
+@pytest.mark.parametrize("query", [[1, 2, 3, 4, 5], [3, 4], [1, 5, 3], [1, 2, 3, 4, 7, 8], [9], []])
+def test_a_prompt_match_answers_as_the_index_does(
+    index: KVIndex, query: list[int], tiers_walked: bool
+) -> None:
+    """Each run the index would give, walked once; one worker's held run read off the tier runs
+    when a strategy walked them, else walked for that worker alone."""
+    assert index.apply("b", _tier_event(1, "stored", [3, 4], "host"))
+    index.expect("a", [4, 7, 8])
+    kv = PromptMatch(index, query)
+    if tiers_walked:
+        assert kv.tiers == index.match_tiers(query)
+    for worker_id in ("a", "b", "gone"):
+        assert kv.held_run(worker_id) == index.held_run(worker_id, query)
+    assert kv.device == index.match(query)
+    assert kv.events == index.match(query, include_expected=False)
+    assert kv.device is kv.device
 
 
 def test_a_snapshot_carries_the_tiers() -> None:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
-from herd.api.crd import RoundRobinRouting, RoutingSpec, StickySessionRouting
+from herd.api.crd import KVCacheAwareRouting, RoundRobinRouting, RoutingSpec, StickySessionRouting
 from herd.api.protocol import KVSnapshot, Role
 from herd.orchestrator.discovery import ModelConfig
 from herd.orchestrator.routing import (
@@ -208,6 +210,38 @@ def test_decide_names_the_pin_to_write(
     sticky = StickySessionRouting(strategy="sticky_session", session_ttl_seconds=60)
     ctx = request(0, session_key=session_key, pinned_worker_id=pinned)
     assert decide(model(routing=sticky), UNIFIED, ctx).pin == expected
+
+
+@pytest.mark.parametrize(
+    ("tier_cost", "walks"),
+    [
+        ("measured", {"match": 2, "match_tiers": 1}),
+        ("device", {"match": 2, "held_run": 1}),
+    ],
+    ids=["tier-runs-shared", "tier-blind-walks-the-chosen-worker-alone"],
+)
+def test_a_decision_walks_the_index_once_for_each_kind_of_run(
+    tier_cost: str, walks: dict[str, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kv_cache_aware (pricing pulls: the device runs with and without expected blocks) and the
+    decision's own counts share the walks; the chosen worker's run over every tier comes from the
+    strategy's tier runs when it priced the tiers."""
+    routing = KVCacheAwareRouting(strategy="kv_cache_aware", tier_cost=tier_cost, peer_pulls=True)  # type: ignore[arg-type]
+    served = model(routing=routing, cached={"a": 4, "b": 2}, host={"a": (4, 7)})
+    calls: Counter[str] = Counter()
+
+    def counted(name: str, method: Callable[..., object]) -> Callable[..., object]:
+        def call(*args: object, **kwargs: object) -> object:
+            calls[name] += 1
+            return method(*args, **kwargs)
+
+        return call
+
+    for name in ("match", "match_tiers", "held_run"):
+        monkeypatch.setattr(served.kv_index, name, counted(name, getattr(served.kv_index, name)))
+    decision = decide(served, UNIFIED, request(8))
+    assert (decision.worker.id, decision.num_prefill_tokens, decision.num_cached_blocks) == ("a", BLOCK, 4)
+    assert calls == walks
 
 
 def test_decide_prefill_replaces_a_failed_prefill_worker() -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from herd.api.protocol import LoadReport, Medium, Role
+from herd.orchestrator.kv_index import PromptMatch
 
 __all__ = [
     "PeerPull",
@@ -114,6 +115,9 @@ class RequestContext:
     """The LoRA adapter the request runs with (``None``: the base model); its hashes carry it."""
     priority: int = 0
     """Its admission priority (0 most urgent): background ones leave the reserved slots free."""
+    kv: PromptMatch | None = field(default=None, compare=False, repr=False)
+    """The prompt's runs in the model's KV index, for one decision: ``decide`` sets it so that the
+    strategy and the decision walk the index once; a strategy given none looks them up itself."""
 
 
 @dataclass(slots=True, frozen=True)

@@ -23,7 +23,8 @@ Each edge (the gateway, the routing simulator, an endpoint picker) applies the r
 in one step: it counts the chosen workers' in-flight at once, before it awaits anything, so the next
 decision already sees them. ``UnroutableError`` says why no worker could be chosen.
 
-Cost: the strategy's own, plus one ``KVIndex.match`` and a pass over the views.
+Cost: the strategy's own, plus a pass over the views; the strategy and the decision share one walk of
+the index for each kind of run (``PromptMatch``).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from typing import Literal, Protocol
 
 from herd.api.kv_hash import BlockHash
 from herd.orchestrator.discovery import ModelConfig
-from herd.orchestrator.kv_index import KVIndex
+from herd.orchestrator.kv_index import KVIndex, PromptMatch
 from herd.orchestrator.routing._types import RequestContext, RoutingStrategy, WorkerView, healthy
 from herd.orchestrator.routing.headroom import kept_idle
 from herd.orchestrator.routing.latency import LatencyFeatures, LatencyModel, Prediction
@@ -154,8 +155,10 @@ def decide(
         ],
         request.lora_name,
     )
-    ctx = dataclasses.replace(request, phase="decode") if is_disaggregated else request
-    matched = model.kv_index.match(request.block_hashes) if request.block_hashes else {}
+    # One walk of the index for each kind of run, shared by every step below and the strategy.
+    kv = PromptMatch(model.kv_index, request.block_hashes)
+    ctx = dataclasses.replace(request, phase="decode" if is_disaggregated else request.phase, kv=kv)
+    matched = kv.device
     slo_choice = _by_slo(model, open_pool, request, matched)
     choice = None if slo_choice is None else slo_choice.worker
     if choice is None:
@@ -165,7 +168,7 @@ def decide(
     num_cached = matched.get(choice.id, 0)
     # Blocks the worker holds only in a host or disk tier are restored, not computed: its queued
     # prefill counts from the end of its run over every tier.
-    num_held = model.kv_index.held_run(choice.id, request.block_hashes, start=num_cached)
+    num_held = kv.held_run(choice.id)
     pull = None if is_disaggregated else model.strategy.pull_source(choice, pool, ctx)
     num_known = num_held if pull is None else max(num_held, pull.num_blocks)
     # A prefilled request's decode worker imports the prompt's KV blocks; it computes none of them.
