@@ -137,7 +137,8 @@ def decide(
     config = model.config
     is_disaggregated = config.mode == "disaggregated"
     role = "decode" if is_disaggregated else "unified"
-    pool = healthy([view for view in views if view.role == role and view.id not in request.excluded])
+    excluded = request.excluded
+    pool = [view for view in views if view.is_healthy and view.role == role and view.id not in excluded]
     if not pool:
         raise UnroutableError("no_healthy_worker")
     limit = config.max_in_flight_per_worker
@@ -145,16 +146,16 @@ def decide(
     # off the headroom with its own worker excluded it could block its queue's head until the window ends.
     is_new_background = request.priority >= reserve.priority and not request.excluded
     idle = kept_idle(pool, headroom, reserve) if is_new_background else frozenset()
-    open_pool = lora_candidates(
-        [
+    open_pool = pool
+    if limit or idle:  # else every healthy worker is open: no second pass over the fleet
+        open_pool = [
             view
             for view in pool
             if (not limit or view.num_in_flight < limit)
             and may_take_slot(request.priority, view.in_flight_by_priority, limit, reserve)
             and view.id not in idle
-        ],
-        request.lora_name,
-    )
+        ]
+    open_pool = lora_candidates(open_pool, request.lora_name)
     # One walk of the index for each kind of run, shared by every step below and the strategy.
     kv = PromptMatch(model.kv_index, request.block_hashes)
     ctx = dataclasses.replace(request, phase="decode" if is_disaggregated else request.phase, kv=kv)
