@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 from collections import Counter
 from dataclasses import dataclass
@@ -244,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(args.seeds.split(",")) > 1:
         print("\n".join(summary(rows)))
     if args.out:
-        args.out.write_text(json.dumps({"argv": argv, "args": {k: str(v) for k, v in vars(args).items()},
+        args.out.write_text(json.dumps({"argv": sys.argv[1:] if argv is None else argv, "args": {k: str(v) for k, v in vars(args).items()},
                                         "rows": rows}, indent=1))  # fmt: skip
     return 0
 
