@@ -11,8 +11,16 @@ rate and its share of the oracle (``herd bench oracle`` on the same trace and fl
 simulated ms, and in-flight max/mean as the scale runs compute it (each worker's mean in-flight over
 the run by Little's law, the busiest over the mean).
 
-    .venv/bin/python bench/routing_sim_trace.py --trace shared-prefix --sizes 8,32,128 \
-        --routers round_robin,sticky_session,kv_cache_aware
+Each spill (a request sent away from the worker holding its longest cached run) is counted by its
+cause: ``forced`` when every holder was at the bounded-load cap, else by the term of kv_cache_aware's
+cost that outweighed the prompt tokens the holder would have saved (``queue``: the holder's prefill
+queue, ``requests``: its requests in flight, ``both``: neither alone; ``other``: not the load terms,
+as a pool's eviction, or a router that does not price them), and ``direct_loss`` is those
+saved tokens over all the prompt tokens: the hit rate the spills cost on their own requests. With
+several ``--seeds`` (trace seeds) a summary follows: median [min-max] over the seeds.
+
+    .venv/bin/python bench/routing_sim_trace.py --traces shared-prefix,multi-turn,mooncake \
+        --sizes 8,32,128 --seeds 0,1,2,3 --routers sticky_session,kv_cache_aware
 """
 
 from __future__ import annotations
@@ -20,7 +28,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,8 +41,9 @@ from routing_sim import MODEL_ID, Request, Shape, Simulation, SimWorker
 
 from herd.api.kv_hash import block_hashes
 from herd.api.prompt import PromptRenderer
-from herd.orchestrator.routing import RequestContext, decide
+from herd.orchestrator.routing import RequestContext, WorkerView, decide
 from herd.orchestrator.routing._load import bounded_load_cap
+from herd.orchestrator.routing.kv_cache_aware import REQUEST_SHARE
 from herd.worker.config import EngineConfig
 from herd.worker.simulated_runner import CostModel, VirtualClock, simulated_engine
 
@@ -61,6 +72,8 @@ class TraceSimulation(Simulation):
         """Requests waiting for the answer of the request they extend, by its number."""
         self.finished: set[int] = set()
         self.served_by: dict[int, str] = {}
+        self.spills: Counter[str] = Counter()
+        self.spilled_tokens = 0
 
     def _worker(self, number: int, renderer: PromptRenderer) -> SimWorker:
         config = EngineConfig(model_path=self._model_path, served_name=MODEL_ID, engine=self.engine_block)
@@ -106,16 +119,33 @@ class TraceSimulation(Simulation):
         request.num_prefill_tokens = decision.num_prefill_tokens
         self._admit(next(w for w in self.workers if w.id == decision.worker.id), request)
 
-    def _count_spill(self, views: list[Any], request: TraceRequest, chosen: str) -> None:
-        """A spill: the request went elsewhere than a worker holding its longest cached run; forced
-        when every such worker was at the bounded-load cap."""
+    def _count_spill(self, views: list[WorkerView], request: TraceRequest, chosen: str) -> None:
+        """A spill: the request went elsewhere than a worker holding its longest cached run; counted by
+        its cause (see the module's docstring)."""
         matched = self.index.match(request.hashes)
         if not matched or matched.get(chosen, 0) == (best := max(matched.values())):
             return
         self.num_spilled += 1
+        saved = BLOCK_SIZE * (best - matched.get(chosen, 0))
+        self.spilled_tokens += saved
         cap = bounded_load_cap(views, self.shape.load_factor)
-        if all(view.num_in_flight >= cap for view in views if matched.get(view.id, 0) == best):
+        holders = [view for view in views if matched.get(view.id, 0) == best and view.num_in_flight < cap]
+        if not holders:
             self.num_forced += 1
+            self.spills["forced"] += 1
+            return
+        per_request = len(request.token_ids) * REQUEST_SHARE * self.shape.load_weight
+
+        def terms(view: WorkerView) -> tuple[float, float]:
+            queued = max(view.num_prefill_tokens_in_flight, view.num_waiting_prefill_tokens)
+            requests = max(view.num_running + view.num_waiting, view.num_in_flight)
+            return queued * self.shape.load_weight, requests * per_request
+
+        queued, requests = terms(next(view for view in views if view.id == chosen))
+        holder_queued, holder_requests = min((terms(view) for view in holders), key=sum)
+        by_queue, by_requests = holder_queued - queued, holder_requests - requests
+        self.spills["queue" if by_queue >= saved > by_requests else "requests" if by_requests >= saved > by_queue
+                    else "both" if by_queue + by_requests >= saved else "other"] += 1  # fmt: skip
 
     def _finish(self, worker: SimWorker, request: Request) -> None:
         del worker.requests[str(request.number)]
@@ -149,6 +179,8 @@ class TraceSimulation(Simulation):
             "span_s": round(span / 1000, 1),
             "spill_rate": round(self.num_spilled / len(done), 3),
             "forced_spill_rate": round(self.num_forced / len(done), 3),
+            "spills": dict(self.spills),
+            "direct_loss": round(self.spilled_tokens / prompt, 4),
         }
 
 
@@ -174,39 +206,74 @@ def load_trace(path: Path, renderer: PromptRenderer, rate: float) -> list[TraceR
     return requests
 
 
+def summary(rows: list[dict[str, Any]]) -> list[str]:
+    """Per trace, fleet size and router: median [min-max] over the seeds of the headline figures."""
+
+    def spread(values: list[float]) -> str:
+        return f"{statistics.median(values):.3g} [{min(values):.3g}-{max(values):.3g}]"
+
+    groups: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault((row["trace"], row["size"], row["router"]), []).append(row)
+    return [
+        f"{trace} x {size} {router:<16} of oracle {spread([r['of_oracle'] for r in group])}, "
+        f"max/mean {spread([r['in_flight_max_over_mean'] for r in group])}, "
+        f"TTFT p99 {spread([r['ttft_p99_ms'] for r in group])}, spills {spread([r['spill_rate'] for r in group])} "
+        f"(forced {spread([r['forced_spill_rate'] for r in group])})"
+        for (trace, size, router), group in groups.items()
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--trace", default="shared-prefix")
+    parser.add_argument("--traces", default="shared-prefix", help="kinds, comma-separated")
     parser.add_argument("--sizes", default="8,32,128")
     parser.add_argument("--routers", default="round_robin,sticky_session,kv_cache_aware")
     parser.add_argument("--load", type=float, default=80.0, help="percent of the base fleet's capacity")
     parser.add_argument("--poll-ms", type=float, default=900.0)
     parser.add_argument("--load-factor", type=float, default=1.25)
+    parser.add_argument("--load-weight", type=float, default=1.0, help="kv_cache_aware's loadWeight")
     parser.add_argument("--fixed-traces", action="store_true")
-    parser.add_argument("--seed", type=int, default=0, help="the trace's seed")
+    parser.add_argument("--seeds", default="0", help="the traces' seeds, comma-separated")
+    parser.add_argument("--out", type=Path, help="write every row here as JSON")
     args = parser.parse_args(argv)
-    scale = scale_args(["--seed", str(args.seed), *(["--fixed-traces"] if args.fixed_traces else [])])
+    rows = []
+    for trace, seed in ((t, int(s)) for t in args.traces.split(",") for s in args.seeds.split(",")):
+        rows += run_trace(trace, seed, args)
+    if len(args.seeds.split(",")) > 1:
+        print("\n".join(summary(rows)))
+    if args.out:
+        args.out.write_text(json.dumps({"argv": sys.argv[1:] if argv is None else argv, "args": {k: str(v) for k, v in vars(args).items()},
+                                        "rows": rows}, indent=1))  # fmt: skip
+    return 0
+
+
+def run_trace(trace: str, seed: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every router over one trace seed at every fleet size."""
+    scale = scale_args(["--seed", str(seed), *(["--fixed-traces"] if args.fixed_traces else [])])
     renderer = PromptRenderer.from_pretrained(scale.model)
+    rows = []
     with tempfile.TemporaryDirectory() as folder:
         for size in (int(size) for size in args.sizes.split(",")):
-            case = make_case(args.trace, size, (args.load / 100,), scale, Path(folder))
+            case = make_case(trace, size, (args.load / 100,), scale, Path(folder))
             cost = dilated(UNIT_COST, fleet_dilation(case.base_shape, scale))
             engine = {"maxBatchSize": scale.batch, "maxBatchTokens": 4096, "maxQueueLen": scale.max_queue,
                       "kvCache": {"blockSize": BLOCK_SIZE}}  # fmt: skip
             shape = Shape(num_workers=size, pool_blocks=case.num_blocks, poll_ms=args.poll_ms,
-                          load_factor=args.load_factor)  # fmt: skip
+                          load_factor=args.load_factor, load_weight=args.load_weight)  # fmt: skip
             rate = args.load / 100 * scale.capacity_rps
             best = oracle(case.trace, size, case.num_blocks, scale.model)
-            print(f"{args.trace} x {size} workers, {case.shape.num_requests} requests at {rate:.1f}/s, "
+            print(f"{trace} (seed {seed}) x {size} workers, {case.shape.num_requests} requests at {rate:.1f}/s, "
                   f"pool {case.num_blocks} blocks, oracle {best['oracle_hit_rate']}, ceiling {best['ceiling_hit_rate']}")  # fmt: skip
             for router in args.routers.split(","):
                 requests = load_trace(case.trace, renderer, rate)
                 row = TraceSimulation(shape, router, requests, engine, cost, renderer).run()
                 row["of_oracle"] = round(row["hit_rate"] / best["oracle_hit_rate"], 3)
                 print(f"  {router:<16} {row}", flush=True)
-    return 0
+                rows.append({"trace": trace, "seed": seed, "size": size, "router": router, **row})
+    return rows
 
 
 if __name__ == "__main__":

@@ -107,6 +107,23 @@ def test_ties_go_to_the_fewest_in_flight_then_the_fewest_cached_blocks_then_at_r
     assert set(picks) == {"c", "d", "e"}
 
 
+@pytest.mark.parametrize(
+    ("d_run", "tier_cost", "expected"),
+    [(1, "measured", "e"), (1, "device", "e"), (2, "measured", "d"), (2, "device", "d")],
+    ids=["one-block-tiered", "one-block-device", "two-blocks-tiered", "two-blocks-device"],
+)
+def test_a_leading_run_of_one_block_counts_as_none(d_run: int, tier_cost: str, expected: str) -> None:
+    """'d' holds the prompt's first ``d_run`` blocks and 'e' nothing, both idle with room: one block (a
+    chat template's opening, shared by every prompt) does not tie new prompts to the workers already
+    used, so the tie goes to the emptier pool; two blocks are a prefix worth going to 'd' for."""
+    index = KVIndex()
+    index.reset("d", KVSnapshot(epoch="e", seq=0, block_size=16, block_hashes=PROMPT[:d_run]))
+    strategy = kv_cache_aware(index, seed=2, tier_cost=tier_cost)
+    chosen = strategy.select(views("d", "e"), context(PROMPT))
+    assert chosen is not None
+    assert chosen.id == expected
+
+
 def _tiered(tier_cost: str) -> KVCacheAware:
     """'a' holds the first 8 blocks on its device; 'b' the first 8 on its device and the next 16 in
     its host tier; 'c' none."""

@@ -25,7 +25,7 @@ from herd.orchestrator.kv_index import KVIndex, TierRun
 from herd.orchestrator.routing import RequestContext, WorkerView
 from herd.orchestrator.routing import kv_cache_aware as kv_cache_aware_module
 from herd.orchestrator.routing._load import MIN_CAP
-from herd.orchestrator.routing.kv_cache_aware import REQUEST_SHARE
+from herd.orchestrator.routing.kv_cache_aware import MIN_RUN_BLOCKS, REQUEST_SHARE
 
 BLOCK = 16
 LOAD_FACTOR = 1.25
@@ -107,6 +107,8 @@ def _reference_costs(case: Case) -> list[float]:
         runs = {worker_id: TierRun(length) for worker_id, length in index.match(ctx.block_hashes).items()}
     else:
         runs = index.match_tiers(ctx.block_hashes)
+    # A leading run shorter than MIN_RUN_BLOCKS counts as none: the prompt is priced as uncached there.
+    runs = {worker_id: run for worker_id, run in runs.items() if run.length >= MIN_RUN_BLOCKS}
     peer_runs = index.match(ctx.block_hashes, include_expected=False) if num_blocks else {}
     longest_peer_run = max(peer_runs.values(), default=0) if case.peer_pulls else 0
     held = index.held_blocks()
