@@ -19,9 +19,10 @@ interactive requests after a quiet spell find idle, paid in batch throughput all
 requests to the batch-free workers, which hold fewer in flight. The cost is the batch's throughput
 on those workers, only while interactive traffic is recent.
 
-``kept_idle`` is the rule, pure; ``decide`` applies it in its capacity filter, after the slot reserve,
-and the gateway and the endpoint picker each keep ``Headrooms``, a ``Headroom`` a model, to say how
-many workers to keep.
+``kept_idle`` is the rule, pure; the gateway and the endpoint picker each keep ``Headrooms``, a
+``Headroom`` a model, which says how many workers to keep and which (``Headroom.kept``, the set held
+still between decisions), and ``decide`` keeps background requests off them in its capacity filter,
+after the slot reserve.
 """
 
 from __future__ import annotations
