@@ -2,8 +2,8 @@
 
 ``bench/routing_decision.py`` times a strategy's ``select`` alone. What a request waits for in the
 gateway is more: ``Gateway._route`` takes a view of every worker of the model from the registry
-(``Registry.all_views``), asks the idle headroom how many workers to keep off batch work
-(``Headrooms.workers``), decides (``decide``: health, capacity and slot reserve, the strategy, the
+(``Registry.all_views``), asks the idle headroom which workers to keep off batch work
+(``Headrooms.kept``), decides (``decide``: health, capacity and slot reserve, the strategy, the
 session pin, the expected blocks) and counts the choice in flight (``apply_decision``), in one
 synchronous step. This script times that step on a real ``Registry`` holding ``--workers`` worker
 states (loads, KV index, prompts and sessions from ``routing_decision.make_fleet``; no worker process:
@@ -105,9 +105,9 @@ async def time_steps(
         cpu_start, wall_start = time.thread_time_ns(), time.perf_counter_ns()
         views = registry.all_views(MODEL)
         in_flight_now = registry.in_flight_by_priority(MODEL)
-        headroom = headrooms.workers(MODEL, in_flight_now, views, priority, time.monotonic())
+        kept = headrooms.kept(MODEL, in_flight_now, views, priority, time.monotonic())
         route = apply_decision(
-            registry, state, served, decide(served, views, ctx, DEFAULT_RESERVE, headroom), priority=priority
+            registry, state, served, decide(served, views, ctx, DEFAULT_RESERVE, kept), priority=priority
         )
         wall_end, cpu_end = time.perf_counter_ns(), time.thread_time_ns()
         in_flight.append(route.hold)

@@ -345,14 +345,14 @@ class Gateway:
             "herd.gateway.route", context=set_span_in_context(request.span)
         ) as span:
             views = self.registry.all_views(served.name)
-            headroom = self._headrooms.workers(
+            kept = self._headrooms.kept(
                 served.name,
                 self.registry.in_flight_by_priority(served.name),
                 views,
                 ctx.priority,
                 time.monotonic(),
             )
-            decision = decide(served, views, ctx, self.settings.slot_reserve, headroom)
+            decision = decide(served, views, ctx, self.settings.slot_reserve, kept)
             span.set_attributes(_decision_attributes(served, decision))
         request.metrics.decision.observe(time.perf_counter() - started)
         if decision.expected_blocks:

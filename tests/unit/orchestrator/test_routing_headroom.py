@@ -124,6 +124,53 @@ def test_kept_idle(views: list[WorkerView], headroom: int, kept: set[str]) -> No
     assert kept_idle(views, headroom) == kept
 
 
+@pytest.mark.parametrize(
+    ("views", "headroom", "before", "kept"),
+    [
+        ([worker("a"), worker("b"), worker("c", 3)], 1, {"b"}, {"b"}),
+        ([worker("a", interactive=2), worker("b"), worker("c", 3)], 1, {"b"}, {"b"}),
+        ([worker("a", 2), worker("b", 2), worker("c", 3)], 1, {"b"}, {"b"}),
+        ([worker("a"), worker("b", 1), worker("c", 3)], 1, {"b"}, {"a"}),
+        ([worker("a", 1), worker("c", 3)], 1, {"b"}, {"a"}),
+        ([worker("a"), worker("b"), worker("c")], 1, {"a", "c"}, {"a"}),
+        ([worker("a"), worker("b"), worker("c")], 2, {"c"}, {"a", "c"}),
+        ([worker("a"), worker("b"), worker("c")], 0, {"c"}, set()),
+    ],
+    ids=[
+        "a-kept-worker-stays-before-a-free-one-with-a-lower-id",
+        "before-a-free-one-with-more-interactive-work",
+        "before-one-holding-as-much-batch-work",
+        "gives-its-place-to-one-holding-less-batch-work",
+        "one-that-left-the-pool-is-replaced",
+        "a-shrinking-headroom-keeps-the-first-of-the-kept",
+        "a-growing-headroom-keeps-the-kept-and-adds",
+        "no-headroom",
+    ],
+)
+def test_kept_idle_holds_still(
+    views: list[WorkerView], headroom: int, before: set[str], kept: set[str]
+) -> None:
+    """The kept set changes only where a worker holding less batch work, the pool or the count asks."""
+    assert kept_idle(views, headroom, kept_before=frozenset(before)) == kept
+
+
+def test_headroom_holds_its_kept_workers_between_decisions() -> None:
+    """A batch line's decision keeps the set of the one before while the kept workers hold no more
+    batch work than the others; an interactive decision is bound by none and leaves the set as it is."""
+    headroom = Headroom(IdleHeadroom(max_share=0.0, min_workers=1))
+    assert headroom.kept({BATCH: 2}, [worker("a", 1), worker("b"), worker("c", 1)], BATCH, 0.0) == {"b"}
+    # a drained: free as b, with a lower id; b stays kept.
+    assert headroom.kept({BATCH: 1}, [worker("a"), worker("b"), worker("c", 1)], BATCH, 1.0) == {"b"}
+    assert headroom.kept({BATCH: 1, 0: 1}, [worker("a", 1), worker("b", interactive=1)], 0, 2.0) == set()
+    assert headroom.kept(
+        {BATCH: 3}, [worker("a", 1), worker("b", is_healthy=False), worker("c", 2)], BATCH, 3.0
+    ) == {"a"}
+    assert (
+        Headroom(IdleHeadroom(max_share=0.0)).kept({BATCH: 1}, [worker("a"), worker("b")], BATCH, 0.0)
+        == set()
+    )
+
+
 def test_the_recent_peak_forgets_what_left_the_window() -> None:
     peak = RecentPeak(window_s=10.0)
     assert peak.peak(0.0) == 0
@@ -157,21 +204,32 @@ def served(limit: int) -> ServedModel:
 
 
 def test_decide_keeps_batch_lines_off_the_headroom_workers() -> None:
-    """New batch lines keep off; a retried one (its worker failed it) moves work, adds none: it may
-    take the kept worker rather than wait at its queue's head for the window to end."""
+    """Batch lines keep off the kept workers, a retried one too (its worker failed it) while another
+    may serve it; one whose every other worker is excluded takes a kept one rather than wait at its
+    queue's head for the window to end."""
     fleet = [worker("a", 3), worker("b", interactive=1), worker("c"), worker("d", 1)]
     batch = RequestContext(model="m", priority=BATCH)
     model = served(8)
-    assert {decide(model, fleet, batch, headroom=1).worker.id for _ in range(6)} == {"a", "c", "d"}
-    assert {decide(model, fleet, batch, headroom=2).worker.id for _ in range(6)} == {"a", "d"}
-    assert decide(served(8), fleet, RequestContext(model="m", priority=0), headroom=1).worker.id in "abc"
+    assert {decide(model, fleet, batch, kept=frozenset("b")).worker.id for _ in range(6)} == {"a", "c", "d"}
+    assert {decide(model, fleet, batch, kept=frozenset("bc")).worker.id for _ in range(6)} == {"a", "d"}
+    interactive = RequestContext(model="m", priority=0)
+    assert decide(served(8), fleet, interactive, kept=frozenset("b")).worker.id in "abc"
     retry = RequestContext(model="m", priority=BATCH, excluded=frozenset({"a"}))
-    assert decide(served(8), [worker("a"), worker("b", interactive=1)], retry, headroom=1).worker.id == "b"
+    assert (
+        decide(
+            served(8), [worker("a"), worker("b", interactive=1), worker("c", 1)], retry, kept=frozenset("b")
+        ).worker.id
+        == "c"
+    )
+    assert (
+        decide(served(8), [worker("a"), worker("b", interactive=1)], retry, kept=frozenset("b")).worker.id
+        == "b"
+    )
     full = [worker("a", 6), worker("b")]
     with pytest.raises(UnroutableError) as refused:
-        decide(served(8), full, batch, headroom=1)  # the slot reserve holds a's last slots
+        decide(served(8), full, batch, kept=frozenset("b"))  # the slot reserve holds a's last slots
     assert refused.value.reason == "at_capacity"
-    assert decide(served(8), full, batch, headroom=0).worker.id == "b"
+    assert decide(served(8), full, batch).worker.id == "b"
 
 
 LINE_URL = "/v1/chat/completions"

@@ -166,14 +166,14 @@ class Picker:
         if subset is not None:
             outside = frozenset(view.id for view in views if address_of(view.url) not in subset)
             ctx = dataclasses.replace(ctx, excluded=outside)
-        headroom = self.headrooms.workers(
+        kept = self.headrooms.kept(
             served.name,
             self.registry.in_flight_by_priority(served.name),
             views,
             ctx.priority,
             time.monotonic(),
         )
-        decision = decide(served, views, ctx, self.settings.slot_reserve, headroom)
+        decision = decide(served, views, ctx, self.settings.slot_reserve, kept)
         return apply_decision(self.registry, self.state, served, decision, priority=ctx.priority)
 
     def moved(self, picked: Picked, served_address: str) -> None:

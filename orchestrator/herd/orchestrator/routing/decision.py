@@ -38,7 +38,6 @@ from herd.api.kv_hash import BlockHash
 from herd.orchestrator.discovery import ModelConfig
 from herd.orchestrator.kv_index import KVIndex, PromptMatch
 from herd.orchestrator.routing._types import RequestContext, RoutingStrategy, WorkerView, healthy
-from herd.orchestrator.routing.headroom import kept_idle
 from herd.orchestrator.routing.latency import LatencyFeatures, LatencyModel, Prediction
 from herd.orchestrator.routing.pairing import (
     choose_path,
@@ -129,11 +128,11 @@ def decide(
     views: Sequence[WorkerView],
     request: RequestContext,
     reserve: SlotReserve = DEFAULT_RESERVE,
-    headroom: int = 0,
+    kept: frozenset[str] = frozenset(),
 ) -> Decision:
     """The whole choice for ``request`` over every worker of ``model`` (both pools, any health);
-    ``reserve``: the slots background requests leave to more urgent ones; ``headroom``: the workers
-    background requests leave free of background work (``routing.headroom.IdleHeadroom.workers``)."""
+    ``reserve``: the slots background requests leave to more urgent ones; ``kept``: the ids of the
+    workers background requests leave free of background work (``routing.headroom.Headroom.kept``)."""
     config = model.config
     is_disaggregated = config.mode == "disaggregated"
     role = "decode" if is_disaggregated else "unified"
@@ -142,10 +141,11 @@ def decide(
     if not pool:
         raise UnroutableError("no_healthy_worker")
     limit = config.max_in_flight_per_worker
-    # A retry (``excluded``) moves background work a worker failed to serve; it adds none, and kept
-    # off the headroom with its own worker excluded it could block its queue's head until the window ends.
-    is_new_background = request.priority >= reserve.priority and not request.excluded
-    idle = kept_idle(pool, headroom, reserve) if is_new_background else frozenset()
+    # A background request, a retry included, leaves the kept workers alone while another may serve
+    # it; a retry whose every other worker is excluded (or down) takes a kept one, else it would block
+    # its queue's head until the headroom ends.
+    is_background = request.priority >= reserve.priority
+    idle = kept if is_background and any(view.id not in kept for view in pool) else frozenset()
     open_pool = pool
     if limit or idle:  # else every healthy worker is open: no second pass over the fleet
         open_pool = [

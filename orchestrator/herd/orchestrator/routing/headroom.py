@@ -19,9 +19,10 @@ interactive requests after a quiet spell find idle, paid in batch throughput all
 requests to the batch-free workers, which hold fewer in flight. The cost is the batch's throughput
 on those workers, only while interactive traffic is recent.
 
-``kept_idle`` is the rule, pure; ``decide`` applies it in its capacity filter, after the slot reserve,
-and the gateway and the endpoint picker each keep ``Headrooms``, a ``Headroom`` a model, to say how
-many workers to keep.
+``kept_idle`` is the rule, pure; the gateway and the endpoint picker each keep ``Headrooms``, a
+``Headroom`` a model, which says how many workers to keep and which (``Headroom.kept``, the set held
+still between decisions), and ``decide`` keeps background requests off them in its capacity filter,
+after the slot reserve.
 """
 
 from __future__ import annotations
@@ -83,19 +84,28 @@ def background_in_flight(view: WorkerView, reserve: SlotReserve = DEFAULT_RESERV
 
 
 def kept_idle(
-    views: Sequence[WorkerView], headroom: int, reserve: SlotReserve = DEFAULT_RESERVE
+    views: Sequence[WorkerView],
+    headroom: int,
+    reserve: SlotReserve = DEFAULT_RESERVE,
+    kept_before: frozenset[str] = frozenset(),
 ) -> frozenset[str]:
     """The ids of the ``headroom`` workers among ``views`` (the serving pool) that a background
     request may not take: those holding no background work first, the ones with the most interactive
     requests among them first (where interactive traffic already goes); when too few hold none, the
-    ones holding the least background work (then the most interactive), so that they drain. Ties: by
-    id, so that successive decisions keep the same ones."""
+    ones holding the least background work (then the most interactive), so that they drain.
+
+    The set holds still: among workers holding as much background work, those in ``kept_before`` (the
+    previous decision's set) come first, so a kept worker gives its place only to one holding less
+    background work, or when it leaves the pool or the headroom shrinks. Without that, a worker whose
+    batch lines drained (or which took an interactive request) would displace a kept one between two
+    decisions, and the next batch line would land on the worker the interactive traffic was sent to.
+    Remaining ties: by id."""
     if headroom <= 0:
         return frozenset()
 
-    def order(view: WorkerView) -> tuple[int, int, str]:
+    def order(view: WorkerView) -> tuple[int, bool, int, str]:
         background = background_in_flight(view, reserve)
-        return (background, background - view.num_in_flight, view.id)
+        return (background, view.id not in kept_before, background - view.num_in_flight, view.id)
 
     return frozenset(view.id for view in heapq.nsmallest(headroom, views, key=order))
 
@@ -123,16 +133,33 @@ class RecentPeak:
 
 
 class Headroom:
-    """One model's idle headroom: the recent peak of its interactive requests in flight, and how many
-    batch-free workers that asks for. The gateway calls ``workers`` before each decision with the
-    model's requests in flight by priority (``Registry.in_flight_by_priority``, kept as requests come
-    and go, so an interactive decision walks no worker) and the request's priority; an interactive
-    request counts itself in the peak."""
+    """One model's idle headroom: the recent peak of its interactive requests in flight, how many
+    batch-free workers that asks for, and which (``kept``, the last set given, which it holds still).
+    The gateway calls ``kept`` before each decision with the model's requests in flight by priority
+    (``Registry.in_flight_by_priority``, kept as requests come and go, so an interactive decision
+    walks no worker) and the request's priority; an interactive request counts itself in the peak."""
 
     def __init__(self, settings: IdleHeadroom, reserve: SlotReserve = DEFAULT_RESERVE) -> None:
         self.settings = settings
         self.reserve = reserve
         self.recent = RecentPeak(settings.window_s)
+        self._kept: frozenset[str] = frozenset()
+
+    def kept(
+        self, in_flight: Mapping[int, int], views: Sequence[WorkerView], priority: int, now: float
+    ) -> frozenset[str]:
+        """The ids of the workers a request of ``priority`` may not take at ``now`` (``workers`` of
+        them, ``kept_idle`` over the serving pool, the previous background decision's set held
+        still): none for an interactive request, which leaves the set as it was."""
+        headroom = self.workers(in_flight, views, priority, now)
+        if priority < self.reserve.priority:
+            return frozenset()
+        if headroom <= 0:
+            self._kept = frozenset()
+            return self._kept
+        serving = [view for view in healthy(views) if view.role != "prefill"]
+        self._kept = kept_idle(serving, headroom, self.reserve, self._kept)
+        return self._kept
 
     def workers(
         self, in_flight: Mapping[int, int], views: Sequence[WorkerView], priority: int, now: float
@@ -161,11 +188,11 @@ class Headrooms:
         self.reserve = reserve
         self._models: dict[str, Headroom] = {}
 
-    def workers(
+    def kept(
         self, model: str, in_flight: Mapping[int, int], views: Sequence[WorkerView], priority: int, now: float
-    ) -> int:
-        """``Headroom.workers`` for ``model``."""
+    ) -> frozenset[str]:
+        """``Headroom.kept`` for ``model``."""
         headroom = self._models.get(model)
         if headroom is None:
             headroom = self._models[model] = Headroom(self.settings, self.reserve)
-        return headroom.workers(in_flight, views, priority, now)
+        return headroom.kept(in_flight, views, priority, now)
