@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import dataclasses
 import json
 import os
 import platform
@@ -41,10 +42,9 @@ from routing_decision import BLOCK_SIZE, Fleet, make_fleet, percentile
 
 from herd.api.crd import RoutingSpec
 from herd.api.protocol import LoadReport
-from herd.orchestrator.apply import apply_decision
+from herd.orchestrator.apply import apply_decision, decide_with_headroom
 from herd.orchestrator.discovery import Membership, ModelConfig, WorkerEndpoint
 from herd.orchestrator.registry import Hold, Registry
-from herd.orchestrator.routing import decide
 from herd.orchestrator.routing.headroom import Headrooms, IdleHeadroom
 from herd.orchestrator.routing.reserve import BACKGROUND_PRIORITY, DEFAULT_RESERVE
 from herd.orchestrator.served import ServedModel
@@ -102,13 +102,11 @@ async def time_steps(
             for worker in workers:
                 worker._viewed = None
         priority = BACKGROUND_PRIORITY if i % 10 == 9 else 0
+        ctx = dataclasses.replace(ctx, priority=priority)
         cpu_start, wall_start = time.thread_time_ns(), time.perf_counter_ns()
         views = registry.all_views(MODEL)
-        in_flight_now = registry.in_flight_by_priority(MODEL)
-        kept = headrooms.kept(MODEL, in_flight_now, views, priority, time.monotonic())
-        route = apply_decision(
-            registry, state, served, decide(served, views, ctx, DEFAULT_RESERVE, kept), priority=priority
-        )
+        decision = decide_with_headroom(registry, headrooms, served, views, ctx, DEFAULT_RESERVE)
+        route = apply_decision(registry, state, served, decision, priority=priority)
         wall_end, cpu_end = time.perf_counter_ns(), time.thread_time_ns()
         in_flight.append(route.hold)
         in_flight.popleft().release("success")

@@ -77,6 +77,9 @@ class Setup:
     host_share: float
     disk_share: float
     tier_cost: str
+    peer_pulls: bool = False
+    """Workers pull a prompt's blocks from a peer's device (``kv_tiers_real.py``; the simulator has no
+    pull model, so its setups leave it off)."""
 
 
 @dataclass(frozen=True)

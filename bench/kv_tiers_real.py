@@ -48,7 +48,6 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +67,7 @@ from _common import (
     thread_env,
     write_report,
 )
+from kv_tiers import Setup
 from prometheus_client.parser import text_string_to_metric_families
 from support.procs import running, wait_until
 
@@ -80,15 +80,6 @@ NAME = "smollm2"
 BLOCK_SIZE = 16
 BLOCK_BYTES = BYTES_PER_TOKEN * BLOCK_SIZE
 NUM_WORKERS = 4
-
-
-@dataclass(frozen=True)
-class Setup:
-    name: str
-    host_share: float
-    disk_share: float
-    tier_cost: str
-    peer_pulls: bool = False
 
 
 SETUPS = {

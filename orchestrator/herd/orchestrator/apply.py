@@ -9,15 +9,19 @@ another replica claimed the session first, the edge decides again with that repl
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from herd.orchestrator.breaker import Outcome
 from herd.orchestrator.registry import Hold, Registry
-from herd.orchestrator.routing import Decision, WorkerView
+from herd.orchestrator.routing import Decision, RequestContext, WorkerView, decide
+from herd.orchestrator.routing.headroom import Headrooms
+from herd.orchestrator.routing.reserve import SlotReserve
 from herd.orchestrator.served import ServedModel
 from herd.orchestrator.state import State
 
-__all__ = ["Route", "apply_decision", "write_pin"]
+__all__ = ["Route", "apply_decision", "decide_with_headroom", "write_pin"]
 
 
 @dataclass(eq=False)
@@ -36,6 +40,21 @@ class Route:
         self.hold.release(outcome)
         if self.prefill_hold is not None:
             self.prefill_hold.release(outcome)
+
+
+def decide_with_headroom(
+    registry: Registry,
+    headrooms: Headrooms,
+    served: ServedModel,
+    views: Sequence[WorkerView],
+    ctx: RequestContext,
+    reserve: SlotReserve,
+) -> Decision:
+    """``decide`` over ``views`` with the workers the idle headroom keeps off background work now, as
+    the gateway and the endpoint picker both decide."""
+    in_flight = registry.in_flight_by_priority(served.name)
+    kept = headrooms.kept(served.name, in_flight, views, ctx.priority, time.monotonic())
+    return decide(served, views, ctx, reserve, kept)
 
 
 def apply_decision(

@@ -56,7 +56,7 @@ from herd.orchestrator.admission.tenants import (
 )
 from herd.orchestrator.admission.usage import StreamTally, Usage, usage_of
 from herd.orchestrator.admission.waiting import QueueSettings
-from herd.orchestrator.apply import Route, apply_decision, write_pin
+from herd.orchestrator.apply import Route, apply_decision, decide_with_headroom, write_pin
 from herd.orchestrator.breaker import Outcome, answer_outcome
 from herd.orchestrator.cold_start import ColdStarts, ColdStartSettings
 from herd.orchestrator.disagg import Handoff, TwoPhase, handed_body
@@ -65,7 +65,7 @@ from herd.orchestrator.prepare import INLINE_PREPARE_BYTES, Preparer
 from herd.orchestrator.proxy import RelayResponse, StreamEnd
 from herd.orchestrator.registry import Hold, Registry
 from herd.orchestrator.resume import StreamLedger
-from herd.orchestrator.routing import Decision, RequestContext, UnroutableError, WorkerView, decide
+from herd.orchestrator.routing import Decision, RequestContext, UnroutableError, WorkerView
 from herd.orchestrator.routing._types import SloMiss
 from herd.orchestrator.routing.headroom import Headrooms, IdleHeadroom
 from herd.orchestrator.routing.latency import LatencyFeatures, Prediction
@@ -345,14 +345,9 @@ class Gateway:
             "herd.gateway.route", context=set_span_in_context(request.span)
         ) as span:
             views = self.registry.all_views(served.name)
-            kept = self._headrooms.kept(
-                served.name,
-                self.registry.in_flight_by_priority(served.name),
-                views,
-                ctx.priority,
-                time.monotonic(),
+            decision = decide_with_headroom(
+                self.registry, self._headrooms, served, views, ctx, self.settings.slot_reserve
             )
-            decision = decide(served, views, ctx, self.settings.slot_reserve, kept)
             span.set_attributes(_decision_attributes(served, decision))
         request.metrics.decision.observe(time.perf_counter() - started)
         if decision.expected_blocks:

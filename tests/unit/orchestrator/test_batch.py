@@ -267,10 +267,10 @@ async def loop_lag(until: asyncio.Event) -> float:
 async def test_answers_are_written_off_the_event_loop_and_together(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With a disk taking 0.2 s a write, the gateway's loop (which relays every interactive stream)
-    is never held for it, and the 12 answers that arrive at once take fewer writes than answers;
+    """With a disk taking 0.5 s a write, the gateway's loop (which relays every interactive stream)
+    is never held for it (0.3 s of lag allowed: a loaded machine delays the loop too), and the 12 answers that arrive at once take fewer writes than answers;
     every one of them is on disk and counted."""
-    disk = SlowDisk(monkeypatch, 0.2)
+    disk = SlowDisk(monkeypatch, 0.5)
     cluster = FakeCluster([FakeWorker("w0")])
     lines = [request_line(f"r{i}") for i in range(12)]
     root_settings = AppSettings(registry=FAST_REGISTRY, batch_dir=tmp_path, batch_concurrency=12)
@@ -294,7 +294,7 @@ async def test_answers_are_written_off_the_event_loop_and_together(
     assert sorted(json.loads(line)["custom_id"] for line in output.splitlines()) == sorted(
         f"r{i}" for i in range(12)
     )
-    assert worst < 0.15, f"the event loop was held {worst:.3f} s by a batch write"
+    assert worst < 0.3, f"the event loop was held {worst:.3f} s by a batch write"
     assert 1 <= disk.calls < 12
 
 

@@ -35,13 +35,13 @@ from herd.orchestrator.admission.quotas import Quotas
 from herd.orchestrator.admission.tenants import ANONYMOUS, Tenant
 from herd.orchestrator.admission.usage import Usage
 from herd.orchestrator.admission.waiting import QueueSettings
-from herd.orchestrator.apply import Route, apply_decision, write_pin
+from herd.orchestrator.apply import Route, apply_decision, decide_with_headroom, write_pin
 from herd.orchestrator.auth import ApiKeys
 from herd.orchestrator.cold_start import ColdStarts
 from herd.orchestrator.epp.wire import address_of
 from herd.orchestrator.prepare import Prepared, Preparer
 from herd.orchestrator.registry import Registry
-from herd.orchestrator.routing import UnroutableError, decide
+from herd.orchestrator.routing import UnroutableError
 from herd.orchestrator.routing._types import SloMiss
 from herd.orchestrator.routing.headroom import Headrooms, IdleHeadroom
 from herd.orchestrator.routing.reserve import SlotReserve
@@ -166,14 +166,9 @@ class Picker:
         if subset is not None:
             outside = frozenset(view.id for view in views if address_of(view.url) not in subset)
             ctx = dataclasses.replace(ctx, excluded=outside)
-        kept = self.headrooms.kept(
-            served.name,
-            self.registry.in_flight_by_priority(served.name),
-            views,
-            ctx.priority,
-            time.monotonic(),
+        decision = decide_with_headroom(
+            self.registry, self.headrooms, served, views, ctx, self.settings.slot_reserve
         )
-        decision = decide(served, views, ctx, self.settings.slot_reserve, kept)
         return apply_decision(self.registry, self.state, served, decision, priority=ctx.priority)
 
     def moved(self, picked: Picked, served_address: str) -> None:
