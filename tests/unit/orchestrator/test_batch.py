@@ -354,3 +354,39 @@ def test_an_update_waits_for_the_one_under_way(tmp_path: Path) -> None:
     writer.join(5.0)
     stored = store.batch("batch-1", tenant)
     assert stored.status == "cancelling" and stored.request_counts.completed == 2
+
+
+def test_two_stores_saving_one_record_at_once_never_break_its_file(tmp_path: Path) -> None:
+    """A gateway stopping (its last write in a thread) and its successor over the same folder may save
+    one batch record at the same moment: each write has its own temporary file, so neither fails and
+    the record is always one of them, whole."""
+    tenant = Tenant(name="team")
+    record = BatchRecord(
+        id="batch-1",
+        endpoint=ENDPOINT,
+        input_file_id="file-1",
+        completion_window="24h",
+        status="in_progress",
+        created_at=0,
+        expires_at=1,
+        tenant=tenant,
+    )
+    stores = [BatchStore(tmp_path), BatchStore(tmp_path)]
+    errors: list[BaseException] = []
+
+    def save_often(store: BatchStore, completed: int) -> None:
+        counted = record.model_copy(update={"request_counts": RequestCounts(total=9, completed=completed)})
+        try:
+            for _ in range(200):
+                store.save_batch(counted)
+        except OSError as error:
+            errors.append(error)
+
+    writers = [threading.Thread(target=save_often, args=(store, n)) for n, store in enumerate(stores, 1)]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join(30.0)
+    assert errors == []
+    assert stores[0].batch("batch-1", tenant).request_counts.completed in (1, 2)
+    assert [path.name for path in (tmp_path / "batches").iterdir()] == ["batch-1.json"]

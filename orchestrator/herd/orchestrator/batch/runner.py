@@ -118,6 +118,15 @@ class _Run:
         self._writer: asyncio.Task[None] | None = None
 
     async def run(self) -> None:
+        """Run the batch's lines; cancelled (the gateway stopping), it still waits for the answers
+        being written, so that the gateway after it finds every answer already sent on disk."""
+        try:
+            await self._run_lines()
+        finally:
+            if self._writer is not None:
+                await asyncio.shield(self._writer)
+
+    async def _run_lines(self) -> None:
         lines = self._validated()
         if lines is None:
             return

@@ -219,7 +219,10 @@ def _safe(identifier: str) -> str:
 
 
 def _write_atomically(path: Path, content: bytes) -> None:
-    temporary = path.with_suffix(path.suffix + ".tmp")
+    """``content`` at ``path``, whole or not at all; each write has a temporary file of its own, so
+    writers of one path (a gateway's thread and its loop, or a gateway stopping and its successor)
+    never rename each other's."""
+    temporary = path.with_name(f"{path.name}.{secrets.token_hex(6)}.tmp")
     with temporary.open("wb") as handle:
         handle.write(content)
         handle.flush()
