@@ -298,6 +298,20 @@ async def test_answers_are_written_off_the_event_loop_and_together(
     assert 1 <= disk.calls < 12
 
 
+def a_batch(status: BatchStatus = "in_progress") -> BatchRecord:
+    """A stored batch's record of tenant ``team``, for the runner's and the store's own rules."""
+    return BatchRecord(
+        id="batch-1",
+        endpoint=ENDPOINT,
+        input_file_id="file-1",
+        completion_window="24h",
+        status=status,
+        created_at=0,
+        expires_at=1,
+        tenant=Tenant(name="team"),
+    )
+
+
 @pytest.mark.parametrize(
     ("status", "becomes"),
     [
@@ -309,16 +323,7 @@ async def test_answers_are_written_off_the_event_loop_and_together(
     ],
 )
 def test_cancelling_changes_only_a_running_batch(status: BatchStatus, becomes: BatchStatus) -> None:
-    record = BatchRecord(
-        id="batch-1",
-        endpoint=ENDPOINT,
-        input_file_id="file-1",
-        completion_window="24h",
-        status=status,
-        created_at=0,
-        expires_at=1,
-        tenant=Tenant(name="team"),
-    )
+    record = a_batch(status)
     changed = cancelling(record)
     assert changed.status == becomes
     assert (changed.cancelling_at is not None) == (status != becomes)
@@ -328,17 +333,8 @@ def test_an_update_waits_for_the_one_under_way(tmp_path: Path) -> None:
     """Two read-change-writes of one record at once (the runner's thread saving counts, the loop
     cancelling): the second reads what the first wrote, so neither change is lost."""
     store = BatchStore(tmp_path)
-    tenant = Tenant(name="team")
-    record = BatchRecord(
-        id="batch-1",
-        endpoint=ENDPOINT,
-        input_file_id="file-1",
-        completion_window="24h",
-        status="in_progress",
-        created_at=0,
-        expires_at=1,
-        tenant=tenant,
-    )
+    record = a_batch()
+    tenant = record.tenant
     store.save_batch(record)
     reading = threading.Event()
 
@@ -360,17 +356,8 @@ def test_two_stores_saving_one_record_at_once_never_break_its_file(tmp_path: Pat
     """A gateway stopping (its last write in a thread) and its successor over the same folder may save
     one batch record at the same moment: each write has its own temporary file, so neither fails and
     the record is always one of them, whole."""
-    tenant = Tenant(name="team")
-    record = BatchRecord(
-        id="batch-1",
-        endpoint=ENDPOINT,
-        input_file_id="file-1",
-        completion_window="24h",
-        status="in_progress",
-        created_at=0,
-        expires_at=1,
-        tenant=tenant,
-    )
+    record = a_batch()
+    tenant = record.tenant
     stores = [BatchStore(tmp_path), BatchStore(tmp_path)]
     errors: list[BaseException] = []
 
