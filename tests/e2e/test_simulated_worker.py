@@ -32,12 +32,17 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def fleet(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[int]]:
+def fleet_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("fleet") / "fleet.log"
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny: Path, fleet_log: Path) -> Iterator[list[int]]:
     """The public ports of ``NUM_WORKERS`` simulated workers in one ``herd worker`` process."""
     ports = free_port_block(2 * NUM_WORKERS)
     argv = worker_argv(tiny, port=ports[0], internal_port=ports[NUM_WORKERS], token=TOKEN)
-    argv += ["--engine-json", json.dumps(SIMULATED), "--replicas", str(NUM_WORKERS)]
-    log = tmp_path_factory.mktemp("fleet") / "fleet.log"
+    argv += ["--engine-json", json.dumps(SIMULATED), "--replicas", str(NUM_WORKERS), "--log-level", "INFO"]
+    log = fleet_log
     with running(argv, log=log) as process:
         public = ports[:NUM_WORKERS]
 
@@ -83,6 +88,20 @@ def test_each_worker_of_a_fleet_has_its_own_engine_and_kv_cache(fleet: list[int]
     assert _cached_blocks(internal[0]) == _cached_blocks(internal[1])
     assert _cached_blocks(internal[0]) and _cached_blocks(internal[2]) == []
     assert _get(f"http://127.0.0.1:{third}/metrics") == 200
+
+
+def test_each_ready_worker_freezes_the_startup_heap_and_times_collections(
+    fleet: list[int], fleet_log: Path
+) -> None:
+    frozen = [
+        entry["frozen_objects"]
+        for line in fleet_log.read_text().splitlines()
+        if line.startswith("{") and (entry := json.loads(line)).get("msg") == "startup heap frozen"
+    ]
+    assert len(frozen) == NUM_WORKERS and min(frozen) > 10_000, frozen  # imports, tokenizer, apps
+    _complete(fleet[0])
+    text = httpx.get(f"http://127.0.0.1:{fleet[0]}/metrics", timeout=5).text
+    assert 'herd_gc_pause_seconds_count{generation="0"}' in text
 
 
 @pytest.mark.parametrize(

@@ -264,6 +264,7 @@ async def test_metrics_use_the_vllm_names(client: httpx.AsyncClient) -> None:
         "vllm:request_success_total",
         "herd_engine_step_seconds",
         "herd_kv_events_total",
+        "herd_gc_pause_seconds_count",
     ):
         assert f"\n{name}" in text, name
     assert 'vllm:request_success_total{finished_reason="length",model_name="tiny"}' in text

@@ -47,6 +47,10 @@ HERD_KV_PEER_PULLS_TOTAL = "herd_kv_peer_pulls_total"
 """Pulls of a prompt's blocks from a peer worker, by outcome: pulled, empty (the peer held none of
 them any more) or failed (the blocks were computed instead)."""
 
+# Every serving process (the orchestrator and each worker), herd's own.
+HERD_GC_PAUSE_SECONDS = "herd_gc_pause_seconds"
+"""The process's garbage collection pauses, by generation (``herd.api.heap``)."""
+
 # Orchestrator.
 HERD_ROUTER_REQUESTS_TOTAL = "herd_router_requests_total"
 HERD_ROUTER_ERRORS_TOTAL = "herd_router_errors_total"
@@ -98,6 +102,7 @@ WORKER_METRICS = (
     HERD_KV_TIER_RESTORE_BYTES_PER_SECOND,
     HERD_PREFILL_TOKENS_PER_SECOND,
     HERD_KV_PEER_PULLS_TOTAL,
+    HERD_GC_PAUSE_SECONDS,
 )
 ORCHESTRATOR_METRICS = (
     HERD_ROUTER_REQUESTS_TOTAL,
@@ -114,4 +119,5 @@ ORCHESTRATOR_METRICS = (
     HERD_ROUTER_PHASE_SECONDS,
     HERD_ROUTER_CIRCUIT_STATE,
     HERD_WORKER_RESTARTS_TOTAL,
+    HERD_GC_PAUSE_SECONDS,
 )

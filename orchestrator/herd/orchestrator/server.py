@@ -18,6 +18,7 @@ import uvloop
 from fastapi import FastAPI
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from herd.api.heap import freeze_startup_heap
 from herd.api.openai import ErrorResponse
 
 __all__ = ["ServerLimits", "build_server", "run_server", "serve"]
@@ -73,11 +74,14 @@ async def serve(
     limits: ServerLimits | None = None,
     on_started: Callable[[], None] | None = None,
 ) -> None:
-    """Run until SIGINT or SIGTERM; ``on_started`` runs once the socket accepts connections."""
+    """Run until SIGINT or SIGTERM; once the socket accepts connections, the startup heap is frozen
+    (``herd.api.heap``) and ``on_started`` runs."""
     server = build_server(app, host=host, port=port, limits=limits)
     task = asyncio.create_task(server.serve())
-    if await _started(server, task) and on_started is not None:
-        on_started()
+    if await _started(server, task):
+        freeze_startup_heap(port=port)
+        if on_started is not None:
+            on_started()
     await task
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from herd.api import metrics as names
+from herd.api.heap import GC_PAUSES
 
 __all__ = ["RecentRequests", "Telemetry"]
 
@@ -54,6 +55,7 @@ class Telemetry:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self.registry.register(GC_PAUSES)
         reg = self.registry
         self.requests = Counter(
             names.HERD_ROUTER_REQUESTS_TOTAL,

@@ -24,6 +24,7 @@ import uvloop
 from starlette.types import ASGIApp
 
 from herd.api.backends import KV_EVENTS_TOPIC
+from herd.api.heap import freeze_startup_heap
 from herd.api.prompt import read_tokenizer_files
 from herd.api.protocol import TokenizerFiles
 from herd.sidecar._internal import build_internal_app
@@ -123,6 +124,7 @@ async def _learn(view: VLLMView, options: SidecarOptions) -> None:
         "sidecar ready",
         extra={"model": options.served_name, "num_blocks": geometry.num_blocks, "port": options.port},
     )
+    freeze_startup_heap(port=options.port)
 
 
 def _on_failure(task: asyncio.Task[None], servers: list[_Server]) -> None:

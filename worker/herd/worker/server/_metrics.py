@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from herd.api import metrics as names
+from herd.api.heap import GC_PAUSES
 from herd.api.protocol import LoadReport, Medium
 from herd.worker.engine_protocol import ServingEngine
 from herd.worker.stats import EngineStats
@@ -90,6 +91,7 @@ class WorkerMetrics:
             registry=self.registry,
         )
         self.registry.register(_EngineCollector(engine, model_name))
+        self.registry.register(GC_PAUSES)
         engine.step_observers.append(self.step.observe)
 
     def _histogram(self, name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:

@@ -26,6 +26,7 @@ import uvicorn
 import uvloop
 from fastapi import FastAPI
 
+from herd.api.heap import freeze_startup_heap
 from herd.api.prompt import PromptRenderer
 from herd.worker.async_engine import AsyncEngine
 from herd.worker.backends import build_engine
@@ -135,6 +136,7 @@ async def _watch_engine(worker: _Worker) -> None:
         "worker ready",
         extra={"model": worker.served_name, "port": options.port, "internal_port": options.internal_port},
     )
+    freeze_startup_heap(port=options.port)
     if worker.engine.info.embedding_size is None:  # an encoder holds no KV blocks to pull
         await _probe_transport(worker)
     await engine.wait_failed()
