@@ -22,13 +22,17 @@ reads to the end, sends the next) measure their time to first token. The setups 
 
 Each run has a fresh orchestrator and batch folder; the setups alternate over ``--rounds`` rounds
 (forward, then reversed). The figure is the interactive TTFT p99 with the batch over the same round's
-without (target <= 1.2), with and without headroom; each run also records the batch lines completed in
-its window and the machine's load average.
+without (target <= 1.2), with and without headroom, per round and pooled: a round's p99 of about 60
+requests is its slowest one, so the summary also pools each setup's requests over its rounds
+(``pooled_ttft_p99_ratio``). Each run also records the batch lines completed in its window and the
+machine's load average.
 
 Where the tail comes from: each run splits its slowest requests' TTFT (``slowest``) into the
 gateway's part (``gateway_ms``: the access log's TTFT, from the gateway taking the request to the
-worker's first chunk in: its queue, routing and the worker's time) and the rest (``relay_ms``: the
-gateway relaying that chunk to the client), with when each was sent (``sent_s`` into the window);
+worker's first chunk in: its queue, routing and the worker's time), the relay (``relay_ms``: the
+gateway relaying that chunk to the client) and ``held_ms`` (from that chunk to the first with text: a
+first token that is one byte of a multi-byte character shows no text until the next token, a decode
+step later), with when each was sent (``sent_s`` into the window);
 ``workers`` gives, for each worker that served interactive requests, the worker's own clock over the
 window (its ``/metrics``: requests, mean TTFT and how many took 250 ms or more from its handler
 taking the request to its first token, its engine steps' mean), beside how many of its interactive
@@ -95,11 +99,13 @@ SLOW_MS = int(SLOW_TTFT_S * 1000)
 
 @dataclass(frozen=True)
 class Sample:
-    """One interactive request: seconds before the window ended when sent, the client's TTFT, its id
-    and the worker that served it (the gateway's ``X-Herd-Worker``)."""
+    """One interactive request: seconds before the window ended when sent, the client's TTFT (to the
+    first chunk with text), its first chunk of any kind (the role chunk, sent with the first token),
+    its id and the worker that served it (the gateway's ``X-Herd-Worker``)."""
 
     left: float
     ttft: float
+    first_chunk: float
     request_id: str
     worker: str
 
@@ -124,7 +130,7 @@ async def user(
         }
         request_id = f"{setup}-{number}-{turn}"
         turn += 1
-        started, first = time.monotonic(), None
+        started, first, first_chunk = time.monotonic(), None, None
         left = deadline - started
         headers = {REQUEST_ID_HEADER: request_id}
         async with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response:
@@ -133,15 +139,14 @@ async def user(
                 await asyncio.sleep(0.1)
                 continue
             async for line in response.aiter_lines():
-                if (
-                    first is None
-                    and line.startswith("data: {")
-                    and '"content":""' not in line.replace(" ", "")
-                ):
-                    first = time.monotonic() - started
+                if first is None and line.startswith("data: {"):
+                    at = time.monotonic() - started
+                    first_chunk = at if first_chunk is None else first_chunk
+                    if '"content":""' not in line.replace(" ", ""):
+                        first = at
             worker = response.headers.get(WORKER_HEADER, "")
-        if first is not None:
-            samples.append(Sample(left, first, request_id, worker))
+        if first is not None and first_chunk is not None:
+            samples.append(Sample(left, first, first_chunk, request_id, worker))
 
 
 async def start_batch(client: httpx.AsyncClient, args: argparse.Namespace) -> str:
@@ -321,9 +326,12 @@ def gateway_ttfts(log: Path) -> dict[str, float]:
 
 
 def split(result: dict[str, Any], log: Path, seconds: float) -> dict[str, Any]:
-    """``result`` with its samples replaced by the split of the slowest ones (when each was sent
-    into the window of ``seconds``; the client's TTFT, the gateway's (``gateway_ttfts``) and the rest,
-    the gateway relaying the first chunk to the client) and the relay's median and worst."""
+    """``result`` with its samples replaced by every client TTFT (``ttfts_ms``, pooled over rounds in
+    the summary) and the split of the slowest ones: when each was sent into the window of
+    ``seconds``, the client's TTFT, the gateway's (``gateway_ttfts``), the relay (the gateway's first
+    chunk reaching the client) and ``held_ms``, from that first chunk to the first with text: a first
+    token that is part of a character (a byte of a multi-byte one) shows no text until the next
+    token completes it, a decode step later. The relay's median and worst beside."""
     gateway = gateway_ttfts(log)
     samples: list[Sample] = result.pop("samples")
 
@@ -334,7 +342,8 @@ def split(result: dict[str, Any], log: Path, seconds: float) -> dict[str, Any]:
             "sent_s": round(seconds - sample.left, 2),
             "client_ms": round(1000 * sample.ttft, 1),
             "gateway_ms": None if at_gateway is None else round(1000 * at_gateway, 1),
-            "relay_ms": None if at_gateway is None else round(1000 * (sample.ttft - at_gateway), 1),
+            "relay_ms": None if at_gateway is None else round(1000 * (sample.first_chunk - at_gateway), 1),
+            "held_ms": round(1000 * (sample.ttft - sample.first_chunk), 1),
         }
 
     rows = [row(sample) for sample in samples]
@@ -342,6 +351,7 @@ def split(result: dict[str, Any], log: Path, seconds: float) -> dict[str, Any]:
     slowest = sorted(rows, key=lambda r: -r["client_ms"])[: num_slowest(len(rows))]
     return {
         **result,
+        "ttfts_ms": [round(1000 * sample.ttft, 1) for sample in samples],
         "relay_p50_ms": round(statistics.median(relays), 1) if relays else None,
         "relay_max_ms": max(relays) if relays else None,
         "slowest": slowest,
@@ -470,6 +480,19 @@ def main() -> int:
             ]
             summary[setup][f"{key.removesuffix('_ms')}_ratio"] = ratios
             summary[setup][f"median_{key.removesuffix('_ms')}_ratio"] = statistics.median(ratios)
+    # One round's p99 of ~60 requests is its slowest request; pooled over the rounds, a p99 is a p99.
+    pooled = {
+        setup: [ttft / 1000 for run in runs if run["setup"] == setup for ttft in run["ttfts_ms"]]
+        for setup in SETUPS
+    }
+    for setup in SETUPS:
+        summary[setup]["pooled_num_interactive"] = len(pooled[setup])
+        summary[setup]["pooled_ttft_p99_ms"] = p99(pooled[setup])
+        summary[setup]["pooled_ttft_p50_ms"] = round(1000 * statistics.median(pooled[setup]), 1)
+    for setup in BATCH_SETUPS:
+        for key in ("pooled_ttft_p99_ms", "pooled_ttft_p50_ms"):
+            ratio = summary[setup][key] / summary["alone"][key]
+            summary[setup][f"{key.removesuffix('_ms')}_ratio"] = round(ratio, 3)
     write_report(args, ENGINE, runs, summary)
     return 0
 
