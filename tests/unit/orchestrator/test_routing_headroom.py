@@ -18,7 +18,7 @@ from herd.orchestrator.auth import ApiKeys
 from herd.orchestrator.discovery import ModelConfig
 from herd.orchestrator.gateway import GatewaySettings
 from herd.orchestrator.routing import RequestContext, UnroutableError, WorkerView, decide
-from herd.orchestrator.routing.headroom import Headroom, IdleHeadroom, RecentPeak, kept_idle
+from herd.orchestrator.routing.headroom import Headroom, IdleHeadroom, RecentPeak, kept_idle, serving_pool
 from herd.orchestrator.served import ServedModel
 
 BATCH = 1000
@@ -183,18 +183,23 @@ def test_headroom_counts_interactive_requests_and_binds_background_ones() -> Non
     headroom = Headroom(IdleHeadroom(max_share=0.5, window_s=10.0))
     fleet = [worker(n, 4) for n in "abcd"]
     batch_only, one_interactive = {BATCH: 16}, {BATCH: 16, 0: 1}
-    assert headroom.workers(batch_only, fleet, BATCH, 0.0) == 0  # no interactive traffic: the batch fills it
-    assert headroom.workers(one_interactive, fleet, BATCH, 0.0) == 1  # the one in flight now
-    assert headroom.workers(one_interactive, fleet, 0, 1.0) == 0  # observed: 1 in flight and itself
-    assert headroom.workers(one_interactive, fleet, BATCH, 8.0) == 2  # the peak, recent
-    assert headroom.workers(batch_only, fleet, BATCH, 17.0) == 1  # ended, but in flight at 8.0
-    assert headroom.workers(batch_only, fleet, BATCH, 18.5) == 0
+    assert (
+        headroom.workers(batch_only, len(fleet), BATCH, 0.0) == 0
+    )  # no interactive traffic: the batch fills it
+    assert headroom.workers(one_interactive, len(fleet), BATCH, 0.0) == 1  # the one in flight now
+    assert headroom.workers(one_interactive, len(fleet), 0, 1.0) == 0  # observed: 1 in flight and itself
+    assert headroom.workers(one_interactive, len(fleet), BATCH, 8.0) == 2  # the peak, recent
+    assert headroom.workers(batch_only, len(fleet), BATCH, 17.0) == 1  # ended, but in flight at 8.0
+    assert headroom.workers(batch_only, len(fleet), BATCH, 18.5) == 0
     # The share is of the serving pool: healthy workers, not a prefill pool (half of 2 here).
     pools = [worker("a", 4), worker("b", 4, is_healthy=False), worker("c", 4), worker("p", role="prefill")]
-    assert headroom.workers({BATCH: 12, 0: 3}, pools, BATCH, 30.0) == 1
+    assert [view.id for view in serving_pool(pools)] == ["a", "c"]
+    assert headroom.workers({BATCH: 12, 0: 3}, len(serving_pool(pools)), BATCH, 30.0) == 1
     standing = Headroom(IdleHeadroom(max_share=0.0, min_workers=1))
-    assert standing.workers(batch_only, fleet, BATCH, 0.0) == 1  # kept without interactive traffic
-    assert standing.workers(one_interactive, fleet, 0, 0.0) == 0  # the rule binds background requests only
+    assert standing.workers(batch_only, len(fleet), BATCH, 0.0) == 1  # kept without interactive traffic
+    assert (
+        standing.workers(one_interactive, len(fleet), 0, 0.0) == 0
+    )  # the rule binds background requests only
 
 
 def served(limit: int) -> ServedModel:

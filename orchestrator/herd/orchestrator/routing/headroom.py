@@ -44,6 +44,7 @@ __all__ = [
     "RecentPeak",
     "background_in_flight",
     "kept_idle",
+    "serving_pool",
 ]
 
 
@@ -77,6 +78,11 @@ class IdleHeadroom:
 
 
 NO_HEADROOM = IdleHeadroom(max_share=0.0)
+
+
+def serving_pool(views: Sequence[WorkerView]) -> list[WorkerView]:
+    """The workers of ``views`` that the headroom is a share of: healthy, and not a prefill pool's."""
+    return [view for view in healthy(views) if view.role != "prefill"]
 
 
 def background_in_flight(view: WorkerView, reserve: SlotReserve = DEFAULT_RESERVE) -> int:
@@ -151,24 +157,21 @@ class Headroom:
         """The ids of the workers a request of ``priority`` may not take at ``now`` (``workers`` of
         them, ``kept_idle`` over the serving pool, the previous background decision's set held
         still): none for an interactive request, which leaves the set as it was."""
-        headroom = self.workers(in_flight, views, priority, now)
-        if priority < self.reserve.priority:
+        is_background = priority >= self.reserve.priority
+        serving = serving_pool(views) if is_background and self.settings.is_on else []
+        headroom = self.workers(in_flight, len(serving), priority, now)
+        if not is_background:
             return frozenset()
-        if headroom <= 0:
-            self._kept = frozenset()
-            return self._kept
-        serving = [view for view in healthy(views) if view.role != "prefill"]
         self._kept = kept_idle(serving, headroom, self.reserve, self._kept)
         return self._kept
 
-    def workers(
-        self, in_flight: Mapping[int, int], views: Sequence[WorkerView], priority: int, now: float
-    ) -> int:
+    def workers(self, in_flight: Mapping[int, int], num_serving: int, priority: int, now: float) -> int:
         """The headroom for a request of ``priority`` at ``now``, ``in_flight`` being the model's
-        requests in flight by priority (on its serving workers) and ``views`` every worker of the
-        model: 0 for an interactive request (the rule binds background ones only). Every decision
-        observes the interactive requests in flight (an interactive request counts itself), so a long
-        one counts until it ends, while the batch's decisions come."""
+        requests in flight by priority (on its serving workers) and ``num_serving`` the size of its
+        serving pool (``serving_pool``; read only for a background request): 0 for an interactive
+        request (the rule binds background ones only). Every decision observes the interactive
+        requests in flight (an interactive request counts itself), so a long one counts until it
+        ends, while the batch's decisions come."""
         if not self.settings.is_on:
             return 0
         interactive = sum(n for p, n in in_flight.items() if p < self.reserve.priority)
@@ -176,7 +179,6 @@ class Headroom:
             self.recent.observe(interactive + 1, now)
             return 0
         self.recent.observe(interactive, now)
-        num_serving = sum(1 for view in healthy(views) if view.role != "prefill")
         return self.settings.workers(self.recent.peak(now), num_serving)
 
 
