@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import openai
@@ -32,6 +34,7 @@ def worker(name: str, batch: int = 0, interactive: int = 0, **fields: object) ->
         url=f"http://{name}",
         num_in_flight=batch + interactive,
         in_flight_by_priority=by_priority,
+        num_background=batch,
         **fields,  # type: ignore[arg-type]
     )
 
@@ -152,6 +155,37 @@ def test_kept_idle_holds_still(
 ) -> None:
     """The kept set changes only where a worker holding less batch work, the pool or the count asks."""
     assert kept_idle(views, headroom, kept_before=frozenset(before)) == kept
+
+
+def plain_kept_idle(views: list[WorkerView], headroom: int, kept_before: frozenset[str]) -> set[str]:
+    """The rule as it reads: every worker ranked by (background work, not kept before, background
+    work less requests in flight, id), the first ``headroom``."""
+    ranked = sorted(
+        views,
+        key=lambda v: (v.num_background, v.id not in kept_before, v.num_background - v.num_in_flight, v.id),
+    )
+    return {view.id for view in ranked[: max(headroom, 0)]}
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_kept_idle_keeps_what_the_plain_rule_keeps(seed: int) -> None:
+    """``kept_idle`` ranks only the workers tied at the bar; on random fleets (few distinct loads, so
+    ties abound, other replicas' requests in flight too) it keeps exactly what ranking all of them does."""
+    rng = random.Random(seed)
+    num_workers = rng.choice([1, 2, 5, 20, 200])
+    views = [
+        worker(
+            f"w{rng.randrange(10_000):04d}-{i}",
+            batch=rng.choice([0, 0, 0, 1, 2, 3]),
+            interactive=rng.choice([0, 0, 1, 2]),
+        )
+        for i in range(num_workers)
+    ]
+    views = [replace(v, num_in_flight=v.num_in_flight + rng.choice([0, 0, 1])) for v in views]
+    for _ in range(5):
+        headroom = rng.randrange(-1, num_workers + 2)
+        before = frozenset(v.id for v in rng.sample(views, rng.randrange(num_workers + 1)))
+        assert kept_idle(views, headroom, before) == plain_kept_idle(views, headroom, before)
 
 
 def test_headroom_holds_its_kept_workers_between_decisions() -> None:
