@@ -46,10 +46,11 @@ class SloTarget:
     on_miss: SloMiss = "route"
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class WorkerView:
     """A read-only view of one worker, as the registry saw it at a decision. The registry gives the
-    same view to later decisions while the worker has not changed, so nothing may edit one."""
+    same view to later decisions while the worker has not changed, so none is edited (frozen): a
+    changed worker gets a new one (``dataclasses.replace``)."""
 
     id: str
     url: str
