@@ -94,13 +94,11 @@ async def time_steps(
     in_flight: collections.deque[Hold] = collections.deque()
     for view in fleet.workers:  # the fleet's starting load, held as the gateway holds requests
         in_flight.extend(registry.hold(view.id) for _ in range(view.num_in_flight))
-    workers = list(registry.workers.values())
     wall: list[float] = []
     cpu: list[float] = []
     for i, ctx in enumerate(fleet.requests):
         if setup == "rebuilt":
-            for worker in workers:
-                worker._viewed = None
+            registry.forget_views()
         priority = BACKGROUND_PRIORITY if i % 10 == 9 else 0
         ctx = dataclasses.replace(ctx, priority=priority)
         cpu_start, wall_start = time.thread_time_ns(), time.perf_counter_ns()

@@ -281,6 +281,12 @@ class Registry:
             loaded = [adapter for adapter in loaded if adapter != name]
         worker.take_report(worker.report.model_copy(update={"lora_adapters": loaded}))
 
+    def forget_views(self) -> None:
+        """Drop every worker's kept view: the next decision builds each afresh, as every decision did
+        before views were kept (``bench/gateway_decision.py`` times both)."""
+        for worker in self.workers.values():
+            worker._viewed = None
+
     def all_views(self, model: str) -> list[WorkerView]:
         """Views of every worker of the model, both pools of a disaggregated one (what ``decide`` takes),
         counting in flight the requests this replica sent and those the other replicas shared."""

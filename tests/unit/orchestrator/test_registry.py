@@ -176,6 +176,9 @@ async def test_a_view_is_given_again_until_its_worker_changes() -> None:
             (0, {}, 2, False),
         ]
         assert len({id(view) for view in (first, held, released, reported, ejected)}) == 5
+        registry.forget_views()  # the next view is built afresh, showing the same
+        rebuilt = registry.all_views(MODEL)[0]
+        assert rebuilt is not ejected and rebuilt == ejected
 
 
 async def test_a_view_counts_the_background_requests_held_on_its_worker() -> None:
