@@ -32,10 +32,10 @@ import operator
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from itertools import compress
+from itertools import compress, repeat
 from operator import attrgetter
 
-from herd.orchestrator.routing._types import WorkerView, healthy
+from herd.orchestrator.routing._types import WorkerView
 from herd.orchestrator.routing.reserve import DEFAULT_RESERVE, SlotReserve
 
 __all__ = [
@@ -83,7 +83,7 @@ NO_HEADROOM = IdleHeadroom(max_share=0.0)
 
 def serving_pool(views: Sequence[WorkerView]) -> list[WorkerView]:
     """The workers of ``views`` that the headroom is a share of: healthy, and not a prefill pool's."""
-    return [view for view in healthy(views) if view.role != "prefill"]
+    return [view for view in views if view.is_healthy and view.role != "prefill"]
 
 
 _id = attrgetter("id")
@@ -118,23 +118,27 @@ def kept_idle(
         return frozenset(map(_id, views))
     backgrounds = list(map(_num_background, views))
     bar = sorted(backgrounds)[headroom - 1]
-    kept = list(compress(views, map(bar.__gt__, backgrounds)))
-    tied = list(compress(views, map(bar.__eq__, backgrounds)))
+    # Counts are never negative: at a bar of 0 none holds less (the common case, a pass saved).
+    kept = list(compress(views, map(operator.gt, repeat(bar), backgrounds))) if bar else []
+    tied = list(compress(views, map(operator.eq, backgrounds, repeat(bar))))
     was_kept = list(map(kept_before.__contains__, map(_id, tied)))
     held = list(compress(tied, was_kept))
     room = headroom - len(kept)
     if len(held) >= room:
-        kept += _most_in_flight(held)[:room]
+        kept += _most_in_flight(held, room)
     else:
         others = list(compress(tied, map(operator.not_, was_kept)))
-        kept += held + _most_in_flight(others)[: room - len(held)]
+        kept += held + _most_in_flight(others, room - len(held))
     return frozenset(map(_id, kept))
 
 
-def _most_in_flight(views: list[WorkerView]) -> list[WorkerView]:
-    """``views`` by requests in flight, most first, then by id (two sorts: a stable one keeps the
-    order of the first among equals, where reversed as well)."""
-    return sorted(sorted(views, key=_id), key=_num_in_flight, reverse=True)
+def _most_in_flight(views: list[WorkerView], n: int) -> list[WorkerView]:
+    """The first ``n`` of ``views`` by requests in flight, most first, then by id (two sorts: a
+    stable one keeps the order of the first among equals, where reversed as well); ``views`` itself
+    when it has no more than ``n``."""
+    if len(views) <= n:
+        return views
+    return sorted(sorted(views, key=_id), key=_num_in_flight, reverse=True)[:n]
 
 
 class RecentPeak:
