@@ -18,7 +18,13 @@ drops every worker's kept view before each decision (untimed), so every decision
 as the registry did before it kept them (that registry also copied each worker's in-flight counts
 by priority into its view; ``rebuilt`` does not, so it slightly flatters the old cost).
 
+``--baseline REV`` runs this script as it was at git revision ``REV`` (its whole tree, from ``git
+archive``, on ``PYTHONPATH``) and the working tree's, each in a process of its own, alternating them
+over ``--rounds`` rounds of one run each: per tree and setup, the median and range of the rounds.
+
     .venv/bin/python bench/gateway_decision.py --out bench/results/gateway_decision.json
+    .venv/bin/python bench/gateway_decision.py --baseline 55acea1 --rounds 3 \
+        --out bench/results/gateway_decision_ab.json
 """
 
 from __future__ import annotations
@@ -31,7 +37,9 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -56,6 +64,8 @@ __all__ = ["main"]
 MODEL = "bench"
 SETUPS = ("reused", "rebuilt")
 TARGET_P99_US = 1000.0
+PACKAGES = ("api", "kube", "worker", "orchestrator", "operator", "sidecar", "cli")
+"""The folders of the tree whose ``herd`` packages a ``--baseline`` run puts on ``PYTHONPATH``."""
 
 
 def gateway_of(
@@ -94,13 +104,11 @@ async def time_steps(
     in_flight: collections.deque[Hold] = collections.deque()
     for view in fleet.workers:  # the fleet's starting load, held as the gateway holds requests
         in_flight.extend(registry.hold(view.id) for _ in range(view.num_in_flight))
-    workers = list(registry.workers.values())
     wall: list[float] = []
     cpu: list[float] = []
     for i, ctx in enumerate(fleet.requests):
         if setup == "rebuilt":
-            for worker in workers:
-                worker._viewed = None
+            registry.forget_views()
         priority = BACKGROUND_PRIORITY if i % 10 == 9 else 0
         ctx = dataclasses.replace(ctx, priority=priority)
         cpu_start, wall_start = time.thread_time_ns(), time.perf_counter_ns()
@@ -136,6 +144,49 @@ def summary(runs: list[dict[str, float]]) -> dict[str, Any]:
     }
 
 
+def run_trees(args: argparse.Namespace) -> dict[tuple[str, str, str], list[dict[str, float]]]:
+    """``--baseline``: this script at ``args.baseline`` and in the working tree, one round each in
+    turn (the order flips every round), each in its own process on its own tree's packages."""
+    common = ["--workers", str(args.workers), "--decisions", str(args.decisions), "--rounds", "1"]
+    common += ["--strategies", args.strategies, "--seed", str(args.seed)]
+    runs: dict[tuple[str, str, str], list[dict[str, float]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        base = Path(tmp, "base")
+        base.mkdir()
+        archive = subprocess.run(["git", "archive", args.baseline], capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(base)], input=archive, check=True)
+        trees = [(args.baseline, base), ("working tree", Path(__file__).resolve().parent.parent)]
+        for round_number in range(args.rounds):
+            for tree, root in trees if round_number % 2 == 0 else trees[::-1]:
+                out = Path(tmp, f"round-{round_number}-{root.name}.json")
+                path = os.pathsep.join(str(root / package) for package in PACKAGES)
+                subprocess.run(
+                    [sys.executable, str(root / "bench" / "gateway_decision.py"), *common, "--out", str(out)],
+                    env=os.environ | {"PYTHONPATH": path},
+                    check=True,
+                )
+                for row in json.loads(out.read_text())["results"]:
+                    figures = {key: value["median"] for key, value in row.items() if isinstance(value, dict)}
+                    runs.setdefault((tree, row["strategy"], row["setup"]), []).append(figures)
+    return runs
+
+
+def run_setups(args: argparse.Namespace) -> dict[tuple[str, str, str], list[dict[str, float]]]:
+    """The two setups in this process, alternating over the rounds."""
+    runs: dict[tuple[str, str, str], list[dict[str, float]]] = {}
+    for round_number in range(args.rounds):
+        order = SETUPS if round_number % 2 == 0 else SETUPS[::-1]
+        for strategy in args.strategies.split(","):
+            for setup in order:
+                run = asyncio.run(time_steps(strategy, args.workers, args.decisions, setup, args.seed))
+                runs.setdefault(("working tree", strategy, setup), []).append(run)
+                print(
+                    json.dumps({"round": round_number, "strategy": strategy, "setup": setup, **run}),
+                    flush=True,
+                )
+    return runs
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=1000)
@@ -144,31 +195,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--strategies", default="kv_cache_aware,least_request,round_robin")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--baseline", help="git revision of this script and its tree to time against the working tree"
+    )
     args = parser.parse_args(argv)
     load_before = os.getloadavg()[0]
-    runs: dict[tuple[str, str], list[dict[str, float]]] = {}
-    for round_number in range(args.rounds):
-        order = SETUPS if round_number % 2 == 0 else SETUPS[::-1]
-        for strategy in args.strategies.split(","):
-            for setup in order:
-                run = asyncio.run(time_steps(strategy, args.workers, args.decisions, setup, args.seed))
-                runs.setdefault((strategy, setup), []).append(run)
-                print(
-                    json.dumps({"round": round_number, "strategy": strategy, "setup": setup, **run}),
-                    flush=True,
-                )
+    runs = run_trees(args) if args.baseline else run_setups(args)
     results = [
-        {"strategy": strategy, "setup": setup, "workers": args.workers, "rounds": len(rows), **summary(rows)}
-        for (strategy, setup), rows in runs.items()
+        {"tree": tree, "strategy": strategy, "setup": setup, "workers": args.workers, "rounds": len(rows)}
+        | summary(rows)
+        for (tree, strategy, setup), rows in sorted(runs.items())
     ]
-    print("| strategy | views | wall p50 (us) | wall p99 (us) | CPU p50 (us) | CPU p99 (us) |")
-    print("|---|---|---:|---:|---:|---:|")
+    print("| tree | strategy | views | wall p50 (us) | wall p99 (us) | CPU p50 (us) | CPU p99 (us) |")
+    print("|---|---|---|---:|---:|---:|---:|")
     for row in results:
         cells = [
             f"{row[k]['median']} ({row[k]['range'][0]}-{row[k]['range'][1]})"
             for k in ("wall_p50_us", "wall_p99_us", "cpu_p50_us", "cpu_p99_us")
         ]
-        print(f"| {row['strategy']} | {row['setup']} | " + " | ".join(cells) + " |")
+        print(f"| {row['tree']} | {row['strategy']} | {row['setup']} | " + " | ".join(cells) + " |")
     load_after = os.getloadavg()[0]
     print(
         f"load average (1 min) before / after: {load_before:.1f} / {load_after:.1f}; p99 target {TARGET_P99_US:.0f} us"

@@ -46,7 +46,7 @@ import statistics
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -157,10 +157,11 @@ class TierSimulation(Simulation):
         return worker
 
     def _view(self, worker: SimWorker) -> WorkerView:
-        view = super()._view(worker)
-        view.host_block_tokens = restore_block_tokens(worker.report, "host")
-        view.disk_block_tokens = restore_block_tokens(worker.report, "disk")
-        return view
+        return replace(
+            super()._view(worker),
+            host_block_tokens=restore_block_tokens(worker.report, "host"),
+            disk_block_tokens=restore_block_tokens(worker.report, "disk"),
+        )
 
     def run(self) -> dict[str, Any]:
         if self.arrivals is None:

@@ -38,7 +38,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pydantic import TypeAdapter
@@ -143,15 +143,18 @@ def time_decisions(
     rng = random.Random(seed)
     wall: list[float] = []
     cpu: list[float] = []
+    workers = fleet.workers
+    position = {view.id: i for i, view in enumerate(workers)}
     for i, ctx in enumerate(fleet.requests):
         cpu_start, wall_start = time.thread_time_ns(), time.perf_counter_ns()
-        chosen = strategy.select(healthy(fleet.workers), ctx)
+        chosen = strategy.select(healthy(workers), ctx)
         wall_end, cpu_end = time.perf_counter_ns(), time.thread_time_ns()
         if chosen is None:
             raise RuntimeError(f"{strategy.name} chose no worker; the benchmark fleet always has room")
-        chosen.num_in_flight += 1
-        other = rng.choice(fleet.workers)
-        other.num_in_flight = max(0, other.num_in_flight - 1)
+        # Views are never edited (the registry gives a changed worker a new one): replace them.
+        workers[position[chosen.id]] = replace(chosen, num_in_flight=chosen.num_in_flight + 1)
+        other = rng.choice(workers)
+        workers[position[other.id]] = replace(other, num_in_flight=max(0, other.num_in_flight - 1))
         if i >= num_warmup:
             wall.append((wall_end - wall_start) / 1000)
             cpu.append((cpu_end - cpu_start) / 1000)

@@ -96,7 +96,13 @@ def build_app(
     state = state or MemoryState()
     telemetry = Telemetry()
     worker_client = WorkerClient(client, token=settings.internal_token)
-    registry = Registry(worker_client, state, settings.registry, on_restart=_count_restart(telemetry))
+    registry = Registry(
+        worker_client,
+        state,
+        settings.registry,
+        on_restart=_count_restart(telemetry),
+        background_priority=settings.gateway.slot_reserve.priority,
+    )
     gateway = Gateway(registry, state, client, pool, telemetry, settings.gateway)
     sampler = HistorySampler(registry, telemetry, client, settings.history)
 

@@ -45,6 +45,7 @@ from herd.api.protocol import KVEventBatch, KVSnapshot, LoadReport, StatusQuery,
 from herd.orchestrator.breaker import BreakerSettings, CircuitBreaker, Outcome
 from herd.orchestrator.discovery import Membership, ModelConfig, WorkerEndpoint, WorkerSource
 from herd.orchestrator.routing import WorkerView, pull_block_tokens, restore_block_tokens
+from herd.orchestrator.routing.reserve import BACKGROUND_PRIORITY
 from herd.orchestrator.served import ServedModel
 from herd.orchestrator.state import IN_FLIGHT_TTL_S, ExpectedBlocks, InFlightCounts, KVPayload, State
 from herd.orchestrator.tokenizer_fetch import TokenizerFetcher
@@ -93,6 +94,8 @@ class WorkerState:
     num_prefill_tokens_in_flight: int = 0
     in_flight_by_priority: Mapping[int, int] = field(default_factory=dict)
     """Requests in flight by priority: replaced on every change, never edited, so views share it."""
+    num_background: int = 0
+    """Those of them at the registry's background priority or a larger number."""
     report: LoadReport = field(default_factory=LoadReport)
     needs_snapshot: bool = True
     task: asyncio.Task[None] | None = None
@@ -144,6 +147,7 @@ class WorkerState:
             num_in_flight=num_in_flight,
             num_prefill_tokens_in_flight=self.num_prefill_tokens_in_flight,
             in_flight_by_priority=self.in_flight_by_priority,
+            num_background=self.num_background,
             num_running=report.num_running,
             num_waiting=report.num_waiting,
             num_waiting_prefill_tokens=report.num_waiting_prefill_tokens,
@@ -179,11 +183,15 @@ class Registry:
         settings: RegistrySettings | None = None,
         *,
         on_restart: Callable[[WorkerState], None] | None = None,
+        background_priority: int = BACKGROUND_PRIORITY,
     ) -> None:
+        """``background_priority``: the slot reserve's (``SlotReserve.priority``); a worker's view
+        counts its requests in flight at that priority or a larger number (``num_background``)."""
         self.client = client
         self.state = state
         self.settings = settings or RegistrySettings()
         self.on_restart = on_restart
+        self.background_priority = background_priority
         self.models: dict[str, ServedModel] = {}
         self.workers: dict[str, WorkerState] = {}
         self._by_model: dict[str, list[WorkerState]] = {}
@@ -273,6 +281,12 @@ class Registry:
             loaded = [adapter for adapter in loaded if adapter != name]
         worker.take_report(worker.report.model_copy(update={"lora_adapters": loaded}))
 
+    def forget_views(self) -> None:
+        """Drop every worker's kept view: the next decision builds each afresh, as every decision did
+        before views were kept (``bench/gateway_decision.py`` times both)."""
+        for worker in self.workers.values():
+            worker._viewed = None
+
     def all_views(self, model: str) -> list[WorkerView]:
         """Views of every worker of the model, both pools of a disaggregated one (what ``decide`` takes),
         counting in flight the requests this replica sent and those the other replicas shared."""
@@ -302,6 +316,8 @@ class Registry:
     def _count(self, worker: WorkerState, priority: int, delta: int) -> None:
         """``delta`` requests of ``priority`` on ``worker``, and on its model's serving count."""
         worker.in_flight_by_priority = _counted(worker.in_flight_by_priority, priority, delta)
+        if priority >= self.background_priority:
+            worker.num_background += delta
         if worker.endpoint.role != "prefill":
             model = worker.endpoint.model
             self._serving_in_flight[model] = _counted(self.in_flight_by_priority(model), priority, delta)

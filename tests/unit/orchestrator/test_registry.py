@@ -16,6 +16,7 @@ from herd.api.crd import KVCacheAwareRouting
 from herd.api.protocol import INTERNAL_PATHS, KVEvent, LoadReport
 from herd.orchestrator.discovery import Membership, ModelConfig
 from herd.orchestrator.registry import Registry, RegistrySettings
+from herd.orchestrator.routing.reserve import BACKGROUND_PRIORITY
 from herd.orchestrator.state import IN_FLIGHT_TTL_S, InFlightCounts, MemoryState
 from herd.orchestrator.worker_client import WorkerClient
 
@@ -27,9 +28,15 @@ async def registry_for(
     cluster: FakeCluster,
     settings: RegistrySettings | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
+    background_priority: int = BACKGROUND_PRIORITY,
 ) -> AsyncIterator[Registry]:
     async with httpx.AsyncClient(transport=transport or cluster.transport()) as http:
-        registry = Registry(WorkerClient(http, token="t"), MemoryState(), settings or RegistrySettings())
+        registry = Registry(
+            WorkerClient(http, token="t"),
+            MemoryState(),
+            settings or RegistrySettings(),
+            background_priority=background_priority,
+        )
         task = asyncio.create_task(registry.run(cluster.source(KV_AWARE)))
         try:
             await wait_for(lambda: len(registry.workers) == len(cluster.workers))
@@ -169,6 +176,25 @@ async def test_a_view_is_given_again_until_its_worker_changes() -> None:
             (0, {}, 2, False),
         ]
         assert len({id(view) for view in (first, held, released, reported, ejected)}) == 5
+        registry.forget_views()  # the next view is built afresh, showing the same
+        rebuilt = registry.all_views(MODEL)[0]
+        assert rebuilt is not ejected and rebuilt == ejected
+
+
+async def test_a_view_counts_the_background_requests_held_on_its_worker() -> None:
+    """``num_background``: the requests in flight at the registry's background priority or a larger
+    number (the slot reserve's), kept as they are held and released."""
+    cluster = FakeCluster([FakeWorker("w0"), FakeWorker("w1")])
+    async with registry_for(cluster, background_priority=5) as registry:
+        holds = [registry.hold("w0", priority=p) for p in (0, 4, 5, 9)] + [registry.hold("w1", priority=7)]
+        counted = [[view.num_background for view in registry.all_views(MODEL)]]
+        holds[2].release("success")
+        holds[1].release("success")
+        counted.append([view.num_background for view in registry.all_views(MODEL)])
+        holds[4].release("none")
+        holds[3].release("none")
+        counted.append([view.num_background for view in registry.all_views(MODEL)])
+        assert counted == [[2, 1], [1, 1], [0, 0]]
 
 
 async def test_the_models_requests_in_flight_by_priority_follow_holds_releases_and_leaves() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 from pydantic import TypeAdapter
@@ -68,7 +69,7 @@ def test_build_strategy_passes_the_spec_fields_on() -> None:
 
 def test_healthy_drops_unhealthy_workers() -> None:
     workers = views("a", "b", "c")
-    workers[1].is_healthy = False
+    workers[1] = replace(workers[1], is_healthy=False)
     assert [worker.id for worker in healthy(workers)] == ["a", "c"]
 
 
@@ -159,7 +160,10 @@ def test_the_routing_package_exports_the_shared_interface() -> None:
     ids=["idle-fleet-floor", "one-request-on-32-floor", "busy-fleet-paper-bound", "idle-8", "two-workers"],
 )
 def test_the_bounded_load_cap_has_a_floor_of_two(in_flight: list[int], expected: int) -> None:
-    workers = views(*(f"w{number}" for number in range(len(in_flight))))
-    for worker, count in zip(workers, in_flight, strict=True):
-        worker.num_in_flight = count
+    workers = [
+        replace(worker, num_in_flight=count)
+        for worker, count in zip(
+            views(*(f"w{number}" for number in range(len(in_flight)))), in_flight, strict=True
+        )
+    ]
     assert bounded_load_cap(workers, 1.25) == expected

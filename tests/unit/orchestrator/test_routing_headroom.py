@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import openai
@@ -18,7 +20,7 @@ from herd.orchestrator.auth import ApiKeys
 from herd.orchestrator.discovery import ModelConfig
 from herd.orchestrator.gateway import GatewaySettings
 from herd.orchestrator.routing import RequestContext, UnroutableError, WorkerView, decide
-from herd.orchestrator.routing.headroom import Headroom, IdleHeadroom, RecentPeak, kept_idle
+from herd.orchestrator.routing.headroom import Headroom, IdleHeadroom, RecentPeak, kept_idle, serving_pool
 from herd.orchestrator.served import ServedModel
 
 BATCH = 1000
@@ -32,6 +34,7 @@ def worker(name: str, batch: int = 0, interactive: int = 0, **fields: object) ->
         url=f"http://{name}",
         num_in_flight=batch + interactive,
         in_flight_by_priority=by_priority,
+        num_background=batch,
         **fields,  # type: ignore[arg-type]
     )
 
@@ -154,6 +157,37 @@ def test_kept_idle_holds_still(
     assert kept_idle(views, headroom, kept_before=frozenset(before)) == kept
 
 
+def plain_kept_idle(views: list[WorkerView], headroom: int, kept_before: frozenset[str]) -> set[str]:
+    """The rule as it reads: every worker ranked by (background work, not kept before, background
+    work less requests in flight, id), the first ``headroom``."""
+    ranked = sorted(
+        views,
+        key=lambda v: (v.num_background, v.id not in kept_before, v.num_background - v.num_in_flight, v.id),
+    )
+    return {view.id for view in ranked[: max(headroom, 0)]}
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_kept_idle_keeps_what_the_plain_rule_keeps(seed: int) -> None:
+    """``kept_idle`` ranks only the workers tied at the bar; on random fleets (few distinct loads, so
+    ties abound, other replicas' requests in flight too) it keeps exactly what ranking all of them does."""
+    rng = random.Random(seed)
+    num_workers = rng.choice([1, 2, 5, 20, 200])
+    views = [
+        worker(
+            f"w{rng.randrange(10_000):04d}-{i}",
+            batch=rng.choice([0, 0, 0, 1, 2, 3]),
+            interactive=rng.choice([0, 0, 1, 2]),
+        )
+        for i in range(num_workers)
+    ]
+    views = [replace(v, num_in_flight=v.num_in_flight + rng.choice([0, 0, 1])) for v in views]
+    for _ in range(5):
+        headroom = rng.randrange(-1, num_workers + 2)
+        before = frozenset(v.id for v in rng.sample(views, rng.randrange(num_workers + 1)))
+        assert kept_idle(views, headroom, before) == plain_kept_idle(views, headroom, before)
+
+
 def test_headroom_holds_its_kept_workers_between_decisions() -> None:
     """A batch line's decision keeps the set of the one before while the kept workers hold no more
     batch work than the others; an interactive decision is bound by none and leaves the set as it is."""
@@ -183,18 +217,23 @@ def test_headroom_counts_interactive_requests_and_binds_background_ones() -> Non
     headroom = Headroom(IdleHeadroom(max_share=0.5, window_s=10.0))
     fleet = [worker(n, 4) for n in "abcd"]
     batch_only, one_interactive = {BATCH: 16}, {BATCH: 16, 0: 1}
-    assert headroom.workers(batch_only, fleet, BATCH, 0.0) == 0  # no interactive traffic: the batch fills it
-    assert headroom.workers(one_interactive, fleet, BATCH, 0.0) == 1  # the one in flight now
-    assert headroom.workers(one_interactive, fleet, 0, 1.0) == 0  # observed: 1 in flight and itself
-    assert headroom.workers(one_interactive, fleet, BATCH, 8.0) == 2  # the peak, recent
-    assert headroom.workers(batch_only, fleet, BATCH, 17.0) == 1  # ended, but in flight at 8.0
-    assert headroom.workers(batch_only, fleet, BATCH, 18.5) == 0
+    assert (
+        headroom.workers(batch_only, len(fleet), BATCH, 0.0) == 0
+    )  # no interactive traffic: the batch fills it
+    assert headroom.workers(one_interactive, len(fleet), BATCH, 0.0) == 1  # the one in flight now
+    assert headroom.workers(one_interactive, len(fleet), 0, 1.0) == 0  # observed: 1 in flight and itself
+    assert headroom.workers(one_interactive, len(fleet), BATCH, 8.0) == 2  # the peak, recent
+    assert headroom.workers(batch_only, len(fleet), BATCH, 17.0) == 1  # ended, but in flight at 8.0
+    assert headroom.workers(batch_only, len(fleet), BATCH, 18.5) == 0
     # The share is of the serving pool: healthy workers, not a prefill pool (half of 2 here).
     pools = [worker("a", 4), worker("b", 4, is_healthy=False), worker("c", 4), worker("p", role="prefill")]
-    assert headroom.workers({BATCH: 12, 0: 3}, pools, BATCH, 30.0) == 1
+    assert [view.id for view in serving_pool(pools)] == ["a", "c"]
+    assert headroom.workers({BATCH: 12, 0: 3}, len(serving_pool(pools)), BATCH, 30.0) == 1
     standing = Headroom(IdleHeadroom(max_share=0.0, min_workers=1))
-    assert standing.workers(batch_only, fleet, BATCH, 0.0) == 1  # kept without interactive traffic
-    assert standing.workers(one_interactive, fleet, 0, 0.0) == 0  # the rule binds background requests only
+    assert standing.workers(batch_only, len(fleet), BATCH, 0.0) == 1  # kept without interactive traffic
+    assert (
+        standing.workers(one_interactive, len(fleet), 0, 0.0) == 0
+    )  # the rule binds background requests only
 
 
 def served(limit: int) -> ServedModel:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping
+from dataclasses import replace
 
 import pytest
 from support.routing_views import context, kv_cache_aware, prompt_hashes, views
@@ -25,11 +26,7 @@ def _strategy(*, cache_weight: float = 1.0, load_weight: float = 1.0) -> KVCache
 
 
 def _workers(**loads: Mapping[str, float]) -> list[WorkerView]:
-    workers = views("a", "b", "c")
-    for worker in workers:
-        for field, value in loads.get(worker.id, {}).items():
-            setattr(worker, field, value)
-    return workers
+    return [replace(worker, **loads.get(worker.id, {})) for worker in views("a", "b", "c")]  # type: ignore[arg-type]
 
 
 BUSY = {"num_running": 6, "num_waiting": 4, "num_waiting_prefill_tokens": 4000}

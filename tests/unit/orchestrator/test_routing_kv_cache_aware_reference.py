@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import pytest
@@ -67,9 +67,12 @@ def _fleet(seed: int) -> Case:
         )
         if workers and rng.random() < 0.35:
             twin = rng.choice(workers)
-            for field in ("num_in_flight", "num_running", "num_waiting", "num_waiting_prefill_tokens"):
-                setattr(worker, field, getattr(twin, field))
-            worker.num_prefill_tokens_in_flight = twin.num_prefill_tokens_in_flight
+            loads = ("num_in_flight", "num_running", "num_waiting", "num_waiting_prefill_tokens")
+            worker = replace(
+                worker,
+                **{field: getattr(twin, field) for field in loads},  # type: ignore[arg-type]
+                num_prefill_tokens_in_flight=twin.num_prefill_tokens_in_flight,
+            )
         workers.append(worker)
     index = KVIndex()
     for worker in workers:

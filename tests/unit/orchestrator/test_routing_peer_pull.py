@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -41,12 +42,10 @@ def _index(*, expected_only: bool = False) -> KVIndex:
 
 
 def _workers(pull: float | None, **fields: Mapping[str, float]) -> list[WorkerView]:
-    workers = views("h", "p", "c")
-    for worker in workers:
-        worker.pull_block_tokens = pull
-        for name, value in fields.get(worker.id, {}).items():
-            setattr(worker, name, value)
-    return workers
+    return [
+        replace(worker, pull_block_tokens=pull, **fields.get(worker.id, {}))  # type: ignore[arg-type]
+        for worker in views("h", "p", "c")
+    ]
 
 
 def _strategy(index: KVIndex, *, peer_pulls: bool = True) -> KVCacheAware:
@@ -138,7 +137,7 @@ def test_a_disaggregated_model_never_pulls_from_a_peer() -> None:
     served = ServedModel(ModelConfig("m", routing, block_size=16, mode="disaggregated"))
     served.kv_index.reset("h", KVSnapshot(epoch="e", seq=0, block_size=16, block_hashes=PROMPT[:24]))
     workers = [WorkerView(id=i, url=f"http://{i}", role="decode", pull_block_tokens=1.0) for i in ("h", "p")]
-    workers[0].num_running = 1
+    workers[0] = replace(workers[0], num_running=1)
     assert decide(served, workers, context(PROMPT, is_prefilled=True)).pull_from is None
 
 

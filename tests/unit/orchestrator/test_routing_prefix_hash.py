@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 from support.routing_views import context, kv_cache_aware, prompt_hashes, views
@@ -98,14 +99,20 @@ def _hammer(
     chosen ids."""
     rng = random.Random(11)
     workers = views(*IDS)
-    open_requests: list[WorkerView] = []
+    position = {worker.id: i for i, worker in enumerate(workers)}
+    open_requests: list[str] = []
     chosen_ids = []
+
+    def add(worker_id: str, delta: int) -> None:  # views are frozen: a changed worker gets a new one
+        worker = workers[position[worker_id]]
+        workers[position[worker_id]] = replace(worker, num_in_flight=worker.num_in_flight + delta)
+
     for step in range(steps):
         if len(open_requests) >= num_in_flight:
-            open_requests.pop(rng.randrange(len(open_requests))).num_in_flight -= 1
+            add(open_requests.pop(rng.randrange(len(open_requests))), -1)
         chosen = _pick(strategy, workers, prompts[step % len(prompts)])
-        chosen.num_in_flight += 1
-        open_requests.append(chosen)
+        add(chosen.id, 1)
+        open_requests.append(chosen.id)
         chosen_ids.append(chosen.id)
         mean = sum(worker.num_in_flight for worker in workers) / len(workers)
         assert max(worker.num_in_flight for worker in workers) <= max(MIN_CAP, LOAD_FACTOR * mean + 1)

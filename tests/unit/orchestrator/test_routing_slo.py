@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -130,7 +131,7 @@ def test_decide_avoids_a_worker_with_prefill_queued_that_its_samples_never_price
         WorkerView(id="queued", url="http://q", num_running=1, prefill_tokens_per_s=rate),
         WorkerView(id="idle", url="http://i", num_running=4, prefill_tokens_per_s=rate),
     ]
-    views[0].num_prefill_tokens_in_flight = 1500
+    views[0] = replace(views[0], num_prefill_tokens_in_flight=1500)
     decision = decide(model, views, ctx(ttft_seconds=2.0))
     assert decision.worker.id == worker and not decision.is_slo_missed
 
@@ -205,7 +206,7 @@ def test_a_missed_target_waits_or_is_refused(policy: str, reason: str) -> None:
 
 def test_before_any_sample_the_strategy_decides() -> None:
     views = [view("a", 9000), view("b", 0)]
-    views[1].num_in_flight = 3
+    views[1] = replace(views[1], num_in_flight=3)
     decision = decide(served(warm=False), views, ctx(ttft_seconds=0.01, on_miss="refuse"))
     assert decision.worker.id == "a" and not decision.is_slo_missed  # least in flight
     assert decision.predicted is None

@@ -140,7 +140,12 @@ def build_epp(
     the workers' health, load and KV events (tests pass a fake), else one is made and closed."""
     settings = settings or EppSettings()
     client = http or build_http_client(connect_timeout=settings.connect_timeout)
-    registry = Registry(WorkerClient(client, token=settings.internal_token), state, settings.registry)
+    registry = Registry(
+        WorkerClient(client, token=settings.internal_token),
+        state,
+        settings.registry,
+        background_priority=settings.picker.slot_reserve.priority,
+    )
     preparer = Preparer(registry, state, num_threads=settings.prepare_threads)
     picker = Picker(registry, state, preparer, settings.picker, settings.api_keys)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])

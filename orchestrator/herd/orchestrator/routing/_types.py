@@ -46,10 +46,11 @@ class SloTarget:
     on_miss: SloMiss = "route"
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class WorkerView:
     """A read-only view of one worker, as the registry saw it at a decision. The registry gives the
-    same view to later decisions while the worker has not changed, so nothing may edit one."""
+    same view to later decisions while the worker has not changed, so none is edited (frozen): a
+    changed worker gets a new one (``dataclasses.replace``)."""
 
     id: str
     url: str
@@ -67,6 +68,9 @@ class WorkerView:
     """Uncached prompt tokens of the prefills this orchestrator has in flight on the worker."""
     in_flight_by_priority: Mapping[int, int] = field(default_factory=dict)
     """This orchestrator's requests in flight to the worker by their priority (for ``SlotReserve``)."""
+    num_background: int = 0
+    """Those of them at the slot reserve's priority or a larger number (background work), counted by
+    the registry as requests are held and released (what the idle headroom ranks workers by)."""
     host_block_tokens: float | None = None
     """What restoring one block from its host tier costs the worker, in prompt tokens it could
     prefill meanwhile (``restore_block_tokens``); None until it measured both rates."""
