@@ -5,7 +5,7 @@ while it runs nothing else in the process does: every request in flight waits. A
 of those containers from its start (the modules it imported, the tokenizer's tables, the model's
 configuration, the app's routes), none of them garbage, and a full collection walked them all again
 while serving: 165-175 ms each in a process of 8 simulated workers serving a batch (300,000 objects),
-55-60 ms in the orchestrator (100,000). ``freeze_startup_heap``, once a server is ready, collects
+55-60 ms in the orchestrator (100,000) after its start. ``freeze_startup_heap``, once a server is ready, collects
 what startup left behind and moves the rest out of the collector's sight (``gc.freeze``, as vLLM's
 engine does once it has started), so a full collection walks only what serving made since.
 
