@@ -59,13 +59,19 @@ HOST = "127.0.0.1"
 BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 4
 
 
-def demo_manifest(name: str, engine: dict[str, Any], *, replicas: int | None = None) -> dict[str, Any]:
-    """A ModelDeployment of the demo model served as ``name``, routed by least_request (the
-    admission and resumption benchmarks' fleet); ``replicas`` workers when given."""
+def demo_manifest(
+    name: str,
+    engine: dict[str, Any],
+    *,
+    replicas: int | None = None,
+    routing: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A ModelDeployment of the demo model served as ``name``, routed by ``routing`` (by default
+    least_request: the admission and resumption benchmarks' fleet); ``replicas`` workers when given."""
     spec: dict[str, Any] = {
         "model": {"source": f"file://{DEMO_MODEL}", "servedName": name},
         "engine": engine,
-        "routing": {"strategy": "least_request"},
+        "routing": routing or {"strategy": "least_request"},
     }
     if replicas is not None:
         spec["workers"] = {"replicas": replicas}

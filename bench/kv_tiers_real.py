@@ -57,6 +57,7 @@ from _common import (
     DEMO_MODEL,
     HOST,
     REPO,
+    demo_manifest,
     free_port,
     herd_worker_argv,
     machine_info,
@@ -115,17 +116,7 @@ def engine_block(
 
 def manifest(setup: Setup, engine: dict[str, Any]) -> dict[str, Any]:
     routing = {"strategy": "kv_cache_aware", "tierCost": setup.tier_cost, "peerPulls": setup.peer_pulls}
-    return {
-        "apiVersion": "herd.dev/v1alpha1",
-        "kind": "ModelDeployment",
-        "metadata": {"name": NAME},
-        "spec": {
-            "model": {"source": f"file://{DEMO_MODEL}", "servedName": NAME},
-            "engine": engine,
-            "workers": {"replicas": NUM_WORKERS},
-            "routing": routing,
-        },
-    }
+    return demo_manifest(NAME, engine, replicas=NUM_WORKERS, routing=routing)
 
 
 def make_trace(args: argparse.Namespace, trace: str, working_set: float, seed: int) -> tuple[Path, int, int]:

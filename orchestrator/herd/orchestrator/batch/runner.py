@@ -289,11 +289,12 @@ class _Run:
             self._save(error_file_id=None)
 
     def _save(self, **changes: Any) -> None:
+        """``changes`` on the stored record (which may run in the writer's thread: it touches only the
+        store and ``self.record``). A stored ``cancelling`` stays, so ``_is_stopping`` sees it."""
+
         def change(stored: BatchRecord) -> BatchRecord:
             if stored.status == "cancelling" and changes.get("status") == "in_progress":
                 changes.pop("status")
-            if stored.status == "cancelling":
-                self.runner._cancelling.add(self.record.id)
             return stored.model_copy(update=changes)
 
         self.record = self.store.update_batch(self.record.id, self.record.tenant, change)
