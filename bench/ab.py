@@ -29,7 +29,7 @@ from _common import REPO, machine_info, write_json
 
 __all__ = ["main"]
 
-COMPONENTS = ("api", "kube", "worker", "orchestrator", "operator", "cli")
+COMPONENTS = ("api", "kube", "worker", "orchestrator", "operator", "sidecar", "cli")
 
 
 def source_path(tree: Path) -> str:

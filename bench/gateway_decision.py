@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from ab import run_once
 from pydantic import TypeAdapter
 from routing_decision import BLOCK_SIZE, Fleet, make_fleet, percentile
 
@@ -64,8 +65,6 @@ __all__ = ["main"]
 MODEL = "bench"
 SETUPS = ("reused", "rebuilt")
 TARGET_P99_US = 1000.0
-PACKAGES = ("api", "kube", "worker", "orchestrator", "operator", "sidecar", "cli")
-"""The folders of the tree whose ``herd`` packages a ``--baseline`` run puts on ``PYTHONPATH``."""
 
 
 def gateway_of(
@@ -159,13 +158,8 @@ def run_trees(args: argparse.Namespace) -> dict[tuple[str, str, str], list[dict[
         for round_number in range(args.rounds):
             for tree, root in trees if round_number % 2 == 0 else trees[::-1]:
                 out = Path(tmp, f"round-{round_number}-{root.name}.json")
-                path = os.pathsep.join(str(root / package) for package in PACKAGES)
-                subprocess.run(
-                    [sys.executable, str(root / "bench" / "gateway_decision.py"), *common, "--out", str(out)],
-                    env=os.environ | {"PYTHONPATH": path},
-                    check=True,
-                )
-                for row in json.loads(out.read_text())["results"]:
+                script = str(root / "bench" / "gateway_decision.py")  # the tree's own script
+                for row in run_once(root, [script, *common], out)["results"]:
                     figures = {key: value["median"] for key, value in row.items() if isinstance(value, dict)}
                     runs.setdefault((tree, row["strategy"], row["setup"]), []).append(figures)
     return runs
