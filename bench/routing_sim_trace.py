@@ -137,9 +137,7 @@ class TraceSimulation(Simulation):
         per_request = len(request.token_ids) * REQUEST_SHARE * self.shape.load_weight
 
         def terms(view: WorkerView) -> tuple[float, float]:
-            queued = max(view.num_prefill_tokens_in_flight, view.num_waiting_prefill_tokens)
-            requests = max(view.num_running + view.num_waiting, view.num_in_flight)
-            return queued * self.shape.load_weight, requests * per_request
+            return view.queued_prefill_tokens * self.shape.load_weight, view.num_requests * per_request
 
         queued, requests = terms(next(view for view in views if view.id == chosen))
         holder_queued, holder_requests = min((terms(view) for view in holders), key=sum)

@@ -12,7 +12,6 @@ from herd.orchestrator.routing.pairing import (
     choose_path,
     choose_prefill,
     num_uncached_tokens,
-    queued_prefill_tokens,
 )
 
 
@@ -74,7 +73,8 @@ def test_choose_prefill_without_workers_is_none() -> None:
     ids=["nothing", "own-count-beyond-the-report", "report-beyond-the-own-count"],
 )
 def test_queued_prefill_tokens(worker: WorkerView, in_flight_tokens: dict[str, int], expected: int) -> None:
-    assert queued_prefill_tokens(with_prefills(worker, in_flight_tokens)) == expected
+    # with_prefills replaces the view: its derived count follows the new fields.
+    assert with_prefills(worker, in_flight_tokens).queued_prefill_tokens == expected
 
 
 SMALL = MIN_REMOTE_BLOCKS * 16

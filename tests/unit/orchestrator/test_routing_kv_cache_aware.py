@@ -181,3 +181,28 @@ def test_a_restore_costs_the_tokens_the_worker_prefills_meanwhile(
     report: dict[str, object], expected: float | None
 ) -> None:
     assert restore_block_tokens(LoadReport.model_validate(report), "host") == expected
+
+
+@pytest.mark.parametrize(
+    ("fields", "queued", "requests"),
+    [
+        ({}, 0, 0),
+        ({"num_running": 3, "num_waiting": 2, "num_in_flight": 4}, 0, 5),
+        ({"num_running": 1, "num_in_flight": 4}, 0, 4),
+        ({"num_waiting_prefill_tokens": 300, "num_prefill_tokens_in_flight": 200}, 300, 0),
+        ({"num_waiting_prefill_tokens": 100, "num_prefill_tokens_in_flight": 200}, 200, 0),
+    ],
+    ids=[
+        "idle",
+        "report-beyond-the-own-count",
+        "own-count-beyond-the-report",
+        "reported-queue",
+        "sent-prefills",
+    ],
+)
+def test_a_view_derives_its_load_terms_when_built(fields: dict[str, int], queued: int, requests: int) -> None:
+    """``queued(w)`` and ``requests(w)`` of the cost, derived by the view (a replaced view too)."""
+    built = WorkerView(id="w", url="", **fields)  # type: ignore[arg-type]
+    replaced = replace(WorkerView(id="w", url=""), **fields)  # type: ignore[arg-type]
+    for view in (built, replaced):
+        assert (view.queued_prefill_tokens, view.num_requests) == (queued, requests)

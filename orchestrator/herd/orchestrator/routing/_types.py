@@ -88,6 +88,23 @@ class WorkerView:
     """The LoRA adapters it has loaded."""
     running_lora_adapters: frozenset[str] = frozenset()
     """The adapters its running requests use: while they fill ``max_loras``, another waits."""
+    queued_prefill_tokens: int = field(init=False, compare=False, repr=False)
+    """The prefill work ahead of a new prompt: the uncached tokens of the prefills this orchestrator
+    has in flight there, or the waiting ones of its last load report if more (the report lags and
+    leaves out the prompt being computed; the count misses other orchestrators). Derived once, when
+    the view is built, as is ``num_requests``: strategies read both for every worker on every request."""
+    num_requests: int = field(init=False, compare=False, repr=False)
+    """Requests on the worker: its reported running + waiting, or this orchestrator's in-flight count
+    if more (the report covers other replicas, the count what the report has not seen yet)."""
+
+    def __post_init__(self) -> None:
+        # A frozen dataclass sets its own derived fields through object.__setattr__.
+        object.__setattr__(
+            self,
+            "queued_prefill_tokens",
+            max(self.num_prefill_tokens_in_flight, self.num_waiting_prefill_tokens),
+        )
+        object.__setattr__(self, "num_requests", max(self.num_running + self.num_waiting, self.num_in_flight))
 
     def has_lora_slot(self, lora_name: str) -> bool:
         """A request with ``lora_name`` can run at once: it is running, or a slot is free."""

@@ -39,12 +39,7 @@ from herd.orchestrator.discovery import ModelConfig
 from herd.orchestrator.kv_index import KVIndex, PromptMatch
 from herd.orchestrator.routing._types import RequestContext, RoutingStrategy, WorkerView, healthy
 from herd.orchestrator.routing.latency import LatencyFeatures, LatencyModel, Prediction
-from herd.orchestrator.routing.pairing import (
-    choose_path,
-    choose_prefill,
-    num_uncached_tokens,
-    queued_prefill_tokens,
-)
+from herd.orchestrator.routing.pairing import choose_path, choose_prefill, num_uncached_tokens
 from herd.orchestrator.routing.reserve import DEFAULT_RESERVE, SlotReserve, may_take_slot
 from herd.orchestrator.routing.slo import SloChoice, choose_by_slo, features_of
 
@@ -281,7 +276,7 @@ def _paired(
         path = choose_path(
             decision.num_prefill_tokens,
             prefill,
-            queued_tokens=queued_prefill_tokens(prefill),
+            queued_tokens=prefill.queued_prefill_tokens,
             threshold_tokens=config.prefill_threshold_tokens,
             block_size=config.block_size,
         )

@@ -15,12 +15,14 @@ For each candidate ``w`` under the bounded-load cap of ``_load``, with ``n`` the
 * ``evicted(w)``: the cached tokens those new blocks push out of ``w``'s pool once it is full (its
   total blocks less those the index holds for it): a later request misses them, so a prefix copied
   onto a worker with no room costs twice, and onto one with room only its prefill;
-* ``queued(w)``: the prompt tokens waiting for a prefill on ``w``: the uncached tokens of the requests
-  this orchestrator sent it that have no first token yet, or its load report's waiting ones if more
-  (the report lags a poll behind, and a burst routed within one poll would otherwise all look idle);
-* ``requests(w)``: the larger of its reported running + waiting and this orchestrator's own in-flight
-  count (the report covers other replicas, the count what the report has not seen yet), each worth a
-  third of a prompt like this one: the decode work a request in flight still adds to ``w``'s steps.
+* ``queued(w)`` (``WorkerView.queued_prefill_tokens``): the prompt tokens waiting for a prefill on ``w``:
+  the uncached tokens of the requests this orchestrator sent it that have no first token yet, or its
+  load report's waiting ones if more (the report lags a poll behind, and a burst routed within one
+  poll would otherwise all look idle);
+* ``requests(w)`` (``WorkerView.num_requests``): the larger of its reported running + waiting and this
+  orchestrator's own in-flight count (the report covers other replicas, the count what the report has
+  not seen yet), each worth a third of a prompt like this one: the decode work a request in flight
+  still adds to ``w``'s steps.
 
 Tiers (``tier_cost``): a prompt block a worker holds only in its host or disk tier is restored, not
 computed, so ``uncached(w)`` counts from the end of its leading run over every tier
@@ -243,20 +245,10 @@ class KVCacheAware(RoutingStrategy):
         """Every worker's load term in prompt tokens plus its entry of ``floors``, ``floor`` without
         one (0.0 adds nothing, exactly); ``inf`` for the workers at the bounded-load cap."""
         per_request, load = len(ctx.token_ids) * REQUEST_SHARE, self._load_weight
-        # Inline conditionals instead of max() or helper calls: a call per worker costs more than the
-        # arithmetic, and this runs for every worker on every request.
+        # The view derives both counts once when it is built; this runs for every worker on every
+        # request, where each attribute read and call counts.
         return [
-            floors.get(w.id, floor)
-            + load
-            * (
-                (
-                    q
-                    if (q := w.num_prefill_tokens_in_flight) > w.num_waiting_prefill_tokens
-                    else w.num_waiting_prefill_tokens
-                )
-                + per_request
-                * (r if (r := w.num_running + w.num_waiting) > w.num_in_flight else w.num_in_flight)
-            )
+            floors.get(w.id, floor) + load * (w.queued_prefill_tokens + per_request * w.num_requests)
             if w.num_in_flight < cap
             else math.inf
             for w in workers

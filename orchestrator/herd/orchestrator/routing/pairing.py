@@ -3,7 +3,6 @@
 Pure rules over worker views (no I/O), used by ``decide``:
 
 - ``num_uncached_tokens``: the prompt's tokens past the leading blocks a worker already holds;
-- ``queued_prefill_tokens``: the prefill work ahead of a new prompt on a prefill worker;
 - ``choose_prefill``: the prefill worker with the least work for this prompt;
 - ``choose_path`` (conditional disaggregation): remote on the prefill pool, or local on the decode worker.
 """
@@ -21,7 +20,6 @@ __all__ = [
     "choose_path",
     "choose_prefill",
     "num_uncached_tokens",
-    "queued_prefill_tokens",
 ]
 
 PrefillPath = Literal["remote_prefill", "local_prefill"]
@@ -33,13 +31,6 @@ prefill pool: a short local chunk costs the decode batch less than a round trip 
 
 def num_uncached_tokens(num_tokens: int, num_cached_blocks: int, block_size: int) -> int:
     return max(0, num_tokens - num_cached_blocks * block_size)
-
-
-def queued_prefill_tokens(worker: WorkerView) -> int:
-    """The prefill work ahead of a new prompt on ``worker``: the uncached tokens of the prefills
-    this orchestrator has in flight there, or the waiting ones of its last load report if more (the
-    report lags and leaves out the prompt being computed; the count misses other orchestrators)."""
-    return max(worker.num_prefill_tokens_in_flight, worker.num_waiting_prefill_tokens)
 
 
 def choose_path(
@@ -73,7 +64,7 @@ def choose_path(
 def choose_prefill(
     workers: Sequence[WorkerView], cached_blocks: Mapping[str, int], block_size: int
 ) -> WorkerView | None:
-    """The worker with the least prefill work for this prompt: queued tokens (``queued_prefill_tokens``)
+    """The worker with the least prefill work for this prompt: queued tokens (``WorkerView.queued_prefill_tokens``)
     minus its cached prefix.
 
     Ties go to fewer requests in flight from this orchestrator, then to the id (stable).
@@ -83,7 +74,7 @@ def choose_prefill(
     return min(
         workers,
         key=lambda worker: (
-            queued_prefill_tokens(worker) - cached_blocks.get(worker.id, 0) * block_size,
+            worker.queued_prefill_tokens - cached_blocks.get(worker.id, 0) * block_size,
             worker.num_in_flight,
             worker.id,
         ),

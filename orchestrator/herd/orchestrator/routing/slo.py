@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from herd.orchestrator.routing._types import SloTarget, WorkerView
 from herd.orchestrator.routing.latency import LatencyFeatures, LatencyModel, Prediction
-from herd.orchestrator.routing.pairing import num_uncached_tokens, queued_prefill_tokens
+from herd.orchestrator.routing.pairing import num_uncached_tokens
 
 __all__ = ["SloChoice", "choose_by_slo", "features_of", "headroom"]
 
@@ -36,7 +36,7 @@ def features_of(
     worker: WorkerView, num_prompt_tokens: int, num_cached_blocks: int, block_size: int
 ) -> LatencyFeatures:
     return LatencyFeatures(
-        queued_prefill_tokens=queued_prefill_tokens(worker),
+        queued_prefill_tokens=worker.queued_prefill_tokens,
         batch=max(worker.num_running, worker.num_in_flight),
         uncached_prompt_tokens=num_uncached_tokens(num_prompt_tokens, num_cached_blocks, block_size),
     )
