@@ -106,3 +106,28 @@ def test_decide_keeps_the_reserved_slot_for_an_urgent_request() -> None:
     )
     no_reserve = SlotReserve(share=0.0)
     assert decide(served(4), BUSY_WITH_BATCH, RequestContext(model="m", priority=BATCH), no_reserve).worker
+
+
+@pytest.mark.parametrize("priority", [0, 5, BATCH - 1, BATCH])
+@pytest.mark.parametrize("limit", [0, 1, 4, 8])
+def test_decide_opens_a_worker_exactly_when_the_slot_rule_does(priority: int, limit: int) -> None:
+    """``decide`` applies ``may_take_slot`` to background requests only: for a more urgent one the
+    limit on all requests in flight (this replica's, counted by priority, and the others') says the
+    same, on every split of a worker's requests between priorities and replicas."""
+    for own_urgent in range(5):
+        for own_batch in range(9):
+            for elsewhere in (0, 2):
+                by_priority = {p: n for p, n in ((0, own_urgent), (BATCH, own_batch)) if n}
+                num_in_flight = own_urgent + own_batch + elsewhere
+                worker = WorkerView(
+                    id="a", url="http://a", num_in_flight=num_in_flight, in_flight_by_priority=by_priority
+                )
+                opens = (not limit or num_in_flight < limit) and may_take_slot(
+                    priority, by_priority, limit, QUARTER
+                )
+                request = RequestContext(model="m", priority=priority)
+                if opens:
+                    assert decide(served(limit), [worker], request, QUARTER).worker.id == "a"
+                else:
+                    with pytest.raises(UnroutableError):
+                        decide(served(limit), [worker], request, QUARTER)

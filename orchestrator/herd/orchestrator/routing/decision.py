@@ -142,7 +142,7 @@ def decide(
     is_background = request.priority >= reserve.priority
     idle = kept if is_background and any(view.id not in kept for view in pool) else frozenset()
     open_pool = pool
-    if limit or idle:  # else every healthy worker is open: no second pass over the fleet
+    if is_background and (limit or idle):  # else every healthy worker is open: no second pass
         open_pool = [
             view
             for view in pool
@@ -150,6 +150,11 @@ def decide(
             and may_take_slot(request.priority, view.in_flight_by_priority, limit, reserve)
             and view.id not in idle
         ]
+    elif limit:
+        # A more urgent request may take any slot under the limit: the limit is the whole rule
+        # (``may_take_slot``'s count, this replica's requests by priority, is part of num_in_flight),
+        # and this pass runs for every worker on every request.
+        open_pool = [view for view in pool if view.num_in_flight < limit]
     open_pool = lora_candidates(open_pool, request.lora_name)
     # One walk of the index for each kind of run, shared by every step below and the strategy.
     kv = PromptMatch(model.kv_index, request.block_hashes)

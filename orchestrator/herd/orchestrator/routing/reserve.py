@@ -9,7 +9,8 @@ of each worker's slots between them, and the rest stays open to the more urgent 
 request is on the worker, the engine preempts a background sequence for it when its batch is full
 (``herd.worker.scheduler``). llm-d's flow control and Dynamo keep similar per-band limits.
 
-``may_take_slot`` is the rule, pure; ``decide`` applies it in its capacity filter.
+``may_take_slot`` is the rule, pure; ``decide`` applies it to background requests in its capacity
+filter (a more urgent request may take any slot under the limit, which the filter checks anyway).
 """
 
 from __future__ import annotations
