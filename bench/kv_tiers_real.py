@@ -32,6 +32,9 @@ tokens); the workers' metrics give the blocks restored per tier and the peer pul
     nice -n 19 .venv/bin/python bench/kv_tiers_real.py --out bench/results/kv_tiers_real.json
     nice -n 19 .venv/bin/python bench/kv_tiers_real.py --rounds 1 --requests 16 \\
         --setups none host --traces tenants --out /tmp/smoke.json
+
+``--resume PATH`` continues a run that was cut: it keeps ``PATH``'s complete rounds (every cell and
+setup of this run's settings measured) and runs the rounds after them, up to ``--rounds`` in all.
 """
 
 from __future__ import annotations
@@ -309,12 +312,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--request-timeout", type=float, default=300.0)
     parser.add_argument("--log-dir", default="/tmp/herd-kv-tiers-real")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "kv_tiers_real.json")
+    parser.add_argument("--resume", type=Path, help="an earlier run's JSON whose complete rounds to keep")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers on the way out
     cells = [(working_set, trace) for working_set in args.working_sets for trace in args.traces]
+    wanted = {
+        (working_set, trace, name)
+        for working_set, trace in cells
+        for name in (args.setups if working_set >= 2 else args.setups_1_5)
+    }
+    runs = [] if args.resume is None else complete_rounds(json.loads(args.resume.read_text())["runs"], wanted)
     shapes: dict[tuple[float, str], dict[str, Any]] = {}
-    runs: list[dict[str, Any]] = []
-    for round_number in range(args.rounds):  # every cell in each round, so a cut run has all of them
+    first = len({run["round"] for run in runs})
+    for round_number in range(first, args.rounds):  # every cell in each round, so a cut run has all
         for working_set, trace in cells:
             setups = args.setups if working_set >= 2 else args.setups_1_5
             path, streams, blocks = make_trace(args, trace, working_set, round_number)
@@ -333,6 +343,19 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(shown), flush=True)
                 report(args, shapes, runs)
     return 0
+
+
+def complete_rounds(runs: list[dict[str, Any]], wanted: set[tuple[float, str, str]]) -> list[dict[str, Any]]:
+    """The runs of the leading rounds (0, 1, ...) in which every ``(working set, trace, setup)`` of
+    ``wanted`` was measured, the others dropped."""
+    kept: list[dict[str, Any]] = []
+    for round_number in range(len(runs)):  # a round has one run at least
+        in_round = [run for run in runs if run["round"] == round_number]
+        measured = {(run["working_set"], run["trace"], run["setup"]) for run in in_round}
+        if not in_round or not wanted <= measured:
+            break
+        kept += [run for run in in_round if (run["working_set"], run["trace"], run["setup"]) in wanted]
+    return kept
 
 
 def report(
