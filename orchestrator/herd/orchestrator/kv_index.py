@@ -311,8 +311,6 @@ class PromptMatch:
     def __init__(self, index: KVIndex, block_hashes: Sequence[BlockHash]) -> None:
         self.index = index
         self.block_hashes = block_hashes
-        self._tiers: dict[str, TierRun] | None = None
-        """``tiers`` once something read it (``held_run`` reads it off them then)."""
 
     @cached_property
     def device(self) -> dict[str, int]:
@@ -324,17 +322,16 @@ class PromptMatch:
         """Each worker's leading run on its device by its events alone (nothing expected)."""
         return self.index.match(self.block_hashes, include_expected=False) if self.block_hashes else {}
 
-    @property
+    @cached_property
     def tiers(self) -> dict[str, TierRun]:
         """``KVIndex.match_tiers``: each worker's leading run over every tier."""
-        if self._tiers is None:
-            self._tiers = self.index.match_tiers(self.block_hashes) if self.block_hashes else {}
-        return self._tiers
+        return self.index.match_tiers(self.block_hashes) if self.block_hashes else {}
 
     def held_run(self, worker_id: str) -> int:
-        """``KVIndex.held_run`` of one worker: read off ``tiers`` when something walked them, else
-        that worker's own walk from the end of its device run."""
-        if self._tiers is not None:
-            run = self._tiers.get(worker_id)
+        """``KVIndex.held_run`` of one worker: read off ``tiers`` when something walked them (a
+        ``cached_property`` keeps its value in the instance's ``__dict__``), else that worker's own
+        walk from the end of its device run."""
+        if (tiers := vars(self).get("tiers")) is not None:
+            run = tiers.get(worker_id)
             return 0 if run is None else run.length
         return self.index.held_run(worker_id, self.block_hashes, start=self.device.get(worker_id, 0))
