@@ -283,6 +283,10 @@ def write_report(
 ) -> None:
     """The run's JSON at ``args.out`` (its command, the machine, the settings, ``extra``, every run and
     the summary); the summary printed."""
-    settings = {key: value for key, value in vars(args).items() if key != "out"} | {"engine": engine}
+    settings = {
+        key: str(value) if isinstance(value, Path) else value
+        for key, value in vars(args).items()
+        if key != "out"
+    } | {"engine": engine}
     results = {"settings": settings, **extra, "runs": runs, "summary": summary}
     write_results(args.out, results, command=command_line(), shown=summary)
