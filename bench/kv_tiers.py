@@ -55,6 +55,7 @@ import argparse
 import itertools
 import json
 import random
+import shlex
 import statistics
 import sys
 import time
@@ -528,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
             print_table(result)
             results.append(result)
     if args.out is not None:
-        command = " ".join(["python bench/kv_tiers.py", *(argv if argv is not None else sys.argv[1:])])
+        command = shlex.join(["python", "bench/kv_tiers.py", *(argv if argv is not None else sys.argv[1:])])
         args.out.write_text(
             json.dumps({"benchmark": "kv_tiers", "command": command, "results": results}, indent=2) + "\n"
         )
