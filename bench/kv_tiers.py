@@ -11,10 +11,23 @@ poll, and the views carry each worker's restore costs as the registry works them
 (``restore_block_tokens``). What differs between setups is only the tiers and ``tierCost``:
 
 * ``none``: no tier below the device; kv_cache_aware (its tier cost has nothing to price);
-* ``host``: ``hostMemoryGiB`` of ``--host-share`` x the working set's share of each worker, tierCost
+* ``host``: ``hostMemoryGiB`` of the working set's share of each worker, tierCost
   measured; ``host, tier-blind`` and ``host, weights 1.0/0.8``: the same workers, tierCost device and
   weights;
-* ``host+disk``: a host tier of ``--small-host-share`` and a disk tier of ``--host-share``, measured.
+* ``host+disk``: a host tier of a quarter of that and a disk tier of ``host``'s size, measured;
+  ``host+disk, tier-blind`` and ``host+disk, weights 1.0/0.8``: the same workers, device and weights.
+
+``--setups`` picks some of them (``none`` first: the open loops' rate comes from it).
+
+Tier costs (``--profile``): ``cpu``, this machine's measured bandwidths (above), or ``gpu-ratio``, a
+block's restore time over its recompute time as on an H100 serving an 8B model (host 0.08, a local
+NVMe 0.4, network storage 2.0: ``PROFILES``), turned into bandwidths for the demo model's block
+bytes and the cost model's ``tokenMs``, so that the simulated compute keeps this machine's fitted
+costs and only the tiers' prices relative to it change. ``--slow-disk-share`` of the workers,
+spread over the fleet, get the slow disk, the rest the fast one: each worker's runner charges its
+own rates and reports them as measured, so ``restore_block_tokens`` differs per worker. A tier
+move (a restore, or a write on eviction) is charged inside the step that plans it, as the real
+engine on this machine does it; the figures also count the disk blocks restored on slow workers.
 
 Traces: ``tenants`` (multi-tenant: herd bench's shared-prefix workload, tenants drawn uniformly, a
 system prompt of ``--prefix-blocks`` blocks each plus a 16-32 word user turn) and ``turns``
@@ -42,6 +55,7 @@ import argparse
 import itertools
 import json
 import random
+import shlex
 import statistics
 import sys
 import time
@@ -68,7 +82,62 @@ from herd.worker.simulated_runner import CostModel, VirtualClock, simulated_engi
 __all__ = ["main"]
 
 DEMO_MODEL = Path(__file__).resolve().parent.parent / ".cache" / "models" / "smollm2-135m-instruct"
-TIER_COST = {"host_gbps": 6.5, "disk_gbps": 0.6}
+
+
+@dataclass(frozen=True)
+class TierProfile:
+    """What a tier move costs in a fleet: GB a second over the host tier, a fast (local) disk and a
+    slow (network) disk, given either as measured bandwidths (``ratios`` False) or as a block's
+    restore time over its recompute time (``ratios`` True), to be turned into bandwidths for the
+    simulated model's block bytes and prefill cost (``bandwidths``)."""
+
+    name: str
+    host: float
+    disk: float
+    slow_disk: float
+    ratios: bool
+
+    def bandwidths(self, bytes_per_block: int, block_ms: float) -> tuple[float, float, float]:
+        """GB a second of the host tier, the fast disk and the slow disk. ``block_ms``: what
+        recomputing a block costs (its tokens x the cost model's ``tokenMs``)."""
+        if not self.ratios:
+            return self.host, self.disk, self.slow_disk
+
+        def gbps(ratio: float) -> float:
+            return bytes_per_block / (ratio * block_ms / 1000) / 1e9
+
+        return gbps(self.host), gbps(self.disk), gbps(self.slow_disk)
+
+
+PROFILES = {
+    profile.name: profile
+    for profile in (
+        # This machine (``herd bench calibrate``'s ``measure_tiers`` on the demo model): one disk only.
+        TierProfile("cpu", host=6.5, disk=0.6, slow_disk=0.6, ratios=False),
+        # An H100 serving an 8B model in bf16: a 16-token block is 2 MiB of KV and about 1 ms of
+        # prefill (~16k tokens/s); host memory over PCIe at ~25 GB/s restores it in 0.08 ms, a local
+        # NVMe at ~5 GB/s in 0.4 ms, network storage at ~1 GB/s in 2 ms (docs/kv-tiers.md).
+        TierProfile("gpu-ratio", host=0.08, disk=0.4, slow_disk=2.0, ratios=True),
+    )
+}
+"""``--profile``: the tier costs a simulated fleet runs on."""
+
+
+def slow_workers(num_workers: int, share: float) -> list[bool]:
+    """Which workers have the slow disk: ``share`` of them, spread evenly over the fleet (worker
+    ``i`` is slow when ``(i + 1) x share`` passes a whole number that ``i x share`` did not)."""
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"--slow-disk-share must be in [0, 1], got {share}")
+    return [int((i + 1) * share) > int(i * share) for i in range(num_workers)]
+
+
+def fleet_costs(
+    base: dict[str, float], profile: TierProfile, slow: list[bool], bytes_per_block: int, block_size: int
+) -> list[CostModel]:
+    """Each worker's cost model: the compute costs of ``base`` and the profile's tier bandwidths, the
+    slow disk's on the workers ``slow`` marks."""
+    host, disk, slow_disk = profile.bandwidths(bytes_per_block, block_size * base["token_ms"])
+    return [CostModel(**base, host_gbps=host, disk_gbps=slow_disk if is_slow else disk) for is_slow in slow]
 
 
 @dataclass(frozen=True)
@@ -91,6 +160,10 @@ class TierShape:
     prefix_blocks: int
     max_turns: int
     concurrency: int
+    profile: str = "cpu"
+    """The fleet's tier costs, a ``PROFILES`` name."""
+    slow_disk_share: float = 0.0
+    """The share of the workers whose disk tier is the profile's slow one (``slow_workers``)."""
 
     def num_streams(self) -> int:
         """Tenants or sessions, so that their distinct blocks are ``working_set`` x the fleet's pool."""
@@ -115,7 +188,10 @@ class TierSimulation(Simulation):
         """``arrivals``: the open loop's arrival time of every request in simulated ms (``None``: the
         closed loop of ``shape.concurrency`` requests in flight)."""
         self.tiers, self.setup = tiers, setup
-        per_block = bytes_per_block(read_model_args(DEMO_MODEL), BLOCK_SIZE, _dtype())
+        per_block = demo_bytes_per_block()
+        base = {"step_ms": shape.step_ms, "seq_ms": shape.seq_ms, "token_ms": shape.token_ms}
+        self.slow = slow_workers(shape.num_workers, tiers.slow_disk_share)
+        self.costs = fleet_costs(base, PROFILES[tiers.profile], self.slow, per_block, BLOCK_SIZE)
         share = tiers.working_set * tiers.pool_blocks
         self.host_gib = setup.host_share * share * per_block / 2**30
         self.disk_gib = setup.disk_share * share * per_block / 2**30
@@ -147,9 +223,8 @@ class TierSimulation(Simulation):
             served_name=MODEL_ID,
             engine={"maxBatchTokens": 1024, "maxBatchSize": 64, "kvCache": kv_cache},
         )
-        cost = CostModel(step_ms=shape.step_ms, seq_ms=shape.seq_ms, token_ms=shape.token_ms, **TIER_COST)
         engine = simulated_engine(
-            config, num_blocks=shape.num_kv_blocks(), cost=cost, clock=clock, renderer=renderer
+            config, num_blocks=shape.num_kv_blocks(), cost=self.costs[number], clock=clock, renderer=renderer
         )
         worker = SimWorker(f"worker-{number}", engine, clock)
         snapshot = KVSnapshot(epoch=engine.info.epoch, seq=0, block_size=BLOCK_SIZE, block_hashes=[])
@@ -249,6 +324,9 @@ class TierSimulation(Simulation):
         counters = [worker.engine.block_manager.counters for worker in self.workers]
         summary["restored_host"] = sum(c.restored["host"] for c in counters)
         summary["restored_disk"] = sum(c.restored["disk"] for c in counters)
+        summary["restored_disk_slow"] = sum(
+            c.restored["disk"] for c, slow in zip(counters, self.slow, strict=True) if slow
+        )
         return {
             key: summary[key]
             for key in (
@@ -258,14 +336,16 @@ class TierSimulation(Simulation):
                 "requests_per_s",
                 "restored_host",
                 "restored_disk",
+                "restored_disk_slow",
             )
         }
 
 
-def _dtype() -> Any:
+def demo_bytes_per_block() -> int:
+    """A block's bytes of the demo model's fp32 KV (720 KiB)."""
     import torch
 
-    return torch.float32
+    return bytes_per_block(read_model_args(DEMO_MODEL), BLOCK_SIZE, torch.float32)
 
 
 SETUPS = [
@@ -274,6 +354,8 @@ SETUPS = [
     Setup("host+disk", 0.25, 1.0, "measured"),
     Setup("host, tier-blind", 1.0, 0.0, "device"),
     Setup("host, weights 1.0/0.8", 1.0, 0.0, "weights"),
+    Setup("host+disk, tier-blind", 0.25, 1.0, "device"),
+    Setup("host+disk, weights 1.0/0.8", 0.25, 1.0, "weights"),
 ]
 
 
@@ -282,6 +364,21 @@ def poisson_arrivals(rate_per_s: float, count: int, seed: int) -> list[float]:
     seed whatever the setup."""
     rng = random.Random(f"arrivals-{seed}")
     return list(itertools.accumulate(rng.expovariate(rate_per_s / 1000) for _ in range(count)))
+
+
+def sim_shape(tiers: TierShape, warmup: int, measured: int) -> Shape:
+    """The routing simulation's shape for ``tiers``: the demo model's fitted compute costs."""
+    return Shape(
+        num_tenants=tiers.num_streams(),
+        prefix_blocks=tiers.prefix_blocks,
+        pool_blocks=tiers.pool_blocks,
+        output_tokens=8,
+        concurrency=tiers.concurrency * tiers.num_workers,
+        num_workers=tiers.num_workers,
+        warmup=warmup,
+        measured=measured,
+        **ISSUE14_COST,
+    )
 
 
 def run(
@@ -299,17 +396,7 @@ def run(
         raise ValueError("the open loop's rate comes from the none setup: it must run first")
     renderer = PromptRenderer.from_pretrained(DEMO_MODEL)
     streams = tiers.num_streams()
-    shape = Shape(
-        num_tenants=streams,
-        prefix_blocks=tiers.prefix_blocks,
-        pool_blocks=tiers.pool_blocks,
-        output_tokens=8,
-        concurrency=tiers.concurrency * tiers.num_workers,
-        num_workers=tiers.num_workers,
-        warmup=warmup,
-        measured=measured,
-        **ISSUE14_COST,
-    )
+    shape = sim_shape(tiers, warmup, measured)
     labels = ["closed", *(f"open {load:g}" for load in loads)]
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {
         label: {setup.name: [] for setup in setups} for label in labels
@@ -360,17 +447,24 @@ def print_table(result: dict[str, Any]) -> None:
     for label, loop in result["loops"].items():
         rates = "" if loop["rates_per_s"] is None else f", offered {loop['rates_per_s']} req/s by round"
         print(
-            f"\n{shape['trace']} at {shape['working_set']}x the fleet's device pool, {label} loop "
+            f"\n{shape['trace']} at {shape['working_set']}x the fleet's device pool, {label} loop, "
+            f"tier profile {shape['profile']}, slow disks {shape['slow_disk_share']:g} "
             f"({shape['streams']} streams, {shape['num_workers']} workers x {shape['pool_blocks']} blocks{rates})"
         )
-        print("| setup | hit rate | TTFT p50 (sim ms) | TTFT p99 (sim ms) | req/s | restored host / disk |")
+        print(
+            "| setup | hit rate | TTFT p50 (sim ms) | TTFT p99 (sim ms) | req/s "
+            "| restored host / disk (on slow disks) |"
+        )
         print("|---|---:|---:|---:|---:|---:|")
         for name, row in loop["setups"].items():
             cells = [
                 f"{row[key]['median']:.3g} ({row[key]['min']:.3g}-{row[key]['max']:.3g})"
                 for key in ("hit_rate", "ttft_p50_ms", "ttft_p99_ms", "requests_per_s")
             ]
-            restored = f"{row['restored_host']['median']:.0f} / {row['restored_disk']['median']:.0f}"
+            restored = (
+                f"{row['restored_host']['median']:.0f} / {row['restored_disk']['median']:.0f} "
+                f"({row['restored_disk_slow']['median']:.0f})"
+            )
             print(f"| {name} | {' | '.join(cells)} | {restored} |")
 
 
@@ -393,8 +487,30 @@ def main(argv: list[str] | None = None) -> int:
         default=[0.8, 0.95],
         help="open-loop rates, as shares of the round's closed-loop throughput with no tier",
     )
+    parser.add_argument(
+        "--setups",
+        nargs="+",
+        default=[setup.name for setup in SETUPS],
+        choices=[setup.name for setup in SETUPS],
+        help="the setups to run, in this order; none first (the open loops' rate comes from it)",
+    )
+    parser.add_argument(
+        "--profile",
+        default="cpu",
+        choices=sorted(PROFILES),
+        help="tier costs: cpu (this machine's measured bandwidths) or gpu-ratio (an H100 serving an 8B "
+        "model's restore-to-recompute ratios, turned into bandwidths for the demo model's blocks)",
+    )
+    parser.add_argument(
+        "--slow-disk-share",
+        type=float,
+        default=0.0,
+        help="the share of the workers whose disk tier is the profile's slow one (network storage)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    by_name = {setup.name: setup for setup in SETUPS}
+    setups = [by_name[name] for name in args.setups]
     results = []
     for trace in args.traces:
         for working_set in args.working_sets:
@@ -406,12 +522,14 @@ def main(argv: list[str] | None = None) -> int:
                 args.prefix_blocks,
                 args.max_turns,
                 args.concurrency,
+                args.profile,
+                args.slow_disk_share,
             )
-            result = run(tiers, SETUPS, args.rounds, args.warmup, args.measured, args.loads)
+            result = run(tiers, setups, args.rounds, args.warmup, args.measured, args.loads)
             print_table(result)
             results.append(result)
     if args.out is not None:
-        command = " ".join(["python bench/kv_tiers.py", *(argv if argv is not None else sys.argv[1:])])
+        command = shlex.join(["python", "bench/kv_tiers.py", *(argv if argv is not None else sys.argv[1:])])
         args.out.write_text(
             json.dumps({"benchmark": "kv_tiers", "command": command, "results": results}, indent=2) + "\n"
         )
