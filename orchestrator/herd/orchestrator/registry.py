@@ -93,7 +93,8 @@ class WorkerState:
     num_in_flight: int = 0
     num_prefill_tokens_in_flight: int = 0
     in_flight_by_priority: Mapping[int, int] = field(default_factory=dict)
-    """Requests in flight by priority: replaced on every change, never edited, so views share it."""
+    """Requests in flight by priority: replaced on every change, never edited (its counts feed the
+    model's serving count and ``num_background``)."""
     num_background: int = 0
     """Those of them at the registry's background priority or a larger number."""
     report: LoadReport = field(default_factory=LoadReport)
@@ -125,8 +126,7 @@ class WorkerState:
         Every decision takes a view of every worker of its model, and between two decisions few
         workers change, so the last view is given again while nothing it shows has changed: the same
         report object (``take_report`` assigns a new one; nothing edits one in place), the same
-        counts, the same ``in_flight_by_priority`` object (the registry replaces it, never edits it,
-        so views share it) and the same health. At 1,000 workers that turns the views from the
+        counts and the same health. At 1,000 workers that turns the views from the
         largest cost of a decision into a pass of comparisons."""
         report = self.report
         num_in_flight = self.num_in_flight + num_elsewhere
@@ -136,7 +136,7 @@ class WorkerState:
             and viewed[0] is report
             and (last := viewed[1]).num_in_flight == num_in_flight
             and last.is_healthy == is_healthy
-            and last.in_flight_by_priority is self.in_flight_by_priority
+            and last.num_background == self.num_background
             and last.num_prefill_tokens_in_flight == self.num_prefill_tokens_in_flight
         ):
             return last
@@ -146,7 +146,6 @@ class WorkerState:
             role=self.endpoint.role,
             num_in_flight=num_in_flight,
             num_prefill_tokens_in_flight=self.num_prefill_tokens_in_flight,
-            in_flight_by_priority=self.in_flight_by_priority,
             num_background=self.num_background,
             num_running=report.num_running,
             num_waiting=report.num_waiting,

@@ -156,7 +156,7 @@ async def test_a_view_is_given_again_until_its_worker_changes() -> None:
         await wait_for(lambda: worker.is_healthy)
         first = registry.views(MODEL)[0]
         assert registry.views(MODEL)[0] is first
-        hold = registry.hold("w0", priority=3)
+        hold = registry.hold("w0", priority=BACKGROUND_PRIORITY)
         held = registry.views(MODEL)[0]
         hold.release("none")
         released = registry.views(MODEL)[0]
@@ -165,16 +165,10 @@ async def test_a_view_is_given_again_until_its_worker_changes() -> None:
         worker.is_healthy = False
         ejected = registry.all_views(MODEL)[0]
         seen = [
-            (v.num_in_flight, dict(v.in_flight_by_priority), v.num_running, v.is_healthy)
+            (v.num_in_flight, v.num_background, v.num_running, v.is_healthy)
             for v in (first, held, released, reported, ejected)
         ]
-        assert seen == [
-            (0, {}, 0, True),
-            (1, {3: 1}, 0, True),
-            (0, {}, 0, True),
-            (0, {}, 2, True),
-            (0, {}, 2, False),
-        ]
+        assert seen == [(0, 0, 0, True), (1, 1, 0, True), (0, 0, 0, True), (0, 0, 2, True), (0, 0, 2, False)]
         assert len({id(view) for view in (first, held, released, reported, ejected)}) == 5
         registry.forget_views()  # the next view is built afresh, showing the same
         rebuilt = registry.all_views(MODEL)[0]

@@ -28,12 +28,10 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
 
 
 def worker(name: str, batch: int = 0, interactive: int = 0, **fields: object) -> WorkerView:
-    by_priority = {p: n for p, n in ((BATCH, batch), (0, interactive)) if n}
     return WorkerView(
         id=name,
         url=f"http://{name}",
         num_in_flight=batch + interactive,
-        in_flight_by_priority=by_priority,
         num_background=batch,
         **fields,  # type: ignore[arg-type]
     )

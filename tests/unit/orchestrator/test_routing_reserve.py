@@ -42,20 +42,20 @@ def test_background_limit(cap: int, share: float, limit: int) -> None:
 
 
 @pytest.mark.parametrize(
-    ("priority", "in_flight", "cap", "reserve", "allowed"),
+    ("priority", "num_in_flight", "num_background", "cap", "reserve", "allowed"),
     [
-        (BATCH, {}, 8, QUARTER, True),
-        (BATCH, {BATCH: 5}, 8, QUARTER, True),
-        (BATCH, {BATCH: 6}, 8, QUARTER, False),
-        (BATCH, {0: 2, BATCH: 5}, 8, QUARTER, True),
-        (0, {BATCH: 6}, 8, QUARTER, True),
-        (0, {BATCH: 6, 0: 1}, 8, QUARTER, True),
-        (0, {BATCH: 6, 0: 2}, 8, QUARTER, False),
-        (5, {BATCH: 6, 5: 1}, 8, QUARTER, True),
-        (5, {5: 6}, 8, SlotReserve(share=0.25, priority=5), False),
-        (BATCH, {5: 6}, 8, SlotReserve(share=0.25, priority=5), False),
-        (BATCH, {BATCH: 7}, 8, SlotReserve(share=0.0), True),
-        (BATCH, {BATCH: 500}, 0, QUARTER, True),
+        (BATCH, 0, 0, 8, QUARTER, True),
+        (BATCH, 5, 5, 8, QUARTER, True),
+        (BATCH, 6, 6, 8, QUARTER, False),
+        (BATCH, 7, 5, 8, QUARTER, True),
+        (0, 6, 6, 8, QUARTER, True),
+        (0, 7, 6, 8, QUARTER, True),
+        (0, 8, 6, 8, QUARTER, False),
+        (5, 7, 6, 8, QUARTER, True),
+        (5, 6, 6, 8, SlotReserve(share=0.25, priority=5), False),
+        (BATCH, 6, 6, 8, SlotReserve(share=0.25, priority=5), False),
+        (BATCH, 7, 7, 8, SlotReserve(share=0.0), True),
+        (BATCH, 500, 500, 0, QUARTER, True),
     ],
     ids=[
         "background-on-an-idle-worker",
@@ -73,9 +73,9 @@ def test_background_limit(cap: int, share: float, limit: int) -> None:
     ],
 )
 def test_may_take_slot(
-    priority: int, in_flight: dict[int, int], cap: int, reserve: SlotReserve, allowed: bool
+    priority: int, num_in_flight: int, num_background: int, cap: int, reserve: SlotReserve, allowed: bool
 ) -> None:
-    assert may_take_slot(priority, in_flight, cap, reserve) is allowed
+    assert may_take_slot(priority, num_in_flight, num_background, cap, reserve) is allowed
 
 
 @pytest.mark.parametrize("share", [-0.1, 1.0, 1.5])
@@ -91,8 +91,7 @@ def served(limit: int) -> ServedModel:
 
 
 BUSY_WITH_BATCH = [
-    WorkerView(id=name, url=f"http://{name}", num_in_flight=3, in_flight_by_priority={BATCH: 3})
-    for name in "ab"
+    WorkerView(id=name, url=f"http://{name}", num_in_flight=3, num_background=3) for name in "ab"
 ]
 """Two workers of 4 slots, each with 3 batch lines: the part of background (4 less a quarter)."""
 
@@ -112,19 +111,19 @@ def test_decide_keeps_the_reserved_slot_for_an_urgent_request() -> None:
 @pytest.mark.parametrize("limit", [0, 1, 4, 8])
 def test_decide_opens_a_worker_exactly_when_the_slot_rule_does(priority: int, limit: int) -> None:
     """``decide`` applies ``may_take_slot`` to background requests only: for a more urgent one the
-    limit on all requests in flight (this replica's, counted by priority, and the others') says the
-    same, on every split of a worker's requests between priorities and replicas."""
+    limit on all requests in flight (this replica's and the others') says the same, on every split of
+    a worker's requests between priorities and replicas."""
     for own_urgent in range(5):
         for own_batch in range(9):
             for elsewhere in (0, 2):
-                by_priority = {p: n for p, n in ((0, own_urgent), (BATCH, own_batch)) if n}
                 num_in_flight = own_urgent + own_batch + elsewhere
                 worker = WorkerView(
-                    id="a", url="http://a", num_in_flight=num_in_flight, in_flight_by_priority=by_priority
+                    id="a",
+                    url="http://a",
+                    num_in_flight=num_in_flight,
+                    num_background=own_batch,
                 )
-                opens = (not limit or num_in_flight < limit) and may_take_slot(
-                    priority, by_priority, limit, QUARTER
-                )
+                opens = may_take_slot(priority, num_in_flight, own_batch, limit, QUARTER)
                 request = RequestContext(model="m", priority=priority)
                 if opens:
                     assert decide(served(limit), [worker], request, QUARTER).worker.id == "a"

@@ -66,8 +66,6 @@ class WorkerView:
     is_healthy: bool = True
     num_prefill_tokens_in_flight: int = 0
     """Uncached prompt tokens of the prefills this orchestrator has in flight on the worker."""
-    in_flight_by_priority: Mapping[int, int] = field(default_factory=dict)
-    """This orchestrator's requests in flight to the worker by their priority (for ``SlotReserve``)."""
     num_background: int = 0
     """Those of them at the slot reserve's priority or a larger number (background work), counted by
     the registry as requests are held and released (what the idle headroom ranks workers by)."""

@@ -146,14 +146,12 @@ def decide(
         open_pool = [
             view
             for view in pool
-            if (not limit or view.num_in_flight < limit)
-            and may_take_slot(request.priority, view.in_flight_by_priority, limit, reserve)
+            if may_take_slot(request.priority, view.num_in_flight, view.num_background, limit, reserve)
             and view.id not in idle
         ]
     elif limit:
-        # A more urgent request may take any slot under the limit: the limit is the whole rule
-        # (``may_take_slot``'s count, this replica's requests by priority, is part of num_in_flight),
-        # and this pass runs for every worker on every request.
+        # A more urgent request may take any slot under the limit: ``may_take_slot`` asks no more of
+        # it, and this pass runs for every worker on every request.
         open_pool = [view for view in pool if view.num_in_flight < limit]
     open_pool = lora_candidates(open_pool, request.lora_name)
     # One walk of the index for each kind of run, shared by every step below and the strategy.

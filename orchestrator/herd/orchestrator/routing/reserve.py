@@ -9,14 +9,15 @@ of each worker's slots between them, and the rest stays open to the more urgent 
 request is on the worker, the engine preempts a background sequence for it when its batch is full
 (``herd.worker.scheduler``). llm-d's flow control and Dynamo keep similar per-band limits.
 
-``may_take_slot`` is the rule, pure; ``decide`` applies it to background requests in its capacity
-filter (a more urgent request may take any slot under the limit, which the filter checks anyway).
+``may_take_slot`` is the rule, pure, over counts the views carry (no per-worker walk of a dict, as a
+batch line's decision asks it of every worker); ``decide`` applies it to background requests in its
+capacity filter (a more urgent request may take any slot under the limit, which the filter checks
+anyway).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 __all__ = ["BACKGROUND_PRIORITY", "DEFAULT_RESERVE", "SlotReserve", "background_limit", "may_take_slot"]
@@ -49,15 +50,13 @@ def background_limit(cap: int, reserve: SlotReserve) -> int:
 
 
 def may_take_slot(
-    priority: int, in_flight_by_priority: Mapping[int, int], cap: int, reserve: SlotReserve
+    priority: int, num_in_flight: int, num_background: int, cap: int, reserve: SlotReserve
 ) -> bool:
-    """Whether a request of ``priority`` may take a slot on a worker whose requests in flight, by
-    priority, are ``in_flight_by_priority`` (``cap``: its slots, 0 for no limit). A request more urgent
-    than background may use every slot; a background one only while the background requests already
-    there are under ``background_limit``."""
-    if cap and sum(in_flight_by_priority.values()) >= cap:
+    """Whether a request of ``priority`` may take a slot on a worker of ``cap`` slots (0: no limit)
+    holding ``num_in_flight`` requests, ``num_background`` of them this replica's at the reserve's
+    priority or a larger number (``WorkerView.num_background``, counted by the registry as requests
+    are held and released). A request more urgent than background may use every slot; a background
+    one only while the background requests already there are under ``background_limit``."""
+    if cap and num_in_flight >= cap:
         return False
-    if priority < reserve.priority or not cap:
-        return True
-    num_background = sum(n for p, n in in_flight_by_priority.items() if p >= reserve.priority)
-    return num_background < background_limit(cap, reserve)
+    return priority < reserve.priority or not cap or num_background < background_limit(cap, reserve)
