@@ -15,6 +15,7 @@ from support.engine import GREEDY, make_config, make_engine, random_prompts, tie
 from herd.api.kv_hash import block_hashes
 from herd.worker.async_engine import AsyncEngine
 from herd.worker.engine import LLMEngine
+from herd.worker.kv_store import DiskFile
 from herd.worker.model_runner import TorchRunner, torch_engine
 from herd.worker.server import PublicOptions, build_public_app
 
@@ -105,10 +106,13 @@ def test_a_failing_disk_tier_is_dropped_and_no_request_fails(
     engine = tiered_engine(tiny_llama, 6, {"path": str(tmp_path), "sizeGiB": tier_gib(tiny_llama, 64)})
     runner = engine.runner
     assert isinstance(runner, TorchRunner) and runner.tiers.disk is not None
+    disk = runner.tiers.disk.file
+    assert isinstance(disk, DiskFile)
     assert cycle(engine, prompts, rounds=1) == untiered[: len(prompts)]
     assert engine.block_manager.counters.stored["disk"] > 0
+    assert runner.tiers.disk.wait_written(timeout=10)
     broken = os.open(os.devnull, os.O_RDONLY)  # reads give 0 bytes, writes fail: a dying disk
-    os.dup2(broken, runner.tiers.disk.fd)
+    os.dup2(broken, disk.fd)
     os.close(broken)
     outputs = [engine.generate([prompt], GREEDY)[0] for _ in range(2) for prompt in prompts]
     assert [output.error for output in outputs] == [None] * len(outputs)

@@ -15,6 +15,7 @@ from herd.worker.engine import LLMEngine
 from herd.worker.sampling_params import SamplingParams
 from herd.worker.simulated_runner import (
     CostModel,
+    DiskWrites,
     SimulatedRunner,
     SleepingClock,
     VirtualClock,
@@ -115,3 +116,21 @@ def test_kv_blocks_are_placeholders_of_the_layout_and_imports_hit_the_cache(tiny
     assert result.num_cached_tokens == 2 * size
     with pytest.raises(ValueError, match="do not fit this pool"):
         engine.runner.write_blocks([5], torch.zeros(1))
+
+
+@pytest.mark.parametrize(
+    ("depth", "writes", "waits"),
+    [
+        (4, [(0.0, 1.0)] * 4, [0.0] * 4),  # room for all: the step never waits
+        (2, [(0.0, 1.0)] * 3, [0.0, 0.0, 1.0]),  # the third waits for the first
+        (2, [(0.0, 1.0), (0.0, 1.0), (0.5, 1.0)], [0.0, 0.0, 0.5]),  # the first is done at 1.0
+        (2, [(0.0, 1.0), (0.0, 1.0), (1.5, 1.0)], [0.0, 0.0, 0.0]),  # and gone by 1.5
+        (1, [(0.0, 1.0), (5.0, 1.0)], [0.0, 0.0]),  # the disk went idle in between
+        (2, [(0.0, 3.0), (0.0, 1.0), (0.0, 1.0)], [0.0, 0.0, 3.0]),  # each write after the one before
+    ],
+)
+def test_disk_writes_hold_a_step_only_while_the_queue_is_full(
+    depth: int, writes: list[tuple[float, float]], waits: list[float]
+) -> None:
+    queue = DiskWrites(depth)
+    assert [queue.queue(now, seconds) for now, seconds in writes] == pytest.approx(waits)

@@ -7,10 +7,13 @@ pinned on CUDA so that a restore is a ``non_blocking`` copy queued ahead of the 
 stream: the host goes on preparing the step's inputs while the copy runs, and the forward reads the
 restored blocks after it, in stream order. The disk tier is one preallocated file (unlinked
 at once, so it vanishes with the process) of one block per slot, written and read with ``pwrite`` /
-``preadv``. A step's moves run in three phases, which the pins of ``herd.worker.kv_tiers`` make
-equal to running them in order: every disk write, then every disk read (into a staging tensor), both
-before anything else changed, so a failing disk raises ``KVTierError`` with nothing moved; then the
-device <-> host copies and the staged disk reads in plan order.
+``preadv``, written behind the step (``WriteBehind``): a step copies a block it demotes into a queue
+and goes on, a thread writes the queue out. A step's moves run in three phases, which the pins of
+``herd.worker.kv_tiers`` make equal to running them in order: every disk write queued, then every
+disk read (into a staging tensor; a slot whose write is still queued is read from the queue), both
+before anything else changed, so a failing disk raises ``KVTierError`` with nothing moved (a write
+that failed behind an earlier step is raised by the next step that touches the disk, before it
+reads a slot); then the device <-> host copies and the staged disk reads in plan order.
 
 Restores are timed per tier (the router weighs a tier hit by it): a probe at start measures them, so
 that the router can price a tier before its first restore; then, on the CPU, where each copy is
@@ -22,24 +25,28 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from itertools import groupby
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from herd.api.crd import KVDiskSpec
 from herd.api.protocol import Medium
-from herd.worker.kv_tiers import KVMove, KVTierError
+from herd.worker.kv_tiers import DISK_WRITE_QUEUE_BYTES, KVMove, KVTierError
 from herd.worker.runner import Measured
 
-__all__ = ["DiskFile", "TierStore"]
+__all__ = ["DiskFile", "TierStore", "WriteBehind"]
 
 log = logging.getLogger(__name__)
 
 _PROBE_BLOCKS = 8
+_CLOSE_SECONDS = 10.0
+"""How long closing the disk tier waits for the write in progress (a hung disk is left behind)."""
 
 
 class DiskFile:
@@ -83,13 +90,131 @@ class DiskFile:
         os.close(self.fd)
 
 
+class BlockFile(Protocol):
+    """What ``WriteBehind`` writes to: ``num_slots`` slots of ``slot_bytes``."""
+
+    num_slots: int
+    slot_bytes: int
+
+    def write(self, slot: int, data: memoryview) -> None: ...
+
+    def read_into(self, slot: int, buffer: memoryview) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class WriteBehind:
+    """A ``BlockFile`` written on a thread of its own, so that a step never waits for the disk.
+
+    ``write`` copies the block into one of ``depth`` rows and queues it; the thread writes the queue
+    out in order. Until a slot's write is done, a read of the slot is answered from its row (the
+    newest queued write of a slot, which is what the disk holds once the queue is out). Only a full
+    queue makes ``write`` wait, for the oldest write. The first failed write stops the writing: it
+    is raised by the next ``write`` or ``check``, and what was queued stays readable from its rows,
+    so no read returns a slot the disk did not take. The thread closes the file when it ends.
+    """
+
+    def __init__(self, file: BlockFile, depth: int) -> None:
+        self.file = file
+        self.error: OSError | None = None
+        self._rows = torch.empty((depth, file.slot_bytes), dtype=torch.uint8)
+        self._free = list(range(depth))
+        self._queue: deque[tuple[int, int]] = deque()  # (slot, row), oldest first
+        self._newest: dict[int, int] = {}  # slot -> the row of its newest queued write
+        self._changed = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="herd-kv-disk-writer", daemon=True)
+        self._thread.start()
+
+    @property
+    def num_slots(self) -> int:
+        return self.file.num_slots
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._newest)
+
+    def check(self) -> None:
+        """Raise the error a write behind an earlier step met, if one did."""
+        if self.error is not None:
+            raise self.error
+
+    def write(self, slot: int, block: torch.Tensor) -> None:
+        """Queue ``block`` (a contiguous CPU tensor of one slot's bytes) for ``slot``."""
+        with self._changed:
+            while not self._free and self.error is None:
+                self._changed.wait()
+            self.check()
+            row = self._free.pop()
+        self._rows[row].copy_(_flat(block))  # the row is this thread's until it is queued
+        with self._changed:
+            self._newest[slot] = row
+            self._queue.append((slot, row))
+            self._changed.notify_all()
+
+    def read_into(self, slot: int, block: torch.Tensor) -> None:
+        """Fill ``block`` with ``slot``'s bytes, from the queue while its write is in it."""
+        with self._changed:
+            row = self._newest.get(slot)
+            if row is not None:
+                _flat(block).copy_(self._rows[row])
+                return
+        self.file.read_into(slot, _bytes(block))  # no write of it is queued meanwhile: we queue them
+
+    def wait_written(self, timeout: float) -> bool:
+        """Wait until the queue is written out (or a write failed); whether it was within ``timeout``."""
+        with self._changed:
+            return self._changed.wait_for(lambda: not self._newest or self.error is not None, timeout)
+
+    def close(self) -> None:
+        """Drop what is still queued (the file goes with the process) and end the thread."""
+        with self._changed:
+            self._closed = True
+            self._queue.clear()
+            self._changed.notify_all()
+        self._thread.join(_CLOSE_SECONDS)
+        if self._thread.is_alive():
+            log.warning("KV disk tier: a write did not end in time; its file is left open")
+
+    def _run(self) -> None:
+        try:
+            while (item := self._next()) is not None:
+                slot, row = item
+                try:
+                    self.file.write(slot, _bytes(self._rows[row]))
+                except OSError as error:
+                    with self._changed:  # rows and queued slots are kept: reads answer from them
+                        self.error = error
+                        self._changed.notify_all()
+                    continue
+                with self._changed:
+                    if self._newest.get(slot) == row:
+                        del self._newest[slot]
+                    self._free.append(row)
+                    self._changed.notify_all()
+        finally:
+            self.file.close()  # here, not in ``close``: no write may reach a reused descriptor
+
+    def _next(self) -> tuple[int, int] | None:
+        """The oldest queued write, once the last is done; None once closed. After a failure the
+        queue is dropped as it comes (``write`` refuses more)."""
+        with self._changed:
+            while True:
+                if self._closed:
+                    return None
+                if self._queue and self.error is None:
+                    return self._queue.popleft()
+                self._queue.clear()
+                self._changed.wait()
+
+
 @dataclass
 class TierStore:
     """The host tier's tensor and the disk tier's file beside a device ``pool``."""
 
     pool: torch.Tensor
     host: torch.Tensor | None
-    disk: DiskFile | None
+    disk: WriteBehind | None
     measured: Measured
 
     @classmethod
@@ -102,7 +227,8 @@ class TierStore:
             host = torch.zeros(shape, dtype=pool.dtype, pin_memory=pool.is_cuda)
         slot_bytes = pool[:, :, 0].numel() * pool.element_size()
         disk_file = DiskFile.open(disk, slot_bytes) if disk is not None and host is not None else None
-        store = cls(pool, host, disk_file, measured)
+        depth = min(disk_file.num_slots, max(1, DISK_WRITE_QUEUE_BYTES // slot_bytes)) if disk_file else 0
+        store = cls(pool, host, WriteBehind(disk_file, depth) if disk_file else None, measured)
         store.probe()  # so that the router can price this worker's tiers before its first restore
         return store
 
@@ -118,6 +244,9 @@ class TierStore:
         if self.disk is not None:
             self.disk.close()
             self.disk = None
+
+    def close(self) -> None:
+        self.drop_disk()
 
     def apply(self, moves: list[KVMove]) -> None:
         """Make ``moves`` (see the module docstring for the order)."""
@@ -171,12 +300,13 @@ class TierStore:
         if self.disk is None or self.host is None:
             raise KVTierError("disk", "a plan moves blocks through a disk tier that is not there")
         try:
+            self.disk.check()
             for move in writes:
-                self.disk.write(move.dst_slot, _bytes(self.host[move.src_slot]))
+                self.disk.write(move.dst_slot, self.host[move.src_slot])
             started = time.perf_counter()
             staging = torch.empty((len(reads), *self.host.shape[1:]), dtype=self.pool.dtype)
             for move, block in zip(reads, staging, strict=True):
-                self.disk.read_into(move.src_slot, _bytes(block))
+                self.disk.read_into(move.src_slot, block)
         except OSError as error:
             self.drop_disk()
             raise KVTierError("disk", f"the KV disk tier failed: {error}") from error
@@ -211,6 +341,11 @@ class _Staged:
     @classmethod
     def empty(cls) -> _Staged:
         return cls(torch.empty(0), {}, 0.0)
+
+
+def _flat(block: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat ``uint8`` view of it."""
+    return block.view(torch.uint8).view(-1)
 
 
 def _bytes(block: torch.Tensor) -> memoryview:

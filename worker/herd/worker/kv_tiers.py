@@ -20,7 +20,11 @@ from dataclasses import dataclass
 from herd.api.kv_hash import BlockHash
 from herd.api.protocol import Medium
 
-__all__ = ["KVMove", "KVTierError", "TierCache", "TierHit"]
+__all__ = ["DISK_WRITE_QUEUE_BYTES", "KVMove", "KVTierError", "TierCache", "TierHit"]
+
+DISK_WRITE_QUEUE_BYTES = 256 * 2**20
+"""The blocks queued for the disk tier, at most, before a step that demotes one waits for a write
+(the engine's write-behind queue, and the simulated runner's model of it)."""
 
 
 @dataclass(frozen=True, slots=True)

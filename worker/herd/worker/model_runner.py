@@ -440,7 +440,9 @@ class TorchRunner:
 
     def close(self) -> None:
         """Rank 0: stop the follower ranks, local and remote (each process ends after the last step
-        it is sent); the local processes that do not end within seconds are killed."""
+        it is sent); the local processes that do not end within seconds are killed. The disk tier's
+        writer ends too."""
+        self.tiers.close()
         if self.parallel.rank == 0 and self.parallel.size > 1 and not (self.is_broken or self.is_closed):
             self.is_closed = True  # a second close sends nothing
             self.parallel.broadcast_object(None)

@@ -168,6 +168,6 @@ class Runner(Protocol):
         ...
 
     def close(self) -> None:
-        """Release what the runner started beside its process (tensor-parallel ranks); it runs no
-        step afterwards."""
+        """Release what the runner started beside its process (tensor-parallel ranks, the disk
+        tier's writer); it runs no step afterwards."""
         ...

@@ -21,7 +21,10 @@ sequence's tokens, each one verified against the token this runner would sample 
 other. A draft model cannot run where there is no model: ``simulated_engine`` refuses one.
 
 The tiers below the pool are slots too: a plan's moves between them cost their bytes over the cost
-model's ``hostGBps`` (device <-> host) or ``diskGBps`` (to or from the disk), added to the step. The
+model's ``hostGBps`` (device <-> host) or ``diskGBps`` (to or from the disk), added to the step, but
+for the disk writes, which go behind the step as the engine's do: each takes the disk its time after
+the one queued before it, and a step waits only for room in a full queue (the engine's depth). Disk
+reads are charged in full, also of a block still queued (the engine reads that one from memory). The
 runner reports the rates it models as measured, so a simulated fleet routes on the same figures.
 A LoRA adapter is a name and nothing more: its folder is not read, and a sequence's adapter
 changes its tokens only through the root hash, as it changes its blocks' hashes.
@@ -33,6 +36,7 @@ import hashlib
 import time
 import weakref
 from array import array
+from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +51,7 @@ from herd.worker.cache_geometry import CacheGeometry, bytes_per_block, tier_bloc
 from herd.worker.config import EngineConfig
 from herd.worker.engine import LLMEngine
 from herd.worker.grammar import MaskFiller, allowed_token_ids
-from herd.worker.kv_tiers import KVMove
+from herd.worker.kv_tiers import DISK_WRITE_QUEUE_BYTES, KVMove
 from herd.worker.loader import read_model_args
 from herd.worker.model_runner import DEFAULT_CPU_KV_GIB
 from herd.worker.outputs import TokenLogprob
@@ -60,6 +64,7 @@ from herd.worker.speculative.proposer import NgramProposer, Proposal
 __all__ = [
     "Clock",
     "CostModel",
+    "DiskWrites",
     "SimulatedRunner",
     "SleepingClock",
     "VirtualClock",
@@ -69,6 +74,10 @@ __all__ = [
 
 
 class Clock(Protocol):
+    @property
+    def now(self) -> float:
+        """Seconds since some start, as the clock counts them."""
+
     def advance(self, seconds: float, host_share: float = 0.0) -> None:
         """Spend a step of ``seconds``, ``host_share`` of it working on the host's CPU."""
 
@@ -92,12 +101,35 @@ class SleepingClock:
     does. The rest of the step sleeps, as a host does while its accelerator computes.
     """
 
+    @property
+    def now(self) -> float:
+        return time.monotonic()
+
     def advance(self, seconds: float, host_share: float = 0.0) -> None:
         busy = seconds * host_share
         deadline = time.thread_time() + busy
         while time.thread_time() < deadline:
             pass
         time.sleep(seconds - busy)
+
+
+class DiskWrites:
+    """The engine's write-behind disk queue, modelled: a write queued at ``now`` is done
+    ``seconds`` after the one before it; a write that finds ``depth`` writes queued waits for the
+    oldest one."""
+
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+        self._done: deque[float] = deque()  # when each queued write is done, oldest first
+
+    def queue(self, now: float, seconds: float) -> float:
+        """Queue a write at ``now``; how long its step waits for room."""
+        while self._done and self._done[0] <= now:
+            self._done.popleft()
+        wait = self._done.popleft() - now if len(self._done) >= self.depth else 0.0
+        start = max(now + wait, self._done[-1] if self._done else 0.0)
+        self._done.append(start + seconds)
+        return wait
 
 
 def step_seconds(cost: CostModel, plan: SchedulerOutput, num_proposed: int = 0) -> float:
@@ -137,6 +169,9 @@ class SimulatedRunner:
             if count:  # the real runner's probe at start, as the cost model has it
                 seconds = self.cost.move_seconds(geometry.bytes_per_block, disk=medium == "disk")
                 self.measured.add_restore(medium, geometry.bytes_per_block, seconds)
+        self.disk_writes = DiskWrites(
+            min(geometry.num_disk_blocks, max(1, DISK_WRITE_QUEUE_BYTES // geometry.bytes_per_block))
+        )
         self.eos_after = eos_after
         self._seed = seed.to_bytes(8, "little", signed=True)
         self._prompt_keys: weakref.WeakKeyDictionary[Sequence, bytes] = weakref.WeakKeyDictionary()
@@ -180,15 +215,16 @@ class SimulatedRunner:
         self.clock.advance(self._moves_seconds(moves), self.cost.host_share)
 
     def _moves_seconds(self, moves: list[KVMove]) -> float:
-        """The moves' modelled time; each restore's is recorded as measured."""
-        total = 0.0
+        """The time the moves hold the step (a disk write's, only while the queue is full); each
+        restore's is recorded as measured."""
+        total, now = 0.0, self.clock.now
         for move in moves:
             seconds = self.cost.move_seconds(
                 self.geometry.bytes_per_block, disk="disk" in (move.src, move.dst)
             )
             if move.dst == "device":
                 self.measured.add_restore(move.src, self.geometry.bytes_per_block, seconds)
-            total += seconds
+            total += self.disk_writes.queue(now + total, seconds) if move.dst == "disk" else seconds
         return total
 
     def _grammar_allowed(self, seqs: list[Sequence]) -> dict[int, list[int]]:
