@@ -11,7 +11,7 @@ from herd.orchestrator.admission.gate import admitted_context, ticket_for
 from herd.orchestrator.admission.tenants import Tenant
 from herd.orchestrator.routing import RequestContext
 from herd.orchestrator.routing._types import SloTarget
-from herd.orchestrator.routing.reserve import DEFAULT_RESERVE, may_take_slot
+from herd.orchestrator.routing.reserve import DEFAULT_RESERVE, background_room, may_take_slot
 
 BATCH = 1000
 
@@ -59,7 +59,7 @@ def test_a_batch_priority_context_leaves_the_reserved_slot(headers: dict[str, st
     """On a worker of 4 slots with 3 batch requests in flight, the last slot is the reserve's."""
     ticket = ticket_for(Tenant(name="t"), request(), headers, size=100, num_prompt_tokens=10)
     ctx = admitted_context(RequestContext(model="m"), ticket, headers, "route")
-    assert may_take_slot(ctx.priority, 3, 3, 4, DEFAULT_RESERVE) is may_take
+    assert may_take_slot(3, 3, 4, background_room(ctx.priority, 4, DEFAULT_RESERVE)) is may_take
 
 
 def test_a_bad_target_header_is_a_400_naming_it() -> None:

@@ -7,7 +7,7 @@ import pytest
 from herd.api.crd import RoundRobinRouting
 from herd.orchestrator.discovery import ModelConfig
 from herd.orchestrator.routing import RequestContext, UnroutableError, WorkerView, decide
-from herd.orchestrator.routing.reserve import SlotReserve, background_limit, may_take_slot
+from herd.orchestrator.routing.reserve import SlotReserve, background_limit, background_room, may_take_slot
 from herd.orchestrator.served import ServedModel
 
 BATCH = 1000
@@ -75,7 +75,37 @@ def test_background_limit(cap: int, share: float, limit: int) -> None:
 def test_may_take_slot(
     priority: int, num_in_flight: int, num_background: int, cap: int, reserve: SlotReserve, allowed: bool
 ) -> None:
-    assert may_take_slot(priority, num_in_flight, num_background, cap, reserve) is allowed
+    room = background_room(priority, cap, reserve)
+    assert may_take_slot(num_in_flight, num_background, cap, room) is allowed
+
+
+@pytest.mark.parametrize(
+    ("priority", "cap", "reserve", "room"),
+    [
+        (BATCH, 8, QUARTER, 6),
+        (BATCH + 1, 8, QUARTER, 6),
+        (BATCH - 1, 8, QUARTER, 8),
+        (0, 8, QUARTER, 8),
+        (5, 8, SlotReserve(share=0.25, priority=5), 6),
+        (4, 8, SlotReserve(share=0.25, priority=5), 8),
+        (BATCH, 8, SlotReserve(share=0.0), 8),
+        (BATCH, 0, QUARTER, 0),
+        (0, 0, QUARTER, 0),
+    ],
+    ids=[
+        "background-gets-its-part",
+        "past-the-threshold",
+        "just-under-the-threshold-gets-every-slot",
+        "urgent-gets-every-slot",
+        "at-a-lower-threshold",
+        "under-a-lower-threshold",
+        "no-reserve",
+        "no-cap-background",
+        "no-cap-urgent",
+    ],
+)
+def test_background_room(priority: int, cap: int, reserve: SlotReserve, room: int) -> None:
+    assert background_room(priority, cap, reserve) == room
 
 
 @pytest.mark.parametrize("share", [-0.1, 1.0, 1.5])
@@ -110,9 +140,9 @@ def test_decide_keeps_the_reserved_slot_for_an_urgent_request() -> None:
 @pytest.mark.parametrize("priority", [0, 5, BATCH - 1, BATCH])
 @pytest.mark.parametrize("limit", [0, 1, 4, 8])
 def test_decide_opens_a_worker_exactly_when_the_slot_rule_does(priority: int, limit: int) -> None:
-    """``decide`` applies ``may_take_slot`` to background requests only: for a more urgent one the
-    limit on all requests in flight (this replica's and the others') says the same, on every split of
-    a worker's requests between priorities and replicas."""
+    """``decide`` applies ``may_take_slot`` (with the room worked out once) to background requests
+    only: for a more urgent one the limit on all requests in flight (this replica's and the others')
+    says the same, on every split of a worker's requests between priorities and replicas."""
     for own_urgent in range(5):
         for own_batch in range(9):
             for elsewhere in (0, 2):
@@ -123,7 +153,9 @@ def test_decide_opens_a_worker_exactly_when_the_slot_rule_does(priority: int, li
                     num_in_flight=num_in_flight,
                     num_background=own_batch,
                 )
-                opens = may_take_slot(priority, num_in_flight, own_batch, limit, QUARTER)
+                opens = may_take_slot(
+                    num_in_flight, own_batch, limit, background_room(priority, limit, QUARTER)
+                )
                 request = RequestContext(model="m", priority=priority)
                 if opens:
                     assert decide(served(limit), [worker], request, QUARTER).worker.id == "a"

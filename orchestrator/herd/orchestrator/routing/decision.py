@@ -40,7 +40,7 @@ from herd.orchestrator.kv_index import KVIndex, PromptMatch
 from herd.orchestrator.routing._types import RequestContext, RoutingStrategy, WorkerView, healthy
 from herd.orchestrator.routing.latency import LatencyFeatures, LatencyModel, Prediction
 from herd.orchestrator.routing.pairing import choose_path, choose_prefill, num_uncached_tokens
-from herd.orchestrator.routing.reserve import DEFAULT_RESERVE, SlotReserve, may_take_slot
+from herd.orchestrator.routing.reserve import DEFAULT_RESERVE, SlotReserve, background_room, may_take_slot
 from herd.orchestrator.routing.slo import SloChoice, choose_by_slo, features_of
 
 __all__ = [
@@ -143,11 +143,11 @@ def decide(
     idle = kept if is_background and any(view.id not in kept for view in pool) else frozenset()
     open_pool = pool
     if is_background and (limit or idle):  # else every healthy worker is open: no second pass
+        room = background_room(request.priority, limit, reserve)
         open_pool = [
             view
             for view in pool
-            if may_take_slot(request.priority, view.num_in_flight, view.num_background, limit, reserve)
-            and view.id not in idle
+            if may_take_slot(view.num_in_flight, view.num_background, limit, room) and view.id not in idle
         ]
     elif limit:
         # A more urgent request may take any slot under the limit: ``may_take_slot`` asks no more of

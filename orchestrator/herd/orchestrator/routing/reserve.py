@@ -10,9 +10,9 @@ request is on the worker, the engine preempts a background sequence for it when 
 (``herd.worker.scheduler``). llm-d's flow control and Dynamo keep similar per-band limits.
 
 ``may_take_slot`` is the rule, pure, over counts the views carry (no per-worker walk of a dict, as a
-batch line's decision asks it of every worker); ``decide`` applies it to background requests in its
-capacity filter (a more urgent request may take any slot under the limit, which the filter checks
-anyway).
+batch line's decision asks it of every worker) and the request's ``background_room``, worked out once
+a decision; ``decide`` applies it to background requests in its capacity filter (a more urgent
+request may take any slot under the limit, which the filter checks anyway).
 """
 
 from __future__ import annotations
@@ -20,7 +20,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["BACKGROUND_PRIORITY", "DEFAULT_RESERVE", "SlotReserve", "background_limit", "may_take_slot"]
+__all__ = [
+    "BACKGROUND_PRIORITY",
+    "DEFAULT_RESERVE",
+    "SlotReserve",
+    "background_limit",
+    "background_room",
+    "may_take_slot",
+]
 
 BACKGROUND_PRIORITY = 1000
 """The least urgent priority (``herd.orchestrator.admission.tenants.LOWEST_PRIORITY``, the batch's)."""
@@ -49,14 +56,17 @@ def background_limit(cap: int, reserve: SlotReserve) -> int:
     return max(1, cap - math.ceil(cap * reserve.share))
 
 
-def may_take_slot(
-    priority: int, num_in_flight: int, num_background: int, cap: int, reserve: SlotReserve
-) -> bool:
-    """Whether a request of ``priority`` may take a slot on a worker of ``cap`` slots (0: no limit)
-    holding ``num_in_flight`` requests, ``num_background`` of them this replica's at the reserve's
-    priority or a larger number (``WorkerView.num_background``, counted by the registry as requests
-    are held and released). A request more urgent than background may use every slot; a background
-    one only while the background requests already there are under ``background_limit``."""
-    if cap and num_in_flight >= cap:
-        return False
-    return priority < reserve.priority or not cap or num_background < background_limit(cap, reserve)
+def background_room(priority: int, cap: int, reserve: SlotReserve) -> int:
+    """How many background requests a worker of ``cap`` slots (0: no limit) may hold and still take a
+    request of ``priority``: ``background_limit`` for a background request; ``cap`` for a more urgent
+    one, which may use every slot (its background requests are fewer than ``cap`` while one is free).
+    The same for every worker: ``decide`` works it out once a decision, not once a worker."""
+    return background_limit(cap, reserve) if priority >= reserve.priority else cap
+
+
+def may_take_slot(num_in_flight: int, num_background: int, cap: int, room: int) -> bool:
+    """Whether a request may take a slot on a worker of ``cap`` slots (0: no limit) holding
+    ``num_in_flight`` requests, ``num_background`` of them this replica's at the reserve's priority or
+    a larger number (``WorkerView.num_background``, counted by the registry as requests are held and
+    released), ``room`` being the request's ``background_room``."""
+    return not cap or (num_in_flight < cap and num_background < room)
