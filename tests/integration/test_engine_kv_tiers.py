@@ -87,6 +87,22 @@ def test_a_restored_block_is_bit_identical(tiny_llama: Path, prompts: list[list[
     assert torch.equal(before, after)
 
 
+def test_a_lease_lends_host_tier_blocks_bit_identical(tiny_llama: Path, prompts: list[list[int]]) -> None:
+    """A peer pulling a prefix this worker holds only in its host tier gets the offloaded bytes."""
+    engine = tiered_engine(tiny_llama, 64)
+    first, *others = prompts
+    engine.generate([first], GREEDY)
+    hashes = block_hashes(first, 16, model_id="test-model")
+    before = engine.read_blocks([engine.block_manager.cached[h] for h in hashes])
+    for prompt in others:
+        engine.generate([prompt], GREEDY)
+    assert not set(hashes) & engine.block_manager.cached.keys()
+    held = engine.hold_cached("lease", hashes)
+    assert len(held) == len(hashes)
+    assert torch.equal(engine.read_blocks(held), before)
+    assert engine.release_held("lease") == len(hashes)
+
+
 def test_events_name_the_tier_and_the_snapshot_lists_each(tiny_llama: Path, prompts: list[list[int]]) -> None:
     engine = tiered_engine(tiny_llama, 64)
     cycle(engine, prompts, rounds=1)

@@ -550,8 +550,9 @@ class KVCacheAwareRouting(_BoundedLoad):
     tier_weights: TierWeights = Field(default_factory=TierWeights)
     peer_pulls: bool = Field(
         default=False,
-        description="A worker may pull a prompt's leading blocks from a peer whose device holds them, "
-        "when its measured pull time is below the prefill time they would take (tierCost measured).",
+        description="A worker may pull a prompt's leading blocks from a peer whose device or host tier "
+        "holds them, when its measured pull time is below the prefill time they would take "
+        "(tierCost measured).",
     )
 
 

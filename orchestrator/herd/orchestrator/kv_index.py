@@ -146,6 +146,24 @@ class KVIndex:
                 run[worker_id] = depth + 1
         return run
 
+    def match_lendable(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
+        """Length of the leading run of ``block_hashes`` each worker holds on its device or in its
+        host tier by its events alone (nothing expected): what it can lend a peer (a lease restores
+        the host tier's blocks first; never the disk's). Workers with none omitted."""
+        host_bit = _TIER_BITS["host"]
+        run: dict[str, int] = {}
+        alive: set[str] | None = None
+        for depth, block in enumerate(block_hashes):
+            holders = self._holders.get(block, set())
+            if lower := self._lower.get(block):
+                holders = holders | {worker_id for worker_id, bits in lower.items() if bits & host_bit}
+            alive = set(holders) if alive is None else alive & holders
+            if not alive:
+                break
+            for worker_id in alive:
+                run[worker_id] = depth + 1
+        return run
+
     def held_run(self, worker_id: str, block_hashes: Sequence[BlockHash], *, start: int = 0) -> int:
         """Length of the leading run of ``block_hashes`` that ``worker_id`` holds in any tier or is
         expected to hold on its device: the blocks it will not compute, restores included. ``start``:
@@ -318,9 +336,9 @@ class PromptMatch:
         return self.index.match(self.block_hashes) if self.block_hashes else {}
 
     @cached_property
-    def events(self) -> dict[str, int]:
-        """Each worker's leading run on its device by its events alone (nothing expected)."""
-        return self.index.match(self.block_hashes, include_expected=False) if self.block_hashes else {}
+    def lendable(self) -> dict[str, int]:
+        """``KVIndex.match_lendable``: each worker's leading run a peer can pull from it."""
+        return self.index.match_lendable(self.block_hashes) if self.block_hashes else {}
 
     @cached_property
     def tiers(self) -> dict[str, TierRun]:

@@ -157,6 +157,27 @@ def test_tier_runs_count_each_tier(
 
 
 @pytest.mark.parametrize(
+    ("events", "expected"),
+    [
+        ([], {"a": 3, "b": 2}),
+        ([(6, "stored", [3, 4], "host")], {"a": 3, "b": 4}),
+        ([(6, "stored", [3], "host"), (7, "stored", [4], "disk")], {"a": 3, "b": 3}),
+        ([(6, "stored", [3], "disk")], {"a": 3, "b": 2}),
+        ([(6, "stored", [3], "host"), (7, "removed", [3], "host")], {"a": 3, "b": 2}),
+    ],
+    ids=["device-only", "host-extends", "disk-is-not-lent", "disk-alone", "host-removed"],
+)
+def test_a_peer_lends_its_device_and_host_runs(
+    index: KVIndex, events: list[tuple[int, str, list[int], str]], expected: dict[str, int]
+) -> None:
+    index.reset("b", _snapshot([1, 2], seq=5))
+    for seq, kind, blocks, medium in events:
+        assert index.apply("b", _tier_event(seq, kind, blocks, medium))
+    index.expect("c", [1, 2, 3, 4])  # a worker merely expected to hold blocks has none to lend
+    assert index.match_lendable([1, 2, 3, 4]) == expected
+
+
+@pytest.mark.parametrize(
     ("worker_id", "query", "start", "expected"),
     [
         ("b", [1, 2, 3, 4, 5], 0, 4),
@@ -204,7 +225,7 @@ def test_a_prompt_match_answers_as_the_index_does(
     for worker_id in ("a", "b", "gone"):
         assert kv.held_run(worker_id) == index.held_run(worker_id, query)
     assert kv.device == index.match(query)
-    assert kv.events == index.match(query, include_expected=False)
+    assert kv.lendable == index.match_lendable(query)
     assert kv.device is kv.device
 
 

@@ -71,6 +71,50 @@ def test_the_host_tier_demotes_its_lru_block_to_disk() -> None:
 
 
 @pytest.mark.parametrize(
+    ("restore", "num_held", "restores"),
+    [(False, 0, []), (True, 3, [("host", "device")] * 3)],
+    ids=["device-only", "restored-from-host"],
+)
+def test_a_lease_restores_what_the_host_tier_holds(
+    restore: bool, num_held: int, restores: list[tuple[str, str]]
+) -> None:
+    manager = BlockManager(4, BS, num_host_blocks=8)
+    scheduler = Scheduler(manager, max_batch_tokens=64, max_batch_size=4)
+    a, _ = serve(scheduler, prompt(0, 3), "a")
+    serve(scheduler, prompt(100, 3), "b")  # a's blocks -> host
+    held = manager.hold_prefix(a.block_hashes, restore=restore)
+    moves, restored = manager.end_plan()
+    assert len(held) == num_held and restored == held
+    assert [(m.src, m.dst) for m in moves if m.dst == "device"] == restores
+    assert [manager.cached.get(h) for h in a.block_hashes[:num_held]] == held
+    manager.release(held)
+    assert manager.num_free_blocks == 4
+
+
+def test_a_lease_restores_while_a_device_block_is_free() -> None:
+    manager = BlockManager(4, BS, num_host_blocks=8)
+    scheduler = Scheduler(manager, max_batch_tokens=64, max_batch_size=4)
+    a, _ = serve(scheduler, prompt(0, 3), "a")
+    serve(scheduler, prompt(100, 3), "b")  # a -> host
+    other = make_seq(list(range(300, 300 + 3 * BS)), request_id="other")
+    manager.allocate(other, [], other.num_tokens)  # three of the four device blocks in use
+    manager.end_plan()
+    held = manager.hold_prefix(a.block_hashes, restore=True)
+    moves, _ = manager.end_plan()
+    assert len(held) == 1 and [m.src for m in moves if m.dst == "device"] == ["host"]
+
+
+def test_a_lease_never_restores_from_disk() -> None:
+    manager = BlockManager(4, BS, num_host_blocks=3, num_disk_blocks=8)
+    scheduler = Scheduler(manager, max_batch_tokens=64, max_batch_size=4)
+    a, _ = serve(scheduler, prompt(0, 3), "a")
+    serve(scheduler, prompt(100, 3), "b")  # a -> host
+    serve(scheduler, prompt(200, 3), "c")  # b -> host, a -> disk
+    assert manager.hold_prefix(a.block_hashes, restore=True) == []
+    assert manager.end_plan() == ([], [])
+
+
+@pytest.mark.parametrize(
     ("pinned", "expected"),
     [((), 0), ((0,), 1), ((0, 1), 2), ((0, 1, 2), None)],
     ids=["lru-first", "skips-a-pin", "skips-two", "all-pinned-takes-none"],

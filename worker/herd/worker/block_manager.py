@@ -226,14 +226,24 @@ class BlockManager:
             tier.clear()
         self.events.record("cleared", [])
 
-    def hold_prefix(self, block_hashes: list[BlockHash]) -> list[int]:
-        """Take a reference on the leading run of ``block_hashes`` still cached (a KV lease); their ids."""
+    def hold_prefix(self, block_hashes: list[BlockHash], *, restore: bool = False) -> list[int]:
+        """Take a reference on the leading run of ``block_hashes`` still cached (a KV lease); their ids.
+
+        With ``restore`` the run goes on through the host tier: a block found there is restored onto
+        a fresh device block (its move planned: the caller makes it, ``end_plan``) while one is free.
+        Not from the disk tier: a lease is taken between steps, and a disk read would hold the next.
+        As on the device, the hash alone names the block (the chain makes a collision negligible)."""
         held: list[int] = []
+        host = self.host if restore else None
         for block_hash in block_hashes:
             block_id = self.cached.get(block_hash)
-            if block_id is None:
+            if block_id is not None:
+                self._take(block_id)
+            elif host is not None and (slot := host.slots.get(block_hash)) is not None and self._free:
+                host.use(slot)  # pinned: the restores' own evictions must not take it
+                block_id = self._restore(TierHit("host", slot, block_hash))
+            else:
                 break
-            self._take(block_id)
             held.append(block_id)
         return held
 

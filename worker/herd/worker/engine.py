@@ -587,9 +587,13 @@ class LLMEngine:
         return len(held)
 
     def hold_cached(self, request_id: str, block_hashes: list[BlockHash]) -> list[int]:
-        """Hold the leading run of ``block_hashes`` the device cache has, for a peer to pull under a
-        lease named ``request_id`` (``release_held`` ends it); the held block ids."""
-        held = self.block_manager.hold_prefix(block_hashes)
+        """Hold the leading run of ``block_hashes`` the device cache has, or the host tier (restored
+        onto the device first), for a peer to pull under a lease named ``request_id``
+        (``release_held`` ends it); the held block ids (none if a tier failed on the way)."""
+        held = self.block_manager.hold_prefix(block_hashes, restore=True)
+        if not self._make_moves():
+            self.block_manager.release(held)
+            return []
         if held:
             self._held[request_id] = held
         return held
@@ -636,22 +640,26 @@ class LLMEngine:
             for block_hash, token_ids in zip(block_hashes, token_blocks, strict=True)
         ]
         imported = [block_id for block_id in targets if block_id is not None]
-        self._offload_evicted()
+        self._make_moves()
         if imported:
             self.runner.write_blocks(targets, kv)
         self.block_manager.release(imported)
         return len(imported)
 
-    def _offload_evicted(self) -> None:
-        """Make the moves that evictions outside a step planned (an import's), before the blocks
-        they leave are written; a failing tier is dropped as in a step."""
-        moves, _ = self.block_manager.end_plan()
+    def _make_moves(self) -> bool:
+        """Make the moves planned outside a step (an import's evictions, a lease's restores) before
+        the blocks they leave are written or read; whether they were made. A failing tier is dropped
+        as in a step, and the device blocks it should have restored are forgotten."""
+        moves, restored = self.block_manager.end_plan()
         try:
             self.runner.move_blocks(moves)
         except KVTierError as error:
             log.error("KV tier failed; the engine goes on without it", extra={"medium": error.medium})
             self.block_manager.forget_moves(moves)
+            self.block_manager.forget(restored)
             self.block_manager.disable_disk()
+            return False
+        return True
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]

@@ -141,8 +141,8 @@ class RequestContext:
 
 @dataclass(slots=True, frozen=True)
 class PeerPull:
-    """Where the chosen worker pulls a prompt's leading blocks from: ``peer``, whose device holds the
-    first ``num_blocks`` of them (more than the chosen worker holds in any tier)."""
+    """Where the chosen worker pulls a prompt's leading blocks from: ``peer``, whose device or host tier
+    holds the first ``num_blocks`` of them (more than the chosen worker holds in any tier)."""
 
     peer: WorkerView
     num_blocks: int

@@ -114,7 +114,7 @@ class Decision:
     predicted: Prediction | None = None
     """The latency the SLO choice predicted on ``worker`` (``None``: the strategy chose)."""
     pull_from: WorkerView | None = None
-    """A peer whose device holds the prompt's leading blocks that ``worker`` lacks: ``worker`` pulls
+    """A peer whose device or host tier holds the prompt's leading blocks that ``worker`` lacks: it pulls
     them from it before it prefills (``kv_transfer_params.peer_url``)."""
 
 

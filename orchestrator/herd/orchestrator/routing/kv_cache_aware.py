@@ -36,8 +36,9 @@ bytes a second); a tier not yet measured counts as a recompute (``block_size``).
 tier block at a fixed share of a hit instead (llm-d's 1.0 / 0.8); ``device`` ignores the tiers (the
 index's device run only). The eviction term counts the restored blocks too: they take device blocks.
 
-Peer pulls (``peer_pulls``): when another worker's device holds a longer leading run of the prompt
-(``D`` blocks, by the index's events, nothing merely expected) than ``w`` holds in any tier (``r(w)``),
+Peer pulls (``peer_pulls``): when another worker's device or host tier holds a longer leading run of
+the prompt (``D`` blocks, by the index's events, nothing merely expected: ``KVIndex.match_lendable``;
+the peer restores host blocks onto its device for the lease) than ``w`` holds in any tier (``r(w)``),
 ``w`` may pull the difference over the KV transfer path instead of computing it. Each pulled block
 costs ``pull_block_tokens(w)`` (its prefill rate x a block's bytes / its measured pull bandwidth), so
 
@@ -110,8 +111,8 @@ class _Prompt:
     tiers: dict[str, TierRun] | None
     """The runs with their lower-tier blocks, when some worker would restore any (else ``None``)."""
     peer_runs: dict[str, int]
-    """Each worker's leading run on its device by its events, nothing expected: what a peer can pull
-    from it (empty unless pulls are priced)."""
+    """Each worker's leading run on its device or host tier by its events, nothing expected: what a
+    peer can pull from it (empty unless pulls are priced)."""
 
     @property
     def longest_peer_run(self) -> int:
@@ -199,7 +200,7 @@ class KVCacheAware(RoutingStrategy):
             matched = {worker_id: run.length for worker_id, run in runs.items()}
             if any(run.host or run.disk for run in runs.values()):
                 tiers = runs
-        return _Prompt(matched, tiers, kv.events if self._peer_pulls else {})
+        return _Prompt(matched, tiers, kv.lendable if self._peer_pulls else {})
 
     def _candidates(
         self, workers: Sequence[WorkerView], ctx: RequestContext, cap: int, prompt: _Prompt
@@ -282,8 +283,8 @@ class KVCacheAware(RoutingStrategy):
     def _less_pulls(
         self, workers: Sequence[WorkerView], ctx: RequestContext, tokens: list[float], prompt: _Prompt
     ) -> list[float]:
-        """``tokens`` less what pulling the longest peer device run saves each worker whose measured
-        pull is cheaper than computing."""
+        """``tokens`` less what pulling the longest peer run saves each worker whose measured pull is
+        cheaper than computing."""
         if not self._peer_pulls or not ctx.block_hashes:
             return tokens
         best, runs, block_size = prompt.longest_peer_run, prompt.matched, self._block_size
