@@ -72,7 +72,10 @@ def test_greedy_output_is_identical_with_tiers_on_and_off(
     assert report.prefill_tokens_per_s is not None and report.prefill_tokens_per_s > 0
 
 
-def test_a_restored_block_is_bit_identical(tiny_llama: Path, prompts: list[list[int]]) -> None:
+@pytest.mark.parametrize("by", ["prompt", "lease"])
+def test_a_restored_block_is_bit_identical(tiny_llama: Path, prompts: list[list[int]], by: str) -> None:
+    """Blocks the host tier holds come back bit for bit, for a prompt that hits them and for a peer's
+    lease on them (a pull from this worker)."""
     engine = tiered_engine(tiny_llama, 64)
     first, *others = prompts
     engine.generate([first], GREEDY)
@@ -81,26 +84,15 @@ def test_a_restored_block_is_bit_identical(tiny_llama: Path, prompts: list[list[
     for prompt in others:
         engine.generate([prompt], GREEDY)
     assert not set(hashes) & engine.block_manager.cached.keys()  # all evicted from the device
-    [again] = engine.generate([first], GREEDY)
-    assert again.num_cached_tokens == len(hashes) * 16
-    after = engine.read_blocks([engine.block_manager.cached[h] for h in hashes])
-    assert torch.equal(before, after)
-
-
-def test_a_lease_lends_host_tier_blocks_bit_identical(tiny_llama: Path, prompts: list[list[int]]) -> None:
-    """A peer pulling a prefix this worker holds only in its host tier gets the offloaded bytes."""
-    engine = tiered_engine(tiny_llama, 64)
-    first, *others = prompts
-    engine.generate([first], GREEDY)
-    hashes = block_hashes(first, 16, model_id="test-model")
-    before = engine.read_blocks([engine.block_manager.cached[h] for h in hashes])
-    for prompt in others:
-        engine.generate([prompt], GREEDY)
-    assert not set(hashes) & engine.block_manager.cached.keys()
-    held = engine.hold_cached("lease", hashes)
-    assert len(held) == len(hashes)
-    assert torch.equal(engine.read_blocks(held), before)
-    assert engine.release_held("lease") == len(hashes)
+    if by == "prompt":
+        [again] = engine.generate([first], GREEDY)
+        assert again.num_cached_tokens == len(hashes) * 16
+        restored = [engine.block_manager.cached[h] for h in hashes]
+    else:
+        restored = engine.hold_cached("lease", hashes)
+        assert len(restored) == len(hashes)
+    assert torch.equal(engine.read_blocks(restored), before)
+    assert engine.release_held("lease") == (len(hashes) if by == "lease" else 0)
 
 
 def test_events_name_the_tier_and_the_snapshot_lists_each(tiny_llama: Path, prompts: list[list[int]]) -> None:

@@ -126,9 +126,13 @@ class KVIndex:
         self._num_held.pop(worker_id, None)
         self._unexpect_worker(worker_id)
 
-    def match(self, block_hashes: Sequence[BlockHash], *, include_expected: bool = True) -> dict[str, int]:
+    def match(
+        self, block_hashes: Sequence[BlockHash], *, include_expected: bool = True, include_host: bool = False
+    ) -> dict[str, int]:
         """Length of the leading run of ``block_hashes`` each worker holds on its device or, with
-        ``include_expected``, is expected to hold (workers with none omitted)."""
+        ``include_expected``, is expected to hold, or, with ``include_host``, holds in its host tier
+        (workers with none omitted). Without expected blocks and with the host tier: what a worker can
+        lend a peer (a lease restores its host blocks first; never its disk's)."""
         self._expire(self._clock())
         run: dict[str, int] = {}
         alive: set[str] | None = None
@@ -137,26 +141,11 @@ class KVIndex:
             expected = self._expected.get(block) if include_expected else None
             if expected:
                 holders = holders | expected.keys() if holders else set(expected)
+            if include_host and (lower := self._lower.get(block)):
+                in_host = {worker_id for worker_id, bits in lower.items() if bits & _TIER_BITS["host"]}
+                holders = holders | in_host if holders else in_host
             if not holders:
                 break
-            alive = set(holders) if alive is None else alive & holders
-            if not alive:
-                break
-            for worker_id in alive:
-                run[worker_id] = depth + 1
-        return run
-
-    def match_lendable(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
-        """Length of the leading run of ``block_hashes`` each worker holds on its device or in its
-        host tier by its events alone (nothing expected): what it can lend a peer (a lease restores
-        the host tier's blocks first; never the disk's). Workers with none omitted."""
-        host_bit = _TIER_BITS["host"]
-        run: dict[str, int] = {}
-        alive: set[str] | None = None
-        for depth, block in enumerate(block_hashes):
-            holders = self._holders.get(block, set())
-            if lower := self._lower.get(block):
-                holders = holders | {worker_id for worker_id, bits in lower.items() if bits & host_bit}
             alive = set(holders) if alive is None else alive & holders
             if not alive:
                 break
@@ -337,8 +326,11 @@ class PromptMatch:
 
     @cached_property
     def lendable(self) -> dict[str, int]:
-        """``KVIndex.match_lendable``: each worker's leading run a peer can pull from it."""
-        return self.index.match_lendable(self.block_hashes) if self.block_hashes else {}
+        """Each worker's leading run a peer can pull from it (``KVIndex.match``, on its device or in
+        its host tier by its events alone)."""
+        if not self.block_hashes:
+            return {}
+        return self.index.match(self.block_hashes, include_expected=False, include_host=True)
 
     @cached_property
     def tiers(self) -> dict[str, TierRun]:

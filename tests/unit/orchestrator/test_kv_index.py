@@ -174,7 +174,7 @@ def test_a_peer_lends_its_device_and_host_runs(
     for seq, kind, blocks, medium in events:
         assert index.apply("b", _tier_event(seq, kind, blocks, medium))
     index.expect("c", [1, 2, 3, 4])  # a worker merely expected to hold blocks has none to lend
-    assert index.match_lendable([1, 2, 3, 4]) == expected
+    assert index.match([1, 2, 3, 4], include_expected=False, include_host=True) == expected
 
 
 @pytest.mark.parametrize(
@@ -225,7 +225,7 @@ def test_a_prompt_match_answers_as_the_index_does(
     for worker_id in ("a", "b", "gone"):
         assert kv.held_run(worker_id) == index.held_run(worker_id, query)
     assert kv.device == index.match(query)
-    assert kv.lendable == index.match_lendable(query)
+    assert kv.lendable == index.match(query, include_expected=False, include_host=True)
     assert kv.device is kv.device
 
 

@@ -215,8 +215,8 @@ def test_decide_names_the_pin_to_write(
 @pytest.mark.parametrize(
     ("tier_cost", "walks"),
     [
-        ("measured", {"match": 1, "match_lendable": 1, "match_tiers": 1}),
-        ("device", {"match": 1, "match_lendable": 1, "held_run": 1}),
+        ("measured", {"match": 2, "match_tiers": 1}),
+        ("device", {"match": 2, "held_run": 1}),
     ],
     ids=["tier-runs-shared", "tier-blind-walks-the-chosen-worker-alone"],
 )
@@ -237,7 +237,7 @@ def test_a_decision_walks_the_index_once_for_each_kind_of_run(
 
         return call
 
-    for name in ("match", "match_lendable", "match_tiers", "held_run"):
+    for name in ("match", "match_tiers", "held_run"):
         monkeypatch.setattr(served.kv_index, name, counted(name, getattr(served.kv_index, name)))
     decision = decide(served, UNIFIED, request(8))
     assert (decision.worker.id, decision.num_prefill_tokens, decision.num_cached_blocks) == ("a", BLOCK, 4)

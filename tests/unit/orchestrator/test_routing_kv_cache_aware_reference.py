@@ -112,7 +112,7 @@ def _reference_costs(case: Case) -> list[float]:
         runs = index.match_tiers(ctx.block_hashes)
     # A leading run shorter than MIN_RUN_BLOCKS counts as none: the prompt is priced as uncached there.
     runs = {worker_id: run for worker_id, run in runs.items() if run.length >= MIN_RUN_BLOCKS}
-    peer_runs = index.match_lendable(ctx.block_hashes) if num_blocks else {}
+    peer_runs = index.match(ctx.block_hashes, include_expected=False, include_host=True) if num_blocks else {}
     longest_peer_run = max(peer_runs.values(), default=0) if case.peer_pulls else 0
     held = index.held_blocks()
     per_request = n * REQUEST_SHARE
@@ -196,5 +196,10 @@ def test_the_fleets_cover_ties_full_pools_caps_tiers_and_pulls() -> None:
         if w.num_total_blocks
         and case.index.num_blocks(w.id) + len(case.ctx.block_hashes) > w.num_total_blocks
     )
-    pulls = sum(1 for case in cases if case.peer_pulls and case.index.match_lendable(case.ctx.block_hashes))
+    pulls = sum(
+        1
+        for case in cases
+        if case.peer_pulls
+        and case.index.match(case.ctx.block_hashes, include_expected=False, include_host=True)
+    )
     assert min(ties, capped, tiered, full, pulls) >= 40, (ties, capped, tiered, full, pulls)

@@ -37,7 +37,7 @@ tier block at a fixed share of a hit instead (llm-d's 1.0 / 0.8); ``device`` ign
 index's device run only). The eviction term counts the restored blocks too: they take device blocks.
 
 Peer pulls (``peer_pulls``): when another worker's device or host tier holds a longer leading run of
-the prompt (``D`` blocks, by the index's events, nothing merely expected: ``KVIndex.match_lendable``;
+the prompt (``D`` blocks, by the index's events, nothing merely expected: ``PromptMatch.lendable``;
 the peer restores host blocks onto its device for the lease) than ``w`` holds in any tier (``r(w)``),
 ``w`` may pull the difference over the KV transfer path instead of computing it. Each pulled block
 costs ``pull_block_tokens(w)`` (its prefill rate x a block's bytes / its measured pull bandwidth), so
