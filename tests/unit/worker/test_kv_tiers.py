@@ -7,7 +7,7 @@ import pytest
 from conftest import make_seq
 
 from herd.worker.block_manager import BlockManager
-from herd.worker.kv_tiers import KVMove, TierCache
+from herd.worker.kv_tiers import DISK_WRITE_QUEUE_BYTES, KVMove, TierCache, disk_write_queue_depth
 from herd.worker.scheduler import Scheduler
 from herd.worker.sequence import Sequence
 
@@ -146,3 +146,16 @@ def test_forgetting_a_plans_moves_drops_what_they_wrote() -> None:
     manager.forget_moves(moves)
     assert manager.host.num_used == 0  # type: ignore[union-attr]
     assert {(e.kind, e.medium) for e in manager.events.drain()} == {("removed", "host")}
+
+
+@pytest.mark.parametrize(
+    ("num_disk_slots", "bytes_per_block", "depth"),
+    [
+        (10_000, 2**20, DISK_WRITE_QUEUE_BYTES // 2**20),  # the queue's bytes bound it
+        (100, 2**20, 100),  # a small disk tier bounds it
+        (10_000, 2 * DISK_WRITE_QUEUE_BYTES, 1),  # a block larger than the queue: one waits
+        (0, 2**20, 0),  # no disk tier, no queue
+    ],
+)
+def test_the_disk_write_queue_depth(num_disk_slots: int, bytes_per_block: int, depth: int) -> None:
+    assert disk_write_queue_depth(num_disk_slots, bytes_per_block) == depth

@@ -37,7 +37,7 @@ import torch
 
 from herd.api.crd import KVDiskSpec
 from herd.api.protocol import Medium
-from herd.worker.kv_tiers import DISK_WRITE_QUEUE_BYTES, KVMove, KVTierError
+from herd.worker.kv_tiers import KVMove, KVTierError, disk_write_queue_depth
 from herd.worker.runner import Measured
 
 __all__ = ["DiskFile", "TierStore", "WriteBehind"]
@@ -227,8 +227,10 @@ class TierStore:
             host = torch.zeros(shape, dtype=pool.dtype, pin_memory=pool.is_cuda)
         slot_bytes = pool[:, :, 0].numel() * pool.element_size()
         disk_file = DiskFile.open(disk, slot_bytes) if disk is not None and host is not None else None
-        depth = min(disk_file.num_slots, max(1, DISK_WRITE_QUEUE_BYTES // slot_bytes)) if disk_file else 0
-        store = cls(pool, host, WriteBehind(disk_file, depth) if disk_file else None, measured)
+        disk_tier = None
+        if disk_file is not None:
+            disk_tier = WriteBehind(disk_file, disk_write_queue_depth(disk_file.num_slots, slot_bytes))
+        store = cls(pool, host, disk_tier, measured)
         store.probe()  # so that the router can price this worker's tiers before its first restore
         return store
 
@@ -246,6 +248,8 @@ class TierStore:
             self.disk = None
 
     def close(self) -> None:
+        """Stop the disk tier's writer and close its file; the device and host tiers are tensors the
+        runner's owner lets go of, with no thread or descriptor to end."""
         self.drop_disk()
 
     def apply(self, moves: list[KVMove]) -> None:

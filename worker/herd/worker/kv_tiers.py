@@ -20,11 +20,24 @@ from dataclasses import dataclass
 from herd.api.kv_hash import BlockHash
 from herd.api.protocol import Medium
 
-__all__ = ["DISK_WRITE_QUEUE_BYTES", "KVMove", "KVTierError", "TierCache", "TierHit"]
+__all__ = [
+    "DISK_WRITE_QUEUE_BYTES",
+    "KVMove",
+    "KVTierError",
+    "TierCache",
+    "TierHit",
+    "disk_write_queue_depth",
+]
 
 DISK_WRITE_QUEUE_BYTES = 256 * 2**20
 """The blocks queued for the disk tier, at most, before a step that demotes one waits for a write
 (the engine's write-behind queue, and the simulated runner's model of it)."""
+
+
+def disk_write_queue_depth(num_disk_slots: int, bytes_per_block: int) -> int:
+    """How many demoted blocks may wait for the disk: ``DISK_WRITE_QUEUE_BYTES`` of them, at least one,
+    and never more than the disk tier holds."""
+    return min(num_disk_slots, max(1, DISK_WRITE_QUEUE_BYTES // bytes_per_block))
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,7 +51,7 @@ from herd.worker.cache_geometry import CacheGeometry, bytes_per_block, tier_bloc
 from herd.worker.config import EngineConfig
 from herd.worker.engine import LLMEngine
 from herd.worker.grammar import MaskFiller, allowed_token_ids
-from herd.worker.kv_tiers import DISK_WRITE_QUEUE_BYTES, KVMove
+from herd.worker.kv_tiers import KVMove, disk_write_queue_depth
 from herd.worker.loader import read_model_args
 from herd.worker.model_runner import DEFAULT_CPU_KV_GIB
 from herd.worker.outputs import TokenLogprob
@@ -170,7 +170,7 @@ class SimulatedRunner:
                 seconds = self.cost.move_seconds(geometry.bytes_per_block, disk=medium == "disk")
                 self.measured.add_restore(medium, geometry.bytes_per_block, seconds)
         self.disk_writes = DiskWrites(
-            min(geometry.num_disk_blocks, max(1, DISK_WRITE_QUEUE_BYTES // geometry.bytes_per_block))
+            disk_write_queue_depth(geometry.num_disk_blocks, geometry.bytes_per_block)
         )
         self.eos_after = eos_after
         self._seed = seed.to_bytes(8, "little", signed=True)
