@@ -197,7 +197,8 @@ def warm(urls: list[tuple[str, str]]) -> None:
 
 
 def worker_counters(urls: list[tuple[str, str]]) -> dict[str, float]:
-    """Over the fleet: blocks restored per tier and peer pulls per outcome."""
+    """Over the fleet: blocks restored per tier, peer pulls per outcome, and the leases the holders
+    gave by whether they held any and why their run ended."""
     totals: dict[str, float] = {}
     for url, _ in urls:
         text = httpx.get(f"{url}/metrics", timeout=10).raise_for_status().text
@@ -207,6 +208,8 @@ def worker_counters(urls: list[tuple[str, str]]) -> dict[str, float]:
                     key = f"restored_{sample.labels.get('medium', '?')}"
                 elif sample.name == metrics.HERD_KV_PEER_PULLS_TOTAL:
                     key = f"pulls_{sample.labels.get('outcome', '?')}"
+                elif sample.name == metrics.HERD_KV_LEASES_TOTAL:
+                    key = f"leases_{sample.labels.get('held', '?')}_{sample.labels.get('end', '?')}"
                 else:
                     continue
                 totals[key] = totals.get(key, 0.0) + sample.value
@@ -272,7 +275,10 @@ def table(runs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
     result: dict[str, dict[str, dict[str, float]]] = {}
     for name in names:
         rows = [run for run in runs if run["setup"] == name]
-        keys = [*FIGURES, *sorted({k for r in rows for k in r if k.startswith(("restored_", "pulls_"))})]
+        keys = [
+            *FIGURES,
+            *sorted({k for r in rows for k in r if k.startswith(("restored_", "pulls_", "leases_"))}),
+        ]
         result[name] = {}
         for key in keys:
             values = [r.get(key) or 0.0 for r in rows]

@@ -89,8 +89,9 @@ def test_a_restored_block_is_bit_identical(tiny_llama: Path, prompts: list[list[
         assert again.num_cached_tokens == len(hashes) * 16
         restored = [engine.block_manager.cached[h] for h in hashes]
     else:
-        restored = engine.hold_cached("lease", hashes)
-        assert len(restored) == len(hashes)
+        run = engine.hold_cached("lease", hashes)
+        restored = run.block_ids
+        assert (len(restored), run.end) == (len(hashes), "whole")
     assert torch.equal(engine.read_blocks(restored), before)
     assert engine.release_held("lease") == (len(hashes) if by == "lease" else 0)
 

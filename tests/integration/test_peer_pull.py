@@ -74,6 +74,12 @@ async def pulls(worker: InProcessWorker, outcome: str) -> float:
     return await worker.metric("herd_kv_peer_pulls_total", outcome=outcome)
 
 
+async def leases(worker: InProcessWorker, end: str) -> float:
+    """The leases ``worker`` gave whose run ended at ``end``, held blocks or not (a lease of only the
+    chat template's opening block holds one the puller has too: an empty pull)."""
+    return await worker.metric("herd_kv_leases_total", end=end)
+
+
 async def every_block_free(fleet: Fleet) -> None:
     for worker in (fleet.holder, fleet.puller, fleet.reference):
         assert await worker.settled_free_blocks() == await worker.total_blocks(), worker.id
@@ -85,8 +91,11 @@ async def test_a_pulled_prefix_gives_the_same_greedy_output_as_computing_it(flee
         body = chat(shared + " " + sentence(random.Random(200 + number), 12 + number))
         await answer(fleet.holder, chat(shared, max_tokens=1))  # the holder caches the prefix
         before = await pulls(fleet.puller, "pulled")
+        lent = await leases(fleet.holder, "not_cached")
         result = await pulled_from(fleet, body)
         assert await pulls(fleet.puller, "pulled") == before + 1, number
+        # the holder lent the shared prefix, not the question after it
+        assert await leases(fleet.holder, "not_cached") == lent + 1, number
         cached = result["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert cached >= BLOCK * 2, number  # the pulled blocks count as the prompt's cached tokens
         assert result["choices"][0]["message"]["content"] == await text(fleet.reference, body), number
@@ -119,8 +128,10 @@ async def test_a_holder_gone_before_the_pull_costs_a_recompute(fleet: Fleet) -> 
 async def test_a_holder_that_no_longer_holds_the_prefix_lends_nothing(fleet: Fleet) -> None:
     body = chat(sentence(random.Random(500), 60))  # never sent to the holder
     empty = await pulls(fleet.puller, "empty")
+    lent = await leases(fleet.holder, "not_cached")
     result = await pulled_from(fleet, body)
     assert await pulls(fleet.puller, "empty") == empty + 1
+    assert await leases(fleet.holder, "not_cached") == lent + 1
     assert result["choices"][0]["message"]["content"] == await text(fleet.reference, body)
     await every_block_free(fleet)
 

@@ -46,6 +46,9 @@ HERD_PREFILL_TOKENS_PER_SECOND = "herd_prefill_tokens_per_second"
 HERD_KV_PEER_PULLS_TOTAL = "herd_kv_peer_pulls_total"
 """Pulls of a prompt's blocks from a peer worker, by outcome: pulled, empty (the peer held none of
 them any more) or failed (the blocks were computed instead)."""
+HERD_KV_LEASES_TOTAL = "herd_kv_leases_total"
+"""Leases a worker gave peers that asked to pull a prompt's blocks, by ``end``: why the run it held
+stopped (whole, not_cached, on_disk, no_free_block, tier_failed); an empty lease is one that held none."""
 
 # Every serving process (the orchestrator and each worker), herd's own.
 HERD_GC_PAUSE_SECONDS = "herd_gc_pause_seconds"
@@ -102,6 +105,7 @@ WORKER_METRICS = (
     HERD_KV_TIER_RESTORE_BYTES_PER_SECOND,
     HERD_PREFILL_TOKENS_PER_SECOND,
     HERD_KV_PEER_PULLS_TOTAL,
+    HERD_KV_LEASES_TOTAL,
     HERD_GC_PAUSE_SECONDS,
 )
 ORCHESTRATOR_METRICS = (

@@ -115,6 +115,31 @@ def test_a_lease_never_restores_from_disk() -> None:
 
 
 @pytest.mark.parametrize(
+    ("asked", "in_use", "num_held", "end"),
+    [
+        ("d", 0, 3, "whole"),  # on the device
+        ("c", 0, 3, "whole"),  # in the host tier, restored
+        ("c", 3, 1, "no_free_block"),  # in the host tier, one device block free
+        ("a", 0, 0, "on_disk"),  # a lease never reads the disk
+        ("z", 0, 0, "not_cached"),
+    ],
+)
+def test_a_lease_says_why_its_run_ended(asked: str, in_use: int, num_held: int, end: str) -> None:
+    manager = BlockManager(4, BS, num_host_blocks=6, num_disk_blocks=8)
+    scheduler = Scheduler(manager, max_batch_tokens=64, max_batch_size=4)
+    names = ("a", "b", "c", "d")
+    served = {name: serve(scheduler, prompt(100 * index, 3), name)[0] for index, name in enumerate(names)}
+    # d on the device, b and c in the host tier, a on the disk
+    if in_use:
+        other = make_seq(list(range(900, 900 + in_use * BS)), request_id="other")
+        manager.allocate(other, [], other.num_tokens)  # d -> host, b -> disk
+        manager.end_plan()
+    hashes = [12345, 23456, 34567] if asked == "z" else served[asked].block_hashes  # z: never served
+    held = manager.hold_prefix(hashes, restore=True)
+    assert (len(held), manager.run_end(hashes, len(held))) == (num_held, end)
+
+
+@pytest.mark.parametrize(
     ("pinned", "expected"),
     [((), 0), ((0,), 1), ((0, 1), 2), ((0, 1, 2), None)],
     ids=["lru-first", "skips-a-pin", "skips-two", "all-pinned-takes-none"],

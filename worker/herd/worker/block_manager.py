@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Literal
 
 from herd.api.kv_events import KVEventBuffer
 from herd.api.kv_hash import BlockHash, hash_block
@@ -31,7 +32,21 @@ from herd.api.protocol import Medium
 from herd.worker.kv_tiers import KVMove, TierCache, TierHit
 from herd.worker.sequence import Sequence
 
-__all__ = ["Block", "BlockManager", "TierCounters"]
+__all__ = ["Block", "BlockManager", "HeldRun", "RunEnd", "TierCounters"]
+
+RunEnd = Literal["whole", "not_cached", "on_disk", "no_free_block", "tier_failed"]
+"""Why a lease of a peer's prompt blocks ended where it did: it held the whole run; the next block is
+cached nowhere here; it is on the disk tier only (a lease never reads the disk); it is in the host
+tier but no device block was free to restore it onto; or a tier failed while restoring (the engine
+then holds nothing)."""
+
+
+@dataclass(frozen=True, slots=True)
+class HeldRun:
+    """The blocks ``hold_cached`` holds for a peer, and why the run it was asked for ended there."""
+
+    block_ids: list[int]
+    end: RunEnd
 
 
 @dataclass
@@ -246,6 +261,18 @@ class BlockManager:
                 break
             held.append(block_id)
         return held
+
+    def run_end(self, block_hashes: list[BlockHash], num_held: int) -> RunEnd:
+        """Why ``hold_prefix(block_hashes, restore=True)`` held only the first ``num_held`` (see
+        ``RunEnd``), asked right after it."""
+        if num_held == len(block_hashes):
+            return "whole"
+        block_hash = block_hashes[num_held]
+        if self.host is not None and block_hash in self.host.slots:
+            return "no_free_block"  # hold_prefix restores a host block whenever one is free
+        if self.disk is not None and block_hash in self.disk.slots:
+            return "on_disk"
+        return "not_cached"
 
     def import_block(
         self, block_hash: BlockHash, token_ids: list[int], lora_name: str | None = None

@@ -41,7 +41,7 @@ from herd.api.kv_hash import BlockHash, root_hash
 from herd.api.prompt import PromptRenderer
 from herd.api.protocol import KVEvent, KVSnapshot, LoadReport, WorkerInfo
 from herd.api.resume import RESUME_FIELD
-from herd.worker.block_manager import BlockManager
+from herd.worker.block_manager import BlockManager, HeldRun
 from herd.worker.config import EngineConfig
 from herd.worker.detokenizer import IncrementalDetokenizer
 from herd.worker.kv_tiers import KVTierError
@@ -586,17 +586,18 @@ class LLMEngine:
         self.block_manager.release(held)
         return len(held)
 
-    def hold_cached(self, request_id: str, block_hashes: list[BlockHash]) -> list[int]:
+    def hold_cached(self, request_id: str, block_hashes: list[BlockHash]) -> HeldRun:
         """Hold the leading run of ``block_hashes`` the device cache has, or the host tier (restored
         onto the device first), for a peer to pull under a lease named ``request_id``
-        (``release_held`` ends it); the held block ids (none if a tier failed on the way)."""
+        (``release_held`` ends it): the held block ids (none if a tier failed on the way) and why
+        the run ended where it did."""
         held = self.block_manager.hold_prefix(block_hashes, restore=True)
         if not self._make_moves():
             self.block_manager.release(held)
-            return []
+            return HeldRun([], "tier_failed")
         if held:
             self._held[request_id] = held
-        return held
+        return HeldRun(held, self.block_manager.run_end(block_hashes, len(held)))
 
     def record_pull(self, num_bytes: int, seconds: float) -> None:
         """A fetch of KV blocks from a peer took ``seconds``: the load report's pull bandwidth."""

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 from herd.api.kv_hash import BlockHash
 from herd.api.prompt import PromptRenderer
 from herd.api.protocol import KVEvent, KVSnapshot, LoadReport, WorkerInfo
+from herd.worker.block_manager import HeldRun
 from herd.worker.outputs import RequestOutput
 from herd.worker.sampling_params import SamplingParams
 from herd.worker.stats import EngineStats
@@ -77,7 +78,7 @@ class EngineCore(Protocol):
 
     def release_held(self, request_id: str) -> int: ...
 
-    def hold_cached(self, request_id: str, block_hashes: list[BlockHash]) -> list[int]: ...
+    def hold_cached(self, request_id: str, block_hashes: list[BlockHash]) -> HeldRun: ...
 
     def record_pull(self, num_bytes: int, seconds: float) -> None: ...
 

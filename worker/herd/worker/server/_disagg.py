@@ -9,8 +9,9 @@ wrong label only makes the decode side, which hashes the ids itself, refuse the 
 without ids (the orchestrator has no tokenizer yet) is rendered here, off the event loop. ``POST kv_blocks`` sends
 leased blocks in a block frame (``herd.worker.kv_transfer``), refusing a foreign layout with 409.
 ``POST kv_release`` ends a lease. ``POST kv_hold`` leases the leading run of a peer's prompt blocks
-this worker's device caches (a peer pull, which the orchestrator chose: the blocks go out through
-``kv_blocks`` like a prefill's), and ``POST kv_probe`` sends a frame of zero blocks so that a worker
+this worker's device caches or its host tier restores (a peer pull, which the orchestrator chose:
+the blocks go out through ``kv_blocks`` like a prefill's; ``herd_kv_leases_total`` counts why each
+run ended, and whether it held any), and ``POST kv_probe`` sends a frame of zero blocks so that a worker
 can time the transport before its first pull. Leases that nobody releases expire: a sweep task releases their
 blocks and counts them in ``herd_kv_leases_expired_total``. A prefill counts in the worker's request
 metrics as a one-token request (TTFT = E2E), as a vLLM prefill instance's does: its TTFT is the
@@ -37,6 +38,7 @@ from herd.api.kv_hash import BlockHash, block_hashes
 from herd.api.openai import ChatCompletionRequest, CompletionRequest
 from herd.api.prompt import PromptThreads
 from herd.api.protocol import INTERNAL_PATHS, KVTransferParams
+from herd.worker.block_manager import HeldRun
 from herd.worker.engine_protocol import EngineCore, ServingEngine
 from herd.worker.kv_lease import DEFAULT_LEASE_SECONDS, MAX_LEASE_SECONDS, Lease, LeaseTable
 from herd.worker.kv_transfer import (
@@ -95,6 +97,12 @@ class DisaggMetrics:
             ("model_name", "outcome"),
             registry=registry,
         )
+        self.leases = Counter(
+            names.HERD_KV_LEASES_TOTAL,
+            "Leases of prompt blocks given to peers, by whether any block was held and why the run ended.",
+            ("model_name", "held", "end"),
+            registry=registry,
+        )
         self.leases_expired = Counter(
             names.HERD_KV_LEASES_EXPIRED_TOTAL,
             "KV leases freed unclaimed.",
@@ -105,6 +113,10 @@ class DisaggMetrics:
     def pulled(self, outcome: str) -> None:
         """One peer pull ended: ``pulled``, ``empty`` (the peer held none of the blocks) or ``failed``."""
         self.peer_pulls.labels(self.model_name, outcome).inc()
+
+    def lent(self, run: HeldRun) -> None:
+        """A peer asked to lease a run: ``held`` ``some`` or ``none``, and the run's ``end``."""
+        self.leases.labels(self.model_name, "some" if run.block_ids else "none", run.end).inc()
 
     def moved(self, direction: str, num_blocks: int, num_bytes: int) -> None:
         self.blocks.labels(self.model_name, direction).inc(num_blocks)
@@ -251,10 +263,11 @@ class PrefillService:
         body = _parse(HoldRequest, await request.body())
         self._check_layout(body.layout)
         request_id = f"pull-{uuid.uuid4().hex}"
-        held = await self.engine.call(lambda core: core.hold_cached(request_id, body.block_hashes))
-        if not held:
+        run = await self.engine.call(lambda core: core.hold_cached(request_id, body.block_hashes))
+        self.metrics.lent(run)
+        if not run.block_ids:
             return KVTransferParams(remote_block_hashes=[])
-        return self._lease(request, request_id, body.block_hashes, held, body.lease_seconds)
+        return self._lease(request, request_id, body.block_hashes, run.block_ids, body.lease_seconds)
 
     async def probe(self, request: Request) -> Response:
         body = _parse(ProbeRequest, await request.body())
