@@ -47,6 +47,11 @@ class CircuitBreaker:
         self._opened_at: float | None = None
         self._is_probing = False
 
+    @property
+    def is_closed(self) -> bool:
+        """Closed: every request may go, whatever the time (no cooldown is running)."""
+        return self._opened_at is None
+
     def state(self, now: float) -> BreakerState:
         if self._opened_at is None:
             return "closed"

@@ -85,6 +85,12 @@ class RegistrySettings:
         return min(doubled, max(self.max_retry_delay, self.poll_interval))
 
 
+_VIEWED_FIELDS = frozenset(
+    {"is_healthy", "num_in_flight", "num_prefill_tokens_in_flight", "num_background", "report"}
+)
+"""The fields of ``WorkerState`` a ``WorkerView`` shows (a report's costs are set with the report)."""
+
+
 @dataclass(eq=False)
 class WorkerState:
     endpoint: WorkerEndpoint
@@ -111,6 +117,14 @@ class WorkerState:
     pull_block_tokens: float | None = None
     _viewed: tuple[LoadReport, WorkerView] | None = field(default=None, init=False, repr=False)
     """The last view and the report it was built from (``view``)."""
+    changed: set[str] | None = field(default=None, repr=False)
+    """Its model's set of workers whose view may have changed (``_ModelViews.changed``): setting a
+    field a view shows adds this worker's id to it."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        object.__setattr__(self, name, value)
+        if name in _VIEWED_FIELDS and (changed := self.__dict__.get("changed")) is not None:
+            changed.add(self.endpoint.id)
 
     def take_report(self, report: LoadReport) -> None:
         """A new load report, with the tier restore and peer pull costs routing reads from it (worked out once here,
@@ -123,11 +137,10 @@ class WorkerState:
     def view(self, now: float, num_elsewhere: int = 0) -> WorkerView:
         """``num_elsewhere``: the requests other orchestrator replicas have in flight to it.
 
-        Every decision takes a view of every worker of its model, and between two decisions few
-        workers change, so the last view is given again while nothing it shows has changed: the same
-        report object (``take_report`` assigns a new one; nothing edits one in place), the same
-        counts and the same health. At 1,000 workers that turns the views from the
-        largest cost of a decision into a pass of comparisons."""
+        The registry asks only for the views of workers marked changed (``_ModelViews``), and a
+        mark may be spurious (a count set to what it was), so the last view is given again while
+        nothing it shows has changed: the same report object (``take_report`` assigns a new one;
+        nothing edits one in place), the same counts and the same health."""
         report = self.report
         num_in_flight = self.num_in_flight + num_elsewhere
         is_healthy = self.is_healthy and not report.is_draining and self.breaker.can_send(now)
@@ -172,6 +185,50 @@ def _message_of(answer: httpx.Response) -> str:
         return answer.text[:300] or f"status {answer.status_code}"
 
 
+class _ModelViews:
+    """One model's workers in the order they joined, and their views, kept between decisions: a
+    view is taken again only for a worker marked changed (a field it shows was set, its breaker
+    changed, another replica's count of it changed) or whose breaker is not closed (its cooldown
+    runs out with time). At 1,000 workers that turns the views from a pass over every worker into
+    a few lookups; ``WorkerState.view`` still gives the same view again when nothing it shows
+    differs."""
+
+    def __init__(self) -> None:
+        self.workers: list[WorkerState] = []
+        self.changed: set[str] = set()
+        self.unsettled: set[str] = set()
+        """Workers whose breaker is not closed."""
+        self._views: list[WorkerView] = []
+        self._position: dict[str, int] = {}
+        self._is_whole = False
+
+    def add(self, worker: WorkerState) -> None:
+        worker.changed = self.changed
+        self.workers.append(worker)
+        self.forget()
+
+    def remove(self, worker: WorkerState) -> None:
+        self.workers.remove(worker)
+        self.unsettled.discard(worker.endpoint.id)
+        self.forget()
+
+    def forget(self) -> None:
+        """Take every view again at the next ``views``."""
+        self._is_whole = False
+
+    def views(self, now: float, elsewhere: Mapping[str, int]) -> list[WorkerView]:
+        if not self._is_whole:
+            self._views = [worker.view(now, elsewhere.get(worker.endpoint.id, 0)) for worker in self.workers]
+            self._position = {worker.endpoint.id: i for i, worker in enumerate(self.workers)}
+            self._is_whole = True
+        else:
+            for worker_id in self.changed.union(self.unsettled) if self.unsettled else self.changed:
+                if (i := self._position.get(worker_id)) is not None:
+                    self._views[i] = self.workers[i].view(now, elsewhere.get(worker_id, 0))
+        self.changed.clear()
+        return list(self._views)
+
+
 class Registry:
     """Models and workers currently known, with live health and load."""
 
@@ -193,8 +250,8 @@ class Registry:
         self.background_priority = background_priority
         self.models: dict[str, ServedModel] = {}
         self.workers: dict[str, WorkerState] = {}
-        self._by_model: dict[str, list[WorkerState]] = {}
-        """``workers`` by model, in the order they joined."""
+        self._by_model: dict[str, _ModelViews] = {}
+        """``workers`` by model, in the order they joined, with their views."""
         self.tokenizers = TokenizerFetcher(client)
         self.has_membership = False
         """The source has given its first membership (a discovery has synced)."""
@@ -233,7 +290,7 @@ class Registry:
 
     def model_workers(self, model: str) -> list[WorkerState]:
         """The model's workers in the order they joined (kept per model: every decision asks)."""
-        return list(self._by_model.get(model, ()))
+        return list(by_model.workers) if (by_model := self._by_model.get(model)) is not None else []
 
     def views(self, model: str) -> list[WorkerView]:
         """Views of the workers that answer the model's clients (a disaggregated model's decode pool)."""
@@ -285,15 +342,19 @@ class Registry:
         before views were kept (``bench/gateway_decision.py`` times both)."""
         for worker in self.workers.values():
             worker._viewed = None
+        for by_model in self._by_model.values():
+            by_model.forget()
 
     def all_views(self, model: str) -> list[WorkerView]:
         """Views of every worker of the model, both pools of a disaggregated one (what ``decide`` takes),
         counting in flight the requests this replica sent and those the other replicas shared."""
         now = time.monotonic()
         elsewhere = self._elsewhere.totals(now)
-        return [
-            worker.view(now, elsewhere.get(worker.endpoint.id, 0)) for worker in self.model_workers(model)
-        ]
+        for worker_id in self._elsewhere.drain_changed():
+            if (worker := self.workers.get(worker_id)) is not None and worker.changed is not None:
+                worker.changed.add(worker_id)
+        by_model = self._by_model.get(model)
+        return [] if by_model is None else by_model.views(now, elsewhere)
 
     def hold(self, worker_id: str, *, num_prefill_tokens: int = 0, priority: int = 0) -> Hold:
         """Count a request of ``priority`` routed to the worker now (in the breaker's half-open state,
@@ -302,7 +363,9 @@ class Registry:
             worker.num_in_flight += 1
             self._count(worker, priority, 1)
             worker.num_prefill_tokens_in_flight += num_prefill_tokens
-            worker.breaker.on_send(time.monotonic())
+            if not worker.breaker.is_closed:
+                worker.breaker.on_send(time.monotonic())  # a half-open breaker's probe
+                self._breaker_changed(worker)
             self._share_in_flight(worker)
         return Hold(self, worker_id, num_prefill_tokens, priority)
 
@@ -343,11 +406,24 @@ class Registry:
         breaker = worker.breaker
         was_closed = breaker.state(now := time.monotonic()) == "closed"
         breaker.record(outcome, now)
+        if not (was_closed and breaker.is_closed):
+            self._breaker_changed(worker)
         if was_closed != (breaker.state(now) == "closed"):
             log.warning(
                 "worker circuit opened" if was_closed else "worker circuit closed",
                 extra={"worker": worker_id, "num_failures": breaker.num_failures},
             )
+
+    def _breaker_changed(self, worker: WorkerState) -> None:
+        """The worker's breaker may have changed: view it again, and on every decision while it is
+        not closed (its cooldown ends with time, not with an event)."""
+        if (by_model := self._by_model.get(worker.endpoint.model)) is None:
+            return
+        by_model.changed.add(worker.endpoint.id)
+        if worker.breaker.is_closed:
+            by_model.unsettled.discard(worker.endpoint.id)
+        else:
+            by_model.unsettled.add(worker.endpoint.id)
 
     def _room(self, worker: WorkerState) -> None:
         if self.on_room is not None:
@@ -394,7 +470,7 @@ class Registry:
         worker = WorkerState(endpoint, breaker=CircuitBreaker(self.settings.breaker))
         worker.task = asyncio.create_task(self._follow(worker), name=f"herd-status-{endpoint.id}")
         self.workers[endpoint.id] = worker
-        self._by_model.setdefault(endpoint.model, []).append(worker)
+        self._by_model.setdefault(endpoint.model, _ModelViews()).add(worker)
         log.info("worker joined", extra={"worker": endpoint.id, "model": endpoint.model, "url": endpoint.url})
 
     def _remove_worker(self, worker_id: str) -> None:
@@ -402,6 +478,7 @@ class Registry:
         if worker is None:
             return
         self._by_model[worker.endpoint.model].remove(worker)
+        worker.changed = None
         self._own_in_flight.pop(worker_id, None)
         for priority, num in worker.in_flight_by_priority.items():
             self._count(worker, priority, -num)
@@ -528,6 +605,7 @@ class Registry:
         if worker.epoch is not None and epoch != worker.epoch:
             worker.num_restarts += 1
             worker.breaker.reset()  # the failures were the old process's
+            self._breaker_changed(worker)
             log.warning("worker restarted", extra={"worker": worker.endpoint.id, "epoch": epoch})
             if self.on_restart is not None:
                 self.on_restart(worker)
@@ -550,12 +628,19 @@ class _SharedCounts:
     def __init__(self) -> None:
         self._by_origin: dict[str, tuple[float, dict[str, int]]] = {}
         self._totals: dict[str, int] = {}
+        self._changed: set[str] = set()
 
     def update(self, counts: InFlightCounts, now: float) -> None:
         self._drop(counts.origin)
         self._by_origin[counts.origin] = (now, counts.counts)
         for worker_id, count in counts.counts.items():
             self._totals[worker_id] = self._totals.get(worker_id, 0) + count
+        self._changed.update(counts.counts)
+
+    def drain_changed(self) -> set[str]:
+        """The workers whose total may have changed since the last call."""
+        changed, self._changed = self._changed, set()
+        return changed
 
     def totals(self, now: float) -> dict[str, int]:
         """Per worker; an empty dict (nothing to add) with one replica."""
@@ -566,6 +651,7 @@ class _SharedCounts:
     def _drop(self, origin: str) -> None:
         if (entry := self._by_origin.pop(origin, None)) is None:
             return
+        self._changed.update(entry[1])
         for worker_id, count in entry[1].items():
             left = self._totals[worker_id] - count
             if left:

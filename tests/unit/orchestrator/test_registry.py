@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import time
 from collections.abc import AsyncIterator
 
@@ -14,8 +15,9 @@ from support.gateway_fakes import MODEL, FakeCluster, FakeWorker, wait_for
 
 from herd.api.crd import KVCacheAwareRouting
 from herd.api.protocol import INTERNAL_PATHS, KVEvent, LoadReport
+from herd.orchestrator.breaker import BreakerSettings
 from herd.orchestrator.discovery import Membership, ModelConfig
-from herd.orchestrator.registry import Registry, RegistrySettings
+from herd.orchestrator.registry import Hold, Registry, RegistrySettings
 from herd.orchestrator.routing.reserve import BACKGROUND_PRIORITY
 from herd.orchestrator.state import IN_FLIGHT_TTL_S, InFlightCounts, MemoryState
 from herd.orchestrator.worker_client import WorkerClient
@@ -173,6 +175,86 @@ async def test_a_view_is_given_again_until_its_worker_changes() -> None:
         registry.forget_views()  # the next view is built afresh, showing the same
         rebuilt = registry.all_views(MODEL)[0]
         assert rebuilt is not ejected and rebuilt == ejected
+
+
+def expected_views(registry: Registry) -> list[tuple[str, int, int, int, int, bool]]:
+    """What every worker's view must show now, worked out from the registry's state, not its views."""
+    now, elsewhere = time.monotonic(), registry._elsewhere.totals(time.monotonic())
+    return [
+        (
+            worker.endpoint.id,
+            worker.num_in_flight + elsewhere.get(worker.endpoint.id, 0),
+            worker.num_background,
+            worker.num_prefill_tokens_in_flight,
+            worker.report.num_running,
+            worker.is_healthy and not worker.report.is_draining and worker.breaker.can_send(now),
+        )
+        for worker in registry.model_workers(MODEL)
+    ]
+
+
+@pytest.mark.parametrize("seed", range(4))
+async def test_views_kept_between_decisions_show_every_change(seed: int) -> None:
+    """Holds, releases (failures open breakers, probes half-open ones), prefills, reports, health and
+    the other replicas' counts in a seeded random order: after each, the views the registry keeps
+    show what its state says (a view is taken again only for a worker marked changed)."""
+    rng = random.Random(seed)
+    cluster = FakeCluster([FakeWorker(f"w{i}") for i in range(4)])
+    breaker = BreakerSettings(failures_to_open=2, cooldown_seconds=0.0)
+    async with registry_for(cluster, RegistrySettings(breaker=breaker)) as registry:
+        await wait_for(lambda: all(worker.is_healthy for worker in registry.workers.values()))
+        holds: list[Hold] = []
+        for step in range(300):
+            worker = registry.workers[f"w{rng.randrange(4)}"]
+            match rng.randrange(7):
+                case 0 | 1:
+                    priority = rng.choice([0, BACKGROUND_PRIORITY])
+                    holds.append(
+                        registry.hold(
+                            worker.endpoint.id, num_prefill_tokens=rng.randrange(64), priority=priority
+                        )
+                    )
+                case 2 if holds:
+                    holds.pop(rng.randrange(len(holds))).release(rng.choice(["success", "failure", "none"]))
+                case 3 if holds:
+                    rng.choice(holds).prefilled()
+                case 4:
+                    worker.take_report(
+                        LoadReport(num_running=rng.randrange(8), is_draining=rng.random() < 0.2)
+                    )
+                case 5:
+                    worker.is_healthy = rng.random() < 0.7
+                case _:
+                    counts = {f"w{i}": rng.randrange(1, 4) for i in rng.sample(range(4), rng.randrange(3))}
+                    registry.receive_kv("", InFlightCounts(origin=rng.choice(["r2", "r3"]), counts=counts))
+            seen = [
+                (
+                    v.id,
+                    v.num_in_flight,
+                    v.num_background,
+                    v.num_prefill_tokens_in_flight,
+                    v.num_running,
+                    v.is_healthy,
+                )
+                for v in registry.all_views(MODEL)
+            ]
+            assert seen == expected_views(registry), step
+
+
+async def test_a_view_shows_a_breaker_half_open_when_its_cooldown_ends() -> None:
+    """Nothing happens to the worker while its breaker cools down: the registry views a worker whose
+    breaker is not closed on every decision."""
+    cluster = FakeCluster([FakeWorker("w0")])
+    breaker = BreakerSettings(failures_to_open=1, cooldown_seconds=0.05)
+    async with registry_for(cluster, RegistrySettings(breaker=breaker)) as registry:
+        await wait_for(lambda: registry.workers["w0"].is_healthy)
+        assert registry.all_views(MODEL)[0].is_healthy
+        registry.hold("w0").release("failure")
+        assert not registry.all_views(MODEL)[0].is_healthy  # open
+        await asyncio.sleep(0.06)
+        assert registry.all_views(MODEL)[0].is_healthy  # half-open: a probe may go
+        registry.hold("w0").release("success")
+        assert registry.all_views(MODEL)[0].is_healthy and registry._by_model[MODEL].unsettled == set()
 
 
 async def test_a_view_counts_the_background_requests_held_on_its_worker() -> None:
