@@ -9,7 +9,9 @@ the trace's own gaps scaled to the rate; a request that extends an earlier one o
 chat's next turn) waits for its answer, as ``herd bench``'s replay does. Reported per router: the hit
 rate and its share of the oracle (``herd bench oracle`` on the same trace and fleet), TTFT p50/p99 in
 simulated ms, and in-flight max/mean as the scale runs compute it (each worker's mean in-flight over
-the run by Little's law, the busiest over the mean).
+the run by Little's law, the busiest over the mean), with what the busiest worker served (``busiest``:
+its requests, those sharing its most common two-block opening, and how many requests and workers
+that opening had over the run).
 
 Each spill (a request sent away from the worker holding its longest cached run) is counted by its
 cause: ``forced`` when every holder was at the bounded-load cap, else by the term of kv_cache_aware's
@@ -43,7 +45,7 @@ from herd.api.kv_hash import block_hashes
 from herd.api.prompt import PromptRenderer
 from herd.orchestrator.routing import RequestContext, WorkerView, decide
 from herd.orchestrator.routing._load import bounded_load_cap
-from herd.orchestrator.routing.kv_cache_aware import REQUEST_SHARE
+from herd.orchestrator.routing.kv_cache_aware import MIN_RUN_BLOCKS, REQUEST_SHARE
 from herd.worker.config import EngineConfig
 from herd.worker.simulated_runner import CostModel, VirtualClock, simulated_engine
 
@@ -179,7 +181,24 @@ class TraceSimulation(Simulation):
             "forced_spill_rate": round(self.num_forced / len(done), 3),
             "spills": dict(self.spills),
             "direct_loss": round(self.spilled_tokens / prompt, 4),
+            "busiest": self._busiest(max(busy, key=busy.__getitem__)),
         }
+
+    def _busiest(self, worker_id: str) -> dict[str, int]:
+        """What the busiest worker served: its requests, how many of them share its most common
+        opening (the prompt's first ``MIN_RUN_BLOCKS`` blocks: a Mooncake application's context, a
+        shared-prefix group's system prompt), that opening's requests in the whole trace and how many
+        workers served them."""
+        served = [r for r in self.done if self.served_by[r.number] == worker_id]
+        openings = Counter(r.hashes[MIN_RUN_BLOCKS - 1] for r in served if len(r.hashes) >= MIN_RUN_BLOCKS)
+        if not openings:
+            return {"requests": len(served)}
+        top, count = openings.most_common(1)[0]
+        same = [
+            r for r in self.done if len(r.hashes) >= MIN_RUN_BLOCKS and r.hashes[MIN_RUN_BLOCKS - 1] == top
+        ]
+        return {"requests": len(served), "top_opening": count, "opening_requests": len(same),
+                "opening_workers": len({self.served_by[r.number] for r in same})}  # fmt: skip
 
 
 def load_trace(path: Path, renderer: PromptRenderer, rate: float) -> list[TraceRequest]:
