@@ -113,7 +113,8 @@ def _reference_costs(case: Case) -> list[float]:
     # A leading run shorter than MIN_RUN_BLOCKS counts as none: the prompt is priced as uncached there.
     runs = {worker_id: run for worker_id, run in runs.items() if run.length >= MIN_RUN_BLOCKS}
     peer_runs = index.match(ctx.block_hashes, include_expected=False, include_host=True) if num_blocks else {}
-    longest_peer_run = max(peer_runs.values(), default=0) if case.peer_pulls else 0
+    lendable = [run for run in peer_runs.values() if run >= MIN_RUN_BLOCKS]  # the same rule for a peer's run
+    longest_peer_run = max(lendable, default=0) if case.peer_pulls else 0
     held = index.held_blocks()
     per_request = n * REQUEST_SHARE
 

@@ -114,6 +114,24 @@ def test_the_longest_peer_run_is_pulled_and_the_least_busy_among_equals() -> Non
     assert pull is not None and (pull.peer.id, pull.num_blocks) == ("g", 24)
 
 
+@pytest.mark.parametrize(
+    ("peer_blocks", "pulled_from"), [(1, None), (2, "g")], ids=["opening-only", "two-blocks"]
+)
+def test_a_peer_run_of_one_block_is_not_pulled(peer_blocks: int, pulled_from: str | None) -> None:
+    """Every worker that served a chat holds its template's opening block, which the cost prices as
+    uncached on every worker (``MIN_RUN_BLOCKS``): a peer's run of that block alone is no reason to
+    pull (the puller holds it too, and the lease would wait for the peer's step for nothing)."""
+    index = KVIndex()
+    index.reset("g", KVSnapshot(epoch="e", seq=0, block_size=16, block_hashes=PROMPT[:peer_blocks]))
+    index.reset("c", KVSnapshot(epoch="e", seq=0, block_size=16, block_hashes=PROMPT[:1]))
+    workers = [replace(w, pull_block_tokens=1.0) for w in views("g", "c", g=3)]  # g busy: c is chosen
+    strategy = _strategy(index)
+    choice = strategy.select(workers, context(PROMPT))
+    assert choice is not None and choice.id == "c"
+    pull = strategy.pull_source(choice, workers, context(PROMPT))
+    assert (None if pull is None else pull.peer.id) == pulled_from
+
+
 def test_a_pull_cost_is_the_prefill_the_worker_does_while_a_block_arrives() -> None:
     report = LoadReport(prefill_tokens_per_s=500.0, bytes_per_block=720 * 1024, pull_bytes_per_s=300e6)
     assert pull_block_tokens(report) == pytest.approx(500 * 720 * 1024 / 300e6)

@@ -37,8 +37,9 @@ tier block at a fixed share of a hit instead (llm-d's 1.0 / 0.8); ``device`` ign
 index's device run only). The eviction term counts the restored blocks too: they take device blocks.
 
 Peer pulls (``peer_pulls``): when another worker's device or host tier holds a longer leading run of
-the prompt (``D`` blocks, by the index's events, nothing merely expected: ``PromptMatch.lendable``;
-the peer restores host blocks onto its device for the lease) than ``w`` holds in any tier (``r(w)``),
+the prompt (``D`` blocks, at least ``MIN_RUN_BLOCKS``, by the index's events, nothing merely expected:
+``PromptMatch.lendable``; the peer restores host blocks onto its device for the lease) than ``w``
+holds in any tier (``r(w)``),
 ``w`` may pull the difference over the KV transfer path instead of computing it. Each pulled block
 costs ``pull_block_tokens(w)`` (its prefill rate x a block's bytes / its measured pull bandwidth), so
 
@@ -112,7 +113,10 @@ class _Prompt:
     """The runs with their lower-tier blocks, when some worker would restore any (else ``None``)."""
     peer_runs: dict[str, int]
     """Each worker's leading run on its device or host tier by its events, nothing expected: what a
-    peer can pull from it (empty unless pulls are priced)."""
+    peer can pull from it (empty unless pulls are priced). A run shorter than ``MIN_RUN_BLOCKS`` is
+    left out, as in ``matched``: otherwise every chat's opening block, which the puller holds too but
+    ``matched`` prices as uncached, would look worth a pull (on 4 real workers' multi-turn trace 40-43
+    pulls a run came back with nothing the puller lacked, each waiting for the peer's step)."""
 
     @property
     def longest_peer_run(self) -> int:
@@ -200,7 +204,10 @@ class KVCacheAware(RoutingStrategy):
             matched = {worker_id: run.length for worker_id, run in runs.items()}
             if any(run.host or run.disk for run in runs.values()):
                 tiers = runs
-        return _Prompt(matched, tiers, kv.lendable if self._peer_pulls else {})
+        lendable = {}
+        if self._peer_pulls:  # a peer's one-block run is the same opening every worker holds: no pull
+            lendable = {w: run for w, run in kv.lendable.items() if run >= MIN_RUN_BLOCKS}
+        return _Prompt(matched, tiers, lendable)
 
     def _candidates(
         self, workers: Sequence[WorkerView], ctx: RequestContext, cap: int, prompt: _Prompt
