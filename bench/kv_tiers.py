@@ -1,5 +1,5 @@
-"""Issue 20's tier benchmark on a simulated fleet: no tier, a host tier, host and disk, and routing
-by restore cost against tier-blind routing and fixed weights, side by side in one run.
+"""Issue 20's tier benchmark on a simulated fleet: no tier, a host tier, host and disk, peer pulls,
+and routing by restore cost against tier-blind routing and fixed weights, side by side in one run.
 
 Built on ``bench/routing_sim.py``'s discrete-event simulation: every worker is herd's own engine
 (scheduler, block manager with its tiers, KV events with their medium, load report with its measured
@@ -15,7 +15,9 @@ poll, and the views carry each worker's restore costs as the registry works them
   measured; ``host, tier-blind`` and ``host, weights 1.0/0.8``: the same workers, tierCost device and
   weights;
 * ``host+disk``: a host tier of a quarter of that and a disk tier of ``host``'s size, measured;
-  ``host+disk, tier-blind`` and ``host+disk, weights 1.0/0.8``: the same workers, device and weights.
+  ``host+disk, tier-blind`` and ``host+disk, weights 1.0/0.8``: the same workers, device and weights;
+* ``host+pulls``: ``host`` with ``peerPulls``: a worker may pull a prompt's leading blocks from a
+  peer's device or host tier (below).
 
 ``--setups`` picks some of them (``none`` first: the open loops' rate comes from it).
 
@@ -28,6 +30,25 @@ spread over the fleet, get the slow disk, the rest the fast one: each worker's r
 own rates and reports them as measured, so ``restore_block_tokens`` differs per worker. A tier
 move (a restore, or a write on eviction) is charged inside the step that plans it, as the real
 engine on this machine does it; the figures also count the disk blocks restored on slow workers.
+
+Peer pulls, as a real worker makes them (``herd.worker.server._remote_prefill``), with the engine's
+own methods: when ``decide`` names ``pull_from``, the chosen worker hashes the prompt and finds the
+blocks it lacks (``missing_blocks``); the peer, between two of its steps (a lease waits for the
+step in progress to end, as on a real worker, and its restores of host blocks hold the peer's next
+step), holds the leading run (``hold_cached``) and the missing blocks it holds are read
+(``read_blocks``: ``lend``); their bytes then cross the network at the profile's pull bandwidth
+(``transfer_done_ms``), the puller records the fetch, from its decision to the last byte, into its
+pull bandwidth (``record_pull``) and imports the blocks between its own steps (``write_blocks``:
+``import_pull``), and only then queues the request, which finds them cached; the peer releases the
+lease between its steps (``release_held``). A lease that holds none of the missing blocks sends the
+request on after the hold, to compute them. Each worker starts with the pull bandwidth its transport
+probe would measure (``PROBE_BLOCKS`` blocks at the profile's rate), so the router prices pulls from
+the start, as a real worker's probe lets it. The figures count pulls by outcome (``pulled``,
+``empty``) and leases by why their run ended (``HeldRun.end``), over the whole run, warm-up included.
+Pull costs (``--profile``): ``cpu``, 0.11 GB/s, what a pull over loopback HTTP moved on this machine
+(22.4 MiB in 0.19-0.23 s, docs/benchmarks/disagg.md: 6.6 ms a 720 KiB block against 33 ms to
+recompute it); ``gpu-ratio``, a block pulled in 0.325 of its recompute time, llm-d's published
+figure (a 49k-token prefix pulled from a peer in 551 ms against 1,695 ms recomputed).
 
 Traces: ``tenants`` (multi-tenant: herd bench's shared-prefix workload, tenants drawn uniformly, a
 system prompt of ``--prefix-blocks`` blocks each plus a 16-32 word user turn) and ``turns``
@@ -52,6 +73,7 @@ turn; the table gives each figure's median over the rounds and its range.
 from __future__ import annotations
 
 import argparse
+import collections
 import itertools
 import json
 import random
@@ -60,10 +82,12 @@ import statistics
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
+import torch
 from pydantic import TypeAdapter
 from routing_sim import BLOCK_SIZE, ISSUE14_COST, MODEL_ID, Request, Shape, SimModel, Simulation, SimWorker
 
@@ -72,11 +96,22 @@ from herd.api.kv_hash import block_hashes
 from herd.api.prompt import PromptRenderer
 from herd.api.protocol import KVSnapshot
 from herd.orchestrator.discovery import ModelConfig
-from herd.orchestrator.routing import RequestContext, WorkerView, build_strategy, decide, restore_block_tokens
+from herd.orchestrator.routing import (
+    Decision,
+    RequestContext,
+    WorkerView,
+    build_strategy,
+    decide,
+    pull_block_tokens,
+    restore_block_tokens,
+)
+from herd.worker.block_manager import HeldRun, RunEnd
 from herd.worker.cache_geometry import bytes_per_block
 from herd.worker.config import EngineConfig
+from herd.worker.engine import LLMEngine
 from herd.worker.loader import read_model_args
 from herd.worker.outputs import RequestOutput
+from herd.worker.server._remote_prefill import PROBE_BLOCKS
 from herd.worker.simulated_runner import CostModel, VirtualClock, simulated_engine
 
 __all__ = ["main"]
@@ -86,38 +121,42 @@ DEMO_MODEL = Path(__file__).resolve().parent.parent / ".cache" / "models" / "smo
 
 @dataclass(frozen=True)
 class TierProfile:
-    """What a tier move costs in a fleet: GB a second over the host tier, a fast (local) disk and a
-    slow (network) disk, given either as measured bandwidths (``ratios`` False) or as a block's
-    restore time over its recompute time (``ratios`` True), to be turned into bandwidths for the
-    simulated model's block bytes and prefill cost (``bandwidths``)."""
+    """What a tier move costs in a fleet: GB a second over the host tier, a fast (local) disk, a
+    slow (network) disk and a pull from a peer over the network, given either as measured
+    bandwidths (``ratios`` False) or as a block's move time over its recompute time (``ratios``
+    True), to be turned into bandwidths for the simulated model's block bytes and prefill cost
+    (``bandwidths``)."""
 
     name: str
     host: float
     disk: float
     slow_disk: float
+    pull: float
     ratios: bool
 
-    def bandwidths(self, bytes_per_block: int, block_ms: float) -> tuple[float, float, float]:
-        """GB a second of the host tier, the fast disk and the slow disk. ``block_ms``: what
-        recomputing a block costs (its tokens x the cost model's ``tokenMs``)."""
+    def bandwidths(self, bytes_per_block: int, block_ms: float) -> tuple[float, float, float, float]:
+        """GB a second of the host tier, the fast disk, the slow disk and a peer pull. ``block_ms``:
+        what recomputing a block costs (its tokens x the cost model's ``tokenMs``)."""
         if not self.ratios:
-            return self.host, self.disk, self.slow_disk
+            return self.host, self.disk, self.slow_disk, self.pull
 
         def gbps(ratio: float) -> float:
             return bytes_per_block / (ratio * block_ms / 1000) / 1e9
 
-        return gbps(self.host), gbps(self.disk), gbps(self.slow_disk)
+        return gbps(self.host), gbps(self.disk), gbps(self.slow_disk), gbps(self.pull)
 
 
 PROFILES = {
     profile.name: profile
     for profile in (
-        # This machine (``herd bench calibrate``'s ``measure_tiers`` on the demo model): one disk only.
-        TierProfile("cpu", host=6.5, disk=0.6, slow_disk=0.6, ratios=False),
+        # This machine (``herd bench calibrate``'s ``measure_tiers`` on the demo model): one disk
+        # only; a pull over loopback HTTP moved 22.4 MiB in 0.19-0.23 s (docs/benchmarks/disagg.md).
+        TierProfile("cpu", host=6.5, disk=0.6, slow_disk=0.6, pull=0.11, ratios=False),
         # An H100 serving an 8B model in bf16: a 16-token block is 2 MiB of KV and about 1 ms of
         # prefill (~16k tokens/s); host memory over PCIe at ~25 GB/s restores it in 0.08 ms, a local
-        # NVMe at ~5 GB/s in 0.4 ms, network storage at ~1 GB/s in 2 ms (docs/kv-tiers.md).
-        TierProfile("gpu-ratio", host=0.08, disk=0.4, slow_disk=2.0, ratios=True),
+        # NVMe at ~5 GB/s in 0.4 ms, network storage at ~1 GB/s in 2 ms (docs/kv-tiers.md); a peer
+        # pull in 551 / 1,695 of the recompute (llm-d's 49k-token prefix pulled against recomputed).
+        TierProfile("gpu-ratio", host=0.08, disk=0.4, slow_disk=2.0, pull=551 / 1695, ratios=True),
     )
 }
 """``--profile``: the tier costs a simulated fleet runs on."""
@@ -136,7 +175,7 @@ def fleet_costs(
 ) -> list[CostModel]:
     """Each worker's cost model: the compute costs of ``base`` and the profile's tier bandwidths, the
     slow disk's on the workers ``slow`` marks."""
-    host, disk, slow_disk = profile.bandwidths(bytes_per_block, block_size * base["token_ms"])
+    host, disk, slow_disk, _ = profile.bandwidths(bytes_per_block, block_size * base["token_ms"])
     return [CostModel(**base, host_gbps=host, disk_gbps=slow_disk if is_slow else disk) for is_slow in slow]
 
 
@@ -147,8 +186,58 @@ class Setup:
     disk_share: float
     tier_cost: str
     peer_pulls: bool = False
-    """Workers pull a prompt's blocks from a peer's device (``kv_tiers_real.py``; the simulator has no
-    pull model, so its setups leave it off)."""
+    """``peerPulls``: a worker may pull a prompt's leading blocks from a peer's device or host tier."""
+
+
+def lend(
+    peer: LLMEngine, lease: str, hashes: list[int], missing: list[int]
+) -> tuple[HeldRun, list[int], torch.Tensor | None]:
+    """The peer's side of a pull, between its steps: hold the leading run of ``hashes`` up to the
+    last ``missing`` one (``hold_cached``), read the missing blocks it holds; the run, their
+    indexes and their KV (``None``, the lease released, when it holds none of them)."""
+    held = peer.hold_cached(lease, hashes[: missing[-1] + 1])
+    wanted = [index for index in missing if index < len(held.block_ids)]
+    if not wanted:
+        peer.release_held(lease)
+        return held, [], None
+    return held, wanted, peer.read_blocks([held.block_ids[index] for index in wanted])
+
+
+def import_pull(
+    puller: LLMEngine,
+    token_ids: list[int],
+    hashes: list[int],
+    wanted: list[int],
+    kv: torch.Tensor,
+    seconds: float,
+) -> int:
+    """The puller's side, between its steps: the fetch's time into its pull bandwidth, the blocks
+    into its prefix cache; how many it imported."""
+    puller.record_pull(kv.nbytes, seconds)
+    size = puller.info.block_size
+    tokens = [token_ids[index * size : (index + 1) * size] for index in wanted]
+    return puller.write_blocks([hashes[index] for index in wanted], tokens, kv)
+
+
+def transfer_done_ms(hold_end_ms: float, num_bytes: int, gbps: float) -> float:
+    """When a pull's last byte arrives: the lease is held at ``hold_end_ms`` (the peer's step in
+    progress ended, its restores for the lease made), then ``num_bytes`` cross at ``gbps``."""
+    return hold_end_ms + num_bytes / (gbps * 1e9) * 1000
+
+
+@dataclass(frozen=True)
+class Pull:
+    """One peer pull in flight: its lease on ``peer`` and what ``puller`` imports when it lands."""
+
+    puller: SimWorker
+    peer: SimWorker
+    request: Request
+    lease: str
+    hashes: list[int]
+    wanted: list[int]
+    kv: torch.Tensor | None
+    started_ms: float
+    done_ms: float
 
 
 @dataclass(frozen=True)
@@ -188,10 +277,12 @@ class TierSimulation(Simulation):
         """``arrivals``: the open loop's arrival time of every request in simulated ms (``None``: the
         closed loop of ``shape.concurrency`` requests in flight)."""
         self.tiers, self.setup = tiers, setup
-        per_block = demo_bytes_per_block()
+        self.per_block = per_block = demo_bytes_per_block()
         base = {"step_ms": shape.step_ms, "seq_ms": shape.seq_ms, "token_ms": shape.token_ms}
         self.slow = slow_workers(shape.num_workers, tiers.slow_disk_share)
-        self.costs = fleet_costs(base, PROFILES[tiers.profile], self.slow, per_block, BLOCK_SIZE)
+        profile = PROFILES[tiers.profile]
+        self.costs = fleet_costs(base, profile, self.slow, per_block, BLOCK_SIZE)
+        self.pull_gbps = profile.bandwidths(per_block, BLOCK_SIZE * shape.token_ms)[3]
         share = tiers.working_set * tiers.pool_blocks
         self.host_gib = setup.host_share * share * per_block / 2**30
         self.disk_gib = setup.disk_share * share * per_block / 2**30
@@ -200,6 +291,7 @@ class TierSimulation(Simulation):
             "strategy": "kv_cache_aware",
             "loadFactor": shape.load_factor,
             "tierCost": setup.tier_cost,
+            "peerPulls": setup.peer_pulls,
         }
         spec = TypeAdapter(RoutingSpec).validate_python(settings)
         strategy = build_strategy(spec, kv_index=self.index, block_size=BLOCK_SIZE, rng=random.Random(seed))
@@ -212,6 +304,12 @@ class TierSimulation(Simulation):
         self.busy_sessions: set[int] = set()
         self.waiting: dict[int, deque[int]] = {}
         """Per session, the turns drawn while its previous turn was in flight, in order."""
+        self.between: dict[str, list[Callable[[], None]]] = {}
+        """Per worker, what runs before its next step (a lease, an import, a release)."""
+        self.pull_from: WorkerView | None = None
+        """The peer the decision being applied names, until its request is admitted."""
+        self.pulls: collections.Counter[str] = collections.Counter()
+        self.leases: collections.Counter[str] = collections.Counter()
 
     def _worker(self, number: int, renderer: PromptRenderer) -> SimWorker:
         shape, clock = self.shape, VirtualClock()
@@ -226,6 +324,9 @@ class TierSimulation(Simulation):
         engine = simulated_engine(
             config, num_blocks=shape.num_kv_blocks(), cost=self.costs[number], clock=clock, renderer=renderer
         )
+        # The transport probe a real worker makes at start, at the profile's pull rate.
+        probe_bytes = PROBE_BLOCKS * self.per_block
+        engine.record_pull(probe_bytes, probe_bytes / (self.pull_gbps * 1e9))
         worker = SimWorker(f"worker-{number}", engine, clock)
         snapshot = KVSnapshot(epoch=engine.info.epoch, seq=0, block_size=BLOCK_SIZE, block_hashes=[])
         self.index.reset(worker.id, snapshot)
@@ -236,7 +337,80 @@ class TierSimulation(Simulation):
             super()._view(worker),
             host_block_tokens=restore_block_tokens(worker.report, "host"),
             disk_block_tokens=restore_block_tokens(worker.report, "disk"),
+            pull_block_tokens=pull_block_tokens(worker.report),
         )
+
+    def _apply(self, decision: Decision) -> None:
+        super()._apply(decision)
+        self.pull_from = decision.pull_from
+
+    def _admit(self, worker: SimWorker, request: Request) -> None:
+        """Queue the request on the worker, or, when its decision named a peer to pull from, start
+        the pull: the request is queued when it lands (``_land``)."""
+        view, self.pull_from = self.pull_from, None
+        hashes = request.hashes[: len(request.token_ids) // BLOCK_SIZE]
+        missing = [] if view is None else worker.engine.missing_blocks(hashes)
+        if view is None or not missing:
+            super()._admit(worker, request)
+            return
+        peer = next(w for w in self.workers if w.id == view.id)
+        started = self.now
+        self._between_steps(peer, lambda: self._lend(worker, peer, request, hashes, missing, started))
+
+    def _lend(
+        self,
+        puller: SimWorker,
+        peer: SimWorker,
+        request: Request,
+        hashes: list[int],
+        missing: list[int],
+        started_ms: float,
+    ) -> None:
+        """On the peer, between its steps: the lease, and the transfer of what it holds."""
+        lease = f"pull-{request.number}"
+        held, wanted, kv = lend(peer.engine, lease, hashes, missing)
+        self.leases[held.end] += 1
+        if kv is None:
+            self.pulls[f"empty_{held.end}"] += 1
+        hold_end = peer.clock.now * 1000  # after the restores the lease made
+        done = hold_end if kv is None else transfer_done_ms(hold_end, kv.nbytes, self.pull_gbps)
+        pull = Pull(puller, peer, request, lease, hashes, wanted, kv, started_ms, done)
+        self._at(done, "pulled", pull)
+
+    def _land(self, pull: Pull) -> None:
+        """On the puller, between its steps: the import (if the lease held any block), then the request."""
+        if pull.kv is not None:
+            seconds = (pull.done_ms - pull.started_ms) / 1000
+            self.pulls["pulled"] += 1
+            self.pulls["blocks"] += import_pull(
+                pull.puller.engine, pull.request.token_ids, pull.hashes, pull.wanted, pull.kv, seconds
+            )
+        super()._admit(pull.puller, pull.request)
+
+    def _release(self, pull: Pull) -> None:
+        """On the peer, between its steps: the lease ends."""
+        pull.peer.engine.release_held(pull.lease)
+
+    def _between_steps(self, worker: SimWorker, action: Callable[[], None]) -> None:
+        """Run ``action`` on the worker when its step in progress ends (now if it is idle)."""
+        self.between.setdefault(worker.id, []).append(action)
+        if not worker.busy:
+            worker.busy = True
+            self._at(self.now, "step", worker)
+
+    def _step(self, worker: SimWorker) -> None:
+        """What waits for this pause first; when its tier moves took time, the step starts after them."""
+        if actions := self.between.pop(worker.id, None):
+            worker.clock.now = self.now / 1000
+            for action in actions:
+                action()
+            if worker.clock.now * 1000 > self.now:
+                self._at(worker.clock.now * 1000, "step", worker)
+                return
+        super()._step(worker)
+        if not worker.busy and worker.id in self.between:
+            worker.busy = True
+            self._at(self.now, "step", worker)
 
     def run(self) -> dict[str, Any]:
         if self.arrivals is None:
@@ -250,6 +424,11 @@ class TierSimulation(Simulation):
     def _handle(self, kind: str, payload: Any) -> None:
         if kind == "arrive":
             self._issue()
+        elif kind == "pulled":
+            pull: Pull = payload
+            if pull.kv is not None:
+                self._between_steps(pull.peer, lambda: self._release(pull))
+            self._between_steps(pull.puller, lambda: self._land(pull))
         else:
             super()._handle(kind, payload)
 
@@ -327,6 +506,12 @@ class TierSimulation(Simulation):
         summary["restored_disk_slow"] = sum(
             c.restored["disk"] for c, slow in zip(counters, self.slow, strict=True) if slow
         )
+        summary["pulls_pulled"] = self.pulls["pulled"]
+        summary["pulled_blocks"] = self.pulls["blocks"]
+        summary["pulls_empty"] = sum(self.pulls[f"empty_{end}"] for end in RUN_ENDS)
+        for end in RUN_ENDS:
+            summary[f"leases_{end}"] = self.leases[end]
+            summary[f"empty_{end}"] = self.pulls[f"empty_{end}"]
         return {
             key: summary[key]
             for key in (
@@ -337,14 +522,21 @@ class TierSimulation(Simulation):
                 "restored_host",
                 "restored_disk",
                 "restored_disk_slow",
+                "pulls_pulled",
+                "pulled_blocks",
+                "pulls_empty",
+                *(f"leases_{end}" for end in RUN_ENDS),
+                *(f"empty_{end}" for end in RUN_ENDS),
             )
         }
 
 
+RUN_ENDS: tuple[str, ...] = get_args(RunEnd)
+"""Why a lease's run ended (``HeldRun.end``), in the order the figures list them."""
+
+
 def demo_bytes_per_block() -> int:
     """A block's bytes of the demo model's fp32 KV (720 KiB)."""
-    import torch
-
     return bytes_per_block(read_model_args(DEMO_MODEL), BLOCK_SIZE, torch.float32)
 
 
@@ -352,6 +544,7 @@ SETUPS = [
     Setup("none", 0.0, 0.0, "measured"),
     Setup("host", 1.0, 0.0, "measured"),
     Setup("host+disk", 0.25, 1.0, "measured"),
+    Setup("host+pulls", 1.0, 0.0, "measured", peer_pulls=True),
     Setup("host, tier-blind", 1.0, 0.0, "device"),
     Setup("host, weights 1.0/0.8", 1.0, 0.0, "weights"),
     Setup("host+disk, tier-blind", 0.25, 1.0, "device"),
@@ -453,9 +646,10 @@ def print_table(result: dict[str, Any]) -> None:
         )
         print(
             "| setup | hit rate | TTFT p50 (sim ms) | TTFT p99 (sim ms) | req/s "
-            "| restored host / disk (on slow disks) |"
+            "| restored host / disk (on slow disks) | pulls with blocks / empty (blocks pulled) "
+            "| leases by end (empty) |"
         )
-        print("|---|---:|---:|---:|---:|---:|")
+        print("|---|---:|---:|---:|---:|---:|---:|---|")
         for name, row in loop["setups"].items():
             cells = [
                 f"{row[key]['median']:.3g} ({row[key]['min']:.3g}-{row[key]['max']:.3g})"
@@ -465,7 +659,16 @@ def print_table(result: dict[str, Any]) -> None:
                 f"{row['restored_host']['median']:.0f} / {row['restored_disk']['median']:.0f} "
                 f"({row['restored_disk_slow']['median']:.0f})"
             )
-            print(f"| {name} | {' | '.join(cells)} | {restored} |")
+            pulls = (
+                f"{row['pulls_pulled']['median']:.0f} / {row['pulls_empty']['median']:.0f} "
+                f"({row['pulled_blocks']['median']:.0f})"
+            )
+            leases = ", ".join(
+                f"{end} {row[f'leases_{end}']['median']:.0f} ({row[f'empty_{end}']['median']:.0f})"
+                for end in RUN_ENDS
+                if row[f"leases_{end}"]["max"]
+            )
+            print(f"| {name} | {' | '.join(cells)} | {restored} | {pulls} | {leases or '-'} |")
 
 
 def main(argv: list[str] | None = None) -> int:

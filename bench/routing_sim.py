@@ -390,8 +390,13 @@ class Simulation:
         if not engine.has_unfinished_requests():
             worker.busy = False
             return
-        worker.clock.now = self.now / 1000
+        worker.clock.now = started = self.now / 1000
         outputs = engine.step()
+        if worker.clock.now == started and not outputs:
+            # Nothing fitted (the free blocks are lent to a peer's pull): idle until a request or a
+            # release wakes the worker, rather than step again at the same instant.
+            worker.busy = False
+            return
         finish_ms = worker.clock.now * 1000
         for output in outputs:
             self._record(worker, output, finish_ms)

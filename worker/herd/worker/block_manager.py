@@ -117,12 +117,16 @@ class BlockManager:
 
     def tier_hits(self, seq: Sequence, start: int) -> list[TierHit]:
         """Blocks of ``seq`` from block ``start`` (its device hit's end) on, found in a lower tier:
-        the run a restore brings back; at least one token is left to compute."""
+        the run a restore brings back; at least one token is left to compute. The run stops at a
+        block the device holds too (one a peer pull imported past a hole in the device's run): a
+        restore would register its hash on a second device block."""
         if self.host is None:
             return []
         hits: list[TierHit] = []
         hashes = self._hashes(seq, (seq.num_tokens - 1) // self.block_size)
         for index in range(start, len(hashes)):
+            if hashes[index] in self.cached:
+                break
             tokens = seq.block_tokens(index, self.block_size)
             hit = next(
                 (
