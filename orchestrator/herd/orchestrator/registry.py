@@ -86,9 +86,19 @@ class RegistrySettings:
 
 
 _VIEWED_FIELDS = frozenset(
-    {"is_healthy", "num_in_flight", "num_prefill_tokens_in_flight", "num_background", "report"}
+    {
+        "is_healthy",
+        "num_in_flight",
+        "num_prefill_tokens_in_flight",
+        "num_background",
+        "report",
+        "host_block_tokens",
+        "disk_block_tokens",
+        "pull_block_tokens",
+    }
 )
-"""The fields of ``WorkerState`` a ``WorkerView`` shows (a report's costs are set with the report)."""
+"""The fields of ``WorkerState`` a ``WorkerView`` shows; its endpoint never changes (a moved worker is
+a new one) and its breaker is watched apart (``Registry._breaker_changed``)."""
 
 
 @dataclass(eq=False)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import random
+import re
 import time
 from collections.abc import AsyncIterator
 
@@ -15,9 +17,10 @@ from support.gateway_fakes import MODEL, FakeCluster, FakeWorker, wait_for
 
 from herd.api.crd import KVCacheAwareRouting
 from herd.api.protocol import INTERNAL_PATHS, KVEvent, LoadReport
+from herd.orchestrator import registry as registry_module
 from herd.orchestrator.breaker import BreakerSettings
 from herd.orchestrator.discovery import Membership, ModelConfig
-from herd.orchestrator.registry import Hold, Registry, RegistrySettings
+from herd.orchestrator.registry import Hold, Registry, RegistrySettings, WorkerState
 from herd.orchestrator.routing.reserve import BACKGROUND_PRIORITY
 from herd.orchestrator.state import IN_FLIGHT_TTL_S, InFlightCounts, MemoryState
 from herd.orchestrator.worker_client import WorkerClient
@@ -239,6 +242,12 @@ async def test_views_kept_between_decisions_show_every_change(seed: int) -> None
                 for v in registry.all_views(MODEL)
             ]
             assert seen == expected_views(registry), step
+
+
+def test_every_field_a_view_reads_marks_its_worker_changed() -> None:
+    """A field ``WorkerState.view`` reads but setting it does not mark would leave a kept view stale."""
+    read = set(re.findall(r"self\.(\w+)", inspect.getsource(WorkerState.view)))
+    assert read - {"endpoint", "breaker", "_viewed"} == set(registry_module._VIEWED_FIELDS)
 
 
 async def test_a_view_shows_a_breaker_half_open_when_its_cooldown_ends() -> None:
