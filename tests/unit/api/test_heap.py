@@ -71,7 +71,9 @@ def test_freezing_takes_the_startup_heap_out_of_the_collectors_sight() -> None:
     kept = [[n] for n in range(1000)]  # tracked containers alive at "startup"
     try:
         frozen = freeze_startup_heap()
-        assert frozen == gc.get_freeze_count() >= len(kept)
+        # A frozen object that dies leaves the permanent generation (another thread may drop one
+        # meanwhile), so the count can only have fallen since the freeze.
+        assert frozen >= gc.get_freeze_count() >= len(kept)
         # A full collection now walks only what was made since: far fewer objects than the freeze held.
         assert len(gc.get_objects(2)) < frozen
     finally:
