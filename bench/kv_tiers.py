@@ -109,9 +109,9 @@ from herd.worker.block_manager import HeldRun, RunEnd
 from herd.worker.cache_geometry import bytes_per_block
 from herd.worker.config import EngineConfig
 from herd.worker.engine import LLMEngine
+from herd.worker.kv_transfer import PROBE_BLOCKS, lease_run, lent_blocks
 from herd.worker.loader import read_model_args
 from herd.worker.outputs import RequestOutput
-from herd.worker.server._remote_prefill import PROBE_BLOCKS
 from herd.worker.simulated_runner import CostModel, VirtualClock, simulated_engine
 
 __all__ = ["main"]
@@ -195,8 +195,8 @@ def lend(
     """The peer's side of a pull, between its steps: hold the leading run of ``hashes`` up to the
     last ``missing`` one (``hold_cached``), read the missing blocks it holds; the run, their
     indexes and their KV (``None``, the lease released, when it holds none of them)."""
-    held = peer.hold_cached(lease, hashes[: missing[-1] + 1])
-    wanted = [index for index in missing if index < len(held.block_ids)]
+    held = peer.hold_cached(lease, lease_run(hashes, missing))
+    wanted = lent_blocks(missing, len(held.block_ids))
     if not wanted:
         peer.release_held(lease)
         return held, [], None

@@ -18,6 +18,8 @@ from herd.worker.kv_transfer import (
     check_layout,
     decode_frame,
     encode_frame,
+    lease_run,
+    lent_blocks,
 )
 
 BS = 4
@@ -74,6 +76,26 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
+
+
+@pytest.mark.parametrize(
+    ("missing", "num_lent", "asked", "brought"),
+    [
+        ([0, 1, 2], 3, 3, [0, 1, 2]),  # lacks the whole run, gets it
+        ([2, 3], 4, 4, [2, 3]),  # holds the opening blocks, asks through them
+        ([1, 3], 4, 4, [1, 3]),  # a hole: the blocks between come along and are not imported
+        ([2, 3], 3, 4, [2]),  # the peer lent a shorter run than asked
+        ([2, 3], 2, 4, []),  # it lent only blocks the puller holds: an empty pull
+        ([2, 3], 0, 4, []),
+    ],
+    ids=["whole", "tail", "hole", "shorter", "only-held", "none"],
+)
+def test_a_pull_asks_for_the_leading_run_and_imports_what_it_lacked(
+    missing: list[int], num_lent: int, asked: int, brought: list[int]
+) -> None:
+    hashes = [10, 11, 12, 13, 14]
+    assert lease_run(hashes, missing) == hashes[:asked]
+    assert lent_blocks(missing, num_lent) == brought
 
 
 def test_leases_expire_at_their_deadline_and_only_then() -> None:

@@ -29,6 +29,7 @@ from herd.api.protocol import INTERNAL_PATHS, TOKEN_HEADER, KVTransferParams, Wo
 
 __all__ = [
     "FRAME_MEDIA_TYPE",
+    "PROBE_BLOCKS",
     "BlockRequest",
     "HoldRequest",
     "HttpKVTransfer",
@@ -42,11 +43,29 @@ __all__ = [
     "check_layout",
     "decode_frame",
     "encode_frame",
+    "lease_run",
+    "lent_blocks",
 ]
 
 FRAME_MEDIA_TYPE = "application/x-herd-kv-blocks"
 _MAGIC = b"HKV1"
 _LENGTH = struct.Struct("<I")
+
+PROBE_BLOCKS = 16
+"""Blocks in the transport probe's frame: a few MB for a small model, enough to time more than latency."""
+
+
+def lease_run(block_hashes: list[BlockHash], missing: list[int]) -> list[BlockHash]:
+    """What a puller asks a peer to hold for the blocks it lacks (``missing``, ascending indexes of
+    ``block_hashes``): the leading run up to the last of them, since a peer lends leading runs only
+    (a block's hash names its whole prefix)."""
+    return block_hashes[: missing[-1] + 1]
+
+
+def lent_blocks(missing: list[int], num_lent: int) -> list[int]:
+    """The ``missing`` indexes a lease of ``num_lent`` leading blocks brings: the peer may hold a
+    shorter run than was asked (evicted since it reported, or lent only what its device holds)."""
+    return [index for index in missing if index < num_lent]
 
 
 class KVTransferError(RuntimeError):

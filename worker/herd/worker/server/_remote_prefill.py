@@ -40,15 +40,21 @@ from herd.api.errors import HttpError
 from herd.api.kv_hash import BlockHash, block_hashes
 from herd.api.protocol import TOKEN_HEADER, KVTransferParams
 from herd.worker.engine_protocol import EngineCore, ServingEngine
-from herd.worker.kv_transfer import KVLayout, KVLayoutError, KVSource, KVTransfer, KVTransferError
+from herd.worker.kv_transfer import (
+    PROBE_BLOCKS,
+    KVLayout,
+    KVLayoutError,
+    KVSource,
+    KVTransfer,
+    KVTransferError,
+    lease_run,
+    lent_blocks,
+)
 from herd.worker.server._disagg import DisaggMetrics
 
 __all__ = ["RemotePrefill"]
 
 log = logging.getLogger(__name__)
-
-PROBE_BLOCKS = 16
-"""Blocks in the transport probe's frame: a few MB for a small model, enough to time more than latency."""
 
 
 class RemotePrefill:
@@ -111,11 +117,11 @@ class RemotePrefill:
             return
         source = None
         try:
-            source = await self.transfer.hold(peer_url, hashes[: missing[-1] + 1], KVLayout.of(info))
+            source = await self.transfer.hold(peer_url, lease_run(hashes, missing), KVLayout.of(info))
             if source is None:
                 self.metrics.pulled("empty")
                 return
-            held = [index for index in missing if index < len(source.block_hashes)]
+            held = lent_blocks(missing, len(source.block_hashes))
             if not held:
                 self.metrics.pulled("empty")
                 return
