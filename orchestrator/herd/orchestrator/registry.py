@@ -641,14 +641,15 @@ class _SharedCounts:
         self._changed: set[str] = set()
 
     def update(self, counts: InFlightCounts, now: float) -> None:
-        self._drop(counts.origin)
+        """Replace the replica's counts; a worker is marked changed only when its total moved, since
+        a replica republishes every count it has, most of them unchanged."""
+        previous = self._by_origin.get(counts.origin, (now, {}))[1]
         self._by_origin[counts.origin] = (now, counts.counts)
-        for worker_id, count in counts.counts.items():
-            self._totals[worker_id] = self._totals.get(worker_id, 0) + count
-        self._changed.update(counts.counts)
+        for worker_id in previous.keys() | counts.counts.keys():
+            self._add(worker_id, counts.counts.get(worker_id, 0) - previous.get(worker_id, 0))
 
     def drain_changed(self) -> set[str]:
-        """The workers whose total may have changed since the last call."""
+        """The workers whose total changed since the last call."""
         changed, self._changed = self._changed, set()
         return changed
 
@@ -659,15 +660,18 @@ class _SharedCounts:
         return self._totals
 
     def _drop(self, origin: str) -> None:
-        if (entry := self._by_origin.pop(origin, None)) is None:
+        if (entry := self._by_origin.pop(origin, None)) is not None:
+            for worker_id, count in entry[1].items():
+                self._add(worker_id, -count)
+
+    def _add(self, worker_id: str, delta: int) -> None:
+        if not delta:
             return
-        self._changed.update(entry[1])
-        for worker_id, count in entry[1].items():
-            left = self._totals[worker_id] - count
-            if left:
-                self._totals[worker_id] = left
-            else:
-                del self._totals[worker_id]
+        self._changed.add(worker_id)
+        if total := self._totals.get(worker_id, 0) + delta:
+            self._totals[worker_id] = total
+        else:
+            del self._totals[worker_id]
 
 
 class Hold:

@@ -20,7 +20,7 @@ from herd.api.protocol import INTERNAL_PATHS, KVEvent, LoadReport
 from herd.orchestrator import registry as registry_module
 from herd.orchestrator.breaker import BreakerSettings
 from herd.orchestrator.discovery import Membership, ModelConfig
-from herd.orchestrator.registry import Hold, Registry, RegistrySettings, WorkerState
+from herd.orchestrator.registry import Hold, Registry, RegistrySettings, WorkerState, _SharedCounts
 from herd.orchestrator.routing.reserve import BACKGROUND_PRIORITY
 from herd.orchestrator.state import IN_FLIGHT_TTL_S, InFlightCounts, MemoryState
 from herd.orchestrator.worker_client import WorkerClient
@@ -334,6 +334,20 @@ async def test_a_reopened_stream_resumes_the_kv_events_without_a_snapshot() -> N
         worker.is_up = True
         await wait_for(lambda: index.match([5, 6]) == {"w0": 2})
         assert registry.workers["w0"].is_healthy and worker.num_snapshots == 1
+
+
+def test_a_replicas_republished_counts_mark_only_the_workers_whose_total_moved() -> None:
+    counts = _SharedCounts()
+    counts.update(InFlightCounts(origin="r2", counts={"w0": 2, "w1": 1}), now=0.0)
+    counts.update(InFlightCounts(origin="r3", counts={"w1": 4}), now=0.0)
+    assert counts.drain_changed() == {"w0", "w1"} and counts.totals(0.0) == {"w0": 2, "w1": 5}
+    counts.update(InFlightCounts(origin="r2", counts={"w0": 2, "w1": 1}), now=1.0)
+    assert counts.drain_changed() == set()
+    counts.update(InFlightCounts(origin="r2", counts={"w0": 2, "w2": 3}), now=2.0)
+    assert counts.drain_changed() == {"w1", "w2"} and counts.totals(2.0) == {"w0": 2, "w1": 4, "w2": 3}
+    counts.update(InFlightCounts(origin="r3", counts={}), now=3.0)
+    assert counts.drain_changed() == {"w1"} and counts.totals(3.0) == {"w0": 2, "w2": 3}
+    assert counts.totals(3.0 + IN_FLIGHT_TTL_S + 1) == {} and counts.drain_changed() == {"w0", "w2"}
 
 
 async def test_the_other_replicas_in_flight_counts_add_to_the_views_until_they_go_stale() -> None:
