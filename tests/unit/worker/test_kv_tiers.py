@@ -57,20 +57,24 @@ def test_tiers_are_inclusive_a_restored_block_is_not_copied_again() -> None:
     assert manager.counters.stored["host"] == 6
 
 
-def test_a_restore_stops_at_a_block_the_device_holds() -> None:
+@pytest.mark.parametrize("imported", [(1,), (1, 2)], ids=["imported-block-last", "run-past-the-hole"])
+def test_a_restore_run_goes_on_through_device_blocks_past_a_hole(imported: tuple[int, ...]) -> None:
     """A peer pull can import blocks past a hole in the device's run (the hole's block was in the
-    host tier when the pull was priced): a prompt's restore run stops there rather than register
-    the imported block's hash on a second device block (which broke the prefix cache's map)."""
+    host tier when the pull was priced): the prompt restores the hole's block and reads the imported
+    ones as hits, computing none of them, and no hash is registered on a second device block (which
+    broke the prefix cache's map)."""
     manager = BlockManager(8, BS, num_host_blocks=8)
     scheduler = Scheduler(manager, max_batch_tokens=64, max_batch_size=4)
-    first, _ = serve(scheduler, prompt(0, 3), "a")
-    serve(scheduler, prompt(100, 7), "b")  # needs all 8 blocks: a's 3 go to the host
-    tokens = prompt(0, 3)
-    imported = [manager.import_block(first.block_hashes[i], tokens[i * BS : (i + 1) * BS]) for i in (1, 2)]
-    manager.release([block_id for block_id in imported if block_id is not None])
-    assert all(block_id is not None for block_id in imported)
-    _, moves = serve(scheduler, tokens, "c")
-    assert [(m.src, m.dst) for m in moves if m.dst == "device"] == [("host", "device")]  # block 0 only
+    first, _ = serve(scheduler, prompt(0, 4), "a")
+    serve(scheduler, prompt(100, 7), "b")  # needs all 8 blocks: a's go to the host
+    tokens = prompt(0, 4)
+    blocks = [manager.import_block(first.block_hashes[i], tokens[i * BS : (i + 1) * BS]) for i in imported]
+    assert all(block_id is not None for block_id in blocks)
+    manager.release([block_id for block_id in blocks if block_id is not None])
+    again, moves = serve(scheduler, tokens, "c")
+    num_restored = 4 - len(imported)
+    assert [(m.src, m.dst) for m in moves if m.dst == "device"] == [("host", "device")] * num_restored
+    assert again.num_cached_tokens == 4 * BS
     for block in manager.blocks:
         assert block.block_hash is None or manager.cached[block.block_hash] == block.block_id
 

@@ -115,31 +115,35 @@ class BlockManager:
         """The tiers below the device, fastest first."""
         return [tier for tier in (self.host, self.disk) if tier is not None]
 
-    def tier_hits(self, seq: Sequence, start: int) -> list[TierHit]:
-        """Blocks of ``seq`` from block ``start`` (its device hit's end) on, found in a lower tier:
-        the run a restore brings back; at least one token is left to compute. The run stops at a
-        block the device holds too (one a peer pull imported past a hole in the device's run): a
-        restore would register its hash on a second device block."""
+    def restore_run(self, seq: Sequence, start: int) -> list[TierHit | int]:
+        """The cached run of ``seq`` on from block ``start`` (its device hit's end): blocks found in a
+        lower tier, which a restore brings back, and device blocks after them, up to the first block
+        cached nowhere; at least one token is left to compute. Device blocks follow restored ones
+        when a peer pull imported blocks past a hole in the device's run whose blocks the host tier
+        held: they are hits too, never restored (a restore would register a hash on a second block)."""
         if self.host is None:
             return []
-        hits: list[TierHit] = []
+        run: list[TierHit | int] = []
         hashes = self._hashes(seq, (seq.num_tokens - 1) // self.block_size)
         for index in range(start, len(hashes)):
-            if hashes[index] in self.cached:
-                break
-            tokens = seq.block_tokens(index, self.block_size)
+            block_hash, tokens = hashes[index], seq.block_tokens(index, self.block_size)
+            if (block_id := self.cached.get(block_hash)) is not None:
+                if self.blocks[block_id].token_ids != tokens:
+                    break
+                run.append(block_id)
+                continue
             hit = next(
                 (
-                    TierHit(tier.medium, slot, hashes[index])
+                    TierHit(tier.medium, slot, block_hash)
                     for tier in self.tiers()
-                    if (slot := tier.lookup(hashes[index], tokens)) is not None
+                    if (slot := tier.lookup(block_hash, tokens)) is not None
                 ),
                 None,
             )
             if hit is None:
                 break
-            hits.append(hit)
-        return hits
+            run.append(hit)
+        return run
 
     def end_plan(self) -> tuple[list[KVMove], list[int]]:
         """The moves the plan now complete needs, in order, and the device blocks it restores into."""
@@ -164,24 +168,32 @@ class BlockManager:
         return hits
 
     def can_allocate(
-        self, seq: Sequence, hits: list[int], num_new_tokens: int, num_restores: int = 0
+        self, seq: Sequence, hits: list[int], num_new_tokens: int, restores: list[TierHit | int] | None = None
     ) -> bool:
-        num_cached = len(hits) + num_restores
-        num_fresh = self._num_blocks(num_cached * self.block_size + num_new_tokens) - len(hits)
-        num_revived = sum(1 for block_id in hits if self.blocks[block_id].ref_count == 0)
+        """Whether ``seq`` can start with its cached ``hits``, its ``restore_run`` and fresh blocks
+        for ``num_new_tokens``."""
+        restores = restores or []
+        device = [*hits, *(entry for entry in restores if isinstance(entry, int))]
+        num_cached = len(hits) + len(restores)
+        num_fresh = self._num_blocks(num_cached * self.block_size + num_new_tokens) - len(device)
+        num_revived = sum(1 for block_id in device if self.blocks[block_id].ref_count == 0)
         return num_fresh + num_revived <= len(self._free)
 
     def allocate(
-        self, seq: Sequence, hits: list[int], num_new_tokens: int, restores: list[TierHit] | None = None
+        self, seq: Sequence, hits: list[int], num_new_tokens: int, restores: list[TierHit | int] | None = None
     ) -> None:
-        """Give a waiting ``seq`` its cached ``hits``, its ``restores`` (from ``tier_hits``) on fresh
-        blocks, and fresh blocks for ``num_new_tokens``."""
+        """Give a waiting ``seq`` its cached ``hits``, its ``restore_run`` (lower-tier blocks restored
+        onto fresh blocks, device blocks after them), and fresh blocks for ``num_new_tokens``."""
         restores = restores or []
-        for block_id in hits:
-            self._take(block_id)
-        for hit in restores:  # pinned first: the restores' own evictions must not take their sources
-            self._tier(hit.medium).use(hit.slot)
-        seq.block_table = [*hits, *(self._restore(hit) for hit in restores)]
+        for block_id in [*hits, *(entry for entry in restores if isinstance(entry, int))]:
+            self._take(block_id)  # taken first: a restore's fresh block must not evict a later hit
+        for entry in restores:  # pinned first: the restores' own evictions must not take their sources
+            if not isinstance(entry, int):
+                self._tier(entry.medium).use(entry.slot)
+        seq.block_table = [
+            *hits,
+            *(entry if isinstance(entry, int) else self._restore(entry) for entry in restores),
+        ]
         seq.num_committed_blocks = len(seq.block_table)
         seq.num_computed_tokens = seq.num_committed_blocks * self.block_size
         if seq.num_preemptions == 0:

@@ -12,7 +12,7 @@ Then waiting sequences are admitted in order while budget, blocks and ``max_batc
 each starting after its prefix-cache hit; a long prompt takes what budget is left and continues in
 later steps (with ``is_chunked`` off, for an encoder, a prompt runs whole or waits: one larger than
 the whole budget runs alone). A prompt's prefix found in a tier below the device
-(``BlockManager.tier_hits``) is restored, not computed: the plan lists the moves (``kv_moves``, made
+(``BlockManager.restore_run``) is restored, not computed: the plan lists the moves (``kv_moves``, made
 before the forward, as block copies are) and the sequence starts after it. No admission happens in a
 step that preempted a running sequence for room, so a preempted sequence cannot bounce straight back;
 a step that preempted only for a more urgent arrival admits only sequences more urgent than those it
@@ -233,13 +233,13 @@ class Scheduler:
                 passed_over.append(self.waiting.popleft())
                 continue
             hits = self.block_manager.computed_blocks(seq)
-            restores = self.block_manager.tier_hits(seq, len(hits))
+            restores = self.block_manager.restore_run(seq, len(hits))
             num_cached = (len(hits) + len(restores)) * self.block_manager.block_size
             uncached = seq.num_tokens - num_cached
             num_tokens = min(uncached, budget) if self.is_chunked else uncached
             if num_tokens > budget and output.chunks:  # whole prompts only: this one waits a step
                 break
-            if not self.block_manager.can_allocate(seq, hits, num_tokens, len(restores)):
+            if not self.block_manager.can_allocate(seq, hits, num_tokens, restores):
                 break
             self.waiting.popleft()
             self.block_manager.allocate(seq, hits, num_tokens, restores)
