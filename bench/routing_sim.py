@@ -370,6 +370,7 @@ class Simulation:
             num_waiting=report.num_waiting,
             num_waiting_prefill_tokens=report.num_waiting_prefill_tokens,
             num_total_blocks=report.num_total_blocks,
+            max_batch_tokens=report.max_batch_tokens,
         )
 
     def _admit(self, worker: SimWorker, request: Request) -> None:

@@ -140,6 +140,9 @@ class LoadReport(BaseModel):
     num_total_blocks: int = 0
     is_draining: bool = False
     bytes_per_block: int = Field(default=0, ge=0, description="One KV block's size; 0 if not reported.")
+    max_batch_tokens: int = Field(
+        default=0, ge=0, description="Prompt tokens one engine step computes at most; 0 if not reported."
+    )
     prefill_tokens_per_s: float | None = Field(
         default=None, gt=0.0, description="Measured prefill rate (tokens a second); None until measured."
     )

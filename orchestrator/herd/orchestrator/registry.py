@@ -174,6 +174,7 @@ class WorkerState:
             num_waiting=report.num_waiting,
             num_waiting_prefill_tokens=report.num_waiting_prefill_tokens,
             num_total_blocks=report.num_total_blocks,
+            max_batch_tokens=report.max_batch_tokens,
             is_healthy=is_healthy,
             host_block_tokens=self.host_block_tokens,
             disk_block_tokens=self.disk_block_tokens,

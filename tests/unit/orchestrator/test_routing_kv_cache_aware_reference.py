@@ -25,7 +25,7 @@ from herd.orchestrator.kv_index import KVIndex, TierRun
 from herd.orchestrator.routing import RequestContext, WorkerView
 from herd.orchestrator.routing import kv_cache_aware as kv_cache_aware_module
 from herd.orchestrator.routing._load import MIN_CAP
-from herd.orchestrator.routing.kv_cache_aware import MIN_RUN_BLOCKS, REQUEST_SHARE
+from herd.orchestrator.routing.kv_cache_aware import LEASE_WAIT_SHARE, MIN_RUN_BLOCKS, REQUEST_SHARE
 
 BLOCK = 16
 LOAD_FACTOR = 1.25
@@ -61,6 +61,7 @@ def _fleet(seed: int) -> Case:
             num_waiting_prefill_tokens=rng.choice([0, 0, 0, 48, 171, 400]),
             num_prefill_tokens_in_flight=rng.choice([0, 0, 100, 300]),
             num_total_blocks=rng.choice([0, 8, 12, 20, 40, 400]),
+            max_batch_tokens=rng.choice([0, 64, 256]),
             host_block_tokens=rng.choice([None, 0.5, 4.0, 16.0, 20.25]),
             disk_block_tokens=rng.choice([None, 1.0, 12.75, 24.0]),
             pull_block_tokens=rng.choice([None, 0.5, 8.0, 16.0, 24.0]),
@@ -99,8 +100,9 @@ def _fleet(seed: int) -> Case:
     return Case(workers, index, ctx, tier_cost, rng.random() < 0.4, cache_weight, load_weight)
 
 
-def _reference_costs(case: Case) -> list[float]:
-    """The documented cost of every worker, one at a time."""
+def _reference_costs(case: Case, wait_share: float = LEASE_WAIT_SHARE) -> list[float]:
+    """The documented cost of every worker, one at a time (``wait_share``: of a peer's step, for the
+    coverage check)."""
     workers, ctx, index = case.workers, case.ctx, case.index
     n, num_blocks = len(ctx.token_ids), len(ctx.block_hashes)
     cap = max(MIN_CAP, math.ceil(LOAD_FACTOR * (sum(w.num_in_flight for w in workers) + 1) / len(workers)))
@@ -113,8 +115,25 @@ def _reference_costs(case: Case) -> list[float]:
     # A leading run shorter than MIN_RUN_BLOCKS counts as none: the prompt is priced as uncached there.
     runs = {worker_id: run for worker_id, run in runs.items() if run.length >= MIN_RUN_BLOCKS}
     peer_runs = index.match(ctx.block_hashes, include_expected=False, include_host=True) if num_blocks else {}
-    lendable = [run for run in peer_runs.values() if run >= MIN_RUN_BLOCKS]  # the same rule for a peer's run
-    longest_peer_run = max(lendable, default=0) if case.peer_pulls else 0
+    # The same rule for a peer's run; a peer lends after half its step in progress.
+    lendable = {w: run for w, run in peer_runs.items() if run >= MIN_RUN_BLOCKS and case.peer_pulls}
+
+    def lease_wait(p: WorkerView) -> float:
+        queued = max(p.num_prefill_tokens_in_flight, p.num_waiting_prefill_tokens)
+        return wait_share * (min(queued, p.max_batch_tokens) if p.max_batch_tokens else queued)
+
+    def pull_saving(w: WorkerView, own_run: int) -> float:
+        """The most any peer's pull saves ``w``, never below nothing."""
+        pull = w.pull_block_tokens
+        if pull is None or pull >= BLOCK:
+            return 0.0
+        savings = [
+            (lendable[p.id] - own_run) * (BLOCK - pull) - lease_wait(p)
+            for p in workers
+            if p.id != w.id and lendable.get(p.id, 0) > own_run
+        ]
+        return max([0.0, *savings])
+
     held = index.held_blocks()
     per_request = n * REQUEST_SHARE
 
@@ -130,10 +149,7 @@ def _reference_costs(case: Case) -> list[float]:
         restore = run.host * host + run.disk * disk
         new_device_blocks = num_blocks - run.device - w.num_total_blocks + held.get(w.id, 0)
         evicted = BLOCK * max(0, new_device_blocks) if w.num_total_blocks else 0
-        pulled = 0.0
-        pull = w.pull_block_tokens
-        if pull is not None and pull < BLOCK and longest_peer_run > run.length:
-            pulled = (longest_peer_run - run.length) * (BLOCK - pull)
+        pulled = pull_saving(w, max(run.length, lendable.get(w.id, 0)))
         tokens = n - BLOCK * run.length + restore + evicted - pulled
         queued = max(w.num_prefill_tokens_in_flight, w.num_waiting_prefill_tokens)
         requests = max(w.num_running + w.num_waiting, w.num_in_flight)
@@ -178,7 +194,7 @@ def test_the_choice_is_the_least_documented_cost(
 
 
 def test_the_fleets_cover_ties_full_pools_caps_tiers_and_pulls() -> None:
-    """The randomized fleets above reach every path the fast one must agree on."""
+    """The randomized fleets above reach every path the fast one must agree on, lease waits too."""
     cases = [_fleet(seed) for seed in range(400)]
     costs = [_reference_costs(case) for case in cases]
     ties = sum(1 for c in costs if sum(1 for cost in c if cost == min(c)) > 1)
@@ -203,4 +219,6 @@ def test_the_fleets_cover_ties_full_pools_caps_tiers_and_pulls() -> None:
         if case.peer_pulls
         and case.index.match(case.ctx.block_hashes, include_expected=False, include_host=True)
     )
+    waited = sum(1 for case, c in zip(cases, costs, strict=True) if _reference_costs(case, 0.0) != c)
     assert min(ties, capped, tiered, full, pulls) >= 40, (ties, capped, tiered, full, pulls)
+    assert waited >= 10, waited  # fleets where a peer's lease wait changes some worker's cost

@@ -19,7 +19,7 @@ from herd.api.protocol import WORKER_HEADER, KVSnapshot, LoadReport
 from herd.orchestrator.discovery import ModelConfig
 from herd.orchestrator.kv_index import KVIndex
 from herd.orchestrator.routing import KVCacheAware, WorkerView, decide, pull_block_tokens
-from herd.orchestrator.routing.kv_cache_aware import num_pull_blocks
+from herd.orchestrator.routing.kv_cache_aware import PeerOffer, best_pull, lease_wait_tokens
 from herd.orchestrator.served import ServedModel
 from herd.orchestrator.tokens import prompt_token_ids
 from herd.orchestrator.validation import parse_request
@@ -89,20 +89,78 @@ def test_pull_compute_or_go_to_the_holder(
     assert (choice.id, None if pull is None else pull.peer.id) == (chosen, pulled_from)
 
 
+def _offer(peer_id: str, num_blocks: int, wait: float) -> PeerOffer:
+    return PeerOffer(WorkerView(id=peer_id, url=f"http://{peer_id}"), num_blocks, wait)
+
+
+LONG_BUSY, SHORT_IDLE = _offer("long", 24, 300.0), _offer("short", 12, 0.0)
+
+
 @pytest.mark.parametrize(
-    ("own", "peer", "cost", "expected"),
+    ("own", "cost", "offers", "saved", "pulled_from"),
     [
-        (4, 24, 1.0, 20),
-        (4, 24, 15.9, 20),
-        (4, 24, 16.0, 0),
-        (4, 24, None, 0),
-        (24, 24, 1.0, 0),
-        (30, 24, 1.0, 0),
+        (4, 1.0, [_offer("p", 24, 0.0)], 20 * 15, "p"),
+        (4, 15.9, [_offer("p", 24, 0.0)], pytest.approx(20 * 0.1), "p"),
+        (4, 16.0, [_offer("p", 24, 0.0)], 0.0, None),
+        (4, None, [_offer("p", 24, 0.0)], 0.0, None),
+        (24, 1.0, [_offer("p", 24, 0.0)], 0.0, None),
+        (30, 1.0, [_offer("p", 24, 0.0)], 0.0, None),
+        (4, 1.0, [_offer("p", 24, 300.0)], 0.0, None),  # 300 saved, 300 waited: nothing gained
+        (4, 8.0, [LONG_BUSY, SHORT_IDLE], 8 * 8, "short"),  # 160 - 300 against 64
+        (4, 1.0, [LONG_BUSY, SHORT_IDLE], 8 * 15, "short"),  # 300 - 300 against 120
+        (0, 1.0, [LONG_BUSY, SHORT_IDLE], 12 * 15, "short"),  # 360 - 300 = 60 against 180
+        (0, 0.0, [_offer("long", 48, 300.0), SHORT_IDLE], 48 * 16 - 300, "long"),
+        (12, 1.0, [LONG_BUSY, SHORT_IDLE], 0.0, None),  # the idle one has nothing more to lend
     ],
-    ids=["cheap", "just-cheaper", "as-dear-as-computing", "unmeasured", "nothing-to-gain", "longer-own-run"],
+    ids=[
+        "cheap",
+        "just-cheaper",
+        "as-dear-as-computing",
+        "unmeasured",
+        "nothing-to-gain",
+        "longer-own-run",
+        "the-wait-eats-the-saving",
+        "the-idle-shorter-run-beats-the-busy-longer-one",
+        "a-saving-the-wait-cancels-loses",
+        "from-nothing-the-idle-one-still-wins",
+        "a-long-enough-run-is-worth-the-wait",
+        "past-the-idle-one-only-the-busy-one-lends",
+    ],
 )
-def test_num_pull_blocks(own: int, peer: int, cost: float | None, expected: int) -> None:
-    assert num_pull_blocks(own, peer, cost, 16) == expected
+def test_the_best_pull_saves_the_most_after_the_lease_wait(
+    own: int, cost: float | None, offers: list[PeerOffer], saved: float, pulled_from: str | None
+) -> None:
+    tokens, offer = best_pull(own, cost, offers, 16)
+    assert (tokens, None if offer is None else offer.peer.id) == (saved, pulled_from)
+
+
+@pytest.mark.parametrize(
+    ("fields", "wait"),
+    [
+        ({}, 0.0),
+        ({"num_running": 4}, 0.0),  # decode steps only
+        ({"num_waiting_prefill_tokens": 300}, 300.0),
+        ({"num_prefill_tokens_in_flight": 3000, "max_batch_tokens": 1024}, 1024.0),
+        ({"num_prefill_tokens_in_flight": 3000}, 3000.0),  # no budget reported: the whole queue
+    ],
+    ids=["idle", "decoding", "a-short-prefill", "a-full-step", "budget-unknown"],
+)
+def test_a_lease_waits_for_the_peers_step_in_progress(fields: dict[str, int], wait: float) -> None:
+    assert lease_wait_tokens(WorkerView(id="p", url="http://p", **fields)) == wait  # type: ignore[arg-type]
+
+
+def test_a_busy_holder_is_left_for_a_peer_whose_lease_waits_less() -> None:
+    """The holder of the longest run is mid-prefill: its 1,024-token step outweighs the 16 blocks only
+    it holds (240 tokens), so the idle worker pulls the shorter run from "g"."""
+    index = _index()
+    index.reset("g", KVSnapshot(epoch="e", seq=0, block_size=16, block_hashes=PROMPT[:8]))
+    busy = {"num_prefill_tokens_in_flight": 4096, "max_batch_tokens": 1024, "num_in_flight": 3}
+    workers = [*_workers(1.0, h=busy, p={"num_in_flight": 3}), *views("g", g=3)]
+    strategy = _strategy(index)
+    choice = strategy.select(workers, context(PROMPT))
+    assert choice is not None and choice.id == "c"
+    pull = strategy.pull_source(choice, workers, context(PROMPT))
+    assert pull is not None and (pull.peer.id, pull.num_blocks) == ("g", 8)
 
 
 def test_the_longest_peer_run_is_pulled_and_the_least_busy_among_equals() -> None:

@@ -64,7 +64,9 @@ def _cached_tokens(answer: dict[str, Any]) -> int:
     return cached
 
 
-async def test_loads_are_the_engines_own_figures(client: httpx.AsyncClient, engine: AsyncEngine) -> None:
+async def test_loads_are_the_engines_own_figures(
+    client: httpx.AsyncClient, engine: AsyncEngine, tiny_llama: Path
+) -> None:
     await _complete(client)
     second = await _complete(client)
     load, stats, block_size = engine.load_report(), engine.stats, engine.info.block_size
@@ -78,6 +80,8 @@ async def test_loads_are_the_engines_own_figures(client: httpx.AsyncClient, engi
     assert (rank["num_running_reqs"], rank["num_waiting_reqs"], rank["num_used_tokens"]) == (0, 0, held)
     assert rank["cache_hit_rate"] == pytest.approx(stats.prefix_cache_hits / stats.prefix_cache_queries)
     assert _cached_tokens(second) > 0 and rank["cache_hit_rate"] > 0
+    # A peer's lease waits for its step in progress; routing sizes that step by this budget.
+    assert load.max_batch_tokens == engine_config(tiny_llama).engine.max_batch_tokens > 0
 
 
 async def test_server_and_model_info_are_the_engines_settings(

@@ -550,6 +550,7 @@ class LLMEngine:
             num_free_blocks=self.block_manager.num_free_blocks,
             num_total_blocks=self.block_manager.num_total_blocks,
             bytes_per_block=self.runner.geometry.bytes_per_block,
+            max_batch_tokens=self.scheduler.max_batch_tokens,
             prefill_tokens_per_s=self.runner.measured.prefill.per_second,
             restore_bytes_per_s=self.runner.measured.restore_bytes_per_s(),
             pull_bytes_per_s=self.runner.measured.pull.per_second,

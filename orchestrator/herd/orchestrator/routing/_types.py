@@ -63,6 +63,8 @@ class WorkerView:
     num_waiting_prefill_tokens: int = 0
     num_total_blocks: int = 0
     """Its KV pool's size in blocks, from its load report (0 until one arrives)."""
+    max_batch_tokens: int = 0
+    """The prompt tokens one of its steps computes at most, from its load report (0: not reported)."""
     is_healthy: bool = True
     num_prefill_tokens_in_flight: int = 0
     """Uncached prompt tokens of the prefills this orchestrator has in flight on the worker."""

@@ -36,19 +36,22 @@ bytes a second); a tier not yet measured counts as a recompute (``block_size``).
 tier block at a fixed share of a hit instead (llm-d's 1.0 / 0.8); ``device`` ignores the tiers (the
 index's device run only). The eviction term counts the restored blocks too: they take device blocks.
 
-Peer pulls (``peer_pulls``): when another worker's device or host tier holds a longer leading run of
-the prompt (``D`` blocks, at least ``MIN_RUN_BLOCKS``, by the index's events, nothing merely expected:
-``PromptMatch.lendable``; the peer restores host blocks onto its device for the lease) than ``w``
-holds in any tier (``r(w)``),
-``w`` may pull the difference over the KV transfer path instead of computing it. Each pulled block
-costs ``pull_block_tokens(w)`` (its prefill rate x a block's bytes / its measured pull bandwidth), so
+Peer pulls (``peer_pulls``): when a peer ``p`` holds a longer leading run of the prompt on its device
+or host tier (``D(p)`` blocks, at least ``MIN_RUN_BLOCKS``, by the index's events, nothing merely
+expected: ``PromptMatch.lendable``; the peer restores host blocks onto its device for the lease) than
+``w`` holds (``r(w)``, its run in any tier), ``w`` may pull the difference over the KV transfer path
+instead of computing it. Each pulled block costs ``pull_block_tokens(w)`` (its prefill rate x a
+block's bytes / its measured pull bandwidth), and the lease waits for the peer's step in progress
+(``lease_wait_tokens(p)``: its queued prefill, up to its step's token budget), so
 
-    uncached(w) -= (D - r(w)) * (block_size - pull_block_tokens(w))   when pull_block_tokens(w) < block_size
+    uncached(w) -= max(0, max over p of (D(p) - r(w)) * (block_size - pull_block_tokens(w)) - wait(p))
 
 and the choice weighs three ways to serve the prompt in one unit: compute it, pull it, or go to the
-holder (whose queue may cost more). ``pull_source`` then names the peer for the chosen worker: the
-longest device run, the fewest in flight among equals. A worker that has not measured its pull
-bandwidth pulls nothing.
+holder (whose queue may cost more). ``pull_source`` then names the peer that saves the chosen worker
+the most (``best_pull``), the fewest in flight among equals. A worker that has not measured its pull
+bandwidth pulls nothing. The wait is what made pulls cost tail latency: on 32 simulated workers the
+lease waited for a busy peer's whole prefill chunk (p90 377-562 ms) to save a few blocks' compute
+(docs/kv-tiers.md).
 
 Why one unit: the old score weighed a cached share in [0, 1] against a load in [0, 1], so a cached
 prefix outweighed any load below the cap, every tenant stayed on one worker until the cap forced a
@@ -87,7 +90,16 @@ from herd.orchestrator.kv_index import KVIndex, PromptMatch, TierRun
 from herd.orchestrator.routing._load import bounded_load_cap
 from herd.orchestrator.routing._types import PeerPull, RequestContext, RoutingStrategy, WorkerView
 
-__all__ = ["BOUND_MIN_WORKERS", "MIN_RUN_BLOCKS", "REQUEST_SHARE", "KVCacheAware", "num_pull_blocks"]
+__all__ = [
+    "BOUND_MIN_WORKERS",
+    "LEASE_WAIT_SHARE",
+    "MIN_RUN_BLOCKS",
+    "REQUEST_SHARE",
+    "KVCacheAware",
+    "PeerOffer",
+    "best_pull",
+    "lease_wait_tokens",
+]
 
 
 REQUEST_SHARE = 1 / 3
@@ -101,6 +113,48 @@ on the same decisions (bench/routing_decision.py's fleet): CPU p50 +11 % at 64 w
 
 MIN_RUN_BLOCKS = 2
 """The shortest leading run, over every tier, that counts as cached (see the module's docstring)."""
+
+LEASE_WAIT_SHARE = 1.0
+"""The share of a peer's step in progress a lease is priced at. A lease arriving at a random moment
+waits half a step on average, but a whole one at worst, and pricing the whole step cut pulled
+requests' tail on 32 simulated workers: TTFT p99 lower than at half a step in all 6 cells at 3x,
+p50 within 4 % either way (docs/benchmarks.md, "Peer pulls priced by the peer's step")."""
+
+
+def lease_wait_tokens(peer: WorkerView) -> float:
+    """What a lease on ``peer`` waits for, in prompt tokens: its step in progress, which computes its
+    queued prefill up to its step's token budget (all of it when the budget is not reported), times
+    ``LEASE_WAIT_SHARE``. A peer with no prefill queued runs decode steps only, which this leaves
+    out (on the simulated fleet they made most of what leases still waited: a median of 93 ms)."""
+    queued, budget = peer.queued_prefill_tokens, peer.max_batch_tokens
+    return LEASE_WAIT_SHARE * (min(queued, budget) if budget else queued)
+
+
+@dataclass(frozen=True, slots=True)
+class PeerOffer:
+    """A peer that can lend the prompt's first ``num_blocks`` blocks after a lease wait of
+    ``wait_tokens`` prompt tokens."""
+
+    peer: WorkerView
+    num_blocks: int
+    wait_tokens: float
+
+
+def best_pull(
+    own_run: int, pull_block_tokens: float | None, offers: Sequence[PeerOffer], block_size: int
+) -> tuple[float, PeerOffer | None]:
+    """The prompt tokens a worker holding ``own_run`` leading blocks saves by its best pull, and the
+    offer it pulls from; ``(0.0, None)`` when no pull saves anything (a pull not measured yet, or
+    one that costs a block's compute or more). ``offers``: longest run first (``_offers``)."""
+    if pull_block_tokens is None or pull_block_tokens >= block_size:
+        return 0.0, None
+    saved, best, per_block = 0.0, None, block_size - pull_block_tokens
+    for offer in offers:
+        if offer.num_blocks <= own_run:
+            break
+        if (saving := (offer.num_blocks - own_run) * per_block - offer.wait_tokens) > saved:
+            saved, best = saving, offer
+    return saved, best
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,10 +171,18 @@ class _Prompt:
     left out, as in ``matched``: otherwise every chat's opening block, which the puller holds too but
     ``matched`` prices as uncached, would look worth a pull (on 4 real workers' multi-turn trace 40-43
     pulls a run came back with nothing the puller lacked, each waiting for the peer's step)."""
+    offers: tuple[PeerOffer, ...]
+    """The peers among the workers worth pulling from, longest run first: each has a shorter lease
+    wait than every peer with a longer run (any other saves less than one of these, whatever the
+    puller's rates)."""
 
     @property
     def longest_peer_run(self) -> int:
-        return max(self.peer_runs.values(), default=0)
+        return self.offers[0].num_blocks if self.offers else 0
+
+    def own_run(self, worker_id: str) -> int:
+        """What a worker need not pull: its run in the priced tiers or on its own device and host."""
+        return max(self.matched.get(worker_id, 0), self.peer_runs.get(worker_id, 0))
 
 
 class KVCacheAware(RoutingStrategy):
@@ -153,7 +215,7 @@ class KVCacheAware(RoutingStrategy):
 
     def select(self, workers: Sequence[WorkerView], ctx: RequestContext) -> WorkerView | None:
         cap = bounded_load_cap(workers, self._load_factor)
-        prompt = self._lookup(ctx)
+        prompt = self._lookup(ctx, workers)
         candidates = (
             workers if len(workers) < BOUND_MIN_WORKERS else self._candidates(workers, ctx, cap, prompt)
         )
@@ -167,15 +229,10 @@ class KVCacheAware(RoutingStrategy):
     ) -> PeerPull | None:
         if not self._peer_pulls or not ctx.block_hashes or choice.pull_block_tokens is None:
             return None
-        prompt = self._lookup(ctx)
-        held, own = prompt.peer_runs, prompt.matched.get(choice.id, 0)
-        peers = [w for w in workers if w.id != choice.id and held.get(w.id, 0) > own]
-        if not peers:
-            return None
-        peer = max(peers, key=lambda w: (held[w.id], -w.num_in_flight))
-        if not num_pull_blocks(own, held[peer.id], choice.pull_block_tokens, self._block_size):
-            return None
-        return PeerPull(peer, held[peer.id])
+        prompt = self._lookup(ctx, workers)
+        own = prompt.own_run(choice.id)
+        _, offer = best_pull(own, choice.pull_block_tokens, prompt.offers, self._block_size)
+        return None if offer is None else PeerPull(offer.peer, offer.num_blocks)
 
     def _emptiest(self, tied: Sequence[WorkerView]) -> WorkerView:
         """Among equally cheap workers: the fewest in flight, then the fewest cached blocks (held, and
@@ -191,8 +248,9 @@ class KVCacheAware(RoutingStrategy):
         tied = [worker for worker, size in zip(tied, sizes, strict=True) if size == least]
         return tied[0] if len(tied) == 1 else self._rng.choice(tied)
 
-    def _lookup(self, ctx: RequestContext) -> _Prompt:
-        """The index's answers for the prompt: those ``decide`` already has, else looked up here."""
+    def _lookup(self, ctx: RequestContext, workers: Sequence[WorkerView]) -> _Prompt:
+        """The index's answers for the prompt: those ``decide`` already has, else looked up here;
+        with the offers of the ``workers`` that hold a run to lend."""
         kv = ctx.kv
         if kv is None or kv.index is not self._kv_index:
             kv = PromptMatch(self._kv_index, ctx.block_hashes)
@@ -204,10 +262,10 @@ class KVCacheAware(RoutingStrategy):
             matched = {worker_id: run.length for worker_id, run in runs.items()}
             if any(run.host or run.disk for run in runs.values()):
                 tiers = runs
-        lendable = {}
+        lendable: dict[str, int] = {}
         if self._peer_pulls:  # a peer's one-block run is the same opening every worker holds: no pull
             lendable = {w: run for w, run in kv.lendable.items() if run >= MIN_RUN_BLOCKS}
-        return _Prompt(matched, tiers, lendable)
+        return _Prompt(matched, tiers, lendable, _offers(workers, lendable))
 
     def _candidates(
         self, workers: Sequence[WorkerView], ctx: RequestContext, cap: int, prompt: _Prompt
@@ -290,16 +348,12 @@ class KVCacheAware(RoutingStrategy):
     def _less_pulls(
         self, workers: Sequence[WorkerView], ctx: RequestContext, tokens: list[float], prompt: _Prompt
     ) -> list[float]:
-        """``tokens`` less what pulling the longest peer run saves each worker whose measured pull is
-        cheaper than computing."""
-        if not self._peer_pulls or not ctx.block_hashes:
+        """``tokens`` less what each worker's best pull saves (``best_pull``)."""
+        if not prompt.offers:
             return tokens
-        best, runs, block_size = prompt.longest_peer_run, prompt.matched, self._block_size
+        offers, block_size = prompt.offers, self._block_size
         return [
-            t - n * (block_size - w.pull_block_tokens)
-            if w.pull_block_tokens is not None
-            and (n := num_pull_blocks(runs.get(w.id, 0), best, w.pull_block_tokens, block_size))
-            else t
+            t - best_pull(prompt.own_run(w.id), w.pull_block_tokens, offers, block_size)[0]
             for w, t in zip(workers, tokens, strict=True)
         ]
 
@@ -337,10 +391,17 @@ class KVCacheAware(RoutingStrategy):
         return run.host * host + run.disk * disk
 
 
-def num_pull_blocks(own_run: int, peer_run: int, pull_block_tokens: float | None, block_size: int) -> int:
-    """Blocks a worker holding ``own_run`` leading blocks should pull from a peer holding
-    ``peer_run``: all it lacks when a pulled block costs fewer prefill tokens than computing it
-    (``block_size``), else none (a pull not measured yet included)."""
-    if pull_block_tokens is None or pull_block_tokens >= block_size or peer_run <= own_run:
-        return 0
-    return peer_run - own_run
+def _offers(workers: Sequence[WorkerView], lendable: Mapping[str, int]) -> tuple[PeerOffer, ...]:
+    """The ``workers`` holding a run in ``lendable`` that no other beats on both its run and its lease
+    wait, longest run first; among equal runs and waits, the fewest in flight."""
+    if not lendable:
+        return ()
+    peers = sorted(
+        (PeerOffer(w, run, lease_wait_tokens(w)) for w in workers if (run := lendable.get(w.id))),
+        key=lambda offer: (-offer.num_blocks, offer.wait_tokens, offer.peer.num_in_flight),
+    )
+    offers: list[PeerOffer] = []
+    for offer in peers:
+        if not offers or offer.wait_tokens < offers[-1].wait_tokens:
+            offers.append(offer)
+    return tuple(offers)
