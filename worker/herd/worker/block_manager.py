@@ -126,12 +126,13 @@ class BlockManager:
         run: list[TierHit | int] = []
         hashes = self._hashes(seq, (seq.num_tokens - 1) // self.block_size)
         for index in range(start, len(hashes)):
-            block_hash, tokens = hashes[index], seq.block_tokens(index, self.block_size)
-            if (block_id := self.cached.get(block_hash)) is not None:
-                if self.blocks[block_id].token_ids != tokens:
+            block_hash = hashes[index]
+            if block_hash in self.cached:
+                if (block_id := self._device_hit(seq, index, block_hash)) is None:
                     break
                 run.append(block_id)
                 continue
+            tokens = seq.block_tokens(index, self.block_size)
             hit = next(
                 (
                     TierHit(tier.medium, slot, block_hash)
@@ -159,13 +160,18 @@ class BlockManager:
             return []
         hits: list[int] = []
         for index, block_hash in enumerate(self._hashes(seq, (seq.num_tokens - 1) // self.block_size)):
-            block_id = self.cached.get(block_hash)
-            if block_id is None or self.blocks[block_id].token_ids != seq.block_tokens(
-                index, self.block_size
-            ):
+            if (block_id := self._device_hit(seq, index, block_hash)) is None:
                 break
             hits.append(block_id)
         return hits
+
+    def _device_hit(self, seq: Sequence, index: int, block_hash: BlockHash) -> int | None:
+        """The device block cached under ``block_hash`` if it holds ``seq``'s block ``index`` (its
+        tokens checked, so a hash collision is a miss); else None."""
+        block_id = self.cached.get(block_hash)
+        if block_id is None or self.blocks[block_id].token_ids != seq.block_tokens(index, self.block_size):
+            return None
+        return block_id
 
     def can_allocate(
         self, seq: Sequence, hits: list[int], num_new_tokens: int, restores: list[TierHit | int] | None = None

@@ -125,7 +125,8 @@ def lease_wait_tokens(peer: WorkerView) -> float:
     """What a lease on ``peer`` waits for, in prompt tokens: its step in progress, which computes its
     queued prefill up to its step's token budget (all of it when the budget is not reported), times
     ``LEASE_WAIT_SHARE``. A peer with no prefill queued runs decode steps only, which this leaves
-    out (on the simulated fleet they made most of what leases still waited: a median of 93 ms)."""
+    out (on the simulated fleet they made most of what leases still waited: a median of 89 ms,
+    ``bench/kv_tiers_pull_tail.py``)."""
     queued, budget = peer.queued_prefill_tokens, peer.max_batch_tokens
     return LEASE_WAIT_SHARE * (min(queued, budget) if budget else queued)
 
