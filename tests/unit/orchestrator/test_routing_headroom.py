@@ -184,6 +184,10 @@ def test_kept_idle_keeps_what_the_plain_rule_keeps(seed: int) -> None:
         headroom = rng.randrange(-1, num_workers + 2)
         before = frozenset(v.id for v in rng.sample(views, rng.randrange(num_workers + 1)))
         assert kept_idle(views, headroom, before) == plain_kept_idle(views, headroom, before)
+        # The set held still (the previous decision's), and the same with one of it gone from the pool.
+        kept = plain_kept_idle(views, headroom, before)
+        for held in (kept, frozenset(sorted(kept)[1:]) | {"gone"}):
+            assert kept_idle(views, headroom, held) == plain_kept_idle(views, headroom, held)
 
 
 def test_headroom_holds_its_kept_workers_between_decisions() -> None:

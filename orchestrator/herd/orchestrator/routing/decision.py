@@ -142,13 +142,17 @@ def decide(
     is_background = request.priority >= reserve.priority
     idle = kept if is_background and any(view.id not in kept for view in pool) else frozenset()
     open_pool = pool
-    if is_background and (limit or idle):  # else every healthy worker is open: no second pass
+    if is_background and limit:
         room = background_room(request.priority, limit, reserve)
         open_pool = [
             view
             for view in pool
             if may_take_slot(view.num_in_flight, view.num_background, limit, room) and view.id not in idle
         ]
+    elif idle:
+        # Without a limit ``may_take_slot`` opens every slot: the kept workers are all a background
+        # request leaves (a call a worker was half of a batch decision's filter at 1,000 workers).
+        open_pool = [view for view in pool if view.id not in idle]
     elif limit:
         # A more urgent request may take any slot under the limit: ``may_take_slot`` asks no more of
         # it, and this pass runs for every worker on every request.

@@ -116,6 +116,10 @@ def kept_idle(
         return frozenset()
     if headroom >= len(views):
         return frozenset(map(_id, views))
+    if len(kept_before) == headroom and _hold_none(views, kept_before) == headroom:
+        # The common case: the set holds still. Its workers hold no background work, so the bar is
+        # 0 and they fill the headroom: the ranking below would keep them (one pass, not five).
+        return kept_before
     backgrounds = list(map(_num_background, views))
     bar = sorted(backgrounds)[headroom - 1]
     # Counts are never negative: at a bar of 0 none holds less (the common case, a pass saved).
@@ -130,6 +134,11 @@ def kept_idle(
         others = list(compress(tied, map(operator.not_, was_kept)))
         kept += held + _most_in_flight(others, room - len(held))
     return frozenset(map(_id, kept))
+
+
+def _hold_none(views: Sequence[WorkerView], ids: frozenset[str]) -> int:
+    """How many of ``views`` with an id in ``ids`` hold no background work."""
+    return len([view for view in views if view.id in ids and not view.num_background])
 
 
 def _most_in_flight(views: list[WorkerView], n: int) -> list[WorkerView]:
