@@ -371,6 +371,8 @@ class Simulation:
             num_waiting_prefill_tokens=report.num_waiting_prefill_tokens,
             num_total_blocks=report.num_total_blocks,
             max_batch_tokens=report.max_batch_tokens,
+            prefill_tokens_per_s=report.prefill_tokens_per_s,
+            decode_step_s=report.decode_step_s,
         )
 
     def _admit(self, worker: SimWorker, request: Request) -> None:

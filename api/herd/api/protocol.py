@@ -146,6 +146,11 @@ class LoadReport(BaseModel):
     prefill_tokens_per_s: float | None = Field(
         default=None, gt=0.0, description="Measured prefill rate (tokens a second); None until measured."
     )
+    decode_step_s: float | None = Field(
+        default=None,
+        gt=0.0,
+        description="Measured seconds of a step that prefills too little to time a rate (decodes); None until measured.",
+    )
     restore_bytes_per_s: dict[Medium, float] = Field(
         default_factory=dict,
         description="Measured bandwidth of restoring blocks onto the device, per tier it restores from.",

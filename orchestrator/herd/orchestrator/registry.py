@@ -180,6 +180,7 @@ class WorkerState:
             disk_block_tokens=self.disk_block_tokens,
             pull_block_tokens=self.pull_block_tokens,
             prefill_tokens_per_s=report.prefill_tokens_per_s,
+            decode_step_s=report.decode_step_s,
             max_loras=report.max_loras,
             lora_adapters=frozenset(report.lora_adapters),
             running_lora_adapters=frozenset(report.running_lora_adapters),

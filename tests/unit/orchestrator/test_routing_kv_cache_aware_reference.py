@@ -62,6 +62,8 @@ def _fleet(seed: int) -> Case:
             num_prefill_tokens_in_flight=rng.choice([0, 0, 100, 300]),
             num_total_blocks=rng.choice([0, 8, 12, 20, 40, 400]),
             max_batch_tokens=rng.choice([0, 64, 256]),
+            prefill_tokens_per_s=rng.choice([None, 400.0, 2000.0]),
+            decode_step_s=rng.choice([None, 0.02, 0.1]),
             host_block_tokens=rng.choice([None, 0.5, 4.0, 16.0, 20.25]),
             disk_block_tokens=rng.choice([None, 1.0, 12.75, 24.0]),
             pull_block_tokens=rng.choice([None, 0.5, 8.0, 16.0, 24.0]),
@@ -100,9 +102,11 @@ def _fleet(seed: int) -> Case:
     return Case(workers, index, ctx, tier_cost, rng.random() < 0.4, cache_weight, load_weight)
 
 
-def _reference_costs(case: Case, wait_share: float = LEASE_WAIT_SHARE) -> list[float]:
-    """The documented cost of every worker, one at a time (``wait_share``: of a peer's step, for the
-    coverage check)."""
+def _reference_costs(
+    case: Case, wait_share: float = LEASE_WAIT_SHARE, with_decodes: bool = True
+) -> list[float]:
+    """The documented cost of every worker, one at a time (``wait_share``: of a peer's step, and
+    ``with_decodes``: whether its decode step counts, for the coverage check)."""
     workers, ctx, index = case.workers, case.ctx, case.index
     n, num_blocks = len(ctx.token_ids), len(ctx.block_hashes)
     cap = max(MIN_CAP, math.ceil(LOAD_FACTOR * (sum(w.num_in_flight for w in workers) + 1) / len(workers)))
@@ -115,12 +119,16 @@ def _reference_costs(case: Case, wait_share: float = LEASE_WAIT_SHARE) -> list[f
     # A leading run shorter than MIN_RUN_BLOCKS counts as none: the prompt is priced as uncached there.
     runs = {worker_id: run for worker_id, run in runs.items() if run.length >= MIN_RUN_BLOCKS}
     peer_runs = index.match(ctx.block_hashes, include_expected=False, include_host=True) if num_blocks else {}
-    # The same rule for a peer's run; a peer lends after half its step in progress.
+    # The same rule for a peer's run; a peer lends after its step in progress.
     lendable = {w: run for w, run in peer_runs.items() if run >= MIN_RUN_BLOCKS and case.peer_pulls}
 
     def lease_wait(p: WorkerView) -> float:
         queued = max(p.num_prefill_tokens_in_flight, p.num_waiting_prefill_tokens)
-        return wait_share * (min(queued, p.max_batch_tokens) if p.max_batch_tokens else queued)
+        prefill = min(queued, p.max_batch_tokens) if p.max_batch_tokens else queued
+        busy = max(p.num_running + p.num_waiting, p.num_in_flight) > 0
+        measured = p.decode_step_s is not None and p.prefill_tokens_per_s is not None
+        decode = p.decode_step_s * p.prefill_tokens_per_s if busy and measured and with_decodes else 0.0  # type: ignore[operator]
+        return wait_share * (prefill + decode)
 
     def pull_saving(w: WorkerView, own_run: int) -> float:
         """The most any peer's pull saves ``w``, never below nothing."""
@@ -222,3 +230,7 @@ def test_the_fleets_cover_ties_full_pools_caps_tiers_and_pulls() -> None:
     waited = sum(1 for case, c in zip(cases, costs, strict=True) if _reference_costs(case, 0.0) != c)
     assert min(ties, capped, tiered, full, pulls) >= 40, (ties, capped, tiered, full, pulls)
     assert waited >= 10, waited  # fleets where a peer's lease wait changes some worker's cost
+    decoded = sum(
+        1 for case, c in zip(cases, costs, strict=True) if _reference_costs(case, with_decodes=False) != c
+    )
+    assert decoded >= 5, decoded  # ... and where its decode step does (8 of its 20)

@@ -138,14 +138,38 @@ def test_the_best_pull_saves_the_most_after_the_lease_wait(
     ("fields", "wait"),
     [
         ({}, 0.0),
-        ({"num_running": 4}, 0.0),  # decode steps only
+        ({"num_running": 4}, 0.0),  # decode steps, not measured yet
+        ({"num_running": 4, "decode_step_s": 0.05}, 0.0),  # no prefill rate to price them by
+        ({"num_running": 4, "decode_step_s": 0.05, "prefill_tokens_per_s": 2000.0}, 100.0),
+        ({"decode_step_s": 0.05, "prefill_tokens_per_s": 2000.0}, 0.0),  # nothing on it: no step
+        ({"num_in_flight": 1, "decode_step_s": 0.05, "prefill_tokens_per_s": 2000.0}, 100.0),
         ({"num_waiting_prefill_tokens": 300}, 300.0),
+        (
+            {
+                "num_waiting_prefill_tokens": 300,
+                "num_running": 2,
+                "decode_step_s": 0.05,
+                "prefill_tokens_per_s": 2000.0,
+            },
+            400.0,
+        ),
         ({"num_prefill_tokens_in_flight": 3000, "max_batch_tokens": 1024}, 1024.0),
         ({"num_prefill_tokens_in_flight": 3000}, 3000.0),  # no budget reported: the whole queue
     ],
-    ids=["idle", "decoding", "a-short-prefill", "a-full-step", "budget-unknown"],
+    ids=[
+        "idle",
+        "decoding-unmeasured",
+        "decoding-no-prefill-rate",
+        "decoding",
+        "idle-measured",
+        "sent-one-not-reported-yet",
+        "a-short-prefill",
+        "a-short-prefill-and-decodes",
+        "a-full-step",
+        "budget-unknown",
+    ],
 )
-def test_a_lease_waits_for_the_peers_step_in_progress(fields: dict[str, int], wait: float) -> None:
+def test_a_lease_waits_for_the_peers_step_in_progress(fields: dict[str, float], wait: float) -> None:
     assert lease_wait_tokens(WorkerView(id="p", url="http://p", **fields)) == wait  # type: ignore[arg-type]
 
 

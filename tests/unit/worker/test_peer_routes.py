@@ -80,8 +80,10 @@ async def test_loads_are_the_engines_own_figures(
     assert (rank["num_running_reqs"], rank["num_waiting_reqs"], rank["num_used_tokens"]) == (0, 0, held)
     assert rank["cache_hit_rate"] == pytest.approx(stats.prefix_cache_hits / stats.prefix_cache_queries)
     assert _cached_tokens(second) > 0 and rank["cache_hit_rate"] > 0
-    # A peer's lease waits for its step in progress; routing sizes that step by this budget.
+    # A peer's lease waits for its step in progress; routing sizes that step by this budget, and by
+    # a decode step's time (each completion decoded 3 tokens after its prefill).
     assert load.max_batch_tokens == engine_config(tiny_llama).engine.max_batch_tokens > 0
+    assert load.decode_step_s is not None and 0 < load.decode_step_s < 60
 
 
 async def test_server_and_model_info_are_the_engines_settings(

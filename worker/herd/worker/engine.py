@@ -552,6 +552,7 @@ class LLMEngine:
             bytes_per_block=self.runner.geometry.bytes_per_block,
             max_batch_tokens=self.scheduler.max_batch_tokens,
             prefill_tokens_per_s=self.runner.measured.prefill.per_second,
+            decode_step_s=self.runner.measured.decode_step_s,
             restore_bytes_per_s=self.runner.measured.restore_bytes_per_s(),
             pull_bytes_per_s=self.runner.measured.pull.per_second,
         )

@@ -56,7 +56,7 @@ from herd.worker.parallel import (
     rank_device,
 )
 from herd.worker.pooling import PoolingConfig
-from herd.worker.runner import PREFILL_MIN_TOKENS, Measured, StepResult
+from herd.worker.runner import Measured, StepResult
 from herd.worker.sampler import Sampler
 from herd.worker.scheduler import ScheduledChunk, SchedulerOutput
 from herd.worker.speculative.draft_model import DraftModelProposer
@@ -391,8 +391,8 @@ class TorchRunner:
             results = self._sample_and_verify(logits, sampled, proposals, masks)
         else:
             results = self.sampler.sample(logits, plain, masks)
-        if plan.num_tokens >= PREFILL_MIN_TOKENS:  # sampling read the logits back: the step is done
-            self.measured.prefill.add(plan.num_tokens, time.perf_counter() - started)
+        # Sampling read the logits back: the step is done.
+        self.measured.add_step(plan.num_tokens, time.perf_counter() - started)
         return results
 
     def _sample_and_verify(

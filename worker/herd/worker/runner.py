@@ -67,13 +67,26 @@ class Rate:
 
 @dataclass
 class Measured:
-    """What a runner measured of its own work: prefill tokens a second, restore bytes a second per
-    tier restored from, and bytes a second of KV blocks pulled from peers (the server's fetches,
-    recorded through the engine); ``None`` / absent until observed."""
+    """What a runner measured of its own work: prefill tokens a second, the seconds of a step too
+    small to time a prefill by (decodes), restore bytes a second per tier restored from, and bytes a second of
+    KV blocks pulled from peers (the server's fetches, recorded through the engine); ``None`` /
+    absent until observed."""
 
     prefill: Rate = field(default_factory=Rate)
     restore: dict[Medium, Rate] = field(default_factory=dict)
     pull: Rate = field(default_factory=Rate)
+    decode_step_s: float | None = None
+    """Averaged as ``Rate`` averages (weight ``Rate.alpha``)."""
+
+    def add_step(self, num_tokens: int, seconds: float) -> None:
+        """A forward of ``num_tokens`` tokens that took ``seconds``: a prefill's rate from a step of
+        ``PREFILL_MIN_TOKENS`` or more, else a decode step's time. A peer's lease waits for the step
+        in progress, so routing prices the wait with the decode step too (kv_cache_aware)."""
+        if num_tokens >= PREFILL_MIN_TOKENS:
+            self.prefill.add(num_tokens, seconds)
+        elif num_tokens > 0 and seconds > 0:
+            last = self.decode_step_s
+            self.decode_step_s = seconds if last is None else last + self.prefill.alpha * (seconds - last)
 
     def add_restore(self, medium: Medium, num_bytes: int, seconds: float) -> None:
         self.restore.setdefault(medium, Rate()).add(num_bytes, seconds)

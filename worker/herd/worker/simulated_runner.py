@@ -56,7 +56,7 @@ from herd.worker.loader import read_model_args
 from herd.worker.model_runner import DEFAULT_CPU_KV_GIB
 from herd.worker.outputs import TokenLogprob
 from herd.worker.pooling import PoolingConfig
-from herd.worker.runner import PREFILL_MIN_TOKENS, Measured, SampledToken, SpeculatedTokens, StepResult
+from herd.worker.runner import Measured, SampledToken, SpeculatedTokens, StepResult
 from herd.worker.scheduler import SchedulerOutput
 from herd.worker.sequence import Sequence
 from herd.worker.speculative.proposer import NgramProposer, Proposal
@@ -186,8 +186,7 @@ class SimulatedRunner:
         proposals = self.proposer.propose(plan) if self.proposer is not None else {}
         num_proposed = sum(len(proposal.token_ids) for proposal in proposals.values())
         seconds = step_seconds(self.cost, plan, num_proposed)
-        if plan.num_tokens >= PREFILL_MIN_TOKENS:
-            self.measured.prefill.add(plan.num_tokens, seconds)
+        self.measured.add_step(plan.num_tokens, seconds)
         self.clock.advance(self._moves_seconds(plan.kv_moves) + seconds, self.cost.host_share)
         sampled = [chunk for chunk in plan.chunks if chunk.is_sampled]
         allowed = self._grammar_allowed([chunk.seq for chunk in sampled])

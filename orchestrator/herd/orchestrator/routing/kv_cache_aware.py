@@ -42,7 +42,7 @@ expected: ``PromptMatch.lendable``; the peer restores host blocks onto its devic
 ``w`` holds (``r(w)``, its run in any tier), ``w`` may pull the difference over the KV transfer path
 instead of computing it. Each pulled block costs ``pull_block_tokens(w)`` (its prefill rate x a
 block's bytes / its measured pull bandwidth), and the lease waits for the peer's step in progress
-(``lease_wait_tokens(p)``: its queued prefill, up to its step's token budget), so
+(``lease_wait_tokens(p)``: its queued prefill, up to its step's token budget, and its decodes), so
 
     uncached(w) -= max(0, max over p of (D(p) - r(w)) * (block_size - pull_block_tokens(w)) - wait(p))
 
@@ -122,13 +122,17 @@ p50 within 4 % either way (docs/benchmarks.md, "Peer pulls priced by the peer's 
 
 
 def lease_wait_tokens(peer: WorkerView) -> float:
-    """What a lease on ``peer`` waits for, in prompt tokens: its step in progress, which computes its
-    queued prefill up to its step's token budget (all of it when the budget is not reported), times
-    ``LEASE_WAIT_SHARE``. A peer with no prefill queued runs decode steps only, which this leaves
-    out (on the simulated fleet they made most of what leases still waited: a median of 89 ms,
-    ``bench/kv_tiers_pull_tail.py``)."""
+    """What a lease on ``peer`` waits for, in prompt tokens, times ``LEASE_WAIT_SHARE``: its step in
+    progress, which computes its queued prefill up to its step's token budget (all of it when the
+    budget is not reported) and, while it has requests, decodes them: a decode step's measured
+    seconds in the tokens it prefills meanwhile (nothing until it measured both). Without the decode
+    step, a peer with no prefill queued looked free, and its decode steps made most of what leases
+    still waited on the simulated fleet (a median of 89 ms, ``bench/kv_tiers_pull_tail.py``)."""
     queued, budget = peer.queued_prefill_tokens, peer.max_batch_tokens
-    return LEASE_WAIT_SHARE * (min(queued, budget) if budget else queued)
+    prefill = min(queued, budget) if budget else queued
+    step, rate = peer.decode_step_s, peer.prefill_tokens_per_s
+    decode = step * rate if peer.num_requests and step and rate else 0.0
+    return LEASE_WAIT_SHARE * (prefill + decode)
 
 
 @dataclass(frozen=True, slots=True)
