@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 import kv_tiers as kt
-from routing_sim import Request, SimWorker
+from routing_sim import Request, Shape, SimWorker
 
 from herd.api.prompt import PromptRenderer
 
@@ -57,6 +58,59 @@ class _Traced(kt.TierSimulation):
         return super()._summary(measured)
 
 
+@dataclass(frozen=True)
+class PulledRequest:
+    """One pulled request's TTFT in its parts, simulated ms: they add up to ``ttft``."""
+
+    lease_wait: float
+    """From the pull's decision to the lease, taken when the peer's step in progress ended."""
+    bytes: float
+    """The blocks crossing at the profile's pull rate."""
+    puller_step: float
+    """The wait for the puller's step in progress to end, before the request is queued."""
+    landing_to_first_token: float
+    ttft: float
+
+
+def pulled_requests(sim: _Traced) -> tuple[list[PulledRequest], list[float], int]:
+    """Of a run's measured requests: the pulled ones in their parts, the others' TTFTs, and how many
+    pulled ones are among the slowest 5 %."""
+    ttft = {r.number: (r.first_token_ms or 0.0) - r.sent_ms for r in sim.measured}
+    sent = {r.number: r.sent_ms for r in sim.measured}
+    pulled = {n for n in ttft if "landed" in sim.times.get(n, {})}
+    slowest = sorted(ttft, key=ttft.__getitem__)[int(0.95 * len(ttft)) :]
+    parts = []
+    for n in sorted(pulled):
+        times = sim.times[n]
+        parts.append(
+            PulledRequest(
+                lease_wait=times["held"] - times["started"],
+                bytes=times["done"] - times["held"],
+                puller_step=times["landed"] - times["done"],
+                landing_to_first_token=ttft[n] - (times["landed"] - sent[n]),
+                ttft=ttft[n],
+            )
+        )
+    rest = [ttft[n] for n in ttft if n not in pulled]
+    return parts, rest, sum(n in pulled for n in slowest)
+
+
+def run_cell(
+    tiers: kt.TierShape, shape: Shape, load: float, seed: int, renderer: PromptRenderer
+) -> tuple[dict[str, Any], dict[str, Any], _Traced]:
+    """``host`` and ``host+pulls`` on the cell (``load`` 0: the closed loop; else Poisson arrivals at
+    that share of ``none``'s closed-loop throughput): both results and the traced pulls' run."""
+    setups = {setup.name: setup for setup in kt.SETUPS}
+    arrivals = None
+    if load:
+        none = kt.TierSimulation(shape, tiers, setups["none"], seed, renderer).run()
+        count = shape.warmup + shape.measured + shape.concurrency
+        arrivals = kt.poisson_arrivals(load * none["requests_per_s"], count, seed)
+    host = _Traced(shape, tiers, setups["host"], seed, renderer, arrivals).run()
+    sim = _Traced(shape, tiers, setups["host+pulls"], seed, renderer, arrivals)
+    return host, sim.run(), sim
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -76,44 +130,31 @@ def main(argv: list[str] | None = None) -> int:
         concurrency=2,
         profile=args.profile,
     )
-    shape = kt.sim_shape(tiers, 1500, 1500)
     renderer = PromptRenderer.from_pretrained(kt.DEMO_MODEL)
-    setups = {setup.name: setup for setup in kt.SETUPS}
-    arrivals = None
-    if args.load:
-        none = kt.TierSimulation(shape, tiers, setups["none"], args.seed, renderer).run()
-        count = shape.warmup + shape.measured + shape.concurrency
-        arrivals = kt.poisson_arrivals(args.load * none["requests_per_s"], count, args.seed)
-    for name in ("host", "host+pulls"):
-        sim = _Traced(shape, tiers, setups[name], args.seed, renderer, arrivals)
-        result = sim.run()
+    host, pulls, sim = run_cell(tiers, kt.sim_shape(tiers, 1500, 1500), args.load, args.seed, renderer)
+    for name, result in (("host", host), ("host+pulls", pulls)):
         print(name, {key: round(result[key], 3) for key in ("hit_rate", "ttft_p50_ms", "ttft_p99_ms")})
-        if name == "host":
-            continue
-        ttft = {r.number: (r.first_token_ms or 0.0) - r.sent_ms for r in sim.measured}
-        sent = {r.number: r.sent_ms for r in sim.measured}
-        slowest = sorted(ttft, key=ttft.__getitem__)[int(0.95 * len(ttft)) :]
-        pulled = {n for n in ttft if "landed" in sim.times.get(n, {})}
-        times = sim.times
-        print(
-            f"  pulled {len(pulled)} of {len(ttft)} measured, {sum(n in pulled for n in slowest)} of the slowest {len(slowest)}"
-        )
-        print(
-            "  p50/p90/p99 ms: lease wait",
-            _quantiles([times[n]["held"] - times[n]["started"] for n in pulled]),
-            "bytes",
-            _quantiles([times[n]["done"] - times[n]["held"] for n in pulled]),
-            "puller's step",
-            _quantiles([times[n]["landed"] - times[n]["done"] for n in pulled]),
-            "landing to first token",
-            _quantiles([ttft[n] - (times[n]["landed"] - sent[n]) for n in pulled]),
-        )
-        print(
-            "  TTFT p50/p90/p99 ms: pulled",
-            _quantiles([ttft[n] for n in pulled]),
-            "the rest",
-            _quantiles([ttft[n] for n in ttft if n not in pulled]),
-        )
+    parts, rest, num_slowest = pulled_requests(sim)
+    num_measured = len(parts) + len(rest)
+    print(
+        f"  pulled {len(parts)} of {num_measured} measured, {num_slowest} of the slowest {num_measured - int(0.95 * num_measured)}"
+    )
+    print(
+        "  p50/p90/p99 ms: lease wait",
+        _quantiles([part.lease_wait for part in parts]),
+        "bytes",
+        _quantiles([part.bytes for part in parts]),
+        "puller's step",
+        _quantiles([part.puller_step for part in parts]),
+        "landing to first token",
+        _quantiles([part.landing_to_first_token for part in parts]),
+    )
+    print(
+        "  TTFT p50/p90/p99 ms: pulled",
+        _quantiles([part.ttft for part in parts]),
+        "the rest",
+        _quantiles(rest),
+    )
     return 0
 
 
