@@ -4,9 +4,10 @@ the holder, whichever costs the fewest prompt tokens by the workers' measured ra
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from support.gateway_fakes import MODEL, FakeCluster, FakeWorker, running_gateway, wait_for
@@ -17,7 +18,7 @@ from herd.api.kv_hash import block_hashes
 from herd.api.prompt import PromptRenderer
 from herd.api.protocol import WORKER_HEADER, KVSnapshot, LoadReport
 from herd.orchestrator.discovery import ModelConfig
-from herd.orchestrator.kv_index import KVIndex
+from herd.orchestrator.kv_index import KVIndex, PromptMatch
 from herd.orchestrator.routing import KVCacheAware, WorkerView, decide, pull_block_tokens
 from herd.orchestrator.routing.kv_cache_aware import PeerOffer, best_pull, lease_wait_tokens
 from herd.orchestrator.served import ServedModel
@@ -230,6 +231,45 @@ def test_the_decision_names_the_peer_and_counts_only_the_tokens_left_to_compute(
     decision = decide(served, workers, context(PROMPT))
     assert decision.worker.id == "p" and decision.pull_from is not None and decision.pull_from.id == "h"
     assert (decision.num_cached_blocks, decision.num_prefill_tokens) == (4, 512 - 24 * 16)
+
+
+def test_a_holder_at_its_limit_still_lends_and_the_choice_prices_its_run() -> None:
+    """h holds 24 blocks and is at the limit of one request: no request goes to it, but the decision
+    prices pulling its run. Then c, idle, pulls all 24 (512 - 360 = 152 tokens) and beats p, which
+    holds 4 but has 40 tokens queued (448 - 300 + 40 = 188); priced among the open workers only, p's
+    own 4 blocks won (488 against c's 4 from p, 492), and p pulled from h after the fact."""
+    routing = KVCacheAwareRouting(strategy="kv_cache_aware", peer_pulls=True)
+    served = ServedModel(ModelConfig("m", routing, block_size=16, max_in_flight_per_worker=1))
+    for worker_id, num_blocks in HELD.items():
+        snapshot = KVSnapshot(epoch="e", seq=0, block_size=16, block_hashes=PROMPT[:num_blocks])
+        served.kv_index.reset(worker_id, snapshot)
+    workers = _workers(1.0, h={"num_in_flight": 1}, p={"num_waiting_prefill_tokens": 40})
+    decision = decide(served, workers, context(PROMPT))
+    assert decision.worker.id == "c" and decision.pull_from is not None and decision.pull_from.id == "h"
+    assert decision.num_prefill_tokens == 512 - 24 * 16
+
+
+def test_one_decision_looks_the_prompt_up_once() -> None:
+    """``pull_source`` after ``select`` with the decision's own lookup and lenders reuses what
+    ``select`` priced; the next decision (a new ``PromptMatch``) looks up afresh."""
+    index = _index()
+    strategy = _strategy(index)
+    workers = _workers(1.0, h=ONE_RUNNING)
+    looked_up: list[int] = []
+    look_up = strategy._looked_up_for
+
+    def counted(kv: PromptMatch, lenders: Sequence[WorkerView]) -> Any:
+        looked_up.append(len(lenders))
+        return look_up(kv, lenders)
+
+    strategy._looked_up_for = counted  # type: ignore[method-assign]
+    for _ in range(2):
+        ctx = replace(context(PROMPT), kv=PromptMatch(index, PROMPT), lenders=workers)
+        choice = strategy.select(workers[1:], ctx)
+        assert choice is not None and choice.id == "p"
+        pull = strategy.pull_source(choice, workers, ctx)
+        assert pull is not None and pull.peer.id == "h"
+    assert looked_up == [3, 3]  # once a decision, over the lenders rather than the two it chose among
 
 
 def test_a_disaggregated_model_never_pulls_from_a_peer() -> None:

@@ -142,6 +142,11 @@ class RequestContext:
     kv: PromptMatch | None = field(default=None, compare=False, repr=False)
     """The prompt's runs in the model's KV index, for one decision: ``decide`` sets it so that the
     strategy and the decision walk the index once; a strategy given none looks them up itself."""
+    lenders: Sequence[WorkerView] | None = field(default=None, compare=False, repr=False)
+    """The workers a chosen one may pull the prompt's blocks from, for one decision: ``decide`` sets
+    it to every healthy worker of the request's role (none for a disaggregated model), a wider set
+    than the strategy chooses among (a holder at its in-flight limit still lends); ``None``: those
+    the strategy was given."""
 
 
 @dataclass(slots=True, frozen=True)

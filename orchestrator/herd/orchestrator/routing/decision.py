@@ -160,7 +160,12 @@ def decide(
     open_pool = lora_candidates(open_pool, request.lora_name)
     # One walk of the index for each kind of run, shared by every step below and the strategy.
     kv = PromptMatch(model.kv_index, request.block_hashes)
-    ctx = dataclasses.replace(request, phase="decode" if is_disaggregated else request.phase, kv=kv)
+    ctx = dataclasses.replace(
+        request,
+        phase="decode" if is_disaggregated else request.phase,
+        kv=kv,
+        lenders=() if is_disaggregated else pool,
+    )
     matched = kv.device
     slo_choice = _by_slo(model, open_pool, request, matched)
     choice = None if slo_choice is None else slo_choice.worker

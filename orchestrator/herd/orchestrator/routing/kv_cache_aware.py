@@ -47,8 +47,10 @@ block's bytes / its measured pull bandwidth), and the lease waits for the peer's
     uncached(w) -= max(0, max over p of (D(p) - r(w)) * (block_size - pull_block_tokens(w)) - wait(p))
 
 and the choice weighs three ways to serve the prompt in one unit: compute it, pull it, or go to the
-holder (whose queue may cost more). ``pull_source`` then names the peer that saves the chosen worker
-the most (``best_pull``), the fewest in flight among equals. A worker that has not measured its pull
+holder (whose queue may cost more). The peers ``p`` are the decision's lenders (``ctx.lenders``:
+every healthy worker of the role, so a holder at its in-flight limit, which the choice leaves out,
+still lends), and ``pull_source`` names the peer that saves the chosen worker the most
+(``best_pull``), the fewest in flight among equals, from the lookup ``select`` priced. A worker that has not measured its pull
 bandwidth pulls nothing. The wait is what made pulls cost tail latency: on 32 simulated workers the
 lease waited for a busy peer's whole prefill chunk (p90 377-562 ms) to save a few blocks' compute
 (docs/kv-tiers.md).
@@ -217,6 +219,8 @@ class KVCacheAware(RoutingStrategy):
         self._load_weight = load_weight
         self._block_size = block_size
         self._rng = rng
+        self._looked_up: tuple[PromptMatch, Sequence[WorkerView], _Prompt] | None = None
+        """The last decision's lookup, by the ``PromptMatch`` and lenders ``decide`` made (``_lookup``)."""
 
     def select(self, workers: Sequence[WorkerView], ctx: RequestContext) -> WorkerView | None:
         cap = bounded_load_cap(workers, self._load_factor)
@@ -255,10 +259,22 @@ class KVCacheAware(RoutingStrategy):
 
     def _lookup(self, ctx: RequestContext, workers: Sequence[WorkerView]) -> _Prompt:
         """The index's answers for the prompt: those ``decide`` already has, else looked up here;
-        with the offers of the ``workers`` that hold a run to lend."""
+        with the offers of the lenders (``ctx.lenders``, else ``workers``) that hold a run to lend.
+
+        A decision's ``PromptMatch`` and lenders are its own (``decide`` makes them for each), so the
+        lookup is kept by them: ``pull_source`` after ``select`` in one decision reuses what
+        ``select`` priced rather than walking the runs and every lender again."""
         kv = ctx.kv
         if kv is None or kv.index is not self._kv_index:
             kv = PromptMatch(self._kv_index, ctx.block_hashes)
+        lenders = workers if ctx.lenders is None else ctx.lenders
+        if (last := self._looked_up) is not None and last[0] is kv and last[1] is lenders:
+            return last[2]
+        prompt = self._looked_up_for(kv, lenders)
+        self._looked_up = (kv, lenders, prompt)
+        return prompt
+
+    def _looked_up_for(self, kv: PromptMatch, workers: Sequence[WorkerView]) -> _Prompt:
         tiers = None
         if self._tier_cost == "device":
             matched = {w: m for w, m in kv.device.items() if m >= MIN_RUN_BLOCKS}
