@@ -149,7 +149,10 @@ class LoadReport(BaseModel):
     decode_step_s: float | None = Field(
         default=None,
         gt=0.0,
-        description="Measured seconds of a step that prefills too little to time a rate (decodes); None until measured.",
+        description=(
+            "Measured seconds of a step that prefills too little to time a rate (decodes); "
+            "None until measured."
+        ),
     )
     restore_bytes_per_s: dict[Medium, float] = Field(
         default_factory=dict,

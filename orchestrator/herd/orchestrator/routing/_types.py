@@ -81,7 +81,7 @@ class WorkerView:
     latency fit's TTFT slopes (``herd.orchestrator.routing.latency``)."""
     decode_step_s: float | None = None
     """Its measured decode step's seconds, from its load report (None until measured): what a lease on
-    it waits for when it prefills nothing (``kv_cache_aware.lease_wait_tokens``)."""
+    it waits for besides its queued prefill while it has requests (``kv_cache_aware.lease_wait_tokens``)."""
     pull_block_tokens: float | None = None
     """What pulling one block from a peer costs the worker, in prompt tokens it could prefill
     meanwhile (``pull_block_tokens``); None until it measured both rates."""

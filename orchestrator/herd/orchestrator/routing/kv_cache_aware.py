@@ -50,10 +50,10 @@ and the choice weighs three ways to serve the prompt in one unit: compute it, pu
 holder (whose queue may cost more). The peers ``p`` are the decision's lenders (``ctx.lenders``:
 every healthy worker of the role, so a holder at its in-flight limit, which the choice leaves out,
 still lends), and ``pull_source`` names the peer that saves the chosen worker the most
-(``best_pull``), the fewest in flight among equals, from the lookup ``select`` priced. A worker that has not measured its pull
-bandwidth pulls nothing. The wait is what made pulls cost tail latency: on 32 simulated workers the
-lease waited for a busy peer's whole prefill chunk (p90 377-562 ms) to save a few blocks' compute
-(docs/kv-tiers.md).
+(``best_pull``), the fewest in flight among equals, from the lookup ``select`` priced. A worker
+that has not measured its pull bandwidth pulls nothing. The wait is what made pulls cost tail
+latency: on 32 simulated workers the lease waited for a busy peer's whole prefill chunk (p90
+377-562 ms) to save a few blocks' compute (docs/kv-tiers.md).
 
 Why one unit: the old score weighed a cached share in [0, 1] against a load in [0, 1], so a cached
 prefix outweighed any load below the cap, every tenant stayed on one worker until the cap forced a
