@@ -237,6 +237,8 @@ class Pull:
     wanted: list[int]
     kv: torch.Tensor | None
     started_ms: float
+    held_ms: float
+    """When the lease was held: the peer's step in progress and the lease's restores ended."""
     done_ms: float
 
 
@@ -374,7 +376,7 @@ class TierSimulation(Simulation):
             self.pulls[f"empty_{held.end}"] += 1
         hold_end = peer.clock.now * 1000  # after the restores the lease made
         done = hold_end if kv is None else transfer_done_ms(hold_end, kv.nbytes, self.pull_gbps)
-        pull = Pull(puller, peer, request, lease, hashes, wanted, kv, started_ms, done)
+        pull = Pull(puller, peer, request, lease, hashes, wanted, kv, started_ms, hold_end, done)
         self._at(done, "pulled", pull)
 
     def _land(self, pull: Pull) -> None:

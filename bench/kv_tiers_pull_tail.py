@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import kv_tiers as kt
-from routing_sim import Request, Shape, SimWorker
+from routing_sim import Request, Shape
 
 from herd.api.prompt import PromptRenderer
 
@@ -30,27 +30,15 @@ def _quantiles(values: list[float]) -> list[int]:
 
 
 class _Traced(kt.TierSimulation):
-    """``TierSimulation`` recording each pull's times by request number."""
+    """``TierSimulation`` keeping each landed pull, and when it landed, by request number."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.times: dict[int, dict[str, float]] = {}
+        self.landed: dict[int, tuple[kt.Pull, float]] = {}
         self.measured: list[Request] = []
 
-    def _lend(
-        self,
-        puller: SimWorker,
-        peer: SimWorker,
-        request: Request,
-        hashes: list[int],
-        missing: list[int],
-        started_ms: float,
-    ) -> None:
-        super()._lend(puller, peer, request, hashes, missing, started_ms)
-        self.times[request.number] = {"started": started_ms, "held": peer.clock.now * 1000}
-
     def _land(self, pull: kt.Pull) -> None:
-        self.times[pull.request.number] |= {"done": pull.done_ms, "landed": self.now}
+        self.landed[pull.request.number] = (pull, self.now)
         super()._land(pull)
 
     def _summary(self, measured: list[Request]) -> dict[str, Any]:
@@ -77,17 +65,17 @@ def pulled_requests(sim: _Traced) -> tuple[list[PulledRequest], list[float], int
     pulled ones are among the slowest 5 %."""
     ttft = {r.number: (r.first_token_ms or 0.0) - r.sent_ms for r in sim.measured}
     sent = {r.number: r.sent_ms for r in sim.measured}
-    pulled = {n for n in ttft if "landed" in sim.times.get(n, {})}
+    pulled = {n for n in ttft if n in sim.landed}
     slowest = sorted(ttft, key=ttft.__getitem__)[int(0.95 * len(ttft)) :]
     parts = []
     for n in sorted(pulled):
-        times = sim.times[n]
+        pull, landed = sim.landed[n]
         parts.append(
             PulledRequest(
-                lease_wait=times["held"] - times["started"],
-                bytes=times["done"] - times["held"],
-                puller_step=times["landed"] - times["done"],
-                landing_to_first_token=ttft[n] - (times["landed"] - sent[n]),
+                lease_wait=pull.held_ms - pull.started_ms,
+                bytes=pull.done_ms - pull.held_ms,
+                puller_step=landed - pull.done_ms,
+                landing_to_first_token=ttft[n] - (landed - sent[n]),
                 ttft=ttft[n],
             )
         )

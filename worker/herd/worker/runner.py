@@ -49,34 +49,40 @@ PREFILL_MIN_TOKENS = 64
 """A step of at least this many tokens counts toward the prefill rate (decode steps would understate it)."""
 
 
+_AVERAGE_WEIGHT = 0.2
+"""The weight of the newest observation in a measured average."""
+
+
+def _averaged(last: float | None, value: float, alpha: float) -> float:
+    """``value`` averaged into ``last`` exponentially (weight ``alpha``); ``value`` itself at first."""
+    return value if last is None else last + alpha * (value - last)
+
+
 @dataclass
 class Rate:
     """An amount per second, averaged over recent observations (exponentially, weight ``alpha``)."""
 
-    alpha: float = 0.2
+    alpha: float = _AVERAGE_WEIGHT
     per_second: float | None = None
 
     def add(self, amount: float, seconds: float) -> None:
         if amount <= 0 or seconds <= 0:
             return
-        rate = amount / seconds
-        self.per_second = (
-            rate if self.per_second is None else self.per_second + self.alpha * (rate - self.per_second)
-        )
+        self.per_second = _averaged(self.per_second, amount / seconds, self.alpha)
 
 
 @dataclass
 class Measured:
     """What a runner measured of its own work: prefill tokens a second, the seconds of a step too
-    small to time a prefill by (decodes), restore bytes a second per tier restored from, and bytes a second of
-    KV blocks pulled from peers (the server's fetches, recorded through the engine); ``None`` /
-    absent until observed."""
+    small to time a prefill by (decodes), restore bytes a second per tier restored from, and bytes a
+    second of KV blocks pulled from peers (the server's fetches, recorded through the engine);
+    ``None`` / absent until observed."""
 
     prefill: Rate = field(default_factory=Rate)
     restore: dict[Medium, Rate] = field(default_factory=dict)
     pull: Rate = field(default_factory=Rate)
     decode_step_s: float | None = None
-    """Averaged as ``Rate`` averages (weight ``Rate.alpha``)."""
+    """Averaged over recent steps as a ``Rate`` is."""
 
     def add_step(self, num_tokens: int, seconds: float) -> None:
         """A forward of ``num_tokens`` tokens that took ``seconds``: a prefill's rate from a step of
@@ -85,8 +91,7 @@ class Measured:
         if num_tokens >= PREFILL_MIN_TOKENS:
             self.prefill.add(num_tokens, seconds)
         elif num_tokens > 0 and seconds > 0:
-            last = self.decode_step_s
-            self.decode_step_s = seconds if last is None else last + self.prefill.alpha * (seconds - last)
+            self.decode_step_s = _averaged(self.decode_step_s, seconds, _AVERAGE_WEIGHT)
 
     def add_restore(self, medium: Medium, num_bytes: int, seconds: float) -> None:
         self.restore.setdefault(medium, Rate()).add(num_bytes, seconds)

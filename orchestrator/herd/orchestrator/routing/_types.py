@@ -176,8 +176,9 @@ class RoutingStrategy(ABC):
     def pull_source(
         self, choice: WorkerView, workers: Sequence[WorkerView], ctx: RequestContext
     ) -> PeerPull | None:
-        """The peer among ``workers`` that ``choice`` should pull the prompt's leading blocks from,
-        if any; only a strategy that prices pulls names one."""
+        """The peer among the decision's lenders (``ctx.lenders``; ``workers`` when it has none) that
+        ``choice`` should pull the prompt's leading blocks from, if any; only a strategy that prices
+        pulls names one."""
         return None
 
     def forget_worker(self, worker_id: str) -> None:
