@@ -8,7 +8,7 @@ Disaggregation reuses vLLM's ``kv_transfer_params`` field names.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -130,14 +130,20 @@ class TokenizerFiles(BaseModel):
 class LoadReport(BaseModel):
     """A worker's load as of its last step. The LoRA fields follow the Gateway API Inference
     Extension's ``vllm:lora_requests_info``: adapters loaded, running and waiting, and ``max_loras``,
-    the distinct adapters one step may run (0: LoRA is off)."""
+    the distinct adapters one step may run (0: LoRA is off).
 
-    num_running: int = 0
-    num_waiting: int = 0
-    num_waiting_prefill_tokens: int = Field(default=0, description="Uncached prompt tokens queued.")
+    Routing prices workers by these figures, so a report with a negative count or a rate that is not
+    a finite positive number is refused where it enters (the orchestrator counts it as the worker's
+    failure), never ranked."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
+
+    num_running: int = Field(default=0, ge=0)
+    num_waiting: int = Field(default=0, ge=0)
+    num_waiting_prefill_tokens: int = Field(default=0, ge=0, description="Uncached prompt tokens queued.")
     kv_usage: float = Field(default=0.0, ge=0.0, le=1.0)
-    num_free_blocks: int = 0
-    num_total_blocks: int = 0
+    num_free_blocks: int = Field(default=0, ge=0)
+    num_total_blocks: int = Field(default=0, ge=0)
     is_draining: bool = False
     bytes_per_block: int = Field(default=0, ge=0, description="One KV block's size; 0 if not reported.")
     max_batch_tokens: int = Field(
@@ -154,14 +160,14 @@ class LoadReport(BaseModel):
             "None until measured."
         ),
     )
-    restore_bytes_per_s: dict[Medium, float] = Field(
+    restore_bytes_per_s: dict[Medium, Annotated[float, Field(gt=0.0)]] = Field(
         default_factory=dict,
         description="Measured bandwidth of restoring blocks onto the device, per tier it restores from.",
     )
     pull_bytes_per_s: float | None = Field(
         default=None, gt=0.0, description="Measured bandwidth of pulling blocks from a peer worker."
     )
-    max_loras: int = 0
+    max_loras: int = Field(default=0, ge=0)
     lora_adapters: list[str] = Field(default_factory=list, description="LoRA adapters loaded.")
     running_lora_adapters: list[str] = Field(default_factory=list)
     waiting_lora_adapters: list[str] = Field(default_factory=list)

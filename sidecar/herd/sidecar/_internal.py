@@ -101,7 +101,7 @@ def _status_source(
         nonlocal last
         try:
             last = await load()
-        except HttpError:  # vLLM's metrics did not answer: not ready, as its /ready would say
+        except HttpError:  # vLLM's metrics did not answer or were unreadable: not ready
             return False, last
         return is_ready(), last
 

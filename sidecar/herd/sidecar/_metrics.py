@@ -12,6 +12,7 @@ adapters; vLLM names no other loaded adapter there, so the report's loaded adapt
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -41,9 +42,12 @@ class CacheGeometry:
 def _samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
     """Sample name -> (labels, value) of every sample."""
     samples: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples.setdefault(sample.name, []).append((sample.labels, sample.value))
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                samples.setdefault(sample.name, []).append((sample.labels, sample.value))
+    except ValueError as error:
+        raise MetricsError(f"vLLM's /metrics is not Prometheus text ({error})") from None
     return samples
 
 
@@ -64,7 +68,12 @@ def load_report(text: str, num_blocks: int, *, is_draining: bool = False) -> Loa
     samples = _samples(text)
 
     def values(name: str) -> list[float]:
-        return [value for _, value in samples.get(name, [])]
+        found = [value for _, value in samples.get(name, [])]
+        if not all(math.isfinite(value) for value in found):
+            raise MetricsError(
+                f"vLLM's /metrics gives {name} = {found}; the load report takes finite numbers"
+            )
+        return found
 
     usage = values(KV_CACHE_USAGE_PERC)
     kv_usage = min(max(sum(usage) / len(usage), 0.0), 1.0) if usage else 0.0

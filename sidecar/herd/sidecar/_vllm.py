@@ -83,7 +83,10 @@ class VLLMView:
             raise HttpError(
                 503, f"vLLM's /metrics did not answer ({error}); retry shortly", headers=_RETRY_AFTER
             ) from None
-        return load_report(text, geometry.num_blocks, is_draining=self.is_draining)
+        try:
+            return load_report(text, geometry.num_blocks, is_draining=self.is_draining)
+        except MetricsError as error:
+            raise HttpError(503, f"{error}; retry shortly", headers=_RETRY_AFTER) from None
 
     def _require_geometry(self) -> CacheGeometry:
         if self.geometry is None:

@@ -124,6 +124,20 @@ async def test_not_ready_worker_is_ejected_and_draining_is_unhealthy() -> None:
     assert not views["w1"].is_healthy and views["w1"].num_total_blocks == 500
 
 
+async def test_a_worker_whose_load_report_is_invalid_is_ejected_not_ranked_until_it_reports_sense() -> None:
+    cluster = FakeCluster([FakeWorker("w0"), FakeWorker("w1")])
+    async with registry_for(cluster, RegistrySettings(poll_interval=0.02)) as registry:
+        await wait_for(lambda: all(view.is_healthy for view in registry.views(MODEL)))
+        # Past validation on the fake's side: the line on the wire says num_running -1.
+        cluster.workers[0].load = LoadReport.model_construct(num_running=-1)
+        await wait_for(lambda: not registry.workers["w0"].is_healthy)
+        assert registry.workers["w0"].report.num_running >= 0
+        assert registry.workers["w1"].is_healthy
+        cluster.workers[0].load = LoadReport(num_running=1)
+        await wait_for(lambda: registry.workers["w0"].is_healthy)
+        assert registry.workers["w0"].report.num_running == 1
+
+
 async def test_kv_events_snapshot_gap_epoch_and_leave() -> None:
     worker = FakeWorker("w0", snapshot_blocks=[1, 2])
     cluster = FakeCluster([worker])

@@ -12,6 +12,7 @@ import httpx
 import pytest
 from support.asgi_stream import StreamingASGITransport
 
+from herd.api.errors import HttpError
 from herd.api.protocol import INTERNAL_PATHS, TOKEN_HEADER, TokenizerFiles, WorkerStatus
 from herd.sidecar._internal import build_internal_app
 from herd.sidecar._kv_state import KVState
@@ -119,3 +120,21 @@ async def test_the_status_stream_carries_readiness_load_and_kv_events_until_the_
     assert first.epoch == kv.epoch and first.load.num_total_blocks == 1456
     assert [event.seq for event in second.events] == [2] and second.snapshot is None
     assert not last.is_ready and last.load.is_draining  # the last line: the stream ended after it
+
+
+async def test_a_load_vllm_reports_unreadably_is_a_503_that_names_the_metric(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    running = 'vllm:num_requests_running{engine="0",model_name="smollm2"} 0.0'
+    metrics = (DATA / "vllm_metrics.txt").read_text().replace(running, running.replace("0.0", "NaN"))
+
+    def vllm(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, text=metrics) if request.url.path == "/metrics" else _vllm(request)
+
+    async with httpx.AsyncClient(
+        base_url="http://127.0.0.1:1", transport=httpx.MockTransport(vllm)
+    ) as client:
+        view = VLLMView(client, served_name="smollm2", role="unified", layout=model_layout(tmp_path))
+        await view.learn()  # the cache geometry is readable
+        with pytest.raises(HttpError) as raised:
+            await view.load()
+    assert raised.value.status == 503 and "num_requests_running" in str(raised.value)

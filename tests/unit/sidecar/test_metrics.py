@@ -74,3 +74,18 @@ def test_cache_geometry() -> None:
 def test_no_cache_geometry_before_the_pool_is_allocated() -> None:
     with pytest.raises(MetricsError, match="num_gpu_blocks"):
         cache_geometry(_with(('num_gpu_blocks="1456"', 'num_gpu_blocks="None"')))
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        pytest.param(_with((RUNNING, RUNNING.replace("0.0", "NaN"))), "num_requests_running", id="nan-count"),
+        pytest.param(
+            _with((USAGE, USAGE.replace("0.0", "+Inf"))), "kv_cache_usage_perc", id="infinite-usage"
+        ),
+        pytest.param(IDLE + "vllm:num_requests_running{engine=0 oops\n", "not Prometheus text", id="garbled"),
+    ],
+)
+def test_an_unreadable_load_is_refused_with_what_was_wrong(text: str, message: str) -> None:
+    with pytest.raises(MetricsError, match=message):
+        load_report(text, 1456)

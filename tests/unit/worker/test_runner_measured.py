@@ -16,8 +16,18 @@ from herd.worker.runner import PREFILL_MIN_TOKENS, Measured
         ([(PREFILL_MIN_TOKENS - 1, 0.04)], None, 0.04),  # too few tokens to time a prefill by
         ([(0, 0.04), (8, 0.0)], None, None),  # an empty or instant step says nothing
         ([(512, 1.0), (4, 0.05)], 512.0, 0.05),
+        ([(512, 1e-320), (512, 1.0)], 512.0, None),  # a rate past a float's range is not a measurement
     ],
-    ids=["nothing", "a-prefill", "a-decode", "two-decodes", "a-small-step", "nothing-to-time", "both"],
+    ids=[
+        "nothing",
+        "a-prefill",
+        "a-decode",
+        "two-decodes",
+        "a-small-step",
+        "nothing-to-time",
+        "both",
+        "overflow",
+    ],
 )
 def test_a_step_times_a_prefill_or_a_decode(
     steps: list[tuple[int, float]], prefill_per_s: float | None, decode_step_s: float | None

@@ -19,6 +19,7 @@ the whole batch, after which the engine asks ``check_health`` whether it may go 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -68,7 +69,9 @@ class Rate:
     def add(self, amount: float, seconds: float) -> None:
         if amount <= 0 or seconds <= 0:
             return
-        self.per_second = _averaged(self.per_second, amount / seconds, self.alpha)
+        rate = amount / seconds
+        if math.isfinite(rate):  # a clock too coarse to time it; the load report takes finite rates only
+            self.per_second = _averaged(self.per_second, rate, self.alpha)
 
 
 @dataclass
