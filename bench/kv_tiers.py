@@ -65,7 +65,9 @@ the ``none`` setup served in the same round's closed loop, for each load ``F``; 
 come from the seed alone, so every setup of a round sees the same ones, and a request's TTFT counts
 its wait in the worker's queue (as vLLM's ``benchmark_serving --request-rate``). Each round (seeds
 0..rounds-1) runs every setup in the closed loop, ``none`` first, then every setup at each load, in
-turn; the table gives each figure's median over the rounds and its range.
+turn; the table gives each figure's median over the rounds and its range. Besides the hit rate,
+TTFT and throughput, each run reports the share of requests that hit and the TTFT p50 of hits and
+of misses apart (``hit_split``). Every worker's step takes ``--max-batch-tokens`` tokens at most.
 
     .venv/bin/python bench/kv_tiers.py --out bench/results/kv_tiers_sim.json
 """
@@ -255,6 +257,9 @@ class TierShape:
     """The fleet's tier costs, a ``PROFILES`` name."""
     slow_disk_share: float = 0.0
     """The share of the workers whose disk tier is the profile's slow one (``slow_workers``)."""
+    max_batch_tokens: int = 1024
+    """Each worker's step token budget (``engine.maxBatchTokens``): a prompt longer than it is
+    prefilled in chunks, and a request that arrives mid-step waits for the step in progress."""
 
     def num_streams(self) -> int:
         """Tenants or sessions, so that their distinct blocks are ``working_set`` x the fleet's pool."""
@@ -321,7 +326,7 @@ class TierSimulation(Simulation):
         config = EngineConfig(
             model_path=DEMO_MODEL,
             served_name=MODEL_ID,
-            engine={"maxBatchTokens": 1024, "maxBatchSize": 64, "kvCache": kv_cache},
+            engine={"maxBatchTokens": self.tiers.max_batch_tokens, "maxBatchSize": 64, "kvCache": kv_cache},
         )
         engine = simulated_engine(
             config, num_blocks=shape.num_kv_blocks(), cost=self.costs[number], clock=clock, renderer=renderer
@@ -508,6 +513,7 @@ class TierSimulation(Simulation):
         summary["restored_disk_slow"] = sum(
             c.restored["disk"] for c, slow in zip(counters, self.slow, strict=True) if slow
         )
+        summary.update(hit_split(measured))
         summary["pulls_pulled"] = self.pulls["pulled"]
         summary["pulled_blocks"] = self.pulls["blocks"]
         summary["pulls_empty"] = sum(self.pulls[f"empty_{end}"] for end in RUN_ENDS)
@@ -521,6 +527,9 @@ class TierSimulation(Simulation):
                 "ttft_p50_ms",
                 "ttft_p99_ms",
                 "requests_per_s",
+                "hit_requests",
+                "ttft_p50_hit_ms",
+                "ttft_p50_miss_ms",
                 "restored_host",
                 "restored_disk",
                 "restored_disk_slow",
@@ -531,6 +540,22 @@ class TierSimulation(Simulation):
                 *(f"empty_{end}" for end in RUN_ENDS),
             )
         }
+
+
+def hit_split(measured: list[Request]) -> dict[str, float]:
+    """The share of requests that hit (at least half their prompt cached) and the TTFT p50 of the
+    hits and of the misses apart: TTFT is bimodal, so the p50 of all moves only once most hit."""
+    hits = [r for r in measured if 2 * r.num_cached_tokens >= len(r.token_ids)]
+    misses = [r for r in measured if 2 * r.num_cached_tokens < len(r.token_ids)]
+
+    def p50(requests: list[Request]) -> float:
+        return statistics.median((r.first_token_ms or 0.0) - r.sent_ms for r in requests) if requests else 0.0
+
+    return {
+        "hit_requests": len(hits) / len(measured),
+        "ttft_p50_hit_ms": p50(hits),
+        "ttft_p50_miss_ms": p50(misses),
+    }
 
 
 RUN_ENDS: tuple[str, ...] = get_args(RunEnd)
@@ -648,15 +673,20 @@ def print_table(result: dict[str, Any]) -> None:
         )
         print(
             "| setup | hit rate | TTFT p50 (sim ms) | TTFT p99 (sim ms) | req/s "
+            "| requests hit (TTFT p50 hit / miss) "
             "| restored host / disk (on slow disks) | pulls with blocks / empty (blocks pulled) "
             "| leases by end (empty) |"
         )
-        print("|---|---:|---:|---:|---:|---:|---:|---|")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
         for name, row in loop["setups"].items():
             cells = [
                 f"{row[key]['median']:.3g} ({row[key]['min']:.3g}-{row[key]['max']:.3g})"
                 for key in ("hit_rate", "ttft_p50_ms", "ttft_p99_ms", "requests_per_s")
             ]
+            split = (
+                f"{row['hit_requests']['median']:.2f} ({row['ttft_p50_hit_ms']['median']:.0f} / "
+                f"{row['ttft_p50_miss_ms']['median']:.0f})"
+            )
             restored = (
                 f"{row['restored_host']['median']:.0f} / {row['restored_disk']['median']:.0f} "
                 f"({row['restored_disk_slow']['median']:.0f})"
@@ -670,7 +700,7 @@ def print_table(result: dict[str, Any]) -> None:
                 for end in RUN_ENDS
                 if row[f"leases_{end}"]["max"]
             )
-            print(f"| {name} | {' | '.join(cells)} | {restored} | {pulls} | {leases or '-'} |")
+            print(f"| {name} | {' | '.join(cells)} | {split} | {restored} | {pulls} | {leases or '-'} |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -712,6 +742,9 @@ def main(argv: list[str] | None = None) -> int:
         default=0.0,
         help="the share of the workers whose disk tier is the profile's slow one (network storage)",
     )
+    parser.add_argument(
+        "--max-batch-tokens", type=int, default=1024, help="each worker's step token budget (chunked prefill)"
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     by_name = {setup.name: setup for setup in SETUPS}
@@ -729,6 +762,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.concurrency,
                 args.profile,
                 args.slow_disk_share,
+                args.max_batch_tokens,
             )
             result = run(tiers, setups, args.rounds, args.warmup, args.measured, args.loads)
             print_table(result)

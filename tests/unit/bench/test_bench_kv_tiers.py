@@ -69,6 +69,27 @@ def test_profile_bandwidths(profile: str, host: float, disk: float, slow_disk: f
     assert got == pytest.approx((host, disk, slow_disk, pull))
 
 
+def _request(number: int, num_tokens: int, num_cached: int, ttft_ms: float) -> Request:
+    return Request(number, 0, [0] * num_tokens, [], sent_ms=100.0, first_token_ms=100.0 + ttft_ms,
+                   num_cached_tokens=num_cached)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("requests", "split"),
+    [
+        ([_request(0, 100, 50, 10.0), _request(1, 100, 49, 90.0), _request(2, 100, 100, 30.0)],
+         {"hit_requests": 2 / 3, "ttft_p50_hit_ms": 20.0, "ttft_p50_miss_ms": 90.0}),
+        ([_request(0, 100, 0, 70.0)], {"hit_requests": 0.0, "ttft_p50_hit_ms": 0.0, "ttft_p50_miss_ms": 70.0}),
+        ([_request(0, 64, 48, 5.0)], {"hit_requests": 1.0, "ttft_p50_hit_ms": 5.0, "ttft_p50_miss_ms": 0.0}),
+    ],
+    ids=["half-cached-hits", "all-miss", "all-hit"],
+)  # fmt: skip
+def test_hit_split_parts_requests_at_half_their_prompt_cached(
+    requests: list[Request], split: dict[str, float]
+) -> None:
+    assert kv_tiers.hit_split(requests) == pytest.approx(split)
+
+
 @pytest.mark.parametrize(
     ("hold_end_ms", "num_bytes", "gbps", "done_ms"),
     [
