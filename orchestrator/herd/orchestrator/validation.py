@@ -25,8 +25,14 @@ from herd.api.openai import (
     LengthError,
     SamplingFields,
 )
+from herd.api.resume import RESUME_FIELD
 
-__all__ = ["WIRE_MODELS", "ParsedRequest", "check_length", "parse_request"]
+__all__ = ["INTERNAL_FIELDS", "WIRE_MODELS", "ParsedRequest", "check_length", "parse_request"]
+
+INTERNAL_FIELDS = ("kv_transfer_params", RESUME_FIELD)
+"""Fields a worker takes only from herd's gateway (which sends its internal token with every request):
+a disaggregated or peer handoff and a resumed stream's output so far. The gateway sets them itself,
+so a client's would reach a worker as the gateway's: refused where the request enters."""
 
 WireRequest = ChatCompletionRequest | CompletionRequest | EmbeddingRequest
 WIRE_MODELS: dict[str, type[WireRequest]] = {
@@ -66,6 +72,13 @@ def parse_request(path: str, body: bytes) -> ParsedRequest:
         payload = json_object(body)
     except BodyError as error:
         raise HttpError(error.status, str(error)) from None
+    if internal := next((name for name in INTERNAL_FIELDS if name in payload), None):
+        raise HttpError(
+            400,
+            f"{internal} is herd's own field between its gateway and its workers; a client may not send it: "
+            "remove it",
+            param=internal,
+        )
     try:
         return ParsedRequest(payload, WIRE_MODELS[path].model_validate(payload))
     except ValidationError as error:

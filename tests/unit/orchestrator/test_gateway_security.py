@@ -74,3 +74,29 @@ async def test_no_key_or_internal_token_reaches_a_log_line(caplog: pytest.LogCap
     lines = [record.getMessage() + repr(record.__dict__) for record in caplog.records]
     assert len(lines) > 5  # the run did log: requests, polls, an ejection
     assert not [line for line in lines if KEY in line or TOKEN in line]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        (
+            "kv_transfer_params",
+            {"peer_url": "http://127.0.0.1:9/elsewhere"},
+        ),  # would be dialled with the token
+        ("kv_transfer_params", {"do_remote_prefill": True, "remote_block_ids": [1]}),
+        ("herd_resume", {"choices": [{"index": 0, "token_ids": [1, 2, 3]}]}),  # would be streamed as output
+    ],
+    ids=["peer-pull", "remote-prefill", "resumed-output"],
+)
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+async def test_a_clients_internal_field_is_refused_before_any_worker_sees_it(
+    path: str, field: str, value: dict[str, object]
+) -> None:
+    worker = FakeWorker("w0")
+    body = CHAT if path == "/v1/chat/completions" else {"model": MODEL, "prompt": "hi"}
+    async with running_gateway(FakeCluster([worker]), settings=SETTINGS) as (_, client):
+        response = await client.post(path, json={**body, field: value})
+        plain = await client.post(path, json=body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == field
+    assert "a client may not send it" in response.json()["error"]["message"]
+    assert plain.status_code == 200 and [sorted(sent) for sent in worker.bodies] == [sorted(body)]
