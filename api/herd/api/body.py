@@ -1,7 +1,8 @@
 """Request bodies as the gateway and the worker read them, so both refuse the same bodies with the
 same words: a size limit checked against ``Content-Length`` before reading and against the bytes
 while reading (a chunked body has no length), one rule for the ``Content-Type``, and the rule that
-an API body is one JSON object nested at most ``MAX_JSON_DEPTH`` levels deep.
+an API body is one JSON object nested at most ``MAX_JSON_DEPTH`` levels deep (and so is JSON text
+a body carries in a string: ``json_value``).
 
 Each server turns ``BodyError`` into its own error envelope with ``status``.
 """
@@ -12,7 +13,7 @@ import json
 from collections.abc import AsyncIterable
 from typing import Any
 
-__all__ = ["MAX_JSON_DEPTH", "BodyError", "check_content_type", "json_object", "read_limited"]
+__all__ = ["MAX_JSON_DEPTH", "BodyError", "check_content_type", "json_object", "json_value", "read_limited"]
 
 MAX_JSON_DEPTH = 64
 """Levels of arrays and objects a body may nest. An OpenAI request nests a few (a JSON schema in
@@ -61,26 +62,39 @@ async def read_limited(chunks: AsyncIterable[bytes], max_bytes: int, *, declared
 
 def json_object(raw: bytes) -> dict[str, Any]:
     """``raw`` parsed, or ``BodyError(400)`` when it is not valid JSON, not an object, or too deep."""
-    try:
-        payload = json.loads(raw)
-    except RecursionError:  # past Python's own limit (~1,000 levels): the parser gives up
-        raise _too_deep() from None
-    except ValueError as error:
-        raise BodyError(400, f"the request body is not valid JSON: {error}") from None
+    payload = json_value(raw, what="the request body")
     if not isinstance(payload, dict):
         raise BodyError(400, "the request body must be a JSON object")
-    if not _is_shallow(raw) and _nests_deeper(payload, MAX_JSON_DEPTH):
-        raise _too_deep()
     return payload
 
 
-def _is_shallow(raw: bytes) -> bool:
-    """A short body with few brackets cannot nest deep: two byte counts decide most requests at once
-    (on a long body the counts would cost more than the walk over its parsed containers)."""
-    return len(raw) <= _SHORT_BODY_BYTES and raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH
+def json_value(text: str | bytes, *, what: str) -> Any:
+    """JSON ``text`` from a client (a body, a JSON string inside one, a model's output) parsed, or
+    ``BodyError(400)`` saying that ``what`` is not valid JSON or nests more than ``MAX_JSON_DEPTH``
+    levels: parsing it must neither recurse past Python's limit nor hand on a value every later walk
+    of which would."""
+    try:
+        value = json.loads(text)
+    except RecursionError:  # past Python's own limit (~1,000 levels): the parser gives up
+        raise _too_deep(what) from None
+    except ValueError as error:
+        raise BodyError(400, f"{what} is not valid JSON: {error}") from None
+    if isinstance(value, dict | list) and not _is_shallow(text) and _nests_deeper(value, MAX_JSON_DEPTH):
+        raise _too_deep(what)
+    return value
 
 
-def _nests_deeper(payload: dict[str, Any], limit: int) -> bool:
+def _is_shallow(text: str | bytes) -> bool:
+    """A short text with few brackets cannot nest deep: two counts decide most requests at once
+    (on a long one the counts would cost more than the walk over its parsed containers)."""
+    if len(text) > _SHORT_BODY_BYTES:
+        return False
+    if isinstance(text, str):
+        return text.count("[") + text.count("{") <= MAX_JSON_DEPTH
+    return text.count(b"[") + text.count(b"{") <= MAX_JSON_DEPTH
+
+
+def _nests_deeper(payload: dict[str, Any] | list[Any], limit: int) -> bool:
     """Whether ``payload`` has more than ``limit`` levels, walked level by level over containers only.
 
     A container of scalars alone (a long prompt string, a list of token ids) is passed over in one C
@@ -99,9 +113,9 @@ def _nests_deeper(payload: dict[str, Any], limit: int) -> bool:
     return True
 
 
-def _too_deep() -> BodyError:
+def _too_deep(what: str) -> BodyError:
     return BodyError(
-        400, f"the request body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep; flatten it"
+        400, f"{what} nests arrays and objects more than {MAX_JSON_DEPTH} levels deep; flatten it"
     )
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
+from herd.api.body import json_value
 from herd.api.openai import ChatCompletionRequest, ChatMessage
 
 __all__ = [
@@ -98,8 +99,8 @@ def _message(message: ChatMessage) -> dict[str, Any]:
 def _arguments(text: str) -> Any:
     """Templates write arguments with ``tojson``: an object, when the text is one."""
     try:
-        return json.loads(text)
-    except ValueError:
+        return json_value(text, what="a tool call's arguments")
+    except ValueError:  # not JSON, or nested too deep to hand a template: the text as it came
         return text
 
 

@@ -123,7 +123,13 @@ def build_app(
     app.state.registry, app.state.gateway, app.state.telemetry = registry, gateway, telemetry
     _add_openai_routes(app, gateway, settings)
     if runner is not None:
-        add_batch_routes(app, runner.store, runner, max_file_bytes=settings.max_batch_file_bytes)
+        add_batch_routes(
+            app,
+            runner.store,
+            runner,
+            max_file_bytes=settings.max_batch_file_bytes,
+            read_body=lambda request: _read_body(request, settings),
+        )
     _add_lora_admin_routes(app, LoraAdmin(registry, admin_keys or ApiKeys([])), settings)
     _add_ops_routes(
         app,

@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from herd.api.body import BodyError, json_value
 from herd.api.errors import HttpError, enveloped, route_message
 from herd.api.openai import ErrorResponse
 from herd.api.protocol import TOKEN_HEADER
@@ -128,9 +129,9 @@ def _without_herd_fields(body: bytes) -> bytes:
     if not any(field.encode() in body for field in (*_HERD_ONLY_FIELDS, RESUME_FIELD)):
         return body
     try:
-        payload = json.loads(body)
-    except ValueError:
-        return body  # not JSON: vLLM answers it with its own 400
+        payload = json_value(body, what="the request body")
+    except BodyError as error:  # not JSON, or too deep to pass on safely
+        raise HttpError(error.status, str(error)) from None
     if not isinstance(payload, dict):
         return body
     if RESUME_FIELD in payload:

@@ -8,7 +8,14 @@ from typing import Any
 
 import pytest
 
-from herd.api.body import BodyError, json_object, read_limited
+from herd.api.body import MAX_JSON_DEPTH, BodyError, json_object, json_value, read_limited
+
+
+def _nested(depth: int) -> list[Any]:
+    value: list[Any] = []
+    for _ in range(depth - 1):
+        value = [value]
+    return value
 
 
 async def _chunks(parts: list[bytes], read: list[int]) -> AsyncIterator[bytes]:
@@ -65,4 +72,35 @@ def test_json_object_accepts_an_object(raw: bytes, expected: dict[str, Any]) -> 
 def test_json_object_refuses_anything_else(raw: bytes, message: str) -> None:
     with pytest.raises(BodyError, match=message) as raised:
         json_object(raw)
+    assert raised.value.status == 400
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ('{"a": [1, 2]}', {"a": [1, 2]}),
+        (b"[[1]]", [[1]]),
+        ('"a string"', "a string"),
+        ("[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH, _nested(MAX_JSON_DEPTH)),
+    ],
+    ids=["object", "bytes", "scalar", "at-the-limit"],
+)
+def test_json_value_parses_json_text_a_body_carries(text: str | bytes, expected: object) -> None:
+    assert json_value(text, what="the arguments") == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("{not json", "the arguments is not valid JSON"),
+        ("[" * (MAX_JSON_DEPTH + 1) + "]" * (MAX_JSON_DEPTH + 1), "more than 64 levels"),
+        ("[" * 5000 + "]" * 5000, "more than 64 levels"),  # past Python's recursion limit
+        ('{"a": ' * 3000 + "1" + "}" * 3000, "more than 64 levels"),
+        (b"[" * 5000 + b"]" * 5000, "more than 64 levels"),
+    ],
+    ids=["malformed", "one-past-the-limit", "recursion-deep-array", "recursion-deep-object", "bytes"],
+)
+def test_json_value_refuses_what_is_not_json_or_too_deep(text: str | bytes, message: str) -> None:
+    with pytest.raises(BodyError, match=message) as raised:
+        json_value(text, what="the arguments")
     assert raised.value.status == 400

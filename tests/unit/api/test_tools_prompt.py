@@ -64,3 +64,11 @@ def test_plain_messages_render_as_before() -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     plain = PromptRenderer(train_tokenizer(), chat_template=CHATML_TEMPLATE).render_chat(messages)
     assert _render(CHATML_TEMPLATE, {"messages": messages}) == plain
+
+
+def test_arguments_nested_past_the_body_limit_reach_the_template_as_text() -> None:
+    deep = "[" * 5000 + "]" * 5000  # past Python's recursion limit: parsing it would raise
+    call = {**CALL, "function": {"name": "weather", "arguments": deep}}
+    history = [HISTORY[0], {"role": "assistant", "content": None, "tool_calls": [call]}]
+    text = _render(KNOWING_TEMPLATE, {"messages": history, "tools": [TOOL]})
+    assert f"CALL=weather{json.dumps(deep)}" in text

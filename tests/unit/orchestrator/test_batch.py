@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 import time
@@ -17,6 +18,7 @@ from support.gateway_fakes import FAST_REGISTRY, MODEL, FakeCluster, FakeWorker,
 from herd.orchestrator.admission.tenants import BATCH_PRIORITY, Tenant
 from herd.orchestrator.app import AppSettings
 from herd.orchestrator.auth import ApiKeys
+from herd.orchestrator.batch import runner as batch_runner
 from herd.orchestrator.batch.lines import InputError, done_ids, parse_input
 from herd.orchestrator.batch.runner import cancelling
 from herd.orchestrator.batch.store import BatchRecord, BatchStatus, BatchStore, FileRecord, RequestCounts
@@ -64,8 +66,23 @@ async def finished(api: openai.AsyncOpenAI, batch_id: str, within: float = 30.0)
         (jsonl([{**request_line("a"), "url": "/v1/completions"}]), 1, "mismatched_url"),
         (jsonl([{**request_line("a"), "method": "GET"}]), 1, "invalid_request"),
         (jsonl([{**request_line("a"), "body": []}]), 1, "invalid_request"),
+        (
+            jsonl([request_line("a", x=json.loads("[" * 70 + "]" * 70))]),
+            1,
+            "invalid_request",
+        ),  # past 64 levels
+        (b'{"custom_id": "a", "body": ' + b"[" * 5000 + b"]" * 5000 + b"}\n", 1, "invalid_request"),
     ],
-    ids=["empty", "not-json", "same-id", "other-url", "not-post", "body-not-object"],
+    ids=[
+        "empty",
+        "not-json",
+        "same-id",
+        "other-url",
+        "not-post",
+        "body-not-object",
+        "too-deep",
+        "past-python-s-recursion-limit",
+    ],
 )
 def test_invalid_input_names_the_line(content: bytes, line: int, code: str) -> None:
     with pytest.raises(InputError) as raised:
@@ -137,6 +154,27 @@ async def test_a_bad_input_file_fails_the_batch(tmp_path: Path) -> None:
     assert batch.errors.data[0].line == 1 and "method" in (batch.errors.data[0].message or "")
 
 
+async def test_a_batch_the_gateway_fails_on_ends_failed_not_stuck(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(content: bytes, endpoint: str) -> None:
+        raise RuntimeError("a defect in reading the input")
+
+    monkeypatch.setattr(batch_runner, "parse_input", broken)
+    async with running_gateway(
+        FakeCluster([FakeWorker("w0")]), settings=settings(tmp_path), api_keys=KEYS
+    ) as (_, client):
+        api = sdk(client)
+        upload = await api.files.create(file=("in.jsonl", jsonl([request_line("a")])), purpose="batch")
+        created = await api.batches.create(
+            input_file_id=upload.id, endpoint=ENDPOINT, completion_window="24h"
+        )
+        batch = await finished(api, created.id)
+    assert batch.status == "failed" and batch.errors is not None and batch.errors.data is not None
+    assert batch.errors.data[0].code == "internal_error"
+    assert "RuntimeError: a defect in reading the input" in (batch.errors.data[0].message or "")
+
+
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
@@ -156,6 +194,25 @@ async def test_create_refuses_what_it_cannot_run(tmp_path: Path, fields: dict[st
         with pytest.raises(openai.APIStatusError) as raised:
             await api.batches.create(**wanted)  # type: ignore[arg-type]
     assert raised.value.status_code in (400, 404) and raised.value.body["param"] == param  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    ("content", "headers", "status"),
+    [
+        (b"x" * 2_000, {"content-type": "application/json"}, 413),
+        (b"{}", {"content-type": "text/plain"}, 415),
+    ],
+    ids=["larger-than-the-body-limit", "not-json"],
+)
+async def test_create_reads_its_body_as_every_json_route_does(
+    tmp_path: Path, content: bytes, headers: dict[str, str], status: int
+) -> None:
+    small = dataclasses.replace(settings(tmp_path), max_body_bytes=1_000)
+    async with running_gateway(FakeCluster([FakeWorker("w0")]), settings=small, api_keys=KEYS) as (_, client):
+        response = await client.post(
+            "/v1/batches", content=content, headers={**headers, "authorization": "Bearer k"}
+        )
+    assert response.status_code == status and response.json()["error"]["code"] == status
 
 
 async def test_a_tenant_sees_only_its_own_files_and_batches(tmp_path: Path) -> None:

@@ -91,6 +91,22 @@ async def test_a_stream_is_never_resumable_and_a_continuation_is_refused(
     assert len(vllm.requests) == num_sent
 
 
+@pytest.mark.parametrize(
+    ("raw", "words"),
+    [
+        (b'{"kv_transfer_params": 1, "x": ' + b"[" * 5000 + b"]" * 5000 + b"}", "more than 64 levels"),
+        (b'{"kv_transfer_params": {', "not valid JSON"),
+    ],
+    ids=["past-python-s-recursion-limit", "not-json"],
+)
+async def test_a_body_with_a_herd_field_that_cannot_be_read_is_refused(
+    vllm: _VLLM, client: httpx.AsyncClient, raw: bytes, words: str
+) -> None:
+    response = await client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert response.status_code == 400 and words in response.json()["error"]["message"]
+    assert vllm.bodies == []
+
+
 async def test_a_body_without_herd_fields_goes_as_sent(vllm: _VLLM, client: httpx.AsyncClient) -> None:
     raw = b'{"model":"m",  "prompt":"kv"}'
     await client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})

@@ -10,6 +10,8 @@ from herd.api.openai import ToolCallDelta
 from herd.worker.server._tool_calls import Event, ToolCallParser, ToolMode
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+DEEP = "[" * 1100 + "]" * 1100
+"""What a model may write (or a grammar force it to): deeper than Python's JSON parser recurses."""
 
 
 def _run(parser: ToolCallParser, pieces: list[str]) -> tuple[str, list[tuple[str, dict[str, object]]]]:
@@ -66,6 +68,8 @@ def _pieces(text: str, size: int) -> list[str]:
             [("f", {"a": [1]}), ("g", {})],
         ),
         ("required", "json", '[{"name": "f", "parame', '[{"name": "f", "parame', []),
+        ("auto", "hermes", f"<tool_call>{DEEP}</tool_call>", f"<tool_call>{DEEP}</tool_call>", []),
+        ("required", "hermes", DEEP, DEEP, []),
     ],
     ids=[
         "none-keeps-text",
@@ -81,6 +85,8 @@ def _pieces(text: str, size: int) -> list[str]:
         "auto-json-object-not-a-call",
         "required-array",
         "required-cut-short",
+        "auto-nested-past-python-s-limit-stays-content",
+        "required-nested-past-python-s-limit-stays-content",
     ],
 )
 def test_text_becomes_content_and_calls(

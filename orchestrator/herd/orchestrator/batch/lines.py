@@ -13,6 +13,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from herd.api.body import json_value
+
 __all__ = [
     "BATCH_ENDPOINTS",
     "BatchLine",
@@ -67,9 +69,9 @@ def parse_input(content: bytes, endpoint: str) -> list[BatchLine]:
 
 def _request(raw: bytes, number: int, endpoint: str) -> BatchLine:
     try:
-        item = json.loads(raw)
-    except ValueError:
-        raise InputError(number, f"line {number} is not JSON") from None
+        item = json_value(raw, what=f"line {number}")
+    except ValueError as error:
+        raise InputError(number, str(error)) from None
     if not isinstance(item, dict):
         raise InputError(number, f"line {number} is not a JSON object")
     custom_id, body = item.get("custom_id"), item.get("body")

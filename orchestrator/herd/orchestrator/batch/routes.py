@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
 from fastapi import FastAPI, File, Form, Request, UploadFile
@@ -30,13 +31,21 @@ class CreateBatch(BaseModel):
     metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(default=None, max_length=16)
 
 
-def add_batch_routes(app: FastAPI, store: BatchStore, runner: BatchRunner, *, max_file_bytes: int) -> None:
+def add_batch_routes(
+    app: FastAPI,
+    store: BatchStore,
+    runner: BatchRunner,
+    *,
+    max_file_bytes: int,
+    read_body: Callable[[Request], Awaitable[bytes]],
+) -> None:
+    """``read_body``: the gateway's reader of a JSON body (its media type, size and time limits)."""
     _add_file_routes(app, store, max_file_bytes)
 
     async def create(request: Request) -> Response:
         tenant = tenant_of(request.scope)
         try:
-            wanted = CreateBatch.model_validate_json(await request.body())
+            wanted = CreateBatch.model_validate_json(await read_body(request))
         except ValidationError as error:
             raise invalid_request(error.errors(include_url=False)) from None
         _check(wanted)

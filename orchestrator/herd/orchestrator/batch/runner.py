@@ -97,12 +97,21 @@ class BatchRunner:
                 await task
 
     async def _run(self, record: BatchRecord) -> None:
+        run = _Run(self, record)
         try:
-            await _Run(self, record).run()
+            await run.run()
         except asyncio.CancelledError:
             raise
-        except Exception:
+        except Exception as error:  # a defect: the batch fails, not the gateway, and no restart retries it
             log.exception("batch failed", extra={"batch": record.id})
+            message = (
+                f"the gateway failed running this batch ({type(error).__name__}: {error}); the answers "
+                "written so far are in its output file"
+            )
+            try:
+                run.fail("internal_error", message)
+            except Exception:  # the store itself is failing: the record stays as it was, logged
+                log.exception("batch could not be marked failed", extra={"batch": record.id})
 
 
 class _Run:
@@ -153,11 +162,7 @@ class _Run:
         except (HttpError, InputError) as error:
             line = error.line if isinstance(error, InputError) else None
             code = error.code if isinstance(error, InputError) else "invalid_input_file"
-            errors = {
-                "object": "list",
-                "data": [{"code": code, "message": str(error), "param": None, "line": line}],
-            }
-            self._save(status="failed", failed_at=int(time.time()), errors=errors)
+            self.fail(code, str(error), line=line)
             return None
         if self.record.status == "validating":
             self._save(status="in_progress", in_progress_at=int(time.time()))
@@ -287,6 +292,11 @@ class _Run:
         if self.errors is not None and self.errors.bytes == 0:
             self.store.delete_file(self.errors)
             self._save(error_file_id=None)
+
+    def fail(self, code: str, message: str, *, line: int | None = None) -> None:
+        """End the batch ``failed``, saying why (OpenAI's ``errors`` list)."""
+        errors = {"object": "list", "data": [{"code": code, "message": message, "param": None, "line": line}]}
+        self._save(status="failed", failed_at=int(time.time()), errors=errors)
 
     def _save(self, **changes: Any) -> None:
         """``changes`` on the stored record (which may run in the writer's thread: it touches only the

@@ -16,6 +16,7 @@ import json
 import threading
 from typing import Any
 
+from herd.api.body import json_value
 from herd.api.errors import HttpError
 from herd.api.openai import ChatCompletionRequest, NamedToolChoice, SamplingFields, Tool
 from herd.api.prompt import PromptThreads
@@ -58,11 +59,9 @@ def _structured_outputs_spec(
         return GrammarSpec("grammar", grammar, "structured_outputs.grammar")
     if isinstance(schema, str):
         try:
-            schema = json.loads(schema)
+            schema = json_value(schema, what="structured_outputs.json")
         except ValueError as error:
-            raise HttpError(
-                400, f"structured_outputs.json is not JSON: {error}", param="structured_outputs.json"
-            ) from None
+            raise HttpError(400, str(error), param="structured_outputs.json") from None
     if not isinstance(schema, dict):
         raise HttpError(
             400, "structured_outputs.json must be a JSON schema object", param="structured_outputs.json"

@@ -25,6 +25,7 @@ import json
 import uuid
 from typing import Any, Literal
 
+from herd.api.body import json_value
 from herd.api.openai import FunctionCallDelta, NamedToolChoice, ToolCallDelta
 from herd.api.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ToolFormat
 
@@ -104,7 +105,7 @@ class ToolCallParser:
 
     def _required(self) -> list[Event]:
         try:
-            calls = json.loads(self._buffer)
+            calls = json_value(self._buffer, what="the tool calls")
         except ValueError:
             return [self._buffer] if self._buffer else []  # cut short (length): the text as it is
         return [
@@ -160,8 +161,8 @@ class ToolCallParser:
 def _parse_call(text: str, arguments_key: str) -> tuple[str, str] | None:
     """``(name, arguments JSON)`` of one call object, or None when ``text`` is not one."""
     try:
-        value: Any = json.loads(text)
-    except ValueError:
+        value: Any = json_value(text, what="a tool call")
+    except ValueError:  # not JSON, or nested too deep to be a call
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
