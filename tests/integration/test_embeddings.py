@@ -87,7 +87,7 @@ async def client(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[open
     front = AsyncEngine(lambda: torch_engine(engine_config(path)))
     front.start()
     await front.wait_loaded()
-    app = build_public_app(front, PublicOptions("tiny"))
+    app = build_public_app(front, PublicOptions("tiny", max_queue_len=8))
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://worker/v1")
     yield openai.AsyncOpenAI(api_key="none", base_url="http://worker/v1", http_client=http, max_retries=0)
     await http.aclose()
@@ -126,8 +126,9 @@ async def test_matryoshka_dimensions_cut_and_renormalize(client: openai.AsyncOpe
         ({"input": [[1, 2], [999]]}, "input"),
         ({"input": "word " * 70}, "input"),
         ({"input": "paris", "encoding_format": "int8"}, "encoding_format"),
+        ({"input": ["paris"] * 9}, "input"),  # more than the engine ever queues: a 429 would never pass
     ],
-    ids=["unlisted-dimensions", "empty", "id-past-vocab", "too-long", "bad-format"],
+    ids=["unlisted-dimensions", "empty", "id-past-vocab", "too-long", "bad-format", "more-than-the-queue"],
 )
 async def test_bad_requests_name_the_field(
     client: openai.AsyncOpenAI, fields: dict[str, Any], param: str

@@ -31,7 +31,7 @@ async def client(tiny_llama: Path) -> AsyncIterator[httpx.AsyncClient]:
     engine = AsyncEngine(lambda: torch_engine(config))
     engine.start()
     await engine.wait_loaded()
-    app = build_public_app(engine, PublicOptions("tiny", max_body_bytes=20_000))
+    app = build_public_app(engine, PublicOptions("tiny", max_body_bytes=20_000, max_queue_len=4))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://worker") as client:
         yield client
     await engine.stop()
@@ -97,6 +97,51 @@ def chat(**fields: Any) -> dict[str, Any]:
             None,
             "64 levels",
         ),
+        (
+            "POST",
+            CHAT,
+            chat(structured_outputs={"json": "[" * 5000 + "]" * 5000}),  # past Python's recursion limit
+            400,
+            "structured_outputs.json",
+            "64 levels",
+        ),
+        (
+            "POST",
+            CHAT,
+            chat(chat_template_kwargs={"raise_exception": 1}),
+            400,
+            "chat_template_kwargs",
+            "may not set",
+        ),
+        (
+            "POST",
+            CHAT,
+            {
+                "content": b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "cache_salt": "\\ud800"}',
+                "headers": JSON,
+            },
+            400,
+            "cache_salt",
+            "lone UTF-16 surrogate",
+        ),
+        ("POST", CHAT, chat(logit_bias={"1" * 5000: 1}), 400, "logit_bias", "decimal integers"),
+        (
+            "POST",
+            CHAT,
+            chat(structured_outputs={"regex": "a{1000000}"}),  # compiles, then passes llguidance's limits
+            400,
+            "structured_outputs.regex",
+            "could not be followed while generating",
+        ),
+        ("POST", CHAT, chat(n=5), 400, "n", "queues at most 4 (engine.maxQueueLen)"),
+        (
+            "POST",
+            "/v1/completions",
+            {"json": {"model": "tiny", "prompt": ["a", "b", "c"], "n": 2, "max_tokens": 1}},
+            400,
+            "prompt",
+            "makes 6 sequences",
+        ),
         ("POST", CHAT, chat(model="gpt-5"), 404, "model", "is not served here"),
         ("GET", "/v2/nothing", {}, 404, None, "there is no route GET /v2/nothing"),
         ("GET", CHAT, {}, 405, None, "GET is not allowed on /v1/chat/completions; use POST"),
@@ -116,6 +161,13 @@ def chat(**fields: Any) -> dict[str, Any]:
         "lone-surrogate-tokenize",
         "detokenize-bad-id",
         "too-deep",
+        "structured-json-too-deep",
+        "template-global-overridden",
+        "lone-surrogate-cache-salt",
+        "bias-key-of-5000-digits",
+        "grammar-past-its-resource-limits",
+        "more-choices-than-the-queue",
+        "more-sequences-than-the-queue",
         "unknown-model",
         "unknown-route",
         "wrong-method",

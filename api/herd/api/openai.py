@@ -76,9 +76,30 @@ def now() -> int:
     return int(time.time())
 
 
-_TOKEN_ID = re.compile(r"-?[0-9]+")
-_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
-"""What the chat template is rendered with already; a second value for one would be a TypeError."""
+_TOKEN_ID = re.compile(r"-?[0-9]{1,19}")
+"""A token id as a ``logit_bias`` key: an integer a 64-bit id holds (the vocabulary bounds it later)."""
+_TEMPLATE_VARIABLES = frozenset(
+    {
+        "messages",
+        "add_generation_prompt",
+        "bos_token",
+        "eos_token",
+        "raise_exception",
+        "strftime_now",
+        *("range", "dict", "lipsum", "cycler", "joiner", "namespace"),
+    }
+)
+"""What the chat template is rendered with already (a second value for one would be a TypeError) and
+the functions it may call (herd's and Jinja's own globals): a request's value would replace one."""
+
+
+def _is_utf8(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8 (a lone surrogate does not)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class _Tolerant(BaseModel):
@@ -191,6 +212,15 @@ class SamplingFields(_Prioritized):
                 raise ValueError(f"logit_bias keys must be token ids (decimal integers), got {key!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias values must lie in [-100, 100], got {bias}")
+        return value
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _check_cache_salt(cls, value: str | None) -> str | None:
+        if value is not None and not _is_utf8(value):
+            raise ValueError(
+                "cache_salt holds a lone UTF-16 surrogate (a JSON \\ud800 escape); send UTF-8 text"
+            )
         return value
 
     @field_validator("stop")
@@ -437,7 +467,9 @@ class ChatCompletionRequest(SamplingFields, _Hints):
     @classmethod
     def _check_template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         if reserved := sorted(_TEMPLATE_VARIABLES.intersection(value or {})):
-            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: herd sets them")
+            raise ValueError(
+                f"chat_template_kwargs may not set {', '.join(reserved)}: the chat template's own names"
+            )
         return value
 
     @model_validator(mode="after")

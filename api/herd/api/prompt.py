@@ -114,6 +114,11 @@ def _eos_ids(files: Mapping[str, str], tokenizer: Tokenizer, eos: str | None) ->
     return ids
 
 
+_TEMPLATE_DATA_ERRORS = (TypeError, ValueError, LookupError, ArithmeticError, AttributeError, RecursionError)
+"""What rendering raises when the template meets a value of the wrong kind (a number where it loops
+or calls, a string where it indexes): the request's fault, never the server's."""
+
+
 class PromptRenderer:
     """Turns OpenAI messages or text into token ids, and token ids back into text."""
 
@@ -215,6 +220,11 @@ class PromptRenderer:
             )
         except jinja2.TemplateError as error:
             raise PromptError(f"the chat template failed on these messages: {error}") from None
+        except _TEMPLATE_DATA_ERRORS as error:  # a value the template cannot use (chat_template_kwargs)
+            raise PromptError(
+                f"the chat template failed on these messages and chat_template_kwargs "
+                f"({type(error).__name__}: {error})"
+            ) from None
 
     def encode(
         self, text: str, *, add_special_tokens: bool = True, limit: PromptLimit | None = None

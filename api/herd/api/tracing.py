@@ -21,7 +21,15 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-__all__ = ["ENDPOINT_ENV", "TRACE_HEADERS", "configure_tracing", "context_from", "trace_headers", "tracer"]
+__all__ = [
+    "ENDPOINT_ENV",
+    "TRACE_HEADERS",
+    "client_trace_headers",
+    "configure_tracing",
+    "context_from",
+    "trace_headers",
+    "tracer",
+]
 
 ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
 TRACE_HEADERS = ("traceparent", "tracestate")
@@ -50,9 +58,19 @@ def tracer(name: str) -> Tracer:
     return trace.get_tracer(name)
 
 
+def client_trace_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    """The request's ``traceparent`` and ``tracestate`` as a next hop may be sent them: printable
+    ASCII, what a header line may carry (a client's other bytes are dropped, never passed on)."""
+    return {
+        name: value
+        for name in TRACE_HEADERS
+        if (value := headers.get(name)) is not None and value.isascii() and value.isprintable()
+    }
+
+
 def context_from(headers: Mapping[str, str]) -> Context:
     """The trace context a request's ``traceparent`` carries (an empty one without it)."""
-    carrier = {name: value for name in TRACE_HEADERS if (value := headers.get(name)) is not None}
+    carrier = client_trace_headers(headers)
     return _PROPAGATOR.extract(carrier) if carrier else Context()
 
 

@@ -45,7 +45,7 @@ from starlette.responses import Response
 from herd.api.errors import HttpError, enveloped
 from herd.api.protocol import REQUEST_ID_HEADER, WORKER_HEADER, is_valid_request_id
 from herd.api.resume import RESUMABLE_HEADER, RESUME_FIELD
-from herd.api.tracing import TRACE_HEADERS, context_from, trace_headers, tracer
+from herd.api.tracing import client_trace_headers, context_from, trace_headers, tracer
 from herd.orchestrator.access_log import AccessEntry, slo_note
 from herd.orchestrator.admission.gate import Admission, Ticket, admitted_context, ticket_for
 from herd.orchestrator.admission.quotas import Quotas
@@ -279,7 +279,7 @@ class Gateway:
             ticket,
             {} if use is None else use.headers(),
             span,
-            {name: value for name in TRACE_HEADERS if (value := headers.get(name)) is not None},
+            client_trace_headers(headers),
             is_two_phase=served.config.mode == "disaggregated" and parsed.generates,
         )
 

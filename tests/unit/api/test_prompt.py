@@ -6,6 +6,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from support.tiny_models import train_tokenizer
 
 from herd.api import PromptError, PromptRenderer
 from herd.api.openai import ChatCompletionRequest, CompletionRequest, LengthError
@@ -124,3 +125,21 @@ async def test_small_bodies_are_prepared_inline_and_large_ones_on_the_prompt_thr
     finally:
         threads.close()
     assert (where is threading.current_thread()) == is_inline
+
+
+@pytest.mark.parametrize(
+    ("template", "kwargs", "words"),
+    [
+        ("{% for tool in tools %}{{ tool.name }}{% endfor %}", {"tools": 5}, "TypeError"),
+        ("{{ 10 // budget }}", {"budget": 0}, "ZeroDivisionError"),
+        ("{{ name + 1 }}", {"name": "a"}, "TypeError"),
+        ("{{ range(n) | list }}", {"n": 10**9}, "OverflowError"),  # the sandbox's own limit
+    ],
+    ids=["a-number-looped-over", "divided-by-zero", "a-string-added-to", "a-range-past-the-sandbox"],
+)
+def test_a_template_failing_on_the_requests_values_is_a_prompt_error(
+    template: str, kwargs: dict[str, object], words: str
+) -> None:
+    renderer = PromptRenderer(train_tokenizer(), chat_template=template)
+    with pytest.raises(PromptError, match=f"chat_template_kwargs \\({words}"):
+        renderer.render_chat([{"role": "user", "content": "hi"}], template_kwargs=kwargs)

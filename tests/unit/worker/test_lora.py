@@ -169,8 +169,13 @@ GOOD = {f"{Q}.lora_A.weight": torch.ones(2, 8), f"{Q}.lora_B.weight": torch.ones
         ({}, {f"{Q}.lora_A.weight": torch.ones(2, 9), f"{Q}.lora_B.weight": torch.ones(8, 2)}, "base model"),
         ({"r": 8}, {f"{Q}.lora_A.weight": torch.ones(8, 8), f"{Q}.lora_B.weight": torch.ones(8, 8)}, "maxLoraRank 4"),
         ({}, {"embed.weight": torch.ones(2)}, "not a LoRA"),
+        ({"lora_alpha": None}, GOOD, "no lora_alpha number"),
+        ({"lora_alpha": "4"}, GOOD, "no lora_alpha number"),
+        ({}, {f"{Q}.lora_A.weight": torch.ones(0, 8), f"{Q}.lora_B.weight": torch.ones(8, 0)}, "base model"),
+        ({}, {f"{Q}.lora_A.weight": torch.ones(()), f"{Q}.lora_B.weight": torch.ones(8, 2)}, "base model"),
     ],
-    ids=["dora", "bias", "not-lora", "modules-to-save", "half-a-pair", "lm-head", "wrong-shape", "rank", "stray"],
+    ids=["dora", "bias", "not-lora", "modules-to-save", "half-a-pair", "lm-head", "wrong-shape", "rank", "stray",
+         "no-alpha", "alpha-a-string", "rank-zero", "a-scalar"],
 )  # fmt: skip
 def test_adapters_herd_cannot_serve_are_refused(
     tmp_path: Path, config: dict[str, object], tensors: dict[str, torch.Tensor], message: str
@@ -187,3 +192,27 @@ def test_scaling_is_folded_into_b(tmp_path: Path) -> None:
     assert adapter.rank == 2
     assert lora_a.eq(1).all()
     torch.testing.assert_close(lora_b, torch.full((8, 2), 6 / 2**0.5))
+
+
+@pytest.mark.parametrize(
+    ("config_text", "weights", "message"),
+    [
+        ("[]", None, "not a JSON object"),
+        ("{not json", None, "is not JSON"),
+        (b"\xff\xfe", None, "is not JSON"),
+        (None, b"not a safetensors file", "not a readable safetensors file"),
+    ],
+    ids=["config-a-list", "config-not-json", "config-not-utf8", "weights-corrupt"],
+)
+def test_a_malformed_adapter_folder_is_a_clear_error(
+    tmp_path: Path, config_text: str | bytes | None, weights: bytes | None, message: str
+) -> None:
+    folder = _write_adapter(tmp_path / "adapter", {}, GOOD)
+    if isinstance(config_text, str):
+        (folder / "adapter_config.json").write_text(config_text)
+    elif config_text is not None:
+        (folder / "adapter_config.json").write_bytes(config_text)
+    if weights is not None:
+        (folder / "adapter_model.safetensors").write_bytes(weights)
+    with pytest.raises(ValueError, match=message):
+        read_adapter("a", folder, SHAPES, max_rank=4, dtype=torch.float32)

@@ -30,7 +30,7 @@ from herd.api.prompt import PromptRenderer
 from herd.api.protocol import KVEvent, KVSnapshot, LoadReport, WorkerInfo
 from herd.worker.engine_protocol import EngineCore
 from herd.worker.outputs import RequestOutput
-from herd.worker.sampling_params import SamplingParams
+from herd.worker.sampling_params import InvalidParamError, SamplingParams
 from herd.worker.stats import EngineStats
 
 __all__ = [
@@ -370,6 +370,8 @@ class AsyncEngine:
 
 
 def _checked(output: RequestOutput) -> RequestOutput:
+    if output.error_param is not None:
+        raise InvalidParamError(output.error_param, output.error or "")
     if output.error is not None:
         raise RequestFailedError(output.error)
     return output

@@ -44,6 +44,7 @@ from herd.api.resume import RESUME_FIELD
 from herd.worker.block_manager import BlockManager, HeldRun
 from herd.worker.config import EngineConfig
 from herd.worker.detokenizer import IncrementalDetokenizer
+from herd.worker.grammar import GrammarError
 from herd.worker.kv_tiers import KVTierError
 from herd.worker.outputs import FinishReason, RequestOutput
 from herd.worker.pooling import PoolingConfig
@@ -449,6 +450,13 @@ class LLMEngine:
         )
 
     def _fail_request(self, seq: Sequence, error: Exception, *, stage: str) -> RequestOutput:
+        if isinstance(error, GrammarError):  # the request's grammar gave out, not the engine
+            log.warning(
+                "request's grammar failed; the engine goes on",
+                extra={"request_id": seq.request_id, "param": error.param, "error": str(error)},
+            )
+            message = f"{error.param} could not be followed while generating ({error.summary}): simplify it"
+            return self._end_with_error(seq, message, param=error.param)
         log.error(
             "request failed; the engine goes on",
             extra={"request_id": seq.request_id, "stage": stage},
@@ -489,8 +497,9 @@ class LLMEngine:
         self.block_manager.disable_disk()
         self.scheduler.requeue([chunk.seq for chunk in decision.chunks])
 
-    def _end_with_error(self, seq: Sequence, message: str) -> RequestOutput:
-        """Retire ``seq`` now (its blocks and any lease freed) with ``message`` for its client."""
+    def _end_with_error(self, seq: Sequence, message: str, *, param: str | None = None) -> RequestOutput:
+        """Retire ``seq`` now (its blocks and any lease freed) with ``message`` for its client
+        (``param``: the request's field to blame)."""
         self._requests.pop(seq.request_id, None)
         self.scheduler.finish(seq)
         self.release_held(seq.request_id)
@@ -505,6 +514,7 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens,
             num_output_tokens=seq.num_output_tokens,
             error=message,
+            error_param=param,
         )
 
     def _reset(self) -> None:

@@ -59,7 +59,18 @@ _SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
 class GrammarError(ValueError):
-    """A sequence's token that its grammar does not accept (a handed-over token, a matcher fault)."""
+    """A sequence's token that its grammar does not accept (a handed-over token, a matcher fault,
+    such as a grammar past llguidance's resource limits): the request's own field ``param`` failed,
+    so its client is told so (a 400), not that the server did."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+    @property
+    def summary(self) -> str:
+        """The first line of the matcher's report (the rest is its state dump, for the log)."""
+        return str(self).partition("\n")[0]
 
 
 @dataclass(frozen=True)
@@ -92,11 +103,13 @@ class GrammarSpec:
 class GrammarMatcher:
     """One sequence's position in its grammar."""
 
-    __slots__ = ("_matcher", "num_words")
+    __slots__ = ("_matcher", "num_words", "param")
 
-    def __init__(self, matcher: llguidance.LLMatcher, num_words: int) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, num_words: int, param: str) -> None:
         self._matcher = matcher
         self.num_words = num_words
+        self.param = param
+        """The request field the grammar came from (``GrammarSpec.param``)."""
 
     @property
     def matcher(self) -> llguidance.LLMatcher:
@@ -107,7 +120,9 @@ class GrammarMatcher:
 
     def advance(self, token_id: int) -> None:
         if not self._matcher.consume_token(token_id):
-            raise GrammarError(f"token {token_id} breaks the output's grammar: {self._matcher.get_error()}")
+            raise GrammarError(
+                f"token {token_id} breaks the output's grammar: {self._matcher.get_error()}", self.param
+            )
 
     @property
     def is_finished(self) -> bool:
@@ -117,7 +132,7 @@ class GrammarMatcher:
     def check(self) -> None:
         """Raise ``GrammarError`` if the matcher failed (a resource limit of its grammar, say)."""
         if self._matcher.is_error():
-            raise GrammarError(f"the output's grammar failed: {self._matcher.get_error()}")
+            raise GrammarError(f"the output's grammar failed: {self._matcher.get_error()}", self.param)
 
 
 class CompiledGrammar:
@@ -129,7 +144,7 @@ class CompiledGrammar:
         self.num_words = num_words
 
     def matcher(self) -> GrammarMatcher:
-        return GrammarMatcher(self._pristine.deep_copy(), self.num_words)
+        return GrammarMatcher(self._pristine.deep_copy(), self.num_words, self.spec.param)
 
 
 class GrammarCompiler:

@@ -11,6 +11,7 @@ adapters occupy the ``maxLoras`` device slots a step may use, evicting the least
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 __all__ = ["LoraAdapter", "SlotTable", "read_adapter"]
 
@@ -85,7 +86,19 @@ def _read_config(path: Path) -> dict[str, Any]:
     file = path / _CONFIG
     if not file.is_file():
         raise ValueError(f"{path} has no {_CONFIG}: pass a folder written by peft's save_pretrained")
-    config: dict[str, Any] = json.loads(file.read_text())
+    try:
+        config = json.loads(file.read_text())
+    except (ValueError, RecursionError) as error:  # a UnicodeDecodeError is a ValueError too
+        raise ValueError(
+            f"{file} is not JSON ({error}): pass a folder written by peft's save_pretrained"
+        ) from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{file} is not a JSON object: pass a folder written by peft's save_pretrained")
+    alpha = config.get("lora_alpha")
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha):
+        raise ValueError(
+            f"{file} has no lora_alpha number (got {alpha!r}): PEFT writes one for every adapter"
+        )
     if config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{file} is a {config['peft_type']} adapter; herd serves LoRA adapters only")
     if config.get("bias", "none") != "none":
@@ -101,12 +114,17 @@ def _read_tensors(path: Path) -> dict[str, dict[str, torch.Tensor]]:
     if not file.is_file():
         raise ValueError(f"{path} has no {_WEIGHTS}: save the adapter with safetensors")
     tensors: dict[str, dict[str, torch.Tensor]] = {}
-    with safe_open(str(file), framework="pt") as handle:
-        for key in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
-            match = _KEY.match(key)
-            if match is None:
-                raise ValueError(f"{file} has a tensor {key!r} that is not a LoRA A or B weight")
-            tensors.setdefault(match["module"], {})[match["which"]] = handle.get_tensor(key)
+    try:
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                match = _KEY.match(key)
+                if match is None:
+                    raise ValueError(f"{file} has a tensor {key!r} that is not a LoRA A or B weight")
+                tensors.setdefault(match["module"], {})[match["which"]] = handle.get_tensor(key)
+    except SafetensorError as error:
+        raise ValueError(
+            f"{file} is not a readable safetensors file ({error}): save the adapter again"
+        ) from None
     return tensors
 
 
@@ -117,8 +135,8 @@ def _check_module(
         targets = ", ".join(sorted(TARGET_MODULES))
         raise ValueError(f"{path} adapts {module}, which herd cannot adapt: target only {targets}")
     in_features, out_features = shapes[module]
-    rank = lora_a.shape[0]
-    if lora_a.shape != (rank, in_features) or lora_b.shape != (out_features, rank):
+    rank = lora_a.shape[0] if lora_a.ndim == 2 else 0
+    if rank < 1 or lora_a.shape != (rank, in_features) or lora_b.shape != (out_features, rank):
         raise ValueError(
             f"{path}: {module}'s A {tuple(lora_a.shape)} and B {tuple(lora_b.shape)} do not fit the model's "
             f"{in_features} -> {out_features} projection: is the adapter for this base model?"

@@ -46,3 +46,6 @@ class RequestOutput:
     error: str | None = None
     """Set on the last output of a request the engine failed (``finished``, reason ``abort``): what
     went wrong, for its client. Other requests are unaffected."""
+    error_param: str | None = None
+    """With ``error``, when the request's own field failed (a grammar past its resource limits): the
+    field, for a 400 that names it rather than a 500."""

@@ -115,6 +115,9 @@ class PublicOptions:
     internal_token: str = ""
     """The token herd's gateway presents (``X-Herd-Token``): it guards the runtime LoRA routes
     (``_lora``; without one they refuse), and only a request carrying it may resume a stream."""
+    max_queue_len: int | None = None
+    """The engine's ``maxQueueLen``: a request of more sequences (inputs, prompts x ``n``) could never
+    be queued whole, so it is refused with a 400 rather than a 429 that no retry would pass."""
 
 
 def build_public_app(engine: ServingEngine, options: PublicOptions) -> FastAPI:
@@ -174,6 +177,7 @@ class _PublicRoutes:
         handoff = handoff_params(body)
         renderer, max_model_len = self.engine.renderer, self.engine.info.max_model_len
         prompts = await self._prompts(handoff, lambda: [chat_prompt(renderer, body, max_model_len)])
+        self._check_fits_queue(body.n, "n")
         return await self._generate(request, body, prompts, _CHAT, handoff)
 
     async def completions(self, request: Request) -> Response:
@@ -182,6 +186,7 @@ class _PublicRoutes:
         handoff = handoff_params(body)
         renderer, max_model_len = self.engine.renderer, self.engine.info.max_model_len
         prompts = await self._prompts(handoff, lambda: completion_prompts(renderer, body, max_model_len))
+        self._check_fits_queue(len(prompts) * body.n, "prompt")
         return await self._generate(request, body, prompts, _COMPLETIONS, handoff)
 
     async def embeddings(self, request: Request) -> Response:
@@ -189,6 +194,7 @@ class _PublicRoutes:
         info, renderer = self.engine.info, self.engine.renderer
         dimensions = check_dimensions(body.dimensions, info)
         inputs = await self._threads.run(embedding_inputs, renderer, body, info)
+        self._check_fits_queue(len(inputs), "input")
         work = embed(
             self.engine,
             request_id(request),
@@ -198,6 +204,17 @@ class _PublicRoutes:
             served_name=self.options.served_name,
         )
         return await _json_unless_disconnected(request, work)
+
+    def _check_fits_queue(self, num_sequences: int, param: str) -> None:
+        """400 for a request of more sequences than the engine ever queues (a 429 would never pass)."""
+        limit = self.options.max_queue_len
+        if limit is not None and num_sequences > limit:
+            raise HttpError(
+                400,
+                f"the request makes {num_sequences} sequences but this worker queues at most {limit} "
+                f"(engine.maxQueueLen): send at most {limit} in one request",
+                param=param,
+            )
 
     async def render_chat(self, request: Request) -> RenderedPrompt:
         body = await self._read(request, ChatCompletionRequest)

@@ -77,10 +77,7 @@ def serve_many(
     any engine failed."""
     return uvloop.run(
         _serve(
-            [
-                _Worker(partial(build_engine, config, renderer), config.served_name, options)
-                for config, options in workers
-            ]
+            [_Worker(partial(build_engine, config, renderer), config, options) for config, options in workers]
         )
     )
 
@@ -88,12 +85,17 @@ def serve_many(
 class _Worker:
     """One worker's engine and its two servers."""
 
-    def __init__(self, factory: Callable[[], EngineCore], served_name: str, options: ServeOptions) -> None:
+    def __init__(
+        self, factory: Callable[[], EngineCore], config: EngineConfig, options: ServeOptions
+    ) -> None:
         self.engine = AsyncEngine(factory)
-        self.served_name = served_name
+        self.served_name = served_name = config.served_name
         self.options = options
         public = build_public_app(
-            self.engine, PublicOptions(served_name, options.max_body_bytes, options.internal_token)
+            self.engine,
+            PublicOptions(
+                served_name, options.max_body_bytes, options.internal_token, config.engine.max_queue_len
+            ),
         )
         self.disagg = attach_disaggregation(public, self.engine, options.internal_token)
         internal = build_internal_app(self.engine, options.internal_token, routers=[self.disagg.router])
