@@ -91,6 +91,14 @@ def chat(**fields: Any) -> dict[str, Any]:
         ("POST", "/detokenize", {"json": {"tokens": [1, -1]}}, 400, "tokens", "token id -1 in tokens"),
         (
             "POST",
+            "/v1/completions",
+            {"json": {"model": "tiny", "prompt": ""}},
+            400,
+            "prompt",
+            "the prompt is empty",
+        ),
+        (
+            "POST",
             CHAT,
             {"content": b'{"x": ' + b"[" * 70 + b"]" * 70 + b"}", "headers": JSON},
             400,
@@ -160,6 +168,7 @@ def chat(**fields: Any) -> dict[str, Any]:
         "lone-surrogate-prompt",
         "lone-surrogate-tokenize",
         "detokenize-bad-id",
+        "empty-prompt",
         "too-deep",
         "structured-json-too-deep",
         "template-global-overridden",

@@ -237,7 +237,7 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in the engine: use a unique id")
         if not prompt_token_ids:
-            raise ValueError("the prompt is empty: send at least one token")
+            raise InvalidParamError("prompt", "the prompt is empty: send at least one token")
         check_token_ids(prompt_token_ids, self.vocab_size, param="prompt")
         params.check_vocab(self.vocab_size)
         if self.pooling is not None:  # an embedding: the prompt alone, no output
