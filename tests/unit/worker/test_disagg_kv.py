@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import struct
 
 import pytest
 import torch
@@ -41,11 +43,33 @@ def test_a_frame_carries_raw_bytes_after_a_small_header() -> None:
     assert len(frame) - kv.nbytes < 400
 
 
+def _forged(raw: bytes, **header: object) -> bytes:
+    """A frame of two blocks' worth of ``raw`` bytes whose header says ``header`` (over a true one's)."""
+    true = {"layout": dataclasses.asdict(LAYOUT), "block_hashes": [1, 2], "shape": [2, 2, 2, BS, 2, 8]}
+    encoded = json.dumps({**true, **header}).encode()
+    return b"HKV1" + struct.pack("<I", len(encoded)) + encoded + raw
+
+
+TWO_BLOCKS = bytes(2 * 2 * 2 * BS * 2 * 8 * 4)
+
+
 @pytest.mark.parametrize(
     "payload",
-    [b"", b"JSON{}", encode_frame(LAYOUT, [1], torch.zeros(2, 2, 1, BS, 2, 8))[:-4]],
-    ids=["empty", "bad-magic", "truncated-tensor"],
-)
+    [
+        b"",
+        b"JSON{}",
+        encode_frame(LAYOUT, [1], torch.zeros(2, 2, 1, BS, 2, 8))[:-4],
+        _forged(TWO_BLOCKS, shape=[len(TWO_BLOCKS) // 4]),  # the bytes add up, the shape does not
+        _forged(TWO_BLOCKS[: len(TWO_BLOCKS) // 2], shape=[2, 2, 1, BS, 2, 8]),  # one block for two
+        _forged(TWO_BLOCKS, shape=[-2, 2, -2, BS, 2, 8]),
+        _forged(b"", block_hashes=[], shape=[2, 2, 0, BS, 2, 8]),
+        _forged(TWO_BLOCKS, layout={**dataclasses.asdict(LAYOUT), "x": 1, "dtype": 5}),
+        _forged(TWO_BLOCKS, layout={"model": "m"}),
+        _forged(TWO_BLOCKS, layout={**dataclasses.asdict(LAYOUT), "num_layers": -2}),
+    ],
+    ids=["empty", "bad-magic", "truncated-tensor", "flat-shape", "fewer-blocks-than-hashes",
+         "negative-shape", "no-blocks", "dtype-not-a-name", "layout-missing-fields", "negative-layout"],
+)  # fmt: skip
 def test_a_malformed_frame_is_refused(payload: bytes) -> None:
     with pytest.raises(KVTransferError):
         decode_frame(payload)

@@ -655,7 +655,13 @@ class LLMEngine:
         imported = [block_id for block_id in targets if block_id is not None]
         self._make_moves()
         if imported:
-            self.runner.write_blocks(targets, kv)
+            try:
+                self.runner.write_blocks(targets, kv)
+            except Exception:
+                # Their hashes are registered already: they must not name KV that was never written.
+                self.block_manager.forget(imported)
+                self.block_manager.release(imported)
+                raise
         self.block_manager.release(imported)
         return len(imported)
 

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import httpx
 import torch
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
 from herd.api.kv_hash import BlockHash
 from herd.api.protocol import INTERNAL_PATHS, TOKEN_HEADER, KVTransferParams, WorkerInfo
@@ -137,6 +137,10 @@ class ProbeRequest(BaseModel):
     layout: dict[str, Any]
 
 
+_LAYOUT = TypeAdapter(KVLayout)
+"""A peer's layout as its frame states it, its fields' types checked."""
+
+
 class _FrameHeader(BaseModel):
     layout: dict[str, Any]
     block_hashes: list[BlockHash]
@@ -158,13 +162,24 @@ def decode_frame(payload: bytes) -> tuple[KVLayout, list[BlockHash], torch.Tenso
     if len(payload) < start or not payload.startswith(_MAGIC):
         raise KVTransferError("the peer sent no herd KV block frame (bad magic): is it a herd worker?")
     (length,) = _LENGTH.unpack_from(payload, len(_MAGIC))
-    header = _FrameHeader.model_validate_json(payload[start : start + length])
-    layout = KVLayout(**header.layout)
+    try:
+        header = _FrameHeader.model_validate_json(payload[start : start + length])
+        layout = _LAYOUT.validate_python(header.layout)
+    except ValidationError as error:
+        raise KVTransferError(f"the block frame's header is malformed: {error}") from None
+    num_blocks = header.shape[2] if len(header.shape) == 6 else 0  # a probe's zero blocks have no hashes
+    shape = [layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim]
+    if header.shape != shape or min(shape) < 1 or len(header.block_hashes) not in (0, num_blocks):
+        # Its bytes may still add up: written into the pool they would be the wrong blocks' KV.
+        raise KVTransferError(
+            f"the block frame's shape {header.shape} is not its layout's {shape} for its "
+            f"{len(header.block_hashes)} blocks"
+        )
     raw = bytearray(memoryview(payload)[start + length :])  # one copy: torch wants a writable buffer
-    expected = layout.torch_dtype.itemsize * _product(header.shape)
+    expected = layout.torch_dtype.itemsize * _product(shape)
     if len(raw) != expected:
         raise KVTransferError(f"the block frame holds {len(raw)} tensor bytes, its header says {expected}")
-    kv = torch.frombuffer(raw, dtype=torch.uint8).view(layout.torch_dtype).reshape(header.shape)
+    kv = torch.frombuffer(raw, dtype=torch.uint8).view(layout.torch_dtype).reshape(shape)
     return layout, header.block_hashes, kv
 
 
@@ -258,7 +273,8 @@ class HttpKVTransfer:
                 headers={**self.headers, "content-type": "application/json"},
                 timeout=self.timeout,
             )
-        except httpx.HTTPError as error:
+        except (httpx.HTTPError, httpx.InvalidURL, OSError, ExceptionGroup) as error:
+            # A peer's answer names the host and port of the next call: a bad one fails the pull only.
             raise KVTransferError(f"{what} {url} unreachable: {error}") from error
         if response.status_code == httpx.codes.CONFLICT:
             raise KVLayoutError(_error_message(response))
@@ -293,7 +309,7 @@ class HttpKVTransfer:
                 headers={**self.headers, "content-type": "application/json"},
                 timeout=self.timeout,
             )
-        except httpx.HTTPError:
+        except (httpx.HTTPError, httpx.InvalidURL, OSError, ExceptionGroup):
             return  # the lease expires on its own and is counted there
 
 
