@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 __all__ = [
     "INTERNAL_PATHS",
@@ -18,6 +18,8 @@ __all__ = [
     "LABEL_MANAGED_BY",
     "LABEL_ROLE",
     "MANAGED_BY",
+    "MAX_LOAD_COUNT",
+    "MAX_LOAD_RATE",
     "MEDIA",
     "RENDEZVOUS_PORT",
     "REQUEST_ID_HEADER",
@@ -127,47 +129,68 @@ class TokenizerFiles(BaseModel):
     files: dict[str, str]
 
 
+MAX_LOAD_COUNT = 2**53
+"""Above any count or size a worker reports, and what a float holds exactly."""
+MAX_LOAD_RATE = 1e15
+"""Above any rate (tokens or bytes a second) or seconds a worker measures."""
+
+
 class LoadReport(BaseModel):
     """A worker's load as of its last step. The LoRA fields follow the Gateway API Inference
     Extension's ``vllm:lora_requests_info``: adapters loaded, running and waiting, and ``max_loras``,
     the distinct adapters one step may run (0: LoRA is off).
 
     Routing prices workers by these figures, so a report with a negative count or a rate that is not
-    a finite positive number is refused where it enters (the orchestrator counts it as the worker's
-    failure), never ranked."""
+    a finite positive number, or one past any real machine's (``MAX_LOAD_COUNT``, ``MAX_LOAD_RATE``: products
+    of them stay finite floats), is refused where it enters (the orchestrator counts it as the
+    worker's failure), never ranked."""
 
     model_config = ConfigDict(allow_inf_nan=False)
 
-    num_running: int = Field(default=0, ge=0)
-    num_waiting: int = Field(default=0, ge=0)
-    num_waiting_prefill_tokens: int = Field(default=0, ge=0, description="Uncached prompt tokens queued.")
+    num_running: int = Field(default=0, ge=0, le=MAX_LOAD_COUNT)
+    num_waiting: int = Field(default=0, ge=0, le=MAX_LOAD_COUNT)
+    num_waiting_prefill_tokens: int = Field(
+        default=0, ge=0, le=MAX_LOAD_COUNT, description="Uncached prompt tokens queued."
+    )
     kv_usage: float = Field(default=0.0, ge=0.0, le=1.0)
-    num_free_blocks: int = Field(default=0, ge=0)
-    num_total_blocks: int = Field(default=0, ge=0)
+    num_free_blocks: int = Field(default=0, ge=0, le=MAX_LOAD_COUNT)
+    num_total_blocks: int = Field(default=0, ge=0, le=MAX_LOAD_COUNT)
     is_draining: bool = False
-    bytes_per_block: int = Field(default=0, ge=0, description="One KV block's size; 0 if not reported.")
+    bytes_per_block: int = Field(
+        default=0, ge=0, le=MAX_LOAD_COUNT, description="One KV block's size; 0 if not reported."
+    )
     max_batch_tokens: int = Field(
-        default=0, ge=0, description="Prompt tokens one engine step computes at most; 0 if not reported."
+        default=0,
+        ge=0,
+        le=MAX_LOAD_COUNT,
+        description="Prompt tokens one engine step computes at most; 0 if not reported.",
     )
     prefill_tokens_per_s: float | None = Field(
-        default=None, gt=0.0, description="Measured prefill rate (tokens a second); None until measured."
+        default=None,
+        gt=0.0,
+        le=MAX_LOAD_RATE,
+        description="Measured prefill rate (tokens a second); None until measured.",
     )
     decode_step_s: float | None = Field(
         default=None,
         gt=0.0,
+        le=MAX_LOAD_RATE,
         description=(
             "Measured seconds of a step that prefills too little to time a rate (decodes); "
             "None until measured."
         ),
     )
-    restore_bytes_per_s: dict[Medium, Annotated[float, Field(gt=0.0)]] = Field(
+    restore_bytes_per_s: dict[Medium, Annotated[float, Field(gt=0.0, le=MAX_LOAD_RATE)]] = Field(
         default_factory=dict,
         description="Measured bandwidth of restoring blocks onto the device, per tier it restores from.",
     )
     pull_bytes_per_s: float | None = Field(
-        default=None, gt=0.0, description="Measured bandwidth of pulling blocks from a peer worker."
+        default=None,
+        gt=0.0,
+        le=MAX_LOAD_RATE,
+        description="Measured bandwidth of pulling blocks from a peer worker.",
     )
-    max_loras: int = Field(default=0, ge=0)
+    max_loras: int = Field(default=0, ge=0, le=MAX_LOAD_COUNT)
     lora_adapters: list[str] = Field(default_factory=list, description="LoRA adapters loaded.")
     running_lora_adapters: list[str] = Field(default_factory=list)
     waiting_lora_adapters: list[str] = Field(default_factory=list)
@@ -198,6 +221,15 @@ class KVSnapshot(BaseModel):
     block_hashes: list[int]
     tier_block_hashes: dict[Medium, list[int]] = Field(default_factory=dict)
     """The blocks each tier below the device holds (``host``, ``disk``); ``block_hashes`` is the device's."""
+
+    @field_validator("tier_block_hashes")
+    @classmethod
+    def _check_lower_tiers(cls, value: dict[Medium, list[int]]) -> dict[Medium, list[int]]:
+        if "device" in value:
+            raise ValueError(
+                "tier_block_hashes lists the tiers below the device; the device's are block_hashes"
+            )
+        return value
 
 
 class StatusQuery(BaseModel):
@@ -239,9 +271,9 @@ class KVTransferParams(BaseModel):
     remote_block_ids: list[int] | None = None
     remote_block_hashes: list[int] | None = None
     remote_host: str | None = None
-    remote_port: int | None = None
+    remote_port: int | None = Field(default=None, ge=1, le=65535)
     remote_request_id: str | None = None
-    lease_seconds: float | None = None
+    lease_seconds: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
     first_token_ids: list[int] | None = None
     """The first output token, sampled by the prefill worker with the request's own settings: a
     decode worker streams it at once and computes the second, instead of sampling the first again."""

@@ -523,6 +523,11 @@ class Registry:
                 self._record_silence(worker, f"{type(error).__name__}: {error}")
             except (httpx.HTTPError, ValueError) as error:
                 self._record_failure(worker, f"{type(error).__name__}: {error}")
+            except (
+                Exception
+            ) as error:  # a line this registry cannot apply: the worker fails, the follow goes on
+                log.exception("worker status line not applied", extra={"worker": worker.endpoint.id})
+                self._record_failure(worker, f"{type(error).__name__}: {error}")
             else:
                 if worker.needs_snapshot:
                     continue  # a gap in the events: reopen at once for a snapshot

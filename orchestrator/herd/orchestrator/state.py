@@ -428,7 +428,10 @@ def _deliver(sink: KVSink, fields: dict[bytes, bytes]) -> None:
     except (KeyError, ValueError) as error:
         log.warning("skipping a malformed KV stream entry", extra={"error": str(error)})
         return
-    sink(worker_id, payload)
+    try:
+        sink(worker_id, payload)
+    except Exception:  # another replica's entry this one cannot apply: skipped, the stream goes on
+        log.exception("skipping a KV stream entry this replica could not apply", extra={"worker": worker_id})
 
 
 def build_state(redis_url: str | None) -> State:

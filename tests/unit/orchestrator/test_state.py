@@ -14,6 +14,7 @@ from support.gateway_fakes import wait_for
 from support.procs import free_port, redis_argv, running, wait_until
 
 from herd.api.protocol import KVEvent, KVEventBatch, KVSnapshot
+from herd.orchestrator import state as state_module
 from herd.orchestrator.state import KVPayload, MemoryState, RedisState, State
 
 WITHIN_S = 30.0
@@ -187,3 +188,19 @@ def _set(port: int, key: str, value: str) -> None:
         command = f"*3\r\n$3\r\nSET\r\n${len(key)}\r\n{key}\r\n${len(value)}\r\n{value}\r\n"
         sock.sendall(command.encode())
         assert sock.recv(16).startswith(b"+OK")
+
+
+def test_an_entry_the_sink_cannot_apply_is_skipped_and_the_next_delivered(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    applied: list[str] = []
+
+    def sink(worker_id: str, payload: object) -> None:
+        if worker_id == "bad":
+            raise KeyError("device")  # what applying another replica's malformed snapshot raised
+        applied.append(worker_id)
+
+    entry = {b"kind": b"batch", b"data": b'{"epoch": "e", "events": []}'}
+    state_module._deliver(sink, {**entry, b"worker": b"bad"})
+    state_module._deliver(sink, {**entry, b"worker": b"good"})
+    assert applied == ["good"] and "could not apply" in caplog.text

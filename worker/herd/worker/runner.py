@@ -19,12 +19,11 @@ the whole batch, after which the engine asks ``check_health`` whether it may go 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from herd.api.protocol import Medium
+from herd.api.protocol import MAX_LOAD_RATE, Medium
 from herd.worker.cache_geometry import CacheGeometry
 from herd.worker.kv_tiers import KVMove
 from herd.worker.outputs import TokenLogprob
@@ -70,7 +69,7 @@ class Rate:
         if amount <= 0 or seconds <= 0:
             return
         rate = amount / seconds
-        if math.isfinite(rate):  # a clock too coarse to time it; the load report takes finite rates only
+        if rate <= MAX_LOAD_RATE:  # else a clock too coarse to time it (the load report refuses it)
             self.per_second = _averaged(self.per_second, rate, self.alpha)
 
 
