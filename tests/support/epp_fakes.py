@@ -104,7 +104,7 @@ def headers_message(
     return message
 
 
-def response_headers_message(*, status: int = 200, served: str | None = None) -> ProcessingRequest:
+def response_headers_message(*, status: int | str = 200, served: str | None = None) -> ProcessingRequest:
     """Response headers, with the endpoint that served in ``envoy.lb`` if given."""
     header_map = HeaderMap(headers=[HeaderValue(key=":status", raw_value=str(status).encode())])
     message = ProcessingRequest(response_headers=HttpHeaders(headers=header_map))

@@ -165,6 +165,30 @@ async def test_bad_requests_get_the_openai_envelope(
         await stream.close()
 
 
+async def test_a_body_before_its_headers_is_a_400_and_the_stream_goes_on() -> None:
+    async with running_epp(_cluster()) as epp:
+        stream = epp.stream()
+        await stream.send(ProcessingRequest(request_body=HttpBody(body=chat_body(), end_of_stream=True)))
+        answer = await stream.read()
+        assert answer.immediate_response.status.code == 400
+        assert "before its headers" in json.loads(answer.immediate_response.body)["error"]["message"]
+        await stream.close()
+
+
+async def test_a_body_that_ends_twice_is_routed_and_held_once() -> None:
+    async with running_epp(_cluster()) as epp:
+        stream = epp.stream()
+        chosen = destination_of((await stream.request(chat_body()))[-1])[0].removesuffix(".test")
+        for _ in range(2):  # Envoy would not send these; a broken filter might
+            await stream.send(ProcessingRequest(request_body=HttpBody(body=b"", end_of_stream=True)))
+            assert (await stream.read()).HasField("request_body")
+        assert epp.in_flight()[chosen] == 1 and sum(epp.in_flight().values()) == 1
+        await stream.send(response_headers_message(status="abc"))  # not a number: read as no status
+        assert (await stream.read()).HasField("response_headers")
+        await stream.close()
+        await wait_for(lambda: set(epp.in_flight().values()) == {0})
+
+
 async def test_the_endpoint_the_data_plane_served_on_takes_the_hold() -> None:
     async with running_epp(_cluster()) as epp:
         stream = epp.stream()

@@ -101,6 +101,10 @@ class Exchange:
         return [] if self.is_request_full_duplex else [wire.continue_headers(is_request=True)]
 
     async def _request_body(self, body: HttpBody) -> list[ProcessingResponse]:
+        if self.path not in WIRE_MODELS:  # a body before the request's headers
+            return [wire.immediate(HttpError(400, "the request body came before its headers"))]
+        if self.picked is not None:  # a body that ended once already: it was routed then
+            return [] if self.is_request_full_duplex else [wire.continue_body(is_request=True)]
         self.body += body.body
         limit = self.picker.settings.max_body_bytes
         if len(self.body) > limit:
@@ -120,7 +124,8 @@ class Exchange:
 
     def _response_headers(self, message: ProcessingRequest) -> list[ProcessingResponse]:
         headers = wire.header_map(message.response_headers)
-        self.status = int(headers.get(":status", "0") or 0)
+        status = headers.get(":status", "")
+        self.status = int(status) if status.isdigit() else 0
         self.has_retry_after = "retry-after" in headers
         self.is_stream = headers.get("content-type", "").startswith("text/event-stream")
         picked = self.picked

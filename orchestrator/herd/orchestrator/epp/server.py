@@ -20,8 +20,10 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_gr
 from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest, ProcessingResponse
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from herd.api.errors import HttpError
 from herd.orchestrator.auth import ApiKeys
 from herd.orchestrator.discovery import Membership, WorkerSource
+from herd.orchestrator.epp import wire
 from herd.orchestrator.epp.exchange import Exchange
 from herd.orchestrator.epp.picker import Picker, PickerSettings
 from herd.orchestrator.prepare import Preparer
@@ -63,7 +65,15 @@ class _Processor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         exchange = Exchange(self.picker)
         try:
             async for message in request_iterator:
-                for response in await exchange.handle(message):
+                try:
+                    responses = await exchange.handle(message)
+                except Exception as error:  # a defect: this request fails with a 500, the stream ends cleanly
+                    log.exception("endpoint picker failed on a message")
+                    yield wire.immediate(
+                        HttpError(500, f"the endpoint picker failed: {type(error).__name__}")
+                    )
+                    return
+                for response in responses:
                     yield response
         finally:
             exchange.close()
