@@ -460,6 +460,10 @@ class ServingSpec(_Spec):
     )
 
 
+MAX_REPLICAS = 2**31 - 1
+"""A Deployment's ``spec.replicas`` is a 32-bit integer: a larger count could never be applied."""
+
+
 class Accelerator(_Spec):
     vendor: Literal["nvidia", "amd", "none"] = "none"
     count: int = Field(default=1, ge=0)
@@ -477,7 +481,7 @@ class Resources(_Spec):
 
 
 class PoolSpec(_Spec):
-    replicas: int = Field(default=1, ge=0)
+    replicas: int = Field(default=1, ge=0, le=MAX_REPLICAS)
     pods_per_replica: int = Field(
         default=1,
         ge=1,
@@ -577,8 +581,8 @@ class AutoscalingSpec(_Spec):
     disaggregated) and, when disaggregated, of ``prefill`` (never below one replica)."""
 
     enabled: bool = False
-    min_replicas: int = Field(default=1, ge=0)
-    max_replicas: int = Field(default=8, ge=1)
+    min_replicas: int = Field(default=1, ge=0, le=MAX_REPLICAS)
+    max_replicas: int = Field(default=8, ge=1, le=MAX_REPLICAS)
     targets: AutoscalingTargets = Field(default_factory=AutoscalingTargets)
     scale_to_zero_after_seconds: int = Field(
         default=300,
@@ -623,6 +627,7 @@ class ModelDeploymentSpec(_Spec):
     replicas: int | None = Field(
         default=None,
         ge=0,
+        le=MAX_REPLICAS,
         description="Scale target (kubectl scale): overrides workers.replicas, or decode.replicas when disaggregated.",
     )
     workers: PoolSpec = Field(default_factory=PoolSpec)

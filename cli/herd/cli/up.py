@@ -95,6 +95,11 @@ def free_port_block(count: int, attempts: int = 50) -> list[int]:
 
     Drawn below Linux's ephemeral range (32768 up), where the kernel gives ports to outgoing
     connections: a block found free there could be taken by one before the fleet binds it."""
+    if count > (room := _EPHEMERAL_FROM - _BLOCK_PORTS_FROM) // 2:
+        raise UpError(
+            f"{count} simulated workers need {count} ports below {_EPHEMERAL_FROM}; one machine has room for "
+            f"{room // 2} in a block: run fewer replicas"
+        )
     rng = random.Random()
     for _ in range(attempts):
         start = rng.randrange(_BLOCK_PORTS_FROM, _EPHEMERAL_FROM - count)

@@ -51,6 +51,7 @@ def test_scale_target_overrides_the_scalable_pool() -> None:
         ({"serving": {"mode": "disaggregated"}}, "needs spec.prefill and spec.decode"),
         ({"prefill": {"replicas": 1}}, "spec.prefill is only used with serving.mode: disaggregated"),
         ({"workers": {"replicas": -1}}, "spec.workers.replicas: Input should be greater than or equal to 0"),
+        ({"replicas": 2**31}, "spec.replicas: Input should be less than or equal to 2147483647"),
         (
             {"engine": {"kvCache": {"blockSize": 24}}},
             "spec.engine.kvCache.blockSize: engine.kvCache.blockSize must be a power of two",
@@ -111,6 +112,7 @@ def test_scale_target_overrides_the_scalable_pool() -> None:
         "disagg-without-pools",
         "pool-without-disagg",
         "negative-replicas",
+        "replicas-past-a-deployments-int32",
         "block-size-not-power-of-two",
         "unknown-strategy",
         "setting-of-another-strategy",
