@@ -88,10 +88,15 @@ _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 
 class _Spec(BaseModel):
-    """Base of herd's own configuration objects: camelCase aliases, unknown keys rejected."""
+    """Base of herd's own configuration objects: camelCase aliases, unknown keys rejected, and no
+    infinite or NaN number (YAML's ``.inf`` and ``.nan``), which no setting means."""
 
     model_config = ConfigDict(
-        extra="forbid", alias_generator=to_camel, populate_by_name=True, validate_default=True
+        extra="forbid",
+        alias_generator=to_camel,
+        populate_by_name=True,
+        validate_default=True,
+        allow_inf_nan=False,
     )
 
 

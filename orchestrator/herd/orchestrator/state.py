@@ -45,15 +45,15 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Annotated, Any, Protocol, TypeVar
 
 import redis.asyncio as aioredis
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from herd.api.protocol import KVEventBatch, KVSnapshot
+from herd.api.protocol import MAX_LOAD_COUNT, KVEventBatch, KVSnapshot
 
 __all__ = [
     "IN_FLIGHT_TTL_S",
@@ -80,7 +80,7 @@ class InFlightCounts(BaseModel):
     """One replica's requests in flight, per worker id, as of when it wrote them."""
 
     origin: str
-    counts: dict[str, int]
+    counts: dict[str, Annotated[int, Field(ge=0, le=MAX_LOAD_COUNT)]]
 
 
 KVPayload = KVEventBatch | KVSnapshot | ExpectedBlocks | InFlightCounts

@@ -53,6 +53,10 @@ def test_scale_target_overrides_the_scalable_pool() -> None:
         ({"workers": {"replicas": -1}}, "spec.workers.replicas: Input should be greater than or equal to 0"),
         ({"replicas": 2**31}, "spec.replicas: Input should be less than or equal to 2147483647"),
         (
+            {"engine": {"kvCache": {"memoryGiB": float("inf")}}},
+            "spec.engine.kvCache.memoryGiB: Input should be a finite number",
+        ),
+        (
             {"engine": {"kvCache": {"blockSize": 24}}},
             "spec.engine.kvCache.blockSize: engine.kvCache.blockSize must be a power of two",
         ),
@@ -113,6 +117,7 @@ def test_scale_target_overrides_the_scalable_pool() -> None:
         "pool-without-disagg",
         "negative-replicas",
         "replicas-past-a-deployments-int32",
+        "yaml-inf",
         "block-size-not-power-of-two",
         "unknown-strategy",
         "setting-of-another-strategy",

@@ -204,3 +204,14 @@ def test_an_entry_the_sink_cannot_apply_is_skipped_and_the_next_delivered(
     state_module._deliver(sink, {**entry, b"worker": b"bad"})
     state_module._deliver(sink, {**entry, b"worker": b"good"})
     assert applied == ["good"] and "could not apply" in caplog.text
+
+
+def test_another_replicas_negative_in_flight_count_is_a_malformed_entry(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    applied: list[object] = []
+    data = b'{"origin": "other", "counts": {"w0": -3}}'
+    state_module._deliver(
+        lambda _, payload: applied.append(payload), {b"kind": b"in_flight", b"worker": b"", b"data": data}
+    )
+    assert applied == [] and "malformed KV stream entry" in caplog.text
