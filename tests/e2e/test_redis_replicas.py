@@ -89,6 +89,8 @@ def orchestrator(manifest: Path, worker_specs: list[str], redis_url: str, log: P
         str(manifest),
         "--redis",
         redis_url,
+        "--redis-timeout",  # a live Redis on a loaded runner may be slower than the 0.5 s default
+        "5",
         "--internal-token",
         TOKEN,
     ]

@@ -43,7 +43,10 @@ async def replica(
         silence_timeout=max(3 * poll_interval, 3.0),
     )
     settings = AppSettings(registry=registry)
-    state = RedisState(redis_url, retry_seconds=0.2)
+    # A live Redis on a loaded two-core runner can take longer than the production 0.5 s to answer;
+    # one such timeout switches a replica to its local state and splits sessions the test expects
+    # shared. A stopped Redis refuses connections at once, so the outage test is not slowed.
+    state = RedisState(redis_url, retry_seconds=0.2, timeout_seconds=5.0)
     async with running_gateway(
         cluster,
         routing=routing,  # type: ignore[arg-type]

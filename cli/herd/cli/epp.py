@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
         source,
         host=args.host,
         port=args.port,
-        state=build_state(args.redis),
+        state=build_state(args.redis, timeout_seconds=args.redis_timeout),
         settings=epp_settings(args, api_keys),
     )
     asyncio.run(serving)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -130,7 +131,11 @@ def run(args: argparse.Namespace) -> int:
         batch_concurrency=args.batch_concurrency,
     )
     app = build_app(
-        source, settings=settings, state=build_state(args.redis), api_keys=api_keys, admin_keys=admin_keys
+        source,
+        settings=settings,
+        state=build_state(args.redis, timeout_seconds=args.redis_timeout),
+        api_keys=api_keys,
+        admin_keys=admin_keys,
     )
     limits = ServerLimits(max_header_bytes=args.max_header_bytes, keep_alive_timeout=args.keep_alive_timeout)
     run_server(app, host=args.host, port=args.port, limits=limits)
@@ -157,6 +162,12 @@ def add_source_arguments(parser: argparse.ArgumentParser) -> None:
         "--kubeconfig", default=None, help="with --kubernetes, outside a cluster: this kubeconfig"
     )
     parser.add_argument("--redis", default=None, help="redis://HOST:PORT/DB to share sessions and KV events")
+    parser.add_argument(
+        "--redis-timeout",
+        type=_positive(float),
+        default=0.5,
+        help="seconds a Redis call may take before this replica routes on local state until Redis answers",
+    )
     parser.add_argument(
         "--admin-api-keys-file",
         type=Path,
@@ -312,8 +323,8 @@ def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
 
     def parse(text: str) -> int | float:
         value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"{text} is not above zero")
+        if not 0 < value < math.inf:
+            raise argparse.ArgumentTypeError(f"{text} is not a finite number above zero")
         return value
 
     return parse

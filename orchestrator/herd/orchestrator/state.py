@@ -434,6 +434,6 @@ def _deliver(sink: KVSink, fields: dict[bytes, bytes]) -> None:
         log.exception("skipping a KV stream entry this replica could not apply", extra={"worker": worker_id})
 
 
-def build_state(redis_url: str | None) -> State:
-    """``RedisState`` for a URL, else ``MemoryState``."""
-    return MemoryState() if redis_url is None else RedisState(redis_url)
+def build_state(redis_url: str | None, *, timeout_seconds: float = 0.5) -> State:
+    """``RedisState`` for a URL (each call waiting at most ``timeout_seconds``), else ``MemoryState``."""
+    return MemoryState() if redis_url is None else RedisState(redis_url, timeout_seconds=timeout_seconds)

@@ -57,15 +57,17 @@ def test_admission_flags(command: str, flags: tuple[str, ...], changed: dict[str
 @pytest.mark.parametrize(
     ("flags", "words"),
     [
-        (("--queue-max-size", "0"), "0 is not above zero"),
-        (("--queue-max-wait", "-1"), "-1 is not above zero"),
+        (("--queue-max-size", "0"), "0 is not a finite number above zero"),
+        (("--queue-max-wait", "-1"), "-1 is not a finite number above zero"),
         (("--queue-max-size", "x"), "invalid"),
+        (("--queue-max-wait", "nan"), "nan is not a finite number above zero"),
+        (("--queue-max-wait", "inf"), "inf is not a finite number above zero"),
         (("--slot-reserve", "1"), "1 is not in [0, 1)"),
         (("--slot-reserve", "-0.1"), "-0.1 is not in [0, 1)"),
         (("--slot-reserve", "half"), "invalid"),
         (("--batch-idle-max-share", "1"), "1 is not in [0, 1)"),
         (("--batch-idle-max-share", "-0.1"), "-0.1 is not in [0, 1)"),
-        (("--batch-idle-window", "0"), "0 is not above zero"),
+        (("--batch-idle-window", "0"), "0 is not a finite number above zero"),
         (("--batch-idle-min-workers", "-1"), "-1 is below zero"),
         (("--batch-idle-min-workers", "one"), "invalid"),
     ],
@@ -92,3 +94,14 @@ def test_the_endpoint_pickers_admission_is_what_its_flags_say() -> None:
         SlotReserve(),
         IdleHeadroom(),
     )
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_the_redis_timeout_defaults_to_half_a_second_and_takes_finite_positive_seconds(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert parsed(command).redis_timeout == 0.5
+    assert parsed(command, "--redis-timeout", "5").redis_timeout == 5.0
+    with pytest.raises(SystemExit):
+        parsed(command, "--redis-timeout", "0")
+    assert "argument --redis-timeout: 0 is not a finite number above zero" in capsys.readouterr().err

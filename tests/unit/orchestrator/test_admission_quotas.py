@@ -85,7 +85,7 @@ async def test_spent_tokens_close_the_minute() -> None:
 
 
 async def test_replicas_share_the_counts_through_redis(redis_url: str) -> None:
-    states = [RedisState(redis_url), RedisState(redis_url)]
+    states = [RedisState(redis_url, timeout_seconds=5.0) for _ in range(2)]  # a loaded runner's Redis
     name = Tenant(name="shared-across-replicas", quotas=Limits(requests_per_minute=4))
     try:
         admitted = 0
