@@ -35,6 +35,7 @@ __all__ = [
     "PromptLimit",
     "PromptRenderer",
     "PromptThreads",
+    "prompt_count",
     "read_tokenizer_files",
 ]
 
@@ -117,6 +118,14 @@ def _eos_ids(files: Mapping[str, str], tokenizer: Tokenizer, eos: str | None) ->
 _TEMPLATE_DATA_ERRORS = (TypeError, ValueError, LookupError, ArithmeticError, AttributeError, RecursionError)
 """What rendering raises when the template meets a value of the wrong kind (a number where it loops
 or calls, a string where it indexes): the request's fault, never the server's."""
+
+
+def prompt_count(prompt: str | list[str] | list[int] | list[list[int]]) -> int:
+    """How many prompts a text-or-ids field (``prompt``, ``input``) holds, without tokenizing: one for
+    a string or a list of ids, else one per item (``PromptRenderer.prompt_ids`` returns one list each)."""
+    if isinstance(prompt, str) or all(isinstance(item, int) for item in prompt):
+        return 1
+    return len(prompt)
 
 
 class PromptRenderer:

@@ -10,7 +10,7 @@ from support.tiny_models import train_tokenizer
 
 from herd.api import PromptError, PromptRenderer
 from herd.api.openai import ChatCompletionRequest, CompletionRequest, LengthError
-from herd.api.prompt import MAX_NICENESS, PREPARE_NICENESS, PromptThreads
+from herd.api.prompt import MAX_NICENESS, PREPARE_NICENESS, PromptThreads, prompt_count
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -143,3 +143,20 @@ def test_a_template_failing_on_the_requests_values_is_a_prompt_error(
     renderer = PromptRenderer(train_tokenizer(), chat_template=template)
     with pytest.raises(PromptError, match=f"chat_template_kwargs \\({words}"):
         renderer.render_chat([{"role": "user", "content": "hi"}], template_kwargs=kwargs)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "count"),
+    [
+        ("one text", 1),
+        ([5, 6, 7], 1),
+        (["a", "b", "c"], 3),
+        ([[5], [6, 7]], 2),
+        (["a", [5]], 2),
+    ],
+)
+def test_prompt_count_is_how_many_lists_prompt_ids_returns(
+    tiny_llama: Path, prompt: str | list[str] | list[int] | list[list[int]], count: int
+) -> None:
+    renderer = PromptRenderer.from_pretrained(tiny_llama)
+    assert prompt_count(prompt) == count == len(renderer.prompt_ids(prompt, param="prompt"))

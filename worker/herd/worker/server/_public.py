@@ -32,7 +32,7 @@ from herd.api.openai import (
     ModelList,
     SamplingFields,
 )
-from herd.api.prompt import PromptRenderer, PromptThreads
+from herd.api.prompt import PromptRenderer, PromptThreads, prompt_count
 from herd.api.protocol import TOKEN_HEADER, KVTransferParams
 from herd.api.resume import RESUMABLE_HEADER, RESUME_FIELD, ResumeParams
 from herd.api.tracing import context_from, tracer
@@ -174,27 +174,27 @@ class _PublicRoutes:
     async def chat(self, request: Request) -> Response:
         body = await self._read(request, ChatCompletionRequest)
         check_generates(self.engine.info)
+        self._check_fits_queue(body.n, "n")
         handoff = handoff_params(body)
         renderer, max_model_len = self.engine.renderer, self.engine.info.max_model_len
         prompts = await self._prompts(handoff, lambda: [chat_prompt(renderer, body, max_model_len)])
-        self._check_fits_queue(body.n, "n")
         return await self._generate(request, body, prompts, _CHAT, handoff)
 
     async def completions(self, request: Request) -> Response:
         body = await self._read(request, CompletionRequest)
         check_generates(self.engine.info)
+        self._check_fits_queue(prompt_count(body.prompt) * body.n, "prompt")
         handoff = handoff_params(body)
         renderer, max_model_len = self.engine.renderer, self.engine.info.max_model_len
         prompts = await self._prompts(handoff, lambda: completion_prompts(renderer, body, max_model_len))
-        self._check_fits_queue(len(prompts) * body.n, "prompt")
         return await self._generate(request, body, prompts, _COMPLETIONS, handoff)
 
     async def embeddings(self, request: Request) -> Response:
         body = await self._read(request, EmbeddingRequest)
         info, renderer = self.engine.info, self.engine.renderer
         dimensions = check_dimensions(body.dimensions, info)
+        self._check_fits_queue(prompt_count(body.input), "input")
         inputs = await self._threads.run(embedding_inputs, renderer, body, info)
-        self._check_fits_queue(len(inputs), "input")
         work = embed(
             self.engine,
             request_id(request),
