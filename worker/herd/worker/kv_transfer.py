@@ -18,11 +18,11 @@ import asyncio
 import struct
 import time
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Protocol
+from typing import Protocol
 
 import httpx
 import torch
-from pydantic import BaseModel, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from herd.api.kv_hash import BlockHash
 from herd.api.protocol import INTERNAL_PATHS, TOKEN_HEADER, KVTransferParams, WorkerInfo
@@ -115,7 +115,7 @@ class BlockRequest(BaseModel):
 
     remote_request_id: str
     block_hashes: list[BlockHash]
-    layout: dict[str, Any]
+    layout: KVLayout
 
 
 class ReleaseRequest(BaseModel):
@@ -126,7 +126,7 @@ class HoldRequest(BaseModel):
     """Body of ``POST kv_hold``: hold the leading run of these blocks the device caches, for a pull."""
 
     block_hashes: list[BlockHash] = Field(max_length=65_536)
-    layout: dict[str, Any]
+    layout: KVLayout
     lease_seconds: float | None = Field(default=None, gt=0.0)
 
 
@@ -134,15 +134,11 @@ class ProbeRequest(BaseModel):
     """Body of ``POST kv_probe``: send a frame of this many blocks of zeros in the asker's layout."""
 
     num_blocks: int = Field(ge=1, le=64)
-    layout: dict[str, Any]
-
-
-_LAYOUT = TypeAdapter(KVLayout)
-"""A peer's layout as its frame states it, its fields' types checked."""
+    layout: KVLayout
 
 
 class _FrameHeader(BaseModel):
-    layout: dict[str, Any]
+    layout: KVLayout
     block_hashes: list[BlockHash]
     shape: list[int]
 
@@ -150,7 +146,7 @@ class _FrameHeader(BaseModel):
 def encode_frame(layout: KVLayout, block_hashes: list[BlockHash], kv: torch.Tensor) -> bytes:
     """One block frame; ``kv`` is ``[layers, 2, blocks, block_size, kv_heads, head_dim]``."""
     kv = kv.contiguous()
-    header = _FrameHeader(layout=asdict(layout), block_hashes=block_hashes, shape=list(kv.shape))
+    header = _FrameHeader(layout=layout, block_hashes=block_hashes, shape=list(kv.shape))
     encoded = header.model_dump_json().encode()
     raw = kv.view(torch.uint8).numpy().data.cast("B")  # joined without an extra copy
     return b"".join((_MAGIC, _LENGTH.pack(len(encoded)), encoded, raw))
@@ -164,9 +160,9 @@ def decode_frame(payload: bytes) -> tuple[KVLayout, list[BlockHash], torch.Tenso
     (length,) = _LENGTH.unpack_from(payload, len(_MAGIC))
     try:
         header = _FrameHeader.model_validate_json(payload[start : start + length])
-        layout = _LAYOUT.validate_python(header.layout)
     except ValidationError as error:
         raise KVTransferError(f"the block frame's header is malformed: {error}") from None
+    layout = header.layout
     num_blocks = header.shape[2] if len(header.shape) == 6 else 0  # a probe's zero blocks have no hashes
     shape = [layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim]
     if header.shape != shape or min(shape) < 1 or len(header.block_hashes) not in (0, num_blocks):
@@ -238,7 +234,7 @@ class HttpKVTransfer:
         self.timeout = httpx.Timeout(timeout_s, connect=2.0)
 
     async def hold(self, peer_url: str, block_hashes: list[BlockHash], layout: KVLayout) -> KVSource | None:
-        body = HoldRequest(block_hashes=block_hashes, layout=asdict(layout))
+        body = HoldRequest(block_hashes=block_hashes, layout=layout)
         response = await self._post(peer_url, INTERNAL_PATHS.kv_hold, body.model_dump_json(), "peer worker")
         try:
             params = KVTransferParams.model_validate_json(response.content)
@@ -255,7 +251,7 @@ class HttpKVTransfer:
         """Fetch a frame of ``num_blocks`` zero blocks from ``url`` (this worker's own internal
         port): the bytes and seconds of the transport, frames included, before any real pull."""
         started = time.perf_counter()
-        body = ProbeRequest(num_blocks=num_blocks, layout=asdict(layout)).model_dump_json()
+        body = ProbeRequest(num_blocks=num_blocks, layout=layout).model_dump_json()
         response = await self._post(url, INTERNAL_PATHS.kv_probe, body, "this worker's internal port")
         try:
             _, _, kv = await asyncio.to_thread(decode_frame, response.content)
@@ -285,9 +281,7 @@ class HttpKVTransfer:
     async def fetch(
         self, source: KVSource, block_hashes: list[BlockHash], layout: KVLayout
     ) -> tuple[KVLayout, torch.Tensor]:
-        body = BlockRequest(
-            remote_request_id=source.request_id, block_hashes=block_hashes, layout=asdict(layout)
-        )
+        body = BlockRequest(remote_request_id=source.request_id, block_hashes=block_hashes, layout=layout)
         response = await self._post(
             source.base_url, INTERNAL_PATHS.kv_blocks, body.model_dump_json(), "KV holder"
         )

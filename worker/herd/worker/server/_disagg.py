@@ -275,12 +275,12 @@ class PrefillService:
         frame = await asyncio.to_thread(_zero_frame, local, body.num_blocks)
         return Response(frame, media_type=FRAME_MEDIA_TYPE)
 
-    def _check_layout(self, layout: dict[str, Any]) -> KVLayout:
+    def _check_layout(self, layout: KVLayout) -> KVLayout:
         """This worker's layout; 409 when the asking worker's differs."""
         local = KVLayout.of(self.engine.info)
         try:
-            check_layout(local, KVLayout(**layout), peer="the asking worker")
-        except (KVLayoutError, TypeError) as error:
+            check_layout(local, layout, peer="the asking worker")
+        except KVLayoutError as error:
             raise HttpError(409, str(error)) from None
         return local
 
