@@ -198,11 +198,12 @@ def test_scaling_is_folded_into_b(tmp_path: Path) -> None:
     ("config_text", "weights", "message"),
     [
         ("[]", None, "not a JSON object"),
-        ("{not json", None, "is not JSON"),
-        (b"\xff\xfe", None, "is not JSON"),
+        ("{not json", None, "is not valid JSON"),
+        (b"\xff\xfe", None, "is not valid JSON"),
+        ('{"a": ' * 100 + "1" + "}" * 100, None, "nests arrays and objects more than 64"),
         (None, b"not a safetensors file", "not a readable safetensors file"),
     ],
-    ids=["config-a-list", "config-not-json", "config-not-utf8", "weights-corrupt"],
+    ids=["config-a-list", "config-not-json", "config-not-utf8", "config-too-deep", "weights-corrupt"],
 )
 def test_a_malformed_adapter_folder_is_a_clear_error(
     tmp_path: Path, config_text: str | bytes | None, weights: bytes | None, message: str

@@ -10,7 +10,6 @@ adapters occupy the ``maxLoras`` device slots a step may use, evicting the least
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections import OrderedDict
@@ -21,6 +20,8 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
+
+from herd.api.body import BodyError, json_value
 
 __all__ = ["LoraAdapter", "SlotTable", "read_adapter"]
 
@@ -87,11 +88,9 @@ def _read_config(path: Path) -> dict[str, Any]:
     if not file.is_file():
         raise ValueError(f"{path} has no {_CONFIG}: pass a folder written by peft's save_pretrained")
     try:
-        config = json.loads(file.read_text())
-    except (ValueError, RecursionError) as error:  # a UnicodeDecodeError is a ValueError too
-        raise ValueError(
-            f"{file} is not JSON ({error}): pass a folder written by peft's save_pretrained"
-        ) from None
+        config = json_value(file.read_bytes(), what=str(file))
+    except BodyError as error:
+        raise ValueError(f"{error}: pass a folder written by peft's save_pretrained") from None
     if not isinstance(config, dict):
         raise ValueError(f"{file} is not a JSON object: pass a folder written by peft's save_pretrained")
     alpha = config.get("lora_alpha")
