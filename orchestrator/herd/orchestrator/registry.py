@@ -523,9 +523,7 @@ class Registry:
                 self._record_silence(worker, f"{type(error).__name__}: {error}")
             except (httpx.HTTPError, ValueError) as error:
                 self._record_failure(worker, f"{type(error).__name__}: {error}")
-            except (
-                Exception
-            ) as error:  # a line this registry cannot apply: the worker fails, the follow goes on
+            except Exception as error:  # a line this registry cannot apply: the follow goes on
                 log.exception("worker status line not applied", extra={"worker": worker.endpoint.id})
                 self._record_failure(worker, f"{type(error).__name__}: {error}")
             else:
