@@ -67,7 +67,11 @@ its wait in the worker's queue (as vLLM's ``benchmark_serving --request-rate``).
 0..rounds-1) runs every setup in the closed loop, ``none`` first, then every setup at each load, in
 turn; the table gives each figure's median over the rounds and its range. Besides the hit rate,
 TTFT and throughput, each run reports the share of requests that hit and the TTFT p50 of hits and
-of misses apart (``hit_split``). Every worker's step takes ``--max-batch-tokens`` tokens at most.
+of misses apart (``hit_split``), and the share of decisions that sent a request away from the
+worker holding the longest run of its prompt in any tier (``spill_rate``, over the whole run) and
+the part of those where every such worker was at the bounded-load cap (``forced_spill_rate``): a
+spill that was not forced is the router pricing that worker's queue above recomputing the prefix
+elsewhere. Every worker's step takes ``--max-batch-tokens`` tokens at most.
 
     .venv/bin/python bench/kv_tiers.py --out bench/results/kv_tiers_sim.json
 """
@@ -103,7 +107,6 @@ from herd.orchestrator.routing import (
     RequestContext,
     WorkerView,
     build_strategy,
-    decide,
     pull_block_tokens,
     restore_block_tokens,
 )
@@ -478,11 +481,11 @@ class TierSimulation(Simulation):
         )
         self.num_sent += 1
         self.busy_sessions.add(session)
-        views = [self._view(worker) for worker in self.workers]
-        decision = decide(self.model, views, self._context(request))
-        self._apply(decision)
-        request.num_prefill_tokens = decision.num_prefill_tokens
-        self._admit(next(w for w in self.workers if w.id == decision.worker.id), request)
+        self._admit(self._route(request), request)
+
+    def _held(self, hashes: list[int]) -> dict[str, int]:
+        """Each worker's leading run in any tier: a host block is a hit the router may go for."""
+        return {worker_id: run.length for worker_id, run in self.index.match_tiers(hashes).items()}
 
     def _record(self, worker: SimWorker, output: RequestOutput, finish_ms: float) -> None:
         request = worker.requests[output.request_id]
@@ -530,6 +533,8 @@ class TierSimulation(Simulation):
                 "hit_requests",
                 "ttft_p50_hit_ms",
                 "ttft_p50_miss_ms",
+                "spill_rate",
+                "forced_spill_rate",
                 "restored_host",
                 "restored_disk",
                 "restored_disk_slow",
@@ -673,11 +678,11 @@ def print_table(result: dict[str, Any]) -> None:
         )
         print(
             "| setup | hit rate | TTFT p50 (sim ms) | TTFT p99 (sim ms) | req/s "
-            "| requests hit (TTFT p50 hit / miss) "
+            "| requests hit (TTFT p50 hit / miss) | spilled (forced) "
             "| restored host / disk (on slow disks) | pulls with blocks / empty (blocks pulled) "
             "| leases by end (empty) |"
         )
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
         for name, row in loop["setups"].items():
             cells = [
                 f"{row[key]['median']:.3g} ({row[key]['min']:.3g}-{row[key]['max']:.3g})"
@@ -687,6 +692,7 @@ def print_table(result: dict[str, Any]) -> None:
                 f"{row['hit_requests']['median']:.2f} ({row['ttft_p50_hit_ms']['median']:.0f} / "
                 f"{row['ttft_p50_miss_ms']['median']:.0f})"
             )
+            spilled = f"{row['spill_rate']['median']:.2f} ({row['forced_spill_rate']['median']:.2f})"
             restored = (
                 f"{row['restored_host']['median']:.0f} / {row['restored_disk']['median']:.0f} "
                 f"({row['restored_disk_slow']['median']:.0f})"
@@ -700,7 +706,9 @@ def print_table(result: dict[str, Any]) -> None:
                 for end in RUN_ENDS
                 if row[f"leases_{end}"]["max"]
             )
-            print(f"| {name} | {' | '.join(cells)} | {split} | {restored} | {pulls} | {leases or '-'} |")
+            print(
+                f"| {name} | {' | '.join(cells)} | {split} | {spilled} | {restored} | {pulls} | {leases or '-'} |"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -322,8 +322,12 @@ class Simulation:
         hashes = block_hashes(token_ids, BLOCK_SIZE, model_id=MODEL_ID)
         request = Request(self.num_sent, tenant, token_ids, hashes, self.now)
         self.num_sent += 1
+        self._admit(self._route(request), request)
+
+    def _route(self, request: Request) -> SimWorker:
+        """The gateway's decision for ``request``, applied; counts it as a spill (forced or not)."""
         views = [self._view(worker) for worker in self.workers]
-        matched = self.index.match(hashes)
+        matched = self._held(request.hashes)
         decision = decide(self.model, views, self._context(request))
         self._apply(decision)
         request.num_prefill_tokens = decision.num_prefill_tokens
@@ -334,7 +338,11 @@ class Simulation:
             best = max(matched.values())
             if all(view.num_in_flight >= cap for view in views if matched.get(view.id, 0) == best):
                 self.num_forced += 1
-        self._admit(next(w for w in self.workers if w.id == choice.id), request)
+        return next(w for w in self.workers if w.id == choice.id)
+
+    def _held(self, hashes: list[int]) -> dict[str, int]:
+        """Each worker's leading run of ``hashes`` by the index: on its device or expected there."""
+        return self.index.match(hashes)
 
     def _context(self, request: Request) -> RequestContext:
         session = f"tenant-{request.tenant}"
