@@ -19,6 +19,7 @@ from herd.cli import calibrate
 from herd.cli.loadgen import BenchConfig, Progress, format_table, run_benchmark
 from herd.cli.loadgen.config import describe_errors, parse_extra_body
 from herd.cli.loadgen.oracle import OracleRequest, oracle_report, oracle_request
+from herd.cli.loadgen.output import cannot_write, check_writable
 from herd.cli.loadgen.traces import (
     TRACE_KINDS,
     TRACE_SPEC,
@@ -77,8 +78,11 @@ def _trace_requests(path: Path, num_requests: int | None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    json_out = Path(args.json_out) if args.json_out else None
     try:
         config = build_config(args)
+        if json_out:
+            check_writable(json_out, "--json-out")
     except ValidationError as error:
         for line in describe_errors(error):
             print(f"herd bench: {line}", file=sys.stderr)
@@ -93,9 +97,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"herd bench: {error}", file=sys.stderr)
         return 1
     print(format_table(report))
-    if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")
+    if json_out:
+        try:
+            json_out.parent.mkdir(parents=True, exist_ok=True)
+            json_out.write_text(json.dumps(report, indent=2) + "\n")
+        except OSError as error:  # checked before the run, but the disk may have filled since
+            print(f"herd bench: {cannot_write(json_out, '--json-out', error)}", file=sys.stderr)
+            return 1
     return 0 if report["num_completed"] else 1
 
 
@@ -192,14 +200,25 @@ def run_trace(args: argparse.Namespace) -> int:
         spec = TRACE_SPEC.validate_python({"kind": args.kind, **given})
     except ValidationError as error:
         for problem in error.errors(include_input=False, include_url=False):
-            option = "--" + str(problem["loc"][-1]).replace("_", "-")
             message = problem["msg"].removeprefix("Value error, ")
             if problem["type"] == "extra_forbidden":
                 message = f"not a setting of --kind {args.kind}; see herd bench trace --help"
-            print(f"herd bench trace: {option}: {message}", file=sys.stderr)
+            # The location is (kind, field), or just (kind,) for a problem of several settings.
+            if len(problem["loc"]) > 1:
+                message = "--" + str(problem["loc"][-1]).replace("_", "-") + f": {message}"
+            print(f"herd bench trace: {message}", file=sys.stderr)
         return 2
-    requests = generate(spec, args.seed)
-    dump_trace(requests, args.out)
+    try:
+        check_writable(args.out, "--out")
+        requests = generate(spec, args.seed)
+    except ValueError as error:
+        print(f"herd bench trace: {error}", file=sys.stderr)
+        return 2
+    try:
+        dump_trace(requests, args.out)
+    except OSError as error:
+        print(f"herd bench trace: {cannot_write(args.out, '--out', error)}", file=sys.stderr)
+        return 1
     sessions = len({request.session_id for request in requests})
     print(f"wrote {len(requests)} requests of {sessions} sessions to {args.out}")
     return 0

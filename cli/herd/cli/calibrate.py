@@ -14,6 +14,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from herd.cli.loadgen.output import cannot_write, check_writable
 from herd.cli.worker import engine_spec
 
 __all__ = ["register", "run"]
@@ -50,12 +51,22 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.out:
+        try:
+            check_writable(args.out, "--out")
+        except ValueError as error:
+            print(f"herd bench calibrate: {error}", file=sys.stderr)
+            return 2
     cost = calibrate(config, grid).model_dump(by_alias=True)
     text = json.dumps(cost, indent=2) + "\n"
     print(text, end="")
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+        try:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(text)
+        except OSError as error:  # checked before the run, but the disk may have filled since
+            print(f"herd bench calibrate: {cannot_write(args.out, '--out', error)}", file=sys.stderr)
+            return 1
     return 0
 
 

@@ -13,6 +13,7 @@ import pytest
 from support.fake_openai import FakeOpenAI, serving
 
 from herd.cli.loadgen import BenchConfig, run_benchmark
+from herd.cli.loadgen.runner import first_model
 from herd.cli.main import main
 
 
@@ -197,8 +198,29 @@ def test_cli_against_a_streaming_loopback_server(tmp_path: Path, capsys: pytest.
         (["--input-len", "9:1"], "herd bench: --input-len: a length range needs 0 < LOW <= HIGH, got '9:1'"),
         (["--concurrency", "0"], "herd bench: --concurrency: Input should be greater than or equal to 1"),
         (["--extra-body", "[1]"], "herd bench: --extra-body must be a JSON object, got list"),
+        (
+            ["--input-len", "99999999999"],
+            "herd bench: --input-len: a length must be at most 1048576 (past any model's context window), "
+            "got '99999999999'",
+        ),
+        (
+            ["--request-rate", "1e-9", "--num-requests", "5"],
+            "herd bench: --request-rate 1e-09: 5 requests would take about 5.79e+04 days to send, past the "
+            "week a paced run may last: raise --request-rate, lower --num-requests or end the run with "
+            "--duration",
+        ),
+        (["--request-rate", "inf"], "herd bench: --request-rate: Input should be a finite number"),
+        (["--duration", "nan"], "herd bench: --duration: Input should be a finite number"),
     ],
-    ids=["length", "concurrency", "extra-body"],
+    ids=[
+        "length",
+        "concurrency",
+        "extra-body",
+        "absurd-length",
+        "tiny-rate",
+        "infinite-rate",
+        "nan-duration",
+    ],
 )
 def test_cli_names_the_option_to_fix(
     options: list[str], message: str, capsys: pytest.CaptureFixture[str]
@@ -218,3 +240,79 @@ async def test_rate_mode_respects_a_concurrency_cap() -> None:
 async def test_an_unreachable_server_names_the_fix() -> None:
     with pytest.raises(RuntimeError, match="pass --model"):
         await run_benchmark(_config(url="http://127.0.0.1:9", timeout_s=2.0))
+
+
+async def test_a_low_rate_run_ends_at_its_duration() -> None:
+    started = time.monotonic()
+    # The first gap is drawn at about 11 days: only the deadline can end the wait.
+    run = _run(FakeOpenAI(), concurrency=None, request_rate=1e-6, num_requests=None, duration_s=0.3)
+    report = await asyncio.wait_for(run, 10)
+    assert report["num_completed"] == 1
+    assert time.monotonic() - started < 5.0
+
+
+def _streaming(chunk: str) -> httpx.MockTransport:
+    """A server whose every other answer carries ``chunk`` before a well-formed end."""
+    answers = 0
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        nonlocal answers
+        answers += 1
+        end = json.dumps({"choices": [{"delta": {"content": "w"}, "finish_reason": "stop"}]})
+        lines = [chunk, end] if answers % 2 else [end]
+        body = "".join(f"data: {line}\n\n" for line in [*lines, "[DONE]"])
+        return httpx.Response(200, content=body.encode(), headers={"content-type": "text/event-stream"})
+
+    return httpx.MockTransport(answer)
+
+
+@pytest.mark.parametrize(
+    ("chunk", "reason"),
+    [
+        ("[1, 2]", "not a JSON object"),
+        ("5", "not a JSON object"),
+        ('"text"', "not a JSON object"),
+        ("null", "not a JSON object"),
+        ("{not json", "Invalid JSON: key must be a string at line 1 column 2"),
+        ('{"choices": 5}', "choices: Input should be a valid array"),
+        ('{"choices": [1]}', "choices.0: not a JSON object"),
+        ('{"choices": [{"delta": "x"}]}', "choices.0.delta: not a JSON object"),
+        ('{"choices": [{"delta": {"content": 5}}]}',
+         "choices.0.delta.content: Input should be a valid string"),
+        ('{"choices": [{"text": ["a"]}]}', "choices.0.text: Input should be a valid string"),
+        ('{"choices": [{"finish_reason": 3}]}', "choices.0.finish_reason: Input should be a valid string"),
+        ('{"usage": 5}', "usage: not a JSON object"),
+        ('{"usage": {"prompt_tokens": "many"}}',
+         "usage.prompt_tokens: Input should be a valid integer, unable to parse string as an integer"),
+        ('{"usage": {"completion_tokens": -1}}',
+         "usage.completion_tokens: Input should be greater than or equal to 0"),
+        ('{"usage": {"prompt_tokens_details": 7}}', "usage.prompt_tokens_details: not a JSON object"),
+    ],
+    ids=["list", "number", "string", "null", "not-json", "choices-number", "choice-number", "delta-string",
+         "content-number", "text-list", "finish-number", "usage-number", "tokens-string", "tokens-negative",
+         "details-number"],
+)  # fmt: skip
+async def test_a_malformed_chunk_fails_its_request_not_the_run(chunk: str, reason: str) -> None:
+    report = await run_benchmark(_config(model="m", concurrency=1), transport=_streaming(chunk))
+    assert (report["num_completed"], report["num_errors"]) == (3, 3)
+    assert report["errors"] == {f"malformed stream chunk: {reason}": 3}
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        ("[1]", "not a JSON object"),
+        ('{"data": "abc"}', "data: Input should be a valid array"),
+        ('{"data": [5]}', "data.0: not a JSON object"),
+        ('{"data": [{"id": 5}]}', "data.0.id: Input should be a valid string"),
+        ('{"data": []}', "data: List should have at least 1 item"),
+    ],
+    ids=["list", "data-string", "card-number", "id-number", "no-models"],
+)
+async def test_a_malformed_model_list_names_the_fix(body: str, reason: str) -> None:
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, content=body.encode()))
+    async with httpx.AsyncClient(base_url="http://fake", transport=transport) as client:
+        with pytest.raises(RuntimeError) as caught:
+            await first_model(client)
+    assert str(caught.value).startswith(f"could not list models at http://fake/v1/models ({reason}")
+    assert str(caught.value).endswith("; pass --model")

@@ -14,19 +14,40 @@ from herd.cli.loadgen.workloads import (
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("256", LengthRange(256, 256)), ("16:64", LengthRange(16, 64)), ("1:1", LengthRange(1, 1))],
-    ids=["fixed", "range", "one"],
+    [
+        ("256", LengthRange(256, 256)),
+        ("16:64", LengthRange(16, 64)),
+        ("1:1", LengthRange(1, 1)),
+        ("1:1048576", LengthRange(1, 2**20)),
+    ],
+    ids=["fixed", "range", "one", "longest"],
 )
 def test_length_range_parses(text: str, expected: LengthRange) -> None:
     assert LengthRange.parse(text) == expected
 
 
 @pytest.mark.parametrize(
-    "text", ["", "abc", "0", "64:16", "1:x"], ids=["empty", "word", "zero", "reversed", "bad-high"]
-)
-def test_length_range_rejects_nonsense(text: str) -> None:
-    with pytest.raises(ValueError, match="length"):
+    ("text", "message"),
+    [
+        ("", "a length must be N or LOW:HIGH"),
+        ("abc", "a length must be N or LOW:HIGH"),
+        ("1:x", "a length must be N or LOW:HIGH"),
+        ("1:2:3", "a length must be N or LOW:HIGH"),
+        ("2.5", "a length must be N or LOW:HIGH"),
+        ("0", "a length range needs 0 < LOW <= HIGH"),
+        ("-5", "a length range needs 0 < LOW <= HIGH"),
+        ("64:16", "a length range needs 0 < LOW <= HIGH"),
+        ("1048577", "a length must be at most 1048576"),
+        ("1:99999999999", "a length must be at most 1048576"),
+    ],
+    ids=["empty", "word", "bad-high", "three-parts", "fraction", "zero", "negative", "reversed", "too-long",
+         "absurd-high"],
+)  # fmt: skip
+def test_length_range_rejects_nonsense(text: str, message: str) -> None:
+    with pytest.raises(ValueError) as caught:
         LengthRange.parse(text)
+    assert str(caught.value).startswith(message)
+    assert str(caught.value).endswith(f"got {text!r}")
 
 
 def test_synthetic_lengths_stay_in_range_and_repeat_with_the_seed() -> None:

@@ -150,8 +150,33 @@ def _line(**changes: Any) -> str:
         ([_line(messages=[])], "t.jsonl line 1: messages: List should have at least 1 item"),
         ([_line(model="x")], "t.jsonl line 1: model: Extra inputs are not permitted"),
         (["", "  "], "t.jsonl holds no requests"),
+        ([_line(timestamp=float("inf"))], "t.jsonl line 1: timestamp: Input should be a finite number"),
+        (
+            [_line(), _line(timestamp=7 * 24 * 3600 * 1000 + 1)],
+            "t.jsonl line 2: timestamp: must be at most 604800000 (a week in milliseconds",
+        ),
+        (
+            [_line(output_length=-4)],
+            "t.jsonl line 1: output_length: Input should be greater than or equal to 1",
+        ),
+        (
+            [_line(output_length=10**12)],
+            "t.jsonl line 1: output_length: must be at most 1048576 (past any model's context window)",
+        ),
     ],
-    ids=["not-json", "missing-field", "bad-role", "negative-time", "no-messages", "unknown-field", "empty"],
+    ids=[
+        "not-json",
+        "missing-field",
+        "bad-role",
+        "negative-time",
+        "no-messages",
+        "unknown-field",
+        "empty",
+        "infinite-time",
+        "time-past-a-week",
+        "negative-output",
+        "absurd-output",
+    ],
 )
 def test_a_malformed_trace_names_the_line(lines: list[str], message: str) -> None:
     with pytest.raises(TraceError) as caught:
@@ -162,6 +187,28 @@ def test_a_malformed_trace_names_the_line(lines: list[str], message: str) -> Non
 def test_a_missing_trace_file_names_the_fix(tmp_path: Path) -> None:
     with pytest.raises(TraceError, match=r"cannot read the trace .*herd bench trace"):
         load_trace(tmp_path / "nothing.jsonl")
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (_line().encode() + b"\n\xff\xfe" + _line().encode(), "line 2: byte 0xff is not UTF-8"),
+        (_line().replace('"s"', '"café"').encode("latin-1"), "line 1: byte 0xe9 is not UTF-8"),
+    ],
+    ids=["binary", "latin-1"],
+)
+def test_a_trace_that_is_not_utf8_names_the_file_and_line(data: bytes, message: str, tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(data)
+    with pytest.raises(TraceError) as caught:
+        load_trace(path)
+    assert str(caught.value).startswith(f"{path} {message}; a trace is UTF-8 JSONL")
+
+
+def test_text_with_unicode_line_separators_round_trips(tmp_path: Path) -> None:
+    request = TraceRequest.model_validate_json(_line(messages=[{"role": "user", "content": "a\u2028b\x85c"}]))
+    dump_trace([request], tmp_path / "t.jsonl")
+    assert load_trace(tmp_path / "t.jsonl") == [request]
 
 
 def test_the_cli_writes_the_same_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -189,9 +236,63 @@ def test_the_cli_writes_the_same_trace(tmp_path: Path, capsys: pytest.CaptureFix
             "--num-turns: not a setting of --kind shared-prefix",
         ),
         (["--kind", "multi-turn", "--user-len", "9:1"], "--user-len: a length range needs 0 < LOW <= HIGH"),
+        (
+            ["--kind", "multi-turn", "--user-len", "1:10000000000"],
+            "--user-len: a length must be at most 1048576",
+        ),
         (["--kind", "hot-burst", "--burst-at", "2"], "--burst-at: Input should be less than or equal to 1"),
+        (
+            ["--kind", "shared-prefix", "--request-rate", "0"],
+            "--request-rate: Input should be greater than 0",
+        ),
+        (
+            ["--kind", "shared-prefix", "--request-rate", "nan"],
+            "--request-rate: Input should be a finite number",
+        ),
+        (["--kind", "mooncake", "--request-rate", "inf"], "--request-rate: Input should be a finite number"),
+        (
+            ["--kind", "multi-turn", "--request-rate", "1e-6"],
+            "at these arrival rates the trace would span about 1.48e+03 days, and a trace may span at most "
+            "a week",
+        ),
+        (
+            ["--kind", "mooncake", "--request-rate", "5e-324"],
+            "at these arrival rates the trace would span about inf days",
+        ),
+        (
+            ["--kind", "hot-burst", "--burst-rate", "1e-9"],
+            "at these arrival rates the trace would span about 1.48e+06",
+        ),
+        (
+            # An expected span of 5.8 days that this seed's Poisson draw takes past a week.
+            [
+                "--kind",
+                "shared-prefix",
+                "--num-groups",
+                "1",
+                "--prompts-per-group",
+                "2",
+                "--request-rate",
+                "4e-6",
+                "--seed",
+                "11",
+            ],
+            "the drawn trace spans 9.4 days, and a trace may span at most a week",
+        ),
     ],
-    ids=["other-kinds-option", "bad-length", "out-of-range"],
+    ids=[
+        "other-kinds-option",
+        "bad-length",
+        "absurd-length",
+        "out-of-range",
+        "zero-rate",
+        "nan-rate",
+        "infinite-rate",
+        "tiny-rate",
+        "rate-that-underflows",
+        "tiny-burst-rate",
+        "drawn-past-a-week",
+    ],
 )
 def test_the_cli_names_the_option_to_fix(
     options: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]

@@ -3,23 +3,24 @@
 TTFT is the time to the first chunk that carries text; ITL the gaps between text chunks (one
 token each on OpenAI-style servers); token counts come from the final ``usage`` chunk
 (``stream_options.include_usage``), falling back to the number of text chunks when a server omits it.
+A chunk that does not have the shape of OpenAI's fails its request, never the run.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from pydantic import BaseModel, Field, ValidationError
 
 from herd.api.protocol import WORKER_HEADER
 from herd.cli.loadgen.config import BenchConfig
 from herd.cli.loadgen.workloads import RequestSpec
 
-__all__ = ["RequestResult", "build_body", "path_for", "send"]
+__all__ = ["RequestResult", "build_body", "describe_invalid", "path_for", "send"]
 
 
 @dataclass(slots=True)
@@ -88,6 +89,34 @@ async def send(
     return result
 
 
+class _Delta(BaseModel):
+    content: str | None = None
+
+
+class _Choice(BaseModel):
+    delta: _Delta | None = None
+    text: str | None = None
+    finish_reason: str | None = None
+
+
+class _TokenDetails(BaseModel):
+    cached_tokens: int | None = Field(default=None, ge=0)
+
+
+class _Usage(BaseModel):
+    prompt_tokens: int | None = Field(default=None, ge=0)
+    completion_tokens: int | None = Field(default=None, ge=0)
+    prompt_tokens_details: _TokenDetails | None = None
+
+
+class _Chunk(BaseModel):
+    """The fields of a chat or text completion chunk that a run reads; servers add others."""
+
+    choices: list[_Choice] | None = None
+    usage: _Usage | None = None
+    error: Any = None
+
+
 async def _read_stream(response: httpx.Response, result: RequestResult) -> None:
     async for line in response.aiter_lines():
         if not line.startswith("data:"):
@@ -95,7 +124,11 @@ async def _read_stream(response: httpx.Response, result: RequestResult) -> None:
         data = line[len("data:") :].strip()
         if data == "[DONE]":
             return
-        _apply_chunk(json.loads(data), result)
+        try:
+            chunk = _Chunk.model_validate_json(data)
+        except ValidationError as error:
+            raise ValueError(describe_invalid(error)) from None
+        _apply_chunk(chunk, result)
         if result.error is not None:
             return
     # Some servers (transformers serve) end a complete answer without the [DONE] line.
@@ -103,24 +136,33 @@ async def _read_stream(response: httpx.Response, result: RequestResult) -> None:
         result.error = "the stream closed before [DONE]: the server or the connection failed mid-answer"
 
 
-def _apply_chunk(chunk: Mapping[str, Any], result: RequestResult) -> None:
-    if "error" in chunk:
-        error = chunk["error"]
+def _apply_chunk(chunk: _Chunk, result: RequestResult) -> None:
+    if "error" in chunk.model_fields_set:
+        error = chunk.error
         result.error = f"stream error: {error.get('message', error) if isinstance(error, dict) else error}"
         return
-    for choice in chunk.get("choices") or ():
-        text = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+    for choice in chunk.choices or ():
+        text = (choice.delta.content if choice.delta else None) or choice.text or ""
         if text:
             result.chunk_times.append(time.perf_counter() - result.start)
             result.text += text
-        result.finish_reason = choice.get("finish_reason") or result.finish_reason
-    usage = chunk.get("usage")
-    if usage:
-        result.prompt_tokens = usage.get("prompt_tokens")
-        result.output_tokens = usage.get("completion_tokens")
+        result.finish_reason = choice.finish_reason or result.finish_reason
+    usage = chunk.usage
+    if usage is not None and usage.model_fields_set:  # an empty usage object keeps the counts read
+        result.prompt_tokens = usage.prompt_tokens
+        result.output_tokens = usage.completion_tokens
         # A server that reports no cache details has an unknown hit rate, not a zero one.
-        details = usage.get("prompt_tokens_details") or {}
-        result.cached_tokens = details.get("cached_tokens")
+        details = usage.prompt_tokens_details
+        result.cached_tokens = details.cached_tokens if details else None
+
+
+def describe_invalid(error: ValidationError) -> str:
+    """The first problem of a server's malformed JSON, in one line that names where it is (never the
+    value, so that like failures count as one in a report's ``errors``)."""
+    problem = error.errors(include_input=False, include_url=False)[0]
+    where = ".".join(str(part) for part in problem["loc"])
+    message = "not a JSON object" if problem["type"] in {"model_type", "dict_type"} else problem["msg"]
+    return f"{where}: {message}" if where else message
 
 
 def _http_error(status: int, body: bytes) -> str:

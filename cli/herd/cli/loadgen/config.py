@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from herd.cli.loadgen.traces import TraceError, load_trace, trace_workload
 from herd.cli.loadgen.workloads import (
+    MAX_SPAN_S,
     LengthRange,
     MultiTurnWorkload,
     SharedPrefixWorkload,
@@ -42,14 +43,14 @@ class BenchConfig(BaseModel):
     num_turns: int = Field(default=4, ge=1)
     session_header: str = "X-Session-ID"
     concurrency: int | None = Field(default=None, ge=1)
-    request_rate: float | None = Field(default=None, gt=0)
+    request_rate: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     num_requests: int | None = Field(default=None, ge=1)
-    duration_s: float | None = Field(default=None, gt=0)
+    duration_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     ignore_eos: bool = True
     include_usage: bool = True
     extra_body: dict[str, Any] = Field(default_factory=dict)
     api_key: str | None = Field(default=None, repr=False, exclude=True)
-    timeout_s: float = Field(default=300.0, gt=0)
+    timeout_s: float = Field(default=300.0, gt=0, allow_inf_nan=False)
     seed: int = 0
 
     @field_validator("input_len", "output_len")
@@ -66,7 +67,21 @@ class BenchConfig(BaseModel):
             raise ValueError("give --num-requests N or --duration SECONDS")
         if (self.workload == "trace") != (self.trace is not None):
             raise ValueError("--workload trace replays --trace FILE.jsonl: give both or neither")
+        self._check_paced_span()
         return self
+
+    def _check_paced_span(self) -> None:
+        """Refuse a rate so low that the requests asked for would take past a week to send (a run that
+        never ends in practice); a ``duration_s`` ends the run by itself."""
+        if self.request_rate is None or self.num_requests is None or self.duration_s is not None:
+            return
+        span_s = self.num_requests / self.request_rate
+        if span_s > MAX_SPAN_S:
+            raise ValueError(
+                f"--request-rate {self.request_rate:g}: {self.num_requests} requests would take about "
+                f"{span_s / 86_400:.3g} days to send, past the week a paced run may last: "
+                "raise --request-rate, lower --num-requests or end the run with --duration"
+            )
 
     @property
     def base_url(self) -> str:

@@ -11,8 +11,9 @@ from contextlib import AbstractAsyncContextManager, nullcontext
 from typing import Any
 
 import httpx
+from pydantic import BaseModel, Field, ValidationError
 
-from herd.cli.loadgen.client import RequestResult, send
+from herd.cli.loadgen.client import RequestResult, describe_invalid, send
 from herd.cli.loadgen.config import BenchConfig
 from herd.cli.loadgen.progress import Progress
 from herd.cli.loadgen.stats import build_report
@@ -44,17 +45,27 @@ async def run_benchmark(
     return {"config": config.model_dump(mode="json"), "model": model, **build_report(results, elapsed)}
 
 
+class _ModelCard(BaseModel):
+    id: str
+
+
+class _ModelList(BaseModel):
+    """What a run needs of ``GET /v1/models``; other fields are the server's business."""
+
+    data: list[_ModelCard] = Field(min_length=1)
+
+
 async def first_model(client: httpx.AsyncClient) -> str:
     """The first model the server lists, for runs without ``--model``."""
     try:
         response = await client.get("/v1/models")
         response.raise_for_status()
-        model: str = response.json()["data"][0]["id"]
-    except (httpx.HTTPError, ValueError, KeyError, IndexError) as error:
-        raise RuntimeError(
-            f"could not list models at {client.base_url}/v1/models ({error}); pass --model"
-        ) from None
-    return model
+        return _ModelList.model_validate_json(response.content).data[0].id
+    except httpx.HTTPError as error:
+        problem = str(error)
+    except ValidationError as error:
+        problem = describe_invalid(error)
+    raise RuntimeError(f"could not list models at {client.base_url}/v1/models ({problem}); pass --model")
 
 
 class _Run:
@@ -105,7 +116,10 @@ class _Run:
         tasks: list[asyncio.Task[None]] = []
         while self._take():
             tasks.append(asyncio.create_task(self._limited(limit)))
-            await asyncio.sleep(self.workload.arrival_gap_s(self.rng, rate))
+            if self.num_sent != self.config.num_requests:  # no wait after the last request
+                # A long gap is cut at the deadline, so --duration ends a run at a low rate on time.
+                gap_s = self.workload.arrival_gap_s(self.rng, rate)
+                await asyncio.sleep(min(gap_s, max(self.deadline - time.monotonic(), 0.0)))
         await asyncio.gather(*tasks)
 
     async def _limited(self, limit: AbstractAsyncContextManager[Any]) -> None:

@@ -6,10 +6,11 @@ on a server (the field names follow Mooncake's traces and aiperf's ``mooncake_tr
     {"timestamp": 1250, "session_id": "group-3", "messages": [{"role": "system", "content": "..."},
      {"role": "user", "content": "..."}], "output_length": 256, "hash_ids": [0, 1, 2, ...]}
 
-``timestamp`` is the arrival offset in milliseconds (lines are in arrival order); ``output_length``
-is the request's ``max_tokens``; a multi-turn session's later requests carry its earlier turns in
-full, with assistant text fixed by the trace, so every prompt is known before the run. ``hash_ids``
-name the request's blocks of ``HASH_BLOCK_WORDS`` words of message text (each role opens with one
+``timestamp`` is the arrival offset in milliseconds, at most a week (``MAX_SPAN_S``; lines are in
+arrival order); ``output_length`` is the request's ``max_tokens``, at most ``MAX_LENGTH``. The file
+is UTF-8. A multi-turn session's later requests carry its earlier turns in full, with assistant
+text fixed by the trace, so every prompt is known before the run. ``hash_ids`` name the request's
+blocks of ``HASH_BLOCK_WORDS`` words of message text (each role opens with one
 marker word), chained like KV block hashes: two requests share their first ``k`` ids exactly when
 their first ``k`` blocks are the same text, so any harness can see the sharing without a tokenizer.
 Text is made of the load generator's common words (about one token each); the exact token counts
@@ -19,14 +20,31 @@ come from the model's tokenizer (``herd bench oracle``).
 from __future__ import annotations
 
 import random
+from abc import abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Self
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
 
-from herd.cli.loadgen.workloads import LengthRange, Message, RequestSpec, TraceWorkload, random_text
+from herd.cli.loadgen.workloads import (
+    MAX_LENGTH,
+    MAX_SPAN_S,
+    LengthRange,
+    Message,
+    RequestSpec,
+    TraceWorkload,
+    random_text,
+)
 
 __all__ = [
     "HASH_BLOCK_WORDS",
@@ -50,6 +68,8 @@ __all__ = [
 HASH_BLOCK_WORDS = 16
 """Words per ``hash_ids`` block (herd's KV block is 16 tokens, and a word is about one token)."""
 
+_MAX_SPAN_MS = MAX_SPAN_S * 1000
+
 
 class TraceError(ValueError):
     """A trace file that cannot be replayed; the message names the file and the line."""
@@ -62,17 +82,30 @@ class TraceMessage(BaseModel):
     content: str
 
 
+def _at_most(limit: int, why: str) -> AfterValidator:
+    def check(value: int) -> int:
+        if value > limit:
+            raise ValueError(f"must be at most {limit} ({why})")
+        return value
+
+    return AfterValidator(check)
+
+
 class TraceRequest(BaseModel):
     """One line of a trace."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    timestamp: int = Field(ge=0, description="Arrival offset from the trace's start, in milliseconds.")
+    timestamp: Annotated[
+        int, _at_most(_MAX_SPAN_MS, "a week in milliseconds, the longest trace herd takes")
+    ] = Field(ge=0, description="Arrival offset from the trace's start, in milliseconds.")
     session_id: str = Field(
         description="The session (multi-turn, agent) or tenant (shared prefix) of the request."
     )
     messages: list[TraceMessage] = Field(min_length=1)
-    output_length: int = Field(ge=1, description="max_tokens of the request.")
+    output_length: Annotated[int, _at_most(MAX_LENGTH, "past any model's context window")] = Field(
+        ge=1, description="max_tokens of the request."
+    )
     hash_ids: list[int] = Field(description="Ids of the request's text blocks, shared where the text is.")
 
 
@@ -102,7 +135,28 @@ class _Draft:
 class _TraceKind(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    request_rate: float = Field(default=10.0, gt=0, description="mean arrivals per second (the timestamps)")
+    request_rate: float = Field(
+        default=10.0, gt=0, allow_inf_nan=False, description="mean arrivals per second (the timestamps)"
+    )
+
+    @model_validator(mode="after")
+    def _check_span(self) -> Self:
+        # Checked before drawing: at a tiny rate the draws overflow to infinity (or, for mooncake's
+        # sessions, divide by a rate that rounds to zero).
+        span_s = self._expected_span_s()
+        if span_s > MAX_SPAN_S:
+            rates = " or ".join(
+                "--" + name.replace("_", "-") for name in type(self).model_fields if name.endswith("_rate")
+            )
+            raise ValueError(
+                f"at these arrival rates the trace would span about {span_s / 86_400:.3g} days, and a trace "
+                f"may span at most a week (so that a replay ends): raise {rates} or ask for fewer requests"
+            )
+        return self
+
+    @abstractmethod
+    def _expected_span_s(self) -> float:
+        """The mean time from the first arrival to the last, in seconds."""
 
     def _arrive(
         self, drafts: list[_Draft], rng: random.Random, start_ms: float = 0.0, rate: float = 0.0
@@ -143,6 +197,9 @@ class SharedPrefixTrace(_TraceKind):
     question_len: int = Field(default=128, ge=1, description="question words")
     output_len: int = Field(default=256, ge=1, description="max_tokens of every request")
 
+    def _expected_span_s(self) -> float:
+        return self.num_groups * self.prompts_per_group / self.request_rate
+
     def drafts(self, rng: random.Random) -> list[_Draft]:
         systems = [random_text(rng, self.system_prompt_len) for _ in range(self.num_groups)]
         drafts = [
@@ -164,6 +221,9 @@ class MultiTurnTrace(_TraceKind):
     num_turns: int = Field(default=4, ge=1, description="turns per session")
     user_len: Length = Field(default="64", description="words per user turn: N or LOW:HIGH")
     output_len: Length = Field(default="128", description="max_tokens (and answer words): N or LOW:HIGH")
+
+    def _expected_span_s(self) -> float:
+        return self.num_sessions * self.num_turns / self.request_rate
 
     def drafts(self, rng: random.Random) -> list[_Draft]:
         user_len, output_len = _range(self.user_len), _range(self.output_len)
@@ -197,6 +257,9 @@ class MooncakeTrace(_TraceKind):
     chat_len: Length = Field(default="32:256", description="words per chat user turn")
     chat_gap_ms: Length = Field(default="5000:20000", description="ms between a chat's turns")
     output_len: Length = Field(default="16:128", description="max_tokens (and answer words)")
+
+    def _expected_span_s(self) -> float:
+        return self.num_requests / self.request_rate
 
     def drafts(self, rng: random.Random) -> list[_Draft]:
         contexts = [random_text(rng, self.app_context_len) for _ in range(self.num_apps)]
@@ -278,7 +341,12 @@ class HotBurstTrace(_TraceKind):
     burst_at: float = Field(
         default=0.5, ge=0, le=1, description="where the burst starts, as a share of the background"
     )
-    burst_rate: float = Field(default=100.0, gt=0, description="burst arrivals per second")
+    burst_rate: float = Field(
+        default=100.0, gt=0, allow_inf_nan=False, description="burst arrivals per second"
+    )
+
+    def _expected_span_s(self) -> float:
+        return self.num_requests / self.request_rate + self.burst_requests / self.burst_rate
 
     def drafts(self, rng: random.Random) -> list[_Draft]:
         prefixes = [random_text(rng, self.prefix_len) for _ in range(self.num_prefixes + 1)]
@@ -311,6 +379,14 @@ def generate(spec: TraceSpec, seed: int) -> list[TraceRequest]:
     drafts = sorted(spec.drafts(random.Random(seed)), key=lambda d: d.arrival_ms)
     blocks = _HashIds()
     start = drafts[0].arrival_ms
+    span_ms = drafts[-1].arrival_ms - start
+    # The rates passed _check_span, but Poisson tails and long session gaps can still draw past it.
+    if span_ms > _MAX_SPAN_MS:
+        raise ValueError(
+            f"the drawn trace spans {span_ms / 86_400_000:.3g} days, and a trace may span at most a week "
+            "(so that a replay ends): raise --request-rate, shorten the gaps between a session's requests "
+            "or ask for fewer requests"
+        )
     return [
         TraceRequest(
             timestamp=round(draft.arrival_ms - start),
@@ -342,7 +418,7 @@ class _HashIds:
 
 def dump_trace(requests: Iterable[TraceRequest], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as out:
+    with path.open("w", encoding="utf-8") as out:
         for request in requests:
             out.write(request.model_dump_json() + "\n")
 
@@ -358,7 +434,8 @@ def parse_trace(lines: Iterable[str], source: str) -> list[TraceRequest]:
         except ValidationError as error:
             problem = error.errors(include_input=False, include_url=False)[0]
             where = ".".join(str(part) for part in problem["loc"])
-            detail = f"{where}: {problem['msg']}" if where else problem["msg"]
+            message = problem["msg"].removeprefix("Value error, ")
+            detail = f"{where}: {message}" if where else message
             raise TraceError(
                 f"{source} line {number}: {detail}; every line must be one request object "
                 "as `herd bench trace` writes it (timestamp, session_id, messages, output_length, hash_ids)"
@@ -370,12 +447,22 @@ def parse_trace(lines: Iterable[str], source: str) -> list[TraceRequest]:
 
 def load_trace(path: Path) -> list[TraceRequest]:
     try:
-        lines = path.read_text().splitlines()
+        data = path.read_bytes()
     except OSError as error:
         raise TraceError(
             f"cannot read the trace {path}: {error.strerror}; write one with `herd bench trace`"
         ) from None
-    return parse_trace(lines, str(path))
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        raise TraceError(
+            f"{path} line {line}: byte {data[error.start]:#04x} is not UTF-8; a trace is UTF-8 JSONL "
+            "as `herd bench trace` writes it: convert the file (iconv -t UTF-8) or write it again"
+        ) from None
+    # Only "\n" ends a line: str.splitlines would also cut at U+2028 and the like, which JSON strings
+    # may hold unescaped.
+    return parse_trace(text.split("\n"), str(path))
 
 
 def trace_workload(requests: Sequence[TraceRequest], session_header: str) -> TraceWorkload:

@@ -13,6 +13,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 __all__ = [
+    "MAX_LENGTH",
+    "MAX_SPAN_S",
     "LengthRange",
     "Message",
     "MultiTurnWorkload",
@@ -34,6 +36,15 @@ _WORD_TEXT = (
 _WORDS = _WORD_TEXT.split()
 
 Message = dict[str, str]
+
+MAX_LENGTH = 2**20
+"""The longest length (words, tokens or milliseconds) ``herd bench`` takes: about a million, past any
+served model's context window. herd's API sets no bound on ``max_tokens``; a longer length is a typo,
+and its prompts alone would take gigabytes to build."""
+
+MAX_SPAN_S = 7 * 24 * 3600
+"""The longest a trace may span, or a run paced by a request rate may be expected to last: a week.
+Longer comes from a mistyped rate or count, and would make a run that never ends in practice."""
 
 
 def random_text(rng: random.Random, num_words: int) -> str:
@@ -57,6 +68,10 @@ class LengthRange:
             raise ValueError(f"a length must be N or LOW:HIGH (integers), got {text!r}") from None
         if not 0 < bounds.low <= bounds.high:
             raise ValueError(f"a length range needs 0 < LOW <= HIGH, got {text!r}")
+        if bounds.high > MAX_LENGTH:
+            raise ValueError(
+                f"a length must be at most {MAX_LENGTH} (past any model's context window), got {text!r}"
+            )
         return bounds
 
     def draw(self, rng: random.Random) -> int:
