@@ -14,6 +14,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from herd.cli._args import positive
 from herd.cli.loadgen.output import cannot_write, check_writable
 from herd.cli.worker import engine_spec
 
@@ -83,6 +84,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--context-lens", type=_sizes, default=(32, 128, 384), help="prompt tokens; default 32,128,384"
     )
-    parser.add_argument("--output-len", type=int, default=16, help="decoded tokens per request (default 16)")
+    parser.add_argument(
+        "--output-len", type=positive(int), default=16, help="decoded tokens per request (default 16)"
+    )
     parser.add_argument("--out", type=Path, help="also write the cost model as JSON to this file")
     parser.set_defaults(func=run)

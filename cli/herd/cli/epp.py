@@ -11,6 +11,7 @@ import sys
 from herd.api.logs import configure_logging
 from herd.api.manifest import ManifestError
 from herd.api.protocol import TOKEN_ENV
+from herd.cli._args import port, positive
 from herd.cli.orchestrator import (
     add_admission_arguments,
     add_source_arguments,
@@ -71,9 +72,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "epp", help="serve herd's routing to an Envoy-based gateway (Gateway API Inference Extension)"
     )
     parser.add_argument("--host", default="127.0.0.1", help="the gRPC address (0.0.0.0 in a pod)")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="ext_proc and gRPC health")
+    parser.add_argument("--port", type=port, default=DEFAULT_PORT, help="ext_proc and gRPC health")
     add_source_arguments(parser)
-    parser.add_argument("--max-body-bytes", type=int, default=PickerSettings().max_body_bytes)
+    parser.add_argument("--max-body-bytes", type=positive(int), default=PickerSettings().max_body_bytes)
     add_admission_arguments(parser)
     parser.add_argument("--log-level", default="INFO")
     parser.set_defaults(func=run)

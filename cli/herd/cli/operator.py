@@ -7,6 +7,7 @@ import asyncio
 import sys
 
 from herd.api.logs import configure_logging
+from herd.cli._args import positive
 from herd.operator.settings import AutoscalerSettings, OperatorConfig, PlanSettings
 
 __all__ = ["add_plan_arguments", "operator_config", "plan_settings", "register", "run"]
@@ -104,26 +105,26 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     add_plan_arguments(parser)
     parser.add_argument(
         "--retry-delay",
-        type=float,
+        type=positive(float),
         default=OperatorConfig().retry_delay,
         help="seconds before a pass that an API error failed runs again",
     )
     scaling = AutoscalerSettings()
     parser.add_argument(
         "--autoscale-interval",
-        type=float,
+        type=positive(float),
         default=scaling.interval_s,
         help="seconds between autoscaler rounds (metric scrapes and decisions)",
     )
     parser.add_argument(
         "--autoscale-window",
-        type=float,
+        type=positive(float),
         default=scaling.stabilization_s,
         help="scale-down stabilization window in seconds",
     )
     parser.add_argument(
         "--demand-interval",
-        type=float,
+        type=positive(float),
         default=scaling.demand_interval_s,
         help="seconds between reads of the requests the orchestrators hold for pools at zero",
     )

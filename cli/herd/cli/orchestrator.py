@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from herd.api.logs import configure_logging
 from herd.api.manifest import ManifestError, load_manifest
 from herd.api.protocol import TOKEN_ENV, Role
 from herd.api.tracing import configure_tracing
+from herd.cli._args import at_least_zero, port, positive, share
 from herd.orchestrator.access_log import enable_access_log
 from herd.orchestrator.admission.waiting import QueueSettings
 from herd.orchestrator.app import AppSettings, build_app
@@ -164,7 +164,7 @@ def add_source_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis", default=None, help="redis://HOST:PORT/DB to share sessions and KV events")
     parser.add_argument(
         "--redis-timeout",
-        type=_positive(float),
+        type=positive(float),
         default=0.5,
         help="seconds a Redis call may take before this replica routes on local state until Redis answers",
     )
@@ -200,19 +200,19 @@ def add_admission_arguments(parser: argparse.ArgumentParser) -> None:
     queue = QueueSettings()
     parser.add_argument(
         "--queue-max-size",
-        type=_positive(int),
+        type=positive(int),
         default=queue.max_size,
         help="requests that may wait per model while every worker is full (one more: 429)",
     )
     parser.add_argument(
         "--queue-max-wait",
-        type=_positive(float),
+        type=positive(float),
         default=queue.max_wait_seconds,
         help="seconds a request waits for a worker before its 429",
     )
     parser.add_argument(
         "--slot-reserve",
-        type=_share,
+        type=share,
         default=SlotReserve().share,
         help="the part of each worker's slots (maxBatchSize + maxQueueLen) that batch lines and other "
         "requests at the lowest priority leave to more urgent ones, in [0, 1)",
@@ -220,7 +220,7 @@ def add_admission_arguments(parser: argparse.ArgumentParser) -> None:
     headroom = IdleHeadroom()
     parser.add_argument(
         "--batch-idle-max-share",
-        type=_share,
+        type=share,
         default=headroom.max_share,
         help="the most of a model's workers (rounded up, never all) that batch lines leave free of batch "
         "work while interactive requests are recent: as many as the recent peak of interactive requests "
@@ -228,13 +228,13 @@ def add_admission_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--batch-idle-window",
-        type=_positive(float),
+        type=positive(float),
         default=headroom.window_s,
         help="seconds the peak of interactive requests in flight is remembered for --batch-idle-max-share",
     )
     parser.add_argument(
         "--batch-idle-min-workers",
-        type=_at_least_zero,
+        type=at_least_zero(int),
         default=headroom.min_workers,
         help="workers of each model that batch lines leave free of batch work even without interactive "
         "traffic (never all of them): a standing reserve that costs batch throughput all the time "
@@ -259,7 +259,7 @@ def idle_headroom(args: argparse.Namespace) -> IdleHeadroom:
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser("orchestrator", help="run the OpenAI gateway and router")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=port, default=8000)
     add_source_arguments(parser)
     parser.add_argument(
         "--batch-dir",
@@ -268,32 +268,41 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="serve the Batch API (/v1/files, /v1/batches), keeping its state in this folder",
     )
     parser.add_argument(
-        "--batch-concurrency", type=int, default=8, help="lines of one batch in flight at once (at least 1)"
+        "--batch-concurrency",
+        type=positive(int),
+        default=8,
+        help="lines of one batch in flight at once (at least 1)",
     )
     parser.add_argument(
-        "--request-timeout", type=float, default=600.0, help="seconds to wait for a worker's next byte"
+        "--request-timeout",
+        type=positive(float),
+        default=600.0,
+        help="seconds to wait for a worker's next byte",
     )
     parser.add_argument(
         "--max-resumes",
-        type=int,
+        type=at_least_zero(int),
         default=2,
         help="times a stream whose worker failed mid-answer goes on from another worker (0: never)",
     )
     add_admission_arguments(parser)
-    parser.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    parser.add_argument("--max-body-bytes", type=positive(int), default=4 * 1024 * 1024)
     parser.add_argument(
-        "--body-timeout", type=float, default=30.0, help="seconds a client may take to send a body (then 408)"
+        "--body-timeout",
+        type=positive(float),
+        default=30.0,
+        help="seconds a client may take to send a body (then 408)",
     )
     limits = ServerLimits()
     parser.add_argument(
         "--max-header-bytes",
-        type=int,
+        type=positive(int),
         default=limits.max_header_bytes,
         help="request line plus headers (more: 431)",
     )
     parser.add_argument(
         "--keep-alive-timeout",
-        type=int,
+        type=positive(int),
         default=limits.keep_alive_timeout,
         help="seconds an idle client connection stays open (longer than clients keep one)",
     )
@@ -316,31 +325,3 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="put each request's messages or prompt in its access line",
     )
     parser.set_defaults(func=run)
-
-
-def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
-    """An argparse type: a number above zero, else a usage error naming the value."""
-
-    def parse(text: str) -> int | float:
-        value = kind(text)
-        if not 0 < value < math.inf:
-            raise argparse.ArgumentTypeError(f"{text} is not a finite number above zero")
-        return value
-
-    return parse
-
-
-def _at_least_zero(text: str) -> int:
-    """An argparse type: a whole number of 0 or more, else a usage error naming the value."""
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text} is below zero")
-    return value
-
-
-def _share(text: str) -> float:
-    """An argparse type: a fraction in [0, 1), else a usage error naming the value."""
-    value = float(text)
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"{text} is not in [0, 1)")
-    return value

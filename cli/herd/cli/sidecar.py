@@ -11,6 +11,7 @@ from pathlib import Path
 from herd.api.backends import KV_EVENTS_TOPIC
 from herd.api.logs import configure_logging
 from herd.api.protocol import TOKEN_ENV
+from herd.cli._args import port, positive
 
 __all__ = ["register"]
 
@@ -65,11 +66,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     parser.add_argument("--served-name", required=True, help="the OpenAI model name vLLM serves")
     parser.add_argument("--model", type=Path, required=True, help="the HF-format model folder vLLM serves")
-    parser.add_argument("--block-size", type=int, required=True, help="vLLM's --block-size")
+    parser.add_argument("--block-size", type=positive(int), required=True, help="vLLM's --block-size")
     parser.add_argument("--role", choices=["unified", "prefill", "decode"], default="unified")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8001, help="public OpenAI port (default 8001)")
-    parser.add_argument("--internal-port", type=int, help="internal protocol port (default: port + 1000)")
+    parser.add_argument("--port", type=port, default=8001, help="public OpenAI port (default 8001)")
+    parser.add_argument("--internal-port", type=port, help="internal protocol port (default: port + 1000)")
     parser.add_argument("--internal-token", help=f"shared internal token (default: ${TOKEN_ENV})")
     parser.add_argument("--log-level", default="INFO")
     parser.set_defaults(func=run)

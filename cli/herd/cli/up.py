@@ -37,6 +37,7 @@ from herd.api.crd import POOL_ROLES, ModelDeployment, PoolName
 from herd.api.logs import configure_logging
 from herd.api.manifest import ManifestError, load_manifest
 from herd.api.protocol import TOKEN_ENV
+from herd.cli._args import port, positive
 from herd.cli.idle import IdleScaler, LocalPool
 from herd.cli.orchestrator import local_model_path
 from herd.cli.supervise import BackoffPolicy, Child, ChildSpec, Supervisor
@@ -442,8 +443,10 @@ def run(args: argparse.Namespace) -> int:
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser("up", help="run a ModelDeployment locally (workers + orchestrator)")
     parser.add_argument("file", type=Path, help="ModelDeployment YAML, the file kubectl apply takes")
-    parser.add_argument("--port", type=int, default=8000, help="the OpenAI API port on 127.0.0.1")
-    parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for every worker")
+    parser.add_argument("--port", type=port, default=8000, help="the OpenAI API port on 127.0.0.1")
+    parser.add_argument(
+        "--ready-timeout", type=positive(float), default=600.0, help="seconds to wait for every worker"
+    )
     parser.add_argument("--log-dir", type=Path, default=None, help="worker logs (default: a new temp folder)")
     parser.add_argument("--log-level", default="INFO")
     parser.set_defaults(func=run)

@@ -25,6 +25,7 @@ from herd.api.crd import EngineSpec
 from herd.api.logs import configure_logging
 from herd.api.protocol import RENDEZVOUS_PORT, TOKEN_ENV
 from herd.api.tracing import configure_tracing
+from herd.cli._args import at_least_zero, port, positive
 
 if TYPE_CHECKING:
     from herd.api.prompt import PromptRenderer
@@ -188,8 +189,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--model", type=Path, required=True, help="HF-format model folder")
     parser.add_argument("--served-name", help="the OpenAI model name (default: the folder's name)")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8001, help="public OpenAI port (default 8001)")
-    parser.add_argument("--internal-port", type=int, help="internal protocol port (default: port + 1000)")
+    parser.add_argument("--port", type=port, default=8001, help="public OpenAI port (default 8001)")
+    parser.add_argument("--internal-port", type=port, help="internal protocol port (default: port + 1000)")
     parser.add_argument("--internal-token", help=f"shared internal token (default: ${TOKEN_ENV})")
     parser.add_argument("--role", choices=["unified", "prefill", "decode"], default="unified")
     parser.add_argument("--engine-json", help="the manifest's engine block as camelCase JSON")
@@ -202,7 +203,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     parser.add_argument(
         "--replicas",
-        type=int,
+        type=positive(int),
         default=1,
         help="simulated backend: this many workers in one process, on consecutive ports from --port "
         "and --internal-port (a fleet on one event loop)",
@@ -218,10 +219,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--tensor-parallel-size", type=int, help="ranks (processes) that split the model")
     group = parser.add_argument_group("a model over several pods (LeaderWorkerSet)")
     group.add_argument(
-        "--group-size", type=int, help="pods the model's ranks span (default: $LWS_GROUP_SIZE, else 1)"
+        "--group-size",
+        type=int,
+        help="pods the model's ranks span (default: $LWS_GROUP_SIZE, else 1)",
     )
     group.add_argument(
-        "--group-index", type=int, help="this pod's index, 0 the leader (default: $LWS_WORKER_INDEX, else 0)"
+        "--group-index",
+        type=int,
+        help="this pod's index, 0 the leader (default: $LWS_WORKER_INDEX, else 0)",
     )
     group.add_argument(
         "--leader-address", help="the leader pod's host, for followers (default: $LWS_LEADER_ADDRESS)"
@@ -233,11 +238,19 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help=f"the leader's rank rendezvous port (default {RENDEZVOUS_PORT})",
     )
     group.add_argument(
-        "--join-timeout", type=float, default=300.0, help="seconds for every rank to join (default 300)"
+        "--join-timeout",
+        type=float,
+        default=300.0,
+        help="seconds for every rank to join (default 300)",
     )
-    parser.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger bodies get 413")
     parser.add_argument(
-        "--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight work on SIGTERM"
+        "--max-body-bytes", type=positive(int), default=4 * 1024 * 1024, help="larger bodies get 413"
+    )
+    parser.add_argument(
+        "--drain-timeout",
+        type=at_least_zero(float),
+        default=30.0,
+        help="seconds to finish in-flight work on SIGTERM",
     )
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument(

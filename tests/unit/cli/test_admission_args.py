@@ -68,7 +68,7 @@ def test_admission_flags(command: str, flags: tuple[str, ...], changed: dict[str
         (("--batch-idle-max-share", "1"), "1 is not in [0, 1)"),
         (("--batch-idle-max-share", "-0.1"), "-0.1 is not in [0, 1)"),
         (("--batch-idle-window", "0"), "0 is not a finite number above zero"),
-        (("--batch-idle-min-workers", "-1"), "-1 is below zero"),
+        (("--batch-idle-min-workers", "-1"), "-1 is not a finite number of zero or more"),
         (("--batch-idle-min-workers", "one"), "invalid"),
     ],
 )
