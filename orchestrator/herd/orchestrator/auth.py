@@ -75,15 +75,26 @@ class ApiKeys:
 
 def load_api_keys(path: Path | None = None, env: str = API_KEYS_ENV) -> ApiKeys:
     """Keys from ``path`` (a tenants YAML document, or one key per line with blank lines and ``#``
-    comments skipped), else from the variable ``env``. ``ValueError`` for an invalid tenants document."""
-    if path is not None:
-        text = path.read_text()
-        pairs = parse_tenants(text, source=str(path))
-        if pairs is not None:
-            return ApiKeys.of_tenants(pairs)
-        lines = (line.strip() for line in text.splitlines())
-        return ApiKeys([line for line in lines if line and not line.startswith("#")])
-    return ApiKeys([key.strip() for key in os.environ.get(env, "").split(",")])
+    comments skipped), else from the variable ``env``. ``ValueError`` for an invalid tenants document,
+    a file that is not UTF-8, or one that holds no key: a keys file named and found empty (a Secret
+    mounted without its data) must not start a gateway that lets every request in."""
+    if path is None:
+        return ApiKeys([key.strip() for key in os.environ.get(env, "").split(",")])
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: byte {error.start} is not UTF-8; write the keys file as UTF-8") from None
+    pairs = parse_tenants(text, source=str(path))
+    if pairs is not None:
+        return ApiKeys.of_tenants(pairs)
+    lines = (line.strip() for line in text.splitlines())
+    keys = ApiKeys([line for line in lines if line and not line.startswith("#")])
+    if not keys.is_enabled:
+        raise ValueError(
+            f"{path}: it holds no API key: list one key per line (or a tenants document), or leave the "
+            "file out to serve without authentication"
+        )
+    return keys
 
 
 def tenant_of(scope: Scope) -> Tenant:

@@ -10,6 +10,7 @@ from support.gateway_fakes import MODEL, FakeCluster, FakeWorker, running_gatewa
 from herd.api.errors import HttpError
 from herd.orchestrator.admission.tenants import (
     ANONYMOUS,
+    DEFAULT_TENANT,
     LOWEST_PRIORITY,
     Quotas,
     Tenant,
@@ -85,6 +86,92 @@ def test_an_invalid_tenants_file_names_the_field(document: str, message: str) ->
     with pytest.raises(ValueError, match=message) as raised:
         parse_tenants(document, source="keys.yaml")
     assert str(raised.value).startswith("keys.yaml: ")
+
+
+DEEP = 5000
+"""Levels of nesting far past Python's recursion limit: the parser recurses once a level or more."""
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "message"),
+    [
+        (
+            "keys.yaml",
+            "tenants:\n  - name: a\n    keys: [sk-secret, k2\n",
+            r"not valid YAML: while parsing a flow",
+        ),
+        ("keys", "# tenants\ntenants:\n  - name: a\n    keys: [sk-secret\n", r"not valid YAML: .*\(line 4"),
+        ("keys", "tenants:\n\t- name: a\n", r"not valid YAML: .*character '\\t'"),
+        ("keys.yml", "@sk-secret\n", "not valid YAML"),
+        ("keys", "- sk-secret\n- k2\n", "a YAML list without a top-level `tenants:`"),
+        (
+            "keys",
+            "tenant:\n  - name: a\n    keys: [sk-secret]\n",
+            "a YAML mapping without a top-level `tenants:`",
+        ),
+        ("keys", "[" * DEEP + "]" * DEEP, "nested too deeply"),
+        ("keys.json", '{"tenants": ' + "[" * DEEP + "]" * DEEP + "}", "nested too deeply"),
+        ("keys", "{a: " * DEEP + "1" + "}" * DEEP, "nested too deeply"),
+    ],
+    ids=[
+        "syntax-error-in-yaml-file",
+        "syntax-error-after-a-comment",
+        "tab-indent",
+        "yaml-name-unparseable",
+        "yaml-list-of-keys",
+        "misspelt-tenants",
+        "deep-list",
+        "deep-json",
+        "deep-mapping",
+    ],
+)
+def test_a_keys_file_meant_as_yaml_that_is_broken_is_an_error(
+    tmp_path: Path, name: str, text: str, message: str
+) -> None:
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message) as raised:
+        load_api_keys(path)
+    assert str(raised.value).startswith(f"{path}: ")
+    assert "sk-secret" not in str(raised.value)  # the file's lines are keys: never echoed
+
+
+@pytest.mark.parametrize(
+    ("text", "keys"),
+    [
+        ("# one per line\nk1\n\n  k2  \n", ["k1", "k2"]),
+        ("@k1\n%k2\n", ["@k1", "%k2"]),
+        ("user:pass\nk2\n", ["user:pass", "k2"]),
+        ("-k1\n", ["-k1"]),
+    ],
+    ids=["comments-blanks-spaces", "keys-yaml-cannot-read", "colon-inside", "leading-dash"],
+)
+def test_a_plain_keys_file_is_read_line_by_line(tmp_path: Path, text: str, keys: list[str]) -> None:
+    path = tmp_path / "keys"
+    path.write_text(text)
+    loaded = load_api_keys(path)
+    assert all(loaded.tenant(f"Bearer {key}") == DEFAULT_TENANT for key in keys)
+    assert loaded.tenant("Bearer k3") is None
+
+
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        ("[' k', 'k']", "once"),
+        ("[\"k\\t\", 'k']", "once"),
+        ("[' ']", "empty"),
+        ("['', ' ']", "empty"),
+    ],
+    ids=["space-before", "tab-after", "blank", "empty-and-blank"],
+)
+def test_keys_are_stripped_before_they_are_checked(keys: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_tenants(f"tenants: [{{name: a, keys: {keys}}}]", source="keys.yaml")
+
+
+def test_a_tenants_key_is_stripped() -> None:
+    pairs = parse_tenants("tenants: [{name: a, keys: [' k1 ']}, {name: b, keys: [k2]}]", source="keys.yaml")
+    assert [key for key, _ in pairs or []] == ["k1", "k2"]
 
 
 @pytest.mark.parametrize(

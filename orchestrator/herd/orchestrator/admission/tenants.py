@@ -47,6 +47,9 @@ BATCH_PRIORITY = LOWEST_PRIORITY
 """Batch API work runs here, behind every interactive request."""
 PRIORITY_HEADER = "x-herd-priority"
 _NAME = re.compile(r"[a-z0-9]([a-z0-9._-]{0,62}[a-z0-9])?")
+_YAML_SUFFIXES = (".yaml", ".yml", ".json")
+_YAML_OPENING = re.compile(r"---(\s|$)|[\[{]|-(\s|$)|[^\s#:][^:]*:(\s|$)")
+"""How a YAML document's first line opens: a marker, a flow collection, a list item, a mapping key."""
 
 
 class _Config(BaseModel):
@@ -95,6 +98,13 @@ class TenantSpec(Tenant):
 
     keys: tuple[SecretStr, ...] = Field(min_length=1)
 
+    @field_validator("keys")
+    @classmethod
+    def _strip_keys(cls, keys: tuple[SecretStr, ...]) -> tuple[SecretStr, ...]:
+        # Stripped before the file's checks see them, as the plain list and the Authorization header
+        # are: " k" is the key "k", a duplicate of "k", and " " an empty key.
+        return tuple(SecretStr(key.get_secret_value().strip()) for key in keys)
+
 
 class TenantsFile(_Config):
     tenants: tuple[TenantSpec, ...] = Field(min_length=1)
@@ -106,10 +116,10 @@ class TenantsFile(_Config):
         if len(set(names)) != len(names):
             raise ValueError("tenant names must be unique")
         keys = [key.get_secret_value() for tenant in tenants for key in tenant.keys]
-        if len(set(keys)) != len(keys):
-            raise ValueError("an API key may belong to one tenant only")
-        if any(not key.strip() for key in keys):
+        if not all(keys):
             raise ValueError("API keys must not be empty")
+        if len(set(keys)) != len(keys):
+            raise ValueError("an API key may appear once, in one tenant only")
         return tenants
 
 
@@ -120,14 +130,38 @@ ANONYMOUS = Tenant(name="anonymous")
 
 
 def parse_tenants(text: str, *, source: str) -> list[tuple[str, Tenant]] | None:
-    """``(key, tenant)`` pairs of a YAML tenants document; ``None`` when ``text`` is not one (the plain
-    list of keys). ``ValueError`` names the field of an invalid document."""
+    """``(key, tenant)`` pairs of a YAML tenants document; ``None`` when ``text`` is the plain list of
+    keys. ``ValueError`` names ``source`` and what is wrong: an invalid field, YAML that does not
+    parse although the file is meant as YAML (``_is_meant_as_yaml``), a YAML mapping or list that is
+    no tenants document, or nesting too deep to parse."""
     try:
         document = yaml.safe_load(text)
-    except yaml.YAMLError:
-        return None
-    if not (isinstance(document, Mapping) and "tenants" in document):
-        return None
+    except yaml.YAMLError as error:
+        if not _is_meant_as_yaml(text, source):
+            return None  # a plain list whose keys YAML cannot read, e.g. one starting with '@'
+        raise ValueError(
+            f"{source}: not valid YAML: {_yaml_problem(error)}; fix the tenants document "
+            "(see docs/admission.md) or list one key per line"
+        ) from None
+    except RecursionError:
+        raise ValueError(
+            f"{source}: nested too deeply to parse; a tenants document is a few levels deep "
+            "(see docs/admission.md)"
+        ) from None
+    if isinstance(document, Mapping) and "tenants" in document:
+        return _validated(document, source)
+    if isinstance(document, Mapping | list):
+        # A plain list never parses as a mapping or a list: this is a tenants document gone wrong.
+        kind = "mapping" if isinstance(document, Mapping) else "list"
+        raise ValueError(
+            f"{source}: a YAML {kind} without a top-level `tenants:`; a tenants "
+            "document is a mapping whose `tenants:` lists them (see docs/admission.md), a plain "
+            "keys file has one key per line"
+        )
+    return None
+
+
+def _validated(document: object, source: str) -> list[tuple[str, Tenant]]:
     try:
         parsed = TenantsFile.model_validate(document)
     except ValidationError as error:
@@ -137,11 +171,37 @@ def parse_tenants(text: str, *, source: str) -> list[tuple[str, Tenant]] | None:
     return list(_pairs(parsed.tenants))
 
 
+def _is_meant_as_yaml(text: str, source: str) -> bool:
+    """Whether a file that YAML cannot parse was meant as a tenants document rather than the plain
+    list: its name ends ``.yaml``, ``.yml`` or ``.json``, or its first line that is neither blank nor
+    a comment opens as YAML does (a document marker, a flow collection, a list item, a mapping key),
+    as a plain key does not (a key holds no ``": "``, does not end in ``:`` and does not open with
+    ``[``, ``{`` or ``- ``)."""
+    if source.lower().endswith(_YAML_SUFFIXES):
+        return True
+    lines = (line.strip() for line in text.splitlines())
+    first = next((line for line in lines if line and not line.startswith("#")), "")
+    return _YAML_OPENING.match(first) is not None
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """The parser's complaint and where, without the excerpt of the line that ``str(error)`` quotes:
+    a keys file's lines are secrets, and the message goes to the terminal and the logs."""
+    if not isinstance(error, yaml.MarkedYAMLError):
+        return " ".join(str(error).split())  # a ReaderError: a character code and an offset
+    parts = [
+        f"{text} (line {mark.line + 1}, column {mark.column + 1})" if mark else text
+        for text, mark in ((error.context, error.context_mark), (error.problem, error.problem_mark))
+        if text
+    ]
+    return ": ".join(parts) or type(error).__name__
+
+
 def _pairs(specs: Iterable[TenantSpec]) -> Iterable[tuple[str, Tenant]]:
     for spec in specs:
         tenant = Tenant.model_validate(spec.model_dump(exclude={"keys"}))
         for key in spec.keys:
-            yield key.get_secret_value().strip(), tenant
+            yield key.get_secret_value(), tenant
 
 
 def effective_priority(tenant: Tenant, requested: int | None, header: str | None) -> int:
