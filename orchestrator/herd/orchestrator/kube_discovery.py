@@ -12,6 +12,7 @@ Plain REST over ``httpx``, connected through ``herd.kube`` as the operator is.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -44,7 +45,8 @@ def is_routable(pod: Object) -> bool:
 
 
 def pod_endpoint(pod: Object, model: str) -> WorkerEndpoint | None:
-    """The endpoint of a routable worker pod; its ports are the container ports named http/internal."""
+    """The endpoint of a routable worker pod; its ports are the container ports named http/internal.
+    ``ValueError``, ``TypeError``, ``KeyError`` or ``AttributeError`` for a malformed pod."""
     role = pod["metadata"].get("labels", {}).get(LABEL_ROLE)
     if role not in _ROLES or not is_routable(pod):
         return None
@@ -52,16 +54,31 @@ def pod_endpoint(pod: Object, model: str) -> WorkerEndpoint | None:
     for container in pod.get("spec", {}).get("containers") or []:
         for port in container.get("ports") or []:
             if port.get("name") in ports:
-                ports[port["name"]] = int(port["containerPort"])
-    ip = pod["status"]["podIP"]
+                ports[port["name"]] = _port_number(port.get("containerPort"))
+    host = _url_host(pod["status"]["podIP"])
     pod_id = f"{pod['metadata'].get('namespace', 'default')}/{pod['metadata']['name']}"
     return WorkerEndpoint(
-        pod_id, model, f"http://{ip}:{ports['http']}", f"http://{ip}:{ports['internal']}", role
+        pod_id, model, f"http://{host}:{ports['http']}", f"http://{host}:{ports['internal']}", role
     )
 
 
+def _port_number(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
+        raise ValueError(f"containerPort must be an integer from 1 to 65535, got {value!r:.40}")
+    return value
+
+
+def _url_host(pod_ip: object) -> str:
+    """The pod IP as a URL's host: an IPv6 address goes in brackets (``http://[fd00::1]:8000``)."""
+    if not isinstance(pod_ip, str):
+        raise TypeError(f"podIP must be a string, got {type(pod_ip).__name__}")
+    address = ipaddress.ip_address(pod_ip)  # ValueError for anything but an IP address
+    return f"[{address}]" if address.version == 6 else str(address)
+
+
 def membership_of(deployments: list[Object], pods: list[Object]) -> Membership:
-    """The full membership implied by the ModelDeployments and pods currently known."""
+    """The full membership implied by the ModelDeployments and pods currently known; a malformed pod
+    is left out with a warning, the others still count."""
     models: dict[tuple[str, str], ModelConfig] = {}
     for body in deployments:
         md = _parse(body)
@@ -71,15 +88,26 @@ def membership_of(deployments: list[Object], pods: list[Object]) -> Membership:
             )
     endpoints = []
     for pod in pods:
-        meta = pod.get("metadata", {})
-        config = models.get(
-            (meta.get("namespace", "default"), meta.get("labels", {}).get(LABEL_DEPLOYMENT, ""))
-        )
-        endpoint = pod_endpoint(pod, config.served_name) if config else None
+        try:
+            endpoint = _endpoint_of(pod, models)
+        except (ValueError, TypeError, KeyError, AttributeError) as error:
+            log.warning(
+                "pod %s is malformed (%s: %s); not routing to it",
+                _described(pod),
+                type(error).__name__,
+                error,
+            )
+            continue
         if endpoint is not None:
             endpoints.append(endpoint)
     unique = {config.served_name: config for config in sorted(models.values(), key=lambda c: c.served_name)}
     return Membership(tuple(unique.values()), tuple(sorted(endpoints, key=lambda e: e.id)))
+
+
+def _endpoint_of(pod: Object, models: dict[tuple[str, str], ModelConfig]) -> WorkerEndpoint | None:
+    meta = pod.get("metadata", {})
+    config = models.get((meta.get("namespace", "default"), meta.get("labels", {}).get(LABEL_DEPLOYMENT, "")))
+    return pod_endpoint(pod, config.served_name) if config else None
 
 
 class KubeSource:
@@ -140,9 +168,23 @@ class _Informer:
             try:
                 version = await self._list()
                 await self._watch(version)
-            except (httpx.HTTPError, ValueError, KeyError) as error:
+            # Beyond the network and bad JSON: an event or object of the wrong shape (a list or a
+            # string where a mapping belongs) or JSON nested too deeply to decode. A fresh list
+            # repairs what the stream got wrong; dying would freeze the membership for good.
+            except (
+                httpx.HTTPError,
+                ValueError,
+                KeyError,
+                TypeError,
+                AttributeError,
+                RecursionError,
+            ) as error:
                 log.warning(
-                    "watch of %s broke (%s); listing again in %.0fs", self.path, error, _RETRY_SECONDS
+                    "watch of %s broke (%s: %s); listing again in %.0fs",
+                    self.path,
+                    type(error).__name__,
+                    error,
+                    _RETRY_SECONDS,
                 )
                 await asyncio.sleep(_RETRY_SECONDS)
 
@@ -185,6 +227,14 @@ class _Informer:
 def _key(obj: Object) -> str:
     meta = obj.get("metadata", {})
     return f"{meta.get('namespace', '')}/{meta.get('name', '')}"
+
+
+def _described(obj: Object) -> str:
+    """``_key`` for a log line, also of an object whose metadata is malformed."""
+    try:
+        return _key(obj)
+    except AttributeError:
+        return "(no readable name)"
 
 
 def _parse(body: Object) -> ModelDeployment | None:

@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
+from herd.orchestrator import kube_discovery
 from herd.orchestrator.discovery import WorkerEndpoint
 from herd.orchestrator.kube_discovery import KubeSource, membership_of
 
@@ -82,6 +83,58 @@ def test_an_invalid_deployment_serves_nothing() -> None:
     assert membership_of([invalid], [pod("a")]).models == ()
 
 
+def malformed(**changes: Any) -> dict[str, Any]:
+    """Pod b (routable but for ``changes``) with some of its top-level parts replaced."""
+    return {**pod("b", ip="10.0.0.2"), **changes}
+
+
+def ports(value: Any) -> dict[str, Any]:
+    return {"containers": [{"name": "worker", "ports": [{"name": "http", "containerPort": value}]}]}
+
+
+MALFORMED: dict[str, Any] = {
+    "pod-is-null": None,
+    "pod-is-a-string": "ml/b",
+    "metadata-is-a-string": malformed(metadata="ml/b"),
+    "labels-are-a-list": malformed(metadata={"name": "b", "namespace": "ml", "labels": ["herd.dev/role"]}),
+    "no-name": malformed(metadata={"namespace": "ml", "labels": pod("b")["metadata"]["labels"]}),
+    "containers-a-string": malformed(spec={"containers": "worker"}),
+    "condition-a-string": malformed(status={"podIP": "10.0.0.2", "conditions": ["Ready"]}),
+    "port-missing": malformed(spec=ports(None)),
+    "port-a-string": malformed(spec=ports("http")),
+    "port-zero": malformed(spec=ports(0)),
+    "port-too-large": malformed(spec=ports(65536)),
+    "port-a-bool": malformed(spec=ports(True)),
+    "port-a-float": malformed(spec=ports(8000.5)),
+    "ip-not-an-address": malformed(status={**pod("b")["status"], "podIP": "10.0.0.300"}),
+    "ip-a-number": malformed(status={**pod("b")["status"], "podIP": 167772162}),
+}
+
+
+@pytest.mark.parametrize("bad", MALFORMED.values(), ids=MALFORMED.keys())
+def test_a_malformed_pod_is_skipped_and_the_others_still_count(
+    caplog: pytest.LogCaptureFixture, bad: Any
+) -> None:
+    membership = membership_of([MD], [pod("a"), bad, pod("c", ip="10.0.0.3")])
+    assert [endpoint.id for endpoint in membership.endpoints] == ["ml/a", "ml/c"]
+    assert "malformed" in caplog.text and "not routing to it" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("ip", "url"),
+    [
+        ("10.0.0.9", "http://10.0.0.9:8000"),
+        ("fd00::9", "http://[fd00::9]:8000"),
+        ("::1", "http://[::1]:8000"),
+        ("2001:db8:0:0:0:0:0:9", "http://[2001:db8::9]:8000"),
+    ],
+    ids=["ipv4", "ipv6", "ipv6-loopback", "ipv6-long-form"],
+)
+def test_an_ipv6_pod_ip_goes_in_brackets(ip: str, url: str) -> None:
+    (endpoint,) = membership_of([MD], [pod("a", ip=ip)]).endpoints
+    assert (endpoint.url, endpoint.internal_url) == (url, url.replace(":8000", ":9000"))
+
+
 def test_membership_is_ordered_and_comparable() -> None:
     first = membership_of([MD], [pod("b", ip="10.0.0.2"), pod("a")])
     assert [e.id for e in first.endpoints] == ["ml/a", "ml/b"]
@@ -96,8 +149,20 @@ class _Hang(httpx.AsyncByteStream):
         yield b""
 
 
-def fake_api() -> httpx.AsyncClient:
-    """An API peer whose first pod watch ends in an ERROR (410 Gone), after which only a relist shows pod b."""
+GONE = {"type": "ERROR", "object": {"kind": "Status", "code": 410, "reason": "Expired"}}
+BROKEN_WATCHES = {
+    "error-410": [{"type": "MODIFIED", "object": pod("a", ready=False)}, GONE],
+    "event-is-a-list": [["ADDED", pod("c")]],
+    "object-is-a-string": [{"type": "ADDED", "object": "ml/c"}],
+    "metadata-is-a-string": [{"type": "MODIFIED", "object": {"metadata": "ml/a"}}],
+    "event-is-null": [None],
+    "nested-too-deep": ["[" * 100_000 + "]" * 100_000],
+}
+"""How the first pod watch ends (each entry one line; a string is sent as it is)."""
+
+
+def fake_api(first_watch: list[Any]) -> httpx.AsyncClient:
+    """An API peer whose first pod watch sends ``first_watch`` and then only a relist shows pod b."""
     pod_lists = [[pod("a")], [pod("b", ip="10.0.0.2")]]
     watches = {"pods": 0}
 
@@ -108,20 +173,23 @@ def fake_api() -> httpx.AsyncClient:
             return httpx.Response(200, json={"items": items, "metadata": {"resourceVersion": "1"}})
         if is_pods and watches["pods"] == 0:
             watches["pods"] += 1
-            gone = {"type": "ERROR", "object": {"kind": "Status", "code": 410, "reason": "Expired"}}
-            not_ready = {"type": "MODIFIED", "object": pod("a", ready=False)}
-            return httpx.Response(200, content="\n".join(json.dumps(e) for e in (not_ready, gone)) + "\n")
+            lines = (line if isinstance(line, str) else json.dumps(line) for line in first_watch)
+            return httpx.Response(200, content="\n".join(lines) + "\n")
         return httpx.Response(200, stream=_Hang())
 
     return httpx.AsyncClient(base_url="http://api", transport=httpx.MockTransport(handle))
 
 
-async def test_a_broken_watch_is_repaired_by_a_relist() -> None:
-    async with fake_api() as http:
+@pytest.mark.parametrize("first_watch", BROKEN_WATCHES.values(), ids=BROKEN_WATCHES.keys())
+async def test_a_broken_watch_is_repaired_by_a_relist(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, first_watch: list[Any]
+) -> None:
+    monkeypatch.setattr(kube_discovery, "_RETRY_SECONDS", 0.01)
+    async with fake_api(first_watch) as http:
         updates = KubeSource("ml", http=http).watch()
         seen = []
         try:
-            async with asyncio.timeout(30):  # the relist comes 1 s after the break; room for a loaded machine
+            async with asyncio.timeout(30):  # room for a loaded machine
                 async for membership in updates:
                     seen.append({e.id for e in membership.endpoints})
                     if seen[-1] == {"ml/b"}:
@@ -130,3 +198,5 @@ async def test_a_broken_watch_is_repaired_by_a_relist() -> None:
             await updates.aclose()
     # Pod b exists only in the second list: reaching it proves the relist (states in between may fold).
     assert seen[-1] == {"ml/b"}
+    if first_watch is not BROKEN_WATCHES["error-410"]:  # an ERROR event is the server's own, not a fault
+        assert "listing again" in caplog.text
