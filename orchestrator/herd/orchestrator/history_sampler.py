@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import re
 import time
 from collections.abc import Iterable, Mapping
@@ -82,6 +83,8 @@ class WorkerFigures:
     """``<stored|restored|evicted>:<medium>`` and ``pulls:<outcome>`` totals (``TierSeries``' names)."""
     tier_usage: dict[str, float] = field(default_factory=dict)
     """Each medium's share of blocks in use (``device`` from vLLM's KV cache usage)."""
+    num_skipped: int = 0
+    """Samples left out: a line without a value, or a value (or ``le``) that is NaN or infinite."""
 
 
 class HistorySampler:
@@ -95,6 +98,7 @@ class HistorySampler:
         self.history = History(window_seconds=settings.window_seconds, num_points=num_points)
         self._limit = asyncio.Semaphore(settings.max_concurrent_scrapes)
         self._failing: set[str] = set()
+        self._skipping: set[str] = set()
 
     async def run(self) -> None:
         while True:
@@ -160,7 +164,19 @@ class HistorySampler:
         if worker_id in self._failing:
             self._failing.discard(worker_id)
             log.info("worker metrics scrape recovered", extra={"worker": worker_id})
+        self._note_skipped(worker_id, figures.num_skipped)
         return figures
+
+    def _note_skipped(self, worker_id: str, num_skipped: int) -> None:
+        if not num_skipped:
+            self._skipping.discard(worker_id)
+        elif worker_id not in self._skipping:  # once while it lasts, as _note_failure warns
+            self._skipping.add(worker_id)
+            log.warning(
+                "worker metrics have samples without a value or with a NaN or infinite one: the "
+                "dashboard history leaves them out; check what the worker's /metrics serves",
+                extra={"worker": worker_id, "num_skipped": num_skipped},
+            )
 
     def _note_failure(self, worker_id: str, reason: str) -> None:
         if worker_id not in self._failing:  # once per outage, not every interval
@@ -178,23 +194,32 @@ def parse_worker_metrics(text: str) -> WorkerFigures:
 
     Only the lines of those samples are read, by hand: prometheus_client's parser took 20 times as long
     on a herd worker's page (2 ms against 90 us, side by side), and the page is scraped from every
-    worker every interval."""
+    worker every interval. A sample without a value or with a NaN or infinite one is left out (and
+    counted in ``num_skipped``): one such value would poison every rate and percentile of the window;
+    ``ValueError`` for a value that is no number."""
     figures = WorkerFigures()
     for line in text.splitlines():
         if line.startswith(_WANTED):
-            _take(figures, line, *_sample(line))
+            name, value = _sample(line)
+            if value is None or not math.isfinite(value):
+                figures.num_skipped += 1
+            else:
+                _take(figures, line, name, value)
     return figures
 
 
 def _take(figures: WorkerFigures, line: str, name: str, value: float) -> None:
-    """Add one sample line's value to ``figures``."""
+    """Add one sample line's value to ``figures`` (a bucket whose ``le`` is NaN is skipped)."""
     if name == _QUERIES:
         figures.cache_queries += value
     elif name == _HITS:
         figures.cache_hits += value
     elif name == _ITL and (bound := _LE.search(line)) is not None:
         le = float(bound.group(1))  # "+Inf" parses as math.inf
-        figures.itl[le] = figures.itl.get(le, 0.0) + value
+        if math.isnan(le):
+            figures.num_skipped += 1
+        else:
+            figures.itl[le] = figures.itl.get(le, 0.0) + value
     elif name == _DEVICE_USAGE:
         figures.tier_usage["device"] = value
     elif name == _TIER_USAGE and (medium := _MEDIUM.search(line)) is not None:
@@ -207,11 +232,13 @@ def _take(figures: WorkerFigures, line: str, name: str, value: float) -> None:
         figures.tier_counters[key] = figures.tier_counters.get(key, 0.0) + value
 
 
-def _sample(line: str) -> tuple[str, float]:
-    """A sample line's name and value (``name{labels} value [timestamp]``); ``ValueError`` if malformed."""
+def _sample(line: str) -> tuple[str, float | None]:
+    """A sample line's name and value (``name{labels} value [timestamp]``), ``None`` for a line without
+    a value; ``ValueError`` if the value is no number or a label set is not closed."""
     name = line.split("{", 1)[0].split(" ", 1)[0]
     rest = line[line.rindex("}") + 1 :] if "{" in line else line[len(name) :]
-    return name, float(rest.split()[0])
+    fields = rest.split()
+    return name, float(fields[0]) if fields else None
 
 
 def requests_by_worker(

@@ -341,6 +341,38 @@ def test_a_malformed_value_is_an_error() -> None:
         parse_worker_metrics('vllm:prefix_cache_hits_total{model_name="m"} many\n')
 
 
+NAN_AND_NO_VALUE = {
+    "nan-gauge": ('vllm:kv_cache_usage_perc{model_name="m"} NaN\n', WorkerFigures(num_skipped=1)),
+    "inf-counter": (
+        "vllm:prefix_cache_queries_total +Inf\nvllm:prefix_cache_hits_total 3\n",
+        WorkerFigures(cache_hits=3, num_skipped=1),
+    ),
+    "minus-inf-tier-usage": (
+        'herd_kv_tier_usage_perc{medium="host"} -Inf\nherd_kv_tier_usage_perc{medium="disk"} 0.5\n',
+        WorkerFigures(tier_usage={"disk": 0.5}, num_skipped=1),
+    ),
+    "nan-bucket-count": (
+        'vllm:inter_token_latency_seconds_bucket{le="0.1"} NaN\n'
+        'vllm:inter_token_latency_seconds_bucket{le="+Inf"} 2\n',
+        WorkerFigures(itl={INF: 2}, num_skipped=1),
+    ),
+    "nan-bucket-bound": (
+        'vllm:inter_token_latency_seconds_bucket{le="NaN"} 1\n',
+        WorkerFigures(num_skipped=1),
+    ),
+    "no-value": ("vllm:prefix_cache_hits_total\n", WorkerFigures(num_skipped=1)),
+    "labels-but-no-value": (
+        'vllm:prefix_cache_hits_total{model_name="m"}   \nvllm:prefix_cache_queries_total 4\n',
+        WorkerFigures(cache_queries=4, num_skipped=1),
+    ),
+}
+
+
+@pytest.mark.parametrize(("text", "expected"), NAN_AND_NO_VALUE.values(), ids=NAN_AND_NO_VALUE.keys())
+def test_a_sample_without_a_finite_value_is_left_out(text: str, expected: WorkerFigures) -> None:
+    assert parse_worker_metrics(text) == expected
+
+
 def endpoint(worker_id: str, role: str = "unified") -> WorkerEndpoint:
     return WorkerEndpoint(worker_id, MODEL, f"http://{worker_id}.test", f"http://{worker_id}.internal", role)  # type: ignore[arg-type]
 
@@ -419,3 +451,27 @@ async def test_the_sampling_task_stops_with_the_app() -> None:
     async with running_gateway(FakeCluster([FakeWorker("w0")]), settings=settings):
         assert [task for task in asyncio.all_tasks() if task.get_name() == "herd-history"]
     assert not [task for task in asyncio.all_tasks() if task.get_name() == "herd-history"]
+
+
+async def test_a_workers_bad_samples_are_left_out_of_the_points_with_one_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    engine = EngineMetrics()
+    engine.device_usage.labels("tiny").set(math.nan)
+    engine.tier_usage.labels("tiny", "host").set(0.5)
+    page = engine.text() + 'vllm:prefix_cache_hits_total{model_name="tiny"}\n'  # no value: skipped too
+    settings = AppSettings(registry=FAST_REGISTRY, history=HISTORY)
+    async with running_gateway(FakeCluster([FakeWorker("w0", metrics=page)]), settings=settings) as (
+        _,
+        client,
+    ):
+        await _wait_for_point(client, lambda model: "host" in model["tiers"])
+        for _ in range(3):  # more samples: still one warning
+            await _wait_for_point(client, lambda model: True)
+            await asyncio.sleep(HISTORY.interval_seconds)
+        response = await client.get("/dashboard/data")
+    assert response.status_code == 200
+    tiers = response.json()["history"]["points"][-1]["models"]["tiny"]["tiers"]
+    assert set(tiers) == {"host"} and tiers["host"]["usage"] == 0.5
+    warnings = [record for record in caplog.records if "NaN or infinite" in record.getMessage()]
+    assert len(warnings) == 1 and warnings[0].__dict__["worker"] == "w0"
