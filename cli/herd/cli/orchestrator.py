@@ -99,10 +99,6 @@ def load_source(args: argparse.Namespace) -> WorkerSource:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        if args.max_resumes < 0:
-            raise ValueError(f"--max-resumes must be 0 or more, got {args.max_resumes}")
-        if args.batch_concurrency < 1:
-            raise ValueError(f"--batch-concurrency must be at least 1, got {args.batch_concurrency}")
         source = load_source(args)
         api_keys = load_api_keys(args.api_keys_file)
         admin_keys = load_api_keys(args.admin_api_keys_file, ADMIN_API_KEYS_ENV)
