@@ -24,6 +24,7 @@ from herd.api.worker_status import StatusSource, status_lines
 from herd.orchestrator.app import AppSettings, build_app
 from herd.orchestrator.discovery import ModelConfig, StaticSource, WorkerEndpoint
 from herd.orchestrator.registry import RegistrySettings
+from herd.orchestrator.worker_client import LORA_PATHS
 from support.upstream_fakes import HttpxUpstream
 
 MODEL = "tiny"
@@ -100,6 +101,12 @@ class FakeWorker:
     """The bodies ``/internal/prefill`` received."""
     bodies: list[dict[str, object]] = field(default_factory=list)
     """The OpenAI request bodies it received."""
+    lora_status: int = 200
+    """What its runtime LoRA routes answer (200: the change is made)."""
+    adapters: list[str] = field(default_factory=list)
+    """The LoRA adapters loaded on it at runtime."""
+    lora_changes: list[str] = field(default_factory=list)
+    """Every runtime LoRA call it received, as ``"<load|unload> <name>"``."""
     num_requests: int = 0
     num_snapshots: int = 0
     num_status_streams: int = 0
@@ -124,6 +131,8 @@ class FakeWorker:
             return httpx.Response(200, text=self.metrics)
         if path.startswith("/internal/"):
             return self._internal(request)
+        if path in LORA_PATHS.values():
+            return self._change_lora(path, json.loads(request.content))
         self.num_requests += 1
         if self.is_dropping:
             raise httpx.RemoteProtocolError(
@@ -142,6 +151,19 @@ class FakeWorker:
             stream = FakeStatusStream(self, query)
             return httpx.Response(200, headers={"content-type": "application/x-ndjson"}, stream=stream)
         return httpx.Response(404)
+
+    def _change_lora(self, path: str, body: dict[str, str]) -> httpx.Response:
+        action = next(action for action, route in LORA_PATHS.items() if route == path)
+        self.lora_changes.append(f"{action} {body['lora_name']}")
+        if self.lora_status != 200:
+            error = ErrorResponse.of(self.lora_status, f"fake worker {self.id} refuses the adapter")
+            return httpx.Response(self.lora_status, json=error.model_dump())
+        name = body["lora_name"]
+        if action == "load":
+            self.adapters.append(name)
+        elif name in self.adapters:
+            self.adapters.remove(name)
+        return httpx.Response(200, text="Success")
 
     def status_source(self) -> StatusSource:
         async def probe() -> tuple[bool, LoadReport]:

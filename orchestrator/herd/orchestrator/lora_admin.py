@@ -6,10 +6,13 @@ on every worker of the model and remembers its folder, so a worker that joins la
 loads it when a request for it is first routed there. ``POST /v1/unload_lora_adapter`` unloads it
 everywhere and forgets it. Both answer as vLLM does (200 with a line of text), or an error in the
 OpenAI envelope: 401/403 without an admin key, 404 for an unknown model or adapter, a worker's own
-refusal with its status.
+refusal of the adapter with its status (400, 404, 409), 502 for any other answer from a worker. A
+load a worker refuses is undone on the workers that took it.
 """
 
 from __future__ import annotations
+
+import logging
 
 from herd.api.errors import HttpError
 from herd.api.openai import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
@@ -24,6 +27,8 @@ UNLOAD_LORA_PATH = "/v1/unload_lora_adapter"
 ADMIN_PATHS = frozenset({LOAD_LORA_PATH, UNLOAD_LORA_PATH})
 """Checked against the admin keys instead of the clients' keys."""
 
+log = logging.getLogger(__name__)
+
 
 class LoraAdmin:
     def __init__(self, registry: Registry, admin_keys: ApiKeys) -> None:
@@ -37,12 +42,35 @@ class LoraAdmin:
             raise HttpError(401, "missing or invalid admin API key: send `Authorization: Bearer <admin key>`")
 
     async def load(self, body: LoadLoraAdapterRequest) -> str:
+        """Load on every worker of the model, or on none: a worker's refusal unloads the adapter from
+        the workers this call loaded it on, so it is not served by some and a retry is not told the
+        name is taken."""
         served = self._model(body)
         change = {"lora_name": body.lora_name, "lora_path": body.lora_path}
-        for worker in self.registry.model_workers(served.name):
-            await self.registry.change_lora(worker.endpoint.id, "load", change)
+        loaded: list[str] = []
+        try:
+            for worker in self.registry.model_workers(served.name):
+                had_it = body.lora_name in worker.report.lora_adapters
+                await self.registry.change_lora(worker.endpoint.id, "load", change)
+                if not had_it:
+                    loaded.append(worker.endpoint.id)
+        except HttpError:
+            await self._unload_from(loaded, body.lora_name)
+            raise
         served.lora_paths[body.lora_name] = body.lora_path
         return f"Success: LoRA adapter '{body.lora_name}' added successfully."
+
+    async def _unload_from(self, worker_ids: list[str], lora_name: str) -> None:
+        """Undo a partial load; a worker that cannot unload is logged, the load's own error stands."""
+        for worker_id in worker_ids:
+            try:
+                await self.registry.change_lora(worker_id, "unload", {"lora_name": lora_name})
+            except HttpError as error:
+                log.warning(
+                    "LoRA adapter load failed and could not be undone on a worker: %s",
+                    error.message,
+                    extra={"worker": worker_id, "adapter": lora_name},
+                )
 
     async def unload(self, body: UnloadLoraAdapterRequest) -> str:
         served = self._model(body)

@@ -85,6 +85,9 @@ class RegistrySettings:
         return min(doubled, max(self.max_retry_delay, self.poll_interval))
 
 
+_ADAPTER_REFUSALS = frozenset({400, 404, 409, 422})
+"""A worker's answers to a LoRA change that are about the adapter (a bad folder, a name taken or
+unknown); any other is the worker's or the gateway's fault, a 502."""
 _VIEWED_FIELDS = frozenset(
     {
         "is_healthy",
@@ -339,8 +342,14 @@ class Registry:
         except httpx.HTTPError as error:
             raise HttpError(502, f"worker {worker_id} could not {action} LoRA adapter: {error}") from None
         if answer.status_code != httpx.codes.OK:
+            if answer.status_code in _ADAPTER_REFUSALS:  # the adapter's fault: the admin's to fix
+                raise HttpError(
+                    answer.status_code, f"worker {worker_id}: {_message_of(answer)}", param="lora_name"
+                )
             raise HttpError(
-                answer.status_code, f"worker {worker_id}: {_message_of(answer)}", param="lora_name"
+                502,
+                f"worker {worker_id} answered the LoRA {action} with {answer.status_code}: "
+                f"{_message_of(answer)} (a 401 or 403 means the gateway's --internal-token is not the workers')",
             )
         loaded, name = worker.report.lora_adapters, body["lora_name"]
         if action == "load" and name not in loaded:
