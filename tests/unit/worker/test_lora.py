@@ -4,6 +4,7 @@ the adapter reader's refusals."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -173,9 +174,12 @@ GOOD = {f"{Q}.lora_A.weight": torch.ones(2, 8), f"{Q}.lora_B.weight": torch.ones
         ({"lora_alpha": "4"}, GOOD, "no lora_alpha number"),
         ({}, {f"{Q}.lora_A.weight": torch.ones(0, 8), f"{Q}.lora_B.weight": torch.ones(8, 0)}, "base model"),
         ({}, {f"{Q}.lora_A.weight": torch.ones(()), f"{Q}.lora_B.weight": torch.ones(8, 2)}, "base model"),
+        ({"lora_alpha": 1e308}, GOOD, "not finite in torch.float32 once scaled"),
+        ({}, {f"{Q}.lora_A.weight": torch.full((2, 8), math.nan), f"{Q}.lora_B.weight": torch.ones(8, 2)},
+         "not finite"),
     ],
     ids=["dora", "bias", "not-lora", "modules-to-save", "half-a-pair", "lm-head", "wrong-shape", "rank", "stray",
-         "no-alpha", "alpha-a-string", "rank-zero", "a-scalar"],
+         "no-alpha", "alpha-a-string", "rank-zero", "a-scalar", "alpha-overflows", "nan-weights"],
 )  # fmt: skip
 def test_adapters_herd_cannot_serve_are_refused(
     tmp_path: Path, config: dict[str, object], tensors: dict[str, torch.Tensor], message: str

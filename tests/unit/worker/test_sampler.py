@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import make_seq
 
-from herd.worker.sampler import Sampler, filter_logits
+from herd.worker.sampler import LOGPROB_FLOOR, Sampler, filter_logits
 from herd.worker.sampling_params import SamplingParams
 from herd.worker.sequence import Sequence
 
@@ -118,3 +118,15 @@ def test_logprobs_are_the_raw_distribution() -> None:
     assert token.logprob.logprob == pytest.approx(math.log(0.1), abs=1e-5)
     assert [t for t, _ in token.logprob.top] == [0, 1]
     assert token.logprob.top[0][1] == pytest.approx(math.log(0.4), abs=1e-5)
+
+
+def test_a_token_of_probability_zero_reports_the_floor_not_minus_infinity() -> None:
+    """JSON has no -Infinity: a token the model rules out (a -inf logit) reports LOGPROB_FLOOR."""
+    sampler = Sampler(torch.Generator().manual_seed(0), {EOS})
+    logits = torch.full((VOCAB,), -math.inf)
+    logits[2] = 0.0
+    seq = seq_with(temperature=0.0, logprobs=3)
+    [token] = sampler.sample(logits.unsqueeze(0), [seq])
+    assert token.token_id == 2 and token.logprob is not None
+    assert token.logprob.top[0] == (2, 0.0)
+    assert [logprob for _, logprob in token.logprob.top[1:]] == [LOGPROB_FLOOR, LOGPROB_FLOOR]

@@ -72,7 +72,14 @@ def read_adapter(
         _check_module(path, module, lora_a, lora_b, shapes)
         module_rank = lora_a.shape[0]  # PEFT's rank_pattern may give modules ranks other than r
         scaling = alpha / (module_rank**0.5 if use_rslora else module_rank)
-        weights[module] = (lora_a.to(dtype), (lora_b.double() * scaling).to(dtype))
+        pair_in_dtype = (lora_a.to(dtype), (lora_b.double() * scaling).to(dtype))
+        if not all(torch.isfinite(weight).all() for weight in pair_in_dtype):
+            raise ValueError(
+                f"{path / _WEIGHTS}: {module}'s weights are not finite in {dtype} once scaled by "
+                f"lora_alpha / r ({scaling:g}): the adapter would answer NaN; check lora_alpha and the "
+                "weights PEFT saved"
+            )
+        weights[module] = pair_in_dtype
     if not weights:
         raise ValueError(f"{path / _WEIGHTS} holds no LoRA weights: is it a PEFT LoRA adapter?")
     rank = max(lora_a.shape[0] for lora_a, _ in weights.values())

@@ -34,7 +34,7 @@ from herd.worker.sequence import Sequence
 from herd.worker.speculative.proposer import Proposal
 from herd.worker.speculative.rejection import accept_greedy, accept_sampled
 
-__all__ = ["Sampler", "filter_logits"]
+__all__ = ["LOGPROB_FLOOR", "Sampler", "filter_logits"]
 
 
 def filter_logits(
@@ -68,9 +68,7 @@ class Sampler:
         """One token per row of ``logits``, or the exception that failed that row's request.
 
         ``masks`` holds the grammar bitmasks of the constrained rows (``MaskFiller.start``)."""
-        raw_logprobs = (
-            logits.log_softmax(dim=-1) if any(s.params.logprobs is not None for s in seqs) else None
-        )
+        raw_logprobs = _raw_logprobs(logits) if any(s.params.logprobs is not None for s in seqs) else None
         failures = self._edit(logits, seqs)
         if masks is not None:
             self._constrain(logits, seqs, masks, failures)
@@ -92,7 +90,7 @@ class Sampler:
         """The tokens of ``seq`` after verifying ``proposal`` against ``logits`` ``[k + 1, vocab]``
         (the rows at its last own token and at each proposed one), or the exception that failed it."""
         try:
-            raw = logits.log_softmax(dim=-1) if seq.params.logprobs is not None else None
+            raw = _raw_logprobs(logits) if seq.params.logprobs is not None else None
             if seq.params.edits_logits:
                 for row in range(logits.shape[0]):
                     edit_logits(
@@ -215,6 +213,16 @@ def _as_if_accepted(seq: Sequence, proposed: list[int]) -> Sequence:
     if not proposed:
         return seq
     return dataclasses.replace(seq, output_token_ids=[*seq.output_token_ids, *proposed], output_logprobs=[])
+
+
+LOGPROB_FLOOR = -9999.0
+"""What a token of probability zero reports (vLLM's figure): JSON has no ``-Infinity``."""
+
+
+def _raw_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    """The model's log-probabilities before any edit or mask (what OpenAI reports), at least
+    ``LOGPROB_FLOOR``."""
+    return logits.log_softmax(dim=-1).clamp_min_(LOGPROB_FLOOR)
 
 
 def _logprob(raw: torch.Tensor | None, row: int, token_id: int, num_top: int | None) -> TokenLogprob | None:
