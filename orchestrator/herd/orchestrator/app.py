@@ -22,7 +22,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
+from starlette.datastructures import FormData
 from starlette.requests import ClientDisconnect
+from starlette.types import Message
 
 from herd.api.body import BodyError, check_content_type, json_object, read_limited
 from herd.api.errors import HttpError, invalid_request
@@ -114,7 +116,10 @@ def build_app(
     runner = None
     if settings.batch_dir is not None:
         runner = BatchRunner(
-            BatchStore(settings.batch_dir), gateway.forward, concurrency=settings.batch_concurrency
+            BatchStore(settings.batch_dir),
+            gateway.forward,
+            api_keys.tenant_named,
+            concurrency=settings.batch_concurrency,
         )
     lifespan = _lifespan(registry, gateway, sampler, source, owned, runner)
     app = FastAPI(
@@ -129,6 +134,9 @@ def build_app(
             runner,
             max_file_bytes=settings.max_batch_file_bytes,
             read_body=lambda request: _read_body(request, settings),
+            read_form=lambda request, max_bytes, max_fields: _read_form(
+                request, settings, max_bytes, max_fields
+            ),
         )
     _add_lora_admin_routes(app, LoraAdmin(registry, admin_keys or ApiKeys([])), settings)
     _add_ops_routes(
@@ -310,14 +318,46 @@ def _update_worker_gauges(registry: Registry, telemetry: Telemetry) -> None:
 
 async def _read_body(request: Request, settings: AppSettings) -> bytes:
     """The raw body of a JSON media type (415), within ``max_body_bytes`` (413) and ``body_timeout``
-    (408, and the connection closes: the rest of a slow body is not worth waiting for)."""
+    (``_receiving``)."""
     declared = request.headers.get("content-length")
     try:
         check_content_type(request.headers.get("content-type"))
-        async with asyncio.timeout(settings.body_timeout):
+        async with _receiving(settings):
             return await read_limited(request.stream(), settings.max_body_bytes, declared_length=declared)
     except BodyError as error:
         raise HttpError(error.status, str(error)) from None
+
+
+async def _read_form(request: Request, settings: AppSettings, max_bytes: int, max_fields: int) -> FormData:
+    """A multipart form of one file and at most ``max_fields`` other fields, within ``max_bytes``
+    (413: by its Content-Length before anything is read, else as a chunked body arrives, before it
+    all lands in a temporary file) and ``body_timeout`` (``_receiving``). The caller closes it."""
+    message = f"the request body (the file and its form) is larger than {max_bytes} bytes; split the file"
+    too_large = HttpError(413, message)
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise too_large
+    received = 0
+
+    async def receive() -> Message:
+        nonlocal received
+        message = await request.receive()
+        received += len(message.get("body", b""))
+        if received > max_bytes:
+            raise too_large
+        return message
+
+    async with _receiving(settings):
+        return await Request(request.scope, receive).form(max_files=1, max_fields=max_fields)
+
+
+@contextlib.asynccontextmanager
+async def _receiving(settings: AppSettings) -> AsyncIterator[None]:
+    """Reading a request body: within ``body_timeout`` (408, and the connection closes: the rest of a
+    slow body is not worth waiting for), and 400 when the client leaves before it is complete."""
+    try:
+        async with asyncio.timeout(settings.body_timeout):
+            yield
     except TimeoutError:
         message = f"the request body did not arrive within {settings.body_timeout}s; send it faster"
         raise HttpError(408, message, headers={"Connection": "close"}) from None

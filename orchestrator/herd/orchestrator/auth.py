@@ -69,6 +69,13 @@ class ApiKeys:
                 found = tenant
         return found
 
+    def tenant_named(self, name: str) -> Tenant | None:
+        """The tenant called ``name`` as the keys define it now, ``None`` when no key has it; with
+        authentication off, ``ANONYMOUS`` (what every request is then)."""
+        if not self._keys:
+            return ANONYMOUS
+        return next((tenant for _, tenant in self._keys if tenant.name == name), None)
+
     def allows(self, authorization: str | None) -> bool:
         return self.tenant(authorization) is not None
 

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import threading
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +16,13 @@ import openai
 import pytest
 from support.gateway_fakes import FAST_REGISTRY, MODEL, FakeCluster, FakeWorker, running_gateway, wait_for
 
-from herd.orchestrator.admission.tenants import BATCH_PRIORITY, Tenant
+from herd.orchestrator.admission.tenants import ANONYMOUS, BATCH_PRIORITY, Tenant
 from herd.orchestrator.app import AppSettings
 from herd.orchestrator.auth import ApiKeys
+from herd.orchestrator.batch import lines as batch_lines
+from herd.orchestrator.batch import routes as batch_routes
 from herd.orchestrator.batch import runner as batch_runner
-from herd.orchestrator.batch.lines import InputError, done_ids, parse_input
+from herd.orchestrator.batch.lines import BatchLine, InputError, done_ids, parse_input
 from herd.orchestrator.batch.runner import cancelling
 from herd.orchestrator.batch.store import BatchRecord, BatchStatus, BatchStore, FileRecord, RequestCounts
 
@@ -155,10 +158,12 @@ async def test_a_bad_input_file_fails_the_batch(tmp_path: Path) -> None:
 
 
 async def test_a_batch_the_gateway_fails_on_ends_failed_not_stuck(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """The client reads a generic message; the detail (which may name a server path) is logged."""
+
     def broken(content: bytes, endpoint: str) -> None:
-        raise RuntimeError("a defect in reading the input")
+        raise RuntimeError(f"a defect in reading {tmp_path}")
 
     monkeypatch.setattr(batch_runner, "parse_input", broken)
     async with running_gateway(
@@ -172,7 +177,9 @@ async def test_a_batch_the_gateway_fails_on_ends_failed_not_stuck(
         batch = await finished(api, created.id)
     assert batch.status == "failed" and batch.errors is not None and batch.errors.data is not None
     assert batch.errors.data[0].code == "internal_error"
-    assert "RuntimeError: a defect in reading the input" in (batch.errors.data[0].message or "")
+    message = batch.errors.data[0].message or ""
+    assert "see the orchestrator log" in message and str(tmp_path) not in message
+    assert f"a defect in reading {tmp_path}" in caplog.text
 
 
 @pytest.mark.parametrize(
@@ -365,7 +372,7 @@ def a_batch(status: BatchStatus = "in_progress") -> BatchRecord:
         status=status,
         created_at=0,
         expires_at=1,
-        tenant=Tenant(name="team"),
+        tenant="team",
     )
 
 
@@ -434,3 +441,245 @@ def test_two_stores_saving_one_record_at_once_never_break_its_file(tmp_path: Pat
     assert errors == []
     assert stores[0].batch("batch-1", tenant).request_counts.completed in (1, 2)
     assert [path.name for path in (tmp_path / "batches").iterdir()] == ["batch-1.json"]
+
+
+def stored_batch(root: Path, lines: list[dict[str, Any]], *, tenant: Any = "team") -> str:
+    """A batch left ``in_progress`` by a previous gateway over ``root``; ``tenant`` as its record
+    holds it (a whole tenant in records written before names alone were kept). Its id."""
+    store = BatchStore(root)
+    upload = store.add_file("team", "in.jsonl", "batch", jsonl(lines))
+    now = int(time.time())
+    record = BatchRecord(
+        tenant="team",
+        id="batch_left",
+        endpoint=ENDPOINT,
+        input_file_id=upload.id,
+        completion_window="24h",
+        status="in_progress",
+        created_at=now,
+        expires_at=now + 3600,
+    )
+    stored = {**record.model_dump(), "tenant": tenant}
+    (root / "batches" / f"{record.id}.json").write_text(json.dumps(stored))
+    return record.id
+
+
+async def test_a_resumed_batch_has_its_tenant_s_rights_of_now(tmp_path: Path) -> None:
+    """The gateway restarted with the tenant narrowed to another model: each line is refused as a
+    direct request would be (403), none reaches a worker; an old record holding the whole tenant
+    (with its old, wider rights) is read by the tenant's name."""
+    batch_id = stored_batch(tmp_path, [request_line("a"), request_line("b")], tenant={"name": "team"})
+    narrowed = ApiKeys.of_tenants([("k", Tenant(name="team", models=("other-model",)))])
+    cluster = FakeCluster([FakeWorker("w0")])
+    async with running_gateway(cluster, settings=settings(tmp_path), api_keys=narrowed) as (_, client):
+        api = sdk(client)
+        done = await finished(api, batch_id)
+        assert done.error_file_id is not None
+        errors = [
+            json.loads(line) for line in (await api.files.content(done.error_file_id)).content.splitlines()
+        ]
+        direct = await client.post(
+            ENDPOINT, json=request_line("c")["body"], headers={"authorization": "Bearer k"}
+        )
+    assert cluster.workers[0].num_requests == 0
+    assert done.request_counts is not None and done.request_counts.failed == 2
+    assert direct.status_code == 403
+    assert {line["response"]["status_code"] for line in errors} == {403}
+    assert {line["error"]["message"] for line in errors} == {direct.json()["error"]["message"]}
+
+
+async def test_a_resumed_batch_of_a_removed_tenant_fails(tmp_path: Path) -> None:
+    batch_id = stored_batch(tmp_path, [request_line("a")])
+    others = ApiKeys.of_tenants([("k2", Tenant(name="other"))])
+    cluster = FakeCluster([FakeWorker("w0")])
+    async with running_gateway(cluster, settings=settings(tmp_path), api_keys=others):
+        store = BatchStore(tmp_path)
+        await wait_for(lambda: store.batch(batch_id, "team").is_finished)
+    record = store.batch(batch_id, "team")
+    assert cluster.workers[0].num_requests == 0 and record.status == "failed" and record.errors is not None
+    assert record.errors["data"][0]["code"] == "tenant_removed"
+    assert "'team'" in record.errors["data"][0]["message"]
+
+
+async def test_two_batches_of_one_file_at_once_are_two(tmp_path: Path) -> None:
+    worker = FakeWorker("w0")
+    async with running_gateway(FakeCluster([worker]), settings=settings(tmp_path), api_keys=KEYS) as (
+        app,
+        client,
+    ):
+        worker.is_ready = False  # both stay unfinished, so neither can stand for the other
+        await wait_for(lambda: not app.state.registry.workers["w0"].is_healthy)
+        api = sdk(client)
+        upload = await api.files.create(file=("in.jsonl", jsonl([request_line("a")])), purpose="batch")
+        created = [
+            await api.batches.create(input_file_id=upload.id, endpoint=ENDPOINT, completion_window="24h")
+            for _ in range(2)
+        ]
+        listed = [item.id async for item in api.batches.list()]
+        for batch in created:
+            await api.batches.cancel(batch.id)
+    assert created[0].id != created[1].id and sorted(listed) == sorted(batch.id for batch in created)
+
+
+def test_a_batch_record_is_never_overwritten_by_a_new_one(tmp_path: Path) -> None:
+    store = BatchStore(tmp_path)
+    store.add_batch(a_batch())
+    with pytest.raises(FileExistsError):
+        store.add_batch(a_batch("validating"))
+    assert store.batch("batch-1", "team").status == "in_progress"
+
+
+def test_parsing_stops_at_the_first_request_past_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rest of a file too long is not read (a bad line after the limit is not the error)."""
+    monkeypatch.setattr(batch_lines, "MAX_LINES", 3)
+    content = jsonl([request_line(f"r{i}") for i in range(4)]) + b"not json\n"
+    with pytest.raises(InputError) as raised:
+        parse_input(content, ENDPOINT)
+    assert raised.value.line == 4 and "at most 3" in str(raised.value)
+
+
+async def test_the_input_is_parsed_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    parse = batch_runner.parse_input
+
+    def slow_parse(content: bytes, endpoint: str) -> list[BatchLine]:
+        time.sleep(0.6)  # a file of many lines
+        return parse(content, endpoint)
+
+    monkeypatch.setattr(batch_runner, "parse_input", slow_parse)
+    async with running_gateway(
+        FakeCluster([FakeWorker("w0")]), settings=settings(tmp_path), api_keys=KEYS
+    ) as (_, client):
+        api = sdk(client)
+        upload = await api.files.create(file=("in.jsonl", jsonl([request_line("a")])), purpose="batch")
+        stop = asyncio.Event()
+        lag = asyncio.create_task(loop_lag(stop))
+        batch = await api.batches.create(input_file_id=upload.id, endpoint=ENDPOINT, completion_window="24h")
+        done = await finished(api, batch.id)
+        stop.set()
+        worst = await lag
+    assert done.status == "completed"
+    assert worst < 0.3, f"the event loop was held {worst:.3f} s parsing the input"
+
+
+def multipart(file: bytes = b"{}\n", *, extra: bytes = b"") -> bytes:
+    return (
+        b'--B\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n' + extra + b"--B\r\n"
+        b'Content-Disposition: form-data; name="file"; filename="a.jsonl"\r\n\r\n' + file + b"\r\n--B--\r\n"
+    )
+
+
+MULTIPART = {"content-type": "multipart/form-data; boundary=B", "authorization": "Bearer k"}
+
+
+async def test_an_upload_declared_too_large_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    small = dataclasses.replace(settings(tmp_path), max_batch_file_bytes=1_000)
+    declared = str(1_000 + batch_routes.MULTIPART_SLACK_BYTES + 1)
+
+    async def body() -> AsyncIterator[bytes]:
+        yield multipart()  # far less than declared: a refusal that read it would find it cut short
+
+    async with running_gateway(FakeCluster([FakeWorker("w0")]), settings=small, api_keys=KEYS) as (_, client):
+        response = await client.post(
+            "/v1/files", content=body(), headers={**MULTIPART, "content-length": declared}
+        )
+    assert response.status_code == 413, response.text
+
+
+async def test_a_chunked_upload_is_cut_off_at_the_limit(tmp_path: Path) -> None:
+    small = dataclasses.replace(settings(tmp_path), max_batch_file_bytes=1_000)
+    chunk = b"x" * 1024 * 1024
+    num_sent = 0
+
+    async def body() -> AsyncIterator[bytes]:
+        nonlocal num_sent
+        yield multipart(b"").removesuffix(b"\r\n--B--\r\n")
+        for _ in range(64):
+            num_sent += 1
+            yield chunk
+
+    async with running_gateway(FakeCluster([FakeWorker("w0")]), settings=small, api_keys=KEYS) as (_, client):
+        response = await client.post("/v1/files", content=body(), headers=MULTIPART)
+    assert response.status_code == 413 and num_sent <= 2
+
+
+async def test_a_slow_upload_gets_408(tmp_path: Path) -> None:
+    hasty = dataclasses.replace(settings(tmp_path), body_timeout=0.3)
+
+    async def body() -> AsyncIterator[bytes]:
+        yield multipart(b"").removesuffix(b"\r\n--B--\r\n")
+        await asyncio.sleep(10)
+
+    async with running_gateway(FakeCluster([FakeWorker("w0")]), settings=hasty, api_keys=KEYS) as (_, client):
+        async with asyncio.timeout(5):
+            response = await client.post("/v1/files", content=body(), headers=MULTIPART)
+    assert response.status_code == 408
+
+
+async def test_an_upload_takes_one_file(tmp_path: Path) -> None:
+    second = b'--B\r\nContent-Disposition: form-data; name="other"; filename="b.jsonl"\r\n\r\n{}\r\n'
+    async with running_gateway(
+        FakeCluster([FakeWorker("w0")]), settings=settings(tmp_path), api_keys=KEYS
+    ) as (_, client):
+        response = await client.post("/v1/files", content=multipart(extra=second), headers=MULTIPART)
+    assert response.status_code == 400
+
+
+async def test_a_file_an_unfinished_batch_uses_is_not_deleted(tmp_path: Path) -> None:
+    worker = FakeWorker("w0")
+    async with running_gateway(FakeCluster([worker]), settings=settings(tmp_path), api_keys=KEYS) as (
+        app,
+        client,
+    ):
+        worker.is_ready = False
+        await wait_for(lambda: not app.state.registry.workers["w0"].is_healthy)
+        api = sdk(client)
+        upload = await api.files.create(file=("in.jsonl", jsonl([request_line("a")])), purpose="batch")
+        batch = await api.batches.create(input_file_id=upload.id, endpoint=ENDPOINT, completion_window="24h")
+        with pytest.raises(openai.ConflictError) as refused:
+            await api.files.delete(upload.id)
+        await api.batches.cancel(batch.id)
+        await finished(api, batch.id)
+        deleted = await api.files.delete(upload.id)
+    assert batch.id in refused.value.message and deleted.deleted
+
+
+def test_a_damaged_record_is_skipped_with_one_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = BatchStore(tmp_path)
+    store.save_batch(a_batch())
+    (tmp_path / "batches" / "batch-2.json").write_text('{"id": "batch-2", "stat')
+    assert [record.id for record in store.batches()] == ["batch-1"]
+    assert [record.id for record in store.batches()] == ["batch-1"]
+    warnings = [record.getMessage() for record in caplog.records if record.levelname == "WARNING"]
+    assert len(warnings) == 1 and "batch-2.json" in warnings[0]
+
+
+@pytest.mark.parametrize("path", ["/v1/files", "/v1/batches"])
+async def test_a_page_after_an_unknown_item_is_refused(tmp_path: Path, path: str) -> None:
+    async with running_gateway(
+        FakeCluster([FakeWorker("w0")]), settings=settings(tmp_path), api_keys=KEYS
+    ) as (_, client):
+        await sdk(client).files.create(file=("in.jsonl", jsonl([request_line("a")])), purpose="batch")
+        response = await client.get(path, params={"after": "nope"}, headers={"authorization": "Bearer k"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "after"
+
+
+async def test_metadata_keys_longer_than_64_characters_are_refused(tmp_path: Path) -> None:
+    async with running_gateway(
+        FakeCluster([FakeWorker("w0")]), settings=settings(tmp_path), api_keys=KEYS
+    ) as (_, client):
+        api = sdk(client)
+        upload = await api.files.create(file=("in.jsonl", jsonl([request_line("a")])), purpose="batch")
+        with pytest.raises(openai.BadRequestError):
+            await api.batches.create(
+                input_file_id=upload.id, endpoint=ENDPOINT, completion_window="24h", metadata={"k" * 65: "v"}
+            )
+        assert [item async for item in api.batches.list()] == []
+
+
+def test_without_authentication_every_batch_runs_as_anonymous() -> None:
+    assert ApiKeys([]).tenant_named("team") is ANONYMOUS
+    assert KEYS.tenant_named("team") == Tenant(name="team") and KEYS.tenant_named("gone") is None

@@ -8,6 +8,7 @@ its ``custom_id``; ``done_ids`` reads them back, so a restarted gateway skips wh
 
 from __future__ import annotations
 
+import io
 import json
 import secrets
 from dataclasses import dataclass
@@ -47,12 +48,17 @@ class BatchLine:
 
 
 def parse_input(content: bytes, endpoint: str) -> list[BatchLine]:
-    """Every request of an input file; ``InputError`` names the first bad line."""
+    """Every request of an input file; ``InputError`` names the first bad line. It stops at the first
+    request past ``MAX_LINES``: the rest of a file that is too long is not worth parsing."""
     lines: list[BatchLine] = []
     seen: set[str] = set()
-    for number, raw in enumerate(content.splitlines(), start=1):
+    for number, raw in enumerate(io.BytesIO(content), start=1):  # one line at a time, not all as a list
         if not raw.strip():
             continue
+        if len(lines) == MAX_LINES:
+            raise InputError(
+                number, f"line {number}: a batch takes at most {MAX_LINES} requests; split the input file"
+            )
         line = _request(raw, number, endpoint)
         if line.custom_id in seen:
             raise InputError(
@@ -62,8 +68,6 @@ def parse_input(content: bytes, endpoint: str) -> list[BatchLine]:
         lines.append(line)
     if not lines:
         raise InputError(0, "the input file has no requests", code="empty_file")
-    if len(lines) > MAX_LINES:
-        raise InputError(0, f"the input file has {len(lines)} requests; a batch takes at most {MAX_LINES}")
     return lines
 
 

@@ -1,8 +1,10 @@
 """Running batches: each line through the gateway at the lowest priority, its answer appended to disk.
 
 A batch's lines go through ``Gateway.forward`` like any request of its tenant (its quotas and models
-apply), with ``X-Herd-Priority: BATCH_PRIORITY``: they wait behind every interactive request in the
-gateway's queue and in each engine's, and are preempted first, so a batch fills the capacity that
+apply, as the keys define the tenant when the batch runs: one narrowed since the batch was created
+gets no more than a direct request would, one removed gets its batch failed), with
+``X-Herd-Priority: BATCH_PRIORITY``: they wait behind every interactive request in the gateway's
+queue and in each engine's, and are preempted first, so a batch fills the capacity that
 interactive traffic leaves. At most ``concurrency`` lines of a batch are in flight at once.
 
 Durability: the batch's record and every answered line are on disk (``BatchStore``) before the next
@@ -51,6 +53,10 @@ log = logging.getLogger(__name__)
 
 Forward = Callable[[str, bytes, Mapping[str, str], Tenant], Awaitable[Response]]
 """``Gateway.forward``."""
+Tenants = Callable[[str], Tenant | None]
+"""The tenant of a name as the keys define it now, ``None`` when none has it (``ApiKeys.tenant_named``)."""
+INTERNAL_ERROR = "internal error while running the batch; see the orchestrator log"
+"""What a client sees of a defect; the detail (which may name server paths) goes to the log only."""
 _HEADERS = {PRIORITY_HEADER: str(BATCH_PRIORITY)}
 RETRY_STATUSES = frozenset({429, 503})
 """Refusals that mean "not now": the line is sent again later."""
@@ -59,9 +65,12 @@ RETRY_MAX_S = 10.0
 
 
 class BatchRunner:
-    def __init__(self, store: BatchStore, forward: Forward, *, concurrency: int = 8) -> None:
+    def __init__(
+        self, store: BatchStore, forward: Forward, tenants: Tenants, *, concurrency: int = 8
+    ) -> None:
         self.store = store
         self.forward = forward
+        self.tenants = tenants
         self.concurrency = concurrency
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._cancelling: set[str] = set()
@@ -102,12 +111,9 @@ class BatchRunner:
             await run.run()
         except asyncio.CancelledError:
             raise
-        except Exception as error:  # a defect: the batch fails, not the gateway, and no restart retries it
+        except Exception:  # a defect: the batch fails, not the gateway, and no restart retries it
             log.exception("batch failed", extra={"batch": record.id})
-            message = (
-                f"the gateway failed running this batch ({type(error).__name__}: {error}); the answers "
-                "written so far are in its output file"
-            )
+            message = f"{INTERNAL_ERROR}; the answers written so far are in its output file"
             try:
                 run.fail("internal_error", message)
             except Exception:  # the store itself is failing: the record stays as it was, logged
@@ -121,6 +127,8 @@ class _Run:
         self.runner = runner
         self.store = runner.store
         self.record = record
+        self.tenant: Tenant | None = None
+        """The record's tenant as the keys define it now."""
         self.output: FileRecord | None = None
         self.errors: FileRecord | None = None
         self._unwritten: list[tuple[bytes, bool, asyncio.Future[None]]] = []
@@ -136,12 +144,20 @@ class _Run:
                 await asyncio.shield(self._writer)
 
     async def _run_lines(self) -> None:
-        lines = self._validated()
-        if lines is None:
+        self.tenant = self.runner.tenants(self.record.tenant)
+        if self.tenant is None:
+            message = (
+                f"the tenant {self.record.tenant!r} that created this batch has no API key any more; "
+                "create the batch again with a current key"
+            )
+            self.fail("tenant_removed", message)
             return
-        self._open_files()
-        done = self._done()
-        self._save(request_counts=self._counts(len(lines)))
+        # Reading and parsing the input (up to max_batch_file_bytes) and the answers so far takes
+        # seconds for a large batch: in a thread, so that interactive requests are not held up.
+        prepared = await asyncio.to_thread(self._prepare)
+        if prepared is None:
+            return
+        lines, done = prepared
         pending = [line for line in lines if line.custom_id not in done]
         limit = asyncio.Semaphore(self.runner.concurrency)
         async with asyncio.TaskGroup() as group:
@@ -152,7 +168,20 @@ class _Run:
                     break
                 task = group.create_task(self._one(line))
                 task.add_done_callback(lambda _: limit.release())
-        self._finish(lines)
+        await asyncio.to_thread(self._finish, len(lines))
+
+    def _prepare(self) -> tuple[list[BatchLine], set[str]] | None:
+        """In a thread: the batch's lines and the ``custom_id`` already answered, its output and error
+        files open and its counts saved; ``None`` when the input fails the batch."""
+        lines = self._validated()
+        if lines is None:
+            return None
+        self._open_files()
+        answered, failed = self._answered()
+        self._save(
+            request_counts=RequestCounts(total=len(lines), completed=len(answered), failed=len(failed))
+        )
+        return lines, answered | failed
 
     def _validated(self) -> list[BatchLine] | None:
         tenant = self.record.tenant
@@ -178,16 +207,10 @@ class _Run:
         self.output = self.store.truncate_partial(self.store.file(self.record.output_file_id, tenant))
         self.errors = self.store.truncate_partial(self.store.file(self.record.error_file_id, tenant))
 
-    def _done(self) -> set[str]:
+    def _answered(self) -> tuple[set[str], set[str]]:
+        """The ``custom_id`` of the output file's lines and of the error file's."""
         assert self.output is not None and self.errors is not None
-        return done_ids(self.store.content(self.output)) | done_ids(self.store.content(self.errors))
-
-    def _counts(self, total: int) -> RequestCounts:
-        assert self.output is not None and self.errors is not None
-        completed = len(done_ids(self.store.content(self.output)))
-        return RequestCounts(
-            total=total, completed=completed, failed=len(done_ids(self.store.content(self.errors)))
-        )
+        return done_ids(self.store.content(self.output)), done_ids(self.store.content(self.errors))
 
     def _is_stopping(self) -> bool:
         return self.record.id in self.runner._cancelling or self.record.status == "cancelling"
@@ -212,19 +235,20 @@ class _Run:
         """Send the line once and write its answer; a "not now" refusal is not written but returned as
         ``(status, its Retry-After)``, anything else gives ``None``."""
         try:
-            response = await self.runner.forward(
-                self.record.endpoint, line.body, _HEADERS, self.record.tenant
-            )
+            assert self.tenant is not None
+            response = await self.runner.forward(self.record.endpoint, line.body, _HEADERS, self.tenant)
         except HttpError as error:
             if error.status in RETRY_STATUSES:
                 return error.status, _seconds(error.headers.get("Retry-After"))
             body = error.envelope().model_dump()
             await self._write(line, error_line(line.custom_id, error.status, body, error.message), ok=False)
             return None
-        except Exception as error:  # this line fails alone; the batch goes on
-            await self._write(
-                line, error_line(line.custom_id, None, None, f"{type(error).__name__}: {error}"), ok=False
+        except Exception:  # this line fails alone; the batch goes on
+            log.exception(
+                "batch request failed", extra={"batch": self.record.id, "custom_id": line.custom_id}
             )
+            message = "internal error while sending this request; see the orchestrator log"
+            await self._write(line, error_line(line.custom_id, None, None, message), ok=False)
             return None
         status, body = response.status_code, _json(bytes(response.body))
         if status in RETRY_STATUSES:
@@ -278,9 +302,11 @@ class _Run:
         update = {"completed": counts.completed + len(outputs), "failed": counts.failed + len(errors)}
         self._save(request_counts=counts.model_copy(update=update))
 
-    def _finish(self, lines: list[BatchLine]) -> None:
+    def _finish(self, total: int) -> None:
+        """End the batch as it stands: cancelled, expired or completed; in a thread."""
         now = int(time.time())
-        counts = self._counts(len(lines))
+        answered, failed = self._answered()
+        counts = RequestCounts(total=total, completed=len(answered), failed=len(failed))
         if self._is_stopping():
             self._save(status="cancelled", cancelled_at=now, request_counts=counts)
             self.runner._cancelling.discard(self.record.id)

@@ -4,12 +4,14 @@ Layout: ``files/<id>.json`` (the file's record) beside ``files/<id>.data`` (its 
 ``batches/<id>.json`` (the batch's record). Records are replaced atomically (a temporary file
 renamed over the old one); output and error lines are appended and flushed to disk one by one, so
 after a crash a file ends in whole lines, at most one cut short (``lines.done_ids`` ignores it and
-``truncate_partial`` drops it before lines are appended again). Every record names its tenant, and a
-tenant sees only its own files and batches (another's are 404, as if they did not exist).
+``truncate_partial`` drops it before lines are appended again). Every record names its tenant (the
+name only: its rights are the keys file's of the moment, not those it had when the record was made),
+and a tenant sees only its own files and batches (another's are 404, as if they did not exist).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import threading
@@ -18,10 +20,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from herd.api.errors import HttpError
-from herd.orchestrator.admission.tenants import Tenant
 
 __all__ = ["BatchRecord", "BatchStatus", "BatchStore", "FileRecord", "RequestCounts"]
 
@@ -31,11 +32,19 @@ BatchStatus = Literal[
 FINISHED: frozenset[str] = frozenset({"failed", "completed", "expired", "cancelled"})
 _HIDDEN = {"tenant"}
 R = TypeVar("R", bound="_Record")
+log = logging.getLogger(__name__)
 
 
 class _Record(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    tenant: Tenant
+    tenant: str
+    """The tenant's name."""
+
+    @field_validator("tenant", mode="before")
+    @classmethod
+    def _tenant_name(cls, value: Any) -> Any:
+        # Records written before names alone were kept hold the whole tenant: only its name counts.
+        return value.get("name") if isinstance(value, dict) else value
 
     def public(self) -> dict[str, Any]:
         """What the API answers: everything but the tenant."""
@@ -92,12 +101,14 @@ class BatchStore:
     def __init__(self, root: Path) -> None:
         self.root = root
         self._batch_lock = threading.Lock()
+        self._warned: set[Path] = set()
+        """Damaged records already logged, so that each is logged once, not on every listing."""
         for folder in ("files", "batches"):
             (root / folder).mkdir(parents=True, exist_ok=True)
 
     # files
 
-    def add_file(self, tenant: Tenant, filename: str, purpose: str, content: bytes) -> FileRecord:
+    def add_file(self, tenant: str, filename: str, purpose: str, content: bytes) -> FileRecord:
         record = FileRecord(
             tenant=tenant,
             id=f"file-{secrets.token_hex(12)}",
@@ -110,14 +121,14 @@ class BatchStore:
         self._save(self._file_path(record.id), record)
         return record
 
-    def file(self, file_id: str, tenant: Tenant) -> FileRecord:
+    def file(self, file_id: str, tenant: str) -> FileRecord:
         return self._load(self._file_path(file_id), FileRecord, tenant, f"no file {file_id!r}", "file_id")
 
     def content(self, record: FileRecord) -> bytes:
         return self._data(record.id).read_bytes()
 
-    def files(self, tenant: Tenant, purpose: str | None = None) -> list[FileRecord]:
-        found = [record for record in self._all("files", FileRecord) if record.tenant.name == tenant.name]
+    def files(self, tenant: str, purpose: str | None = None) -> list[FileRecord]:
+        found = [record for record in self._all("files", FileRecord) if record.tenant == tenant]
         return sorted(
             (record for record in found if purpose is None or record.purpose == purpose),
             key=lambda record: (record.created_at, record.id),
@@ -154,34 +165,59 @@ class BatchStore:
 
     # batches
 
+    def add_batch(self, record: BatchRecord) -> None:
+        """Store a new batch; ``FileExistsError`` when its id is taken (a record is never overwritten
+        by another batch's)."""
+        path = self._batch_path(record.id)
+        with self._batch_lock:
+            if path.exists():
+                raise FileExistsError(f"batch {record.id!r} exists already")
+            self._save(path, record)
+
     def save_batch(self, record: BatchRecord) -> None:
         with self._batch_lock:
-            self._save(self.root / "batches" / f"{record.id}.json", record)
+            self._save(self._batch_path(record.id), record)
 
     def update_batch(
-        self, batch_id: str, tenant: Tenant, change: Callable[[BatchRecord], BatchRecord]
+        self, batch_id: str, tenant: str, change: Callable[[BatchRecord], BatchRecord]
     ) -> BatchRecord:
         """The stored record through ``change``, saved and returned; no other ``update_batch`` or
         ``save_batch`` comes between the read and the write (a thread's and the loop's)."""
         with self._batch_lock:
             record = change(self.batch(batch_id, tenant))
-            self._save(self.root / "batches" / f"{record.id}.json", record)
+            self._save(self._batch_path(record.id), record)
             return record
 
-    def batch(self, batch_id: str, tenant: Tenant) -> BatchRecord:
-        path = self.root / "batches" / f"{batch_id}.json"
-        return self._load(path, BatchRecord, tenant, f"no batch {batch_id!r}", "batch_id")
+    def batch(self, batch_id: str, tenant: str) -> BatchRecord:
+        return self._load(
+            self._batch_path(batch_id), BatchRecord, tenant, f"no batch {batch_id!r}", "batch_id"
+        )
 
-    def batches(self, tenant: Tenant | None = None) -> list[BatchRecord]:
+    def batches(self, tenant: str | None = None) -> list[BatchRecord]:
         """Newest first; every tenant's when ``tenant`` is None (the runner resuming after a restart)."""
         found = [
             record
             for record in self._all("batches", BatchRecord)
-            if tenant is None or record.tenant.name == tenant.name
+            if tenant is None or record.tenant == tenant
         ]
         return sorted(found, key=lambda record: (record.created_at, record.id), reverse=True)
 
+    def unfinished_batch_using(self, record: FileRecord) -> BatchRecord | None:
+        """A batch of the file's tenant, not finished, that reads or writes the file."""
+        return next(
+            (
+                batch
+                for batch in self.batches(record.tenant)
+                if not batch.is_finished
+                and record.id in (batch.input_file_id, batch.output_file_id, batch.error_file_id)
+            ),
+            None,
+        )
+
     # records
+
+    def _batch_path(self, batch_id: str) -> Path:
+        return self.root / "batches" / f"{_safe(batch_id)}.json"
 
     def _file_path(self, file_id: str) -> Path:
         return self.root / "files" / f"{_safe(file_id)}.json"
@@ -192,14 +228,14 @@ class BatchStore:
     def _save(self, path: Path, record: _Record) -> None:
         _write_atomically(path, record.model_dump_json().encode())
 
-    def _load(self, path: Path, kind: type[R], tenant: Tenant, missing: str, param: str) -> R:
+    def _load(self, path: Path, kind: type[R], tenant: str, missing: str, param: str) -> R:
         try:
             record = kind.model_validate_json(path.read_bytes())
         except (OSError, ValueError):
             raise HttpError(
                 404, f"{missing}; list yours with GET /v1/{path.parent.name}", param=param
             ) from None
-        if record.tenant.name != tenant.name:
+        if record.tenant != tenant:
             raise HttpError(404, f"{missing}; list yours with GET /v1/{path.parent.name}", param=param)
         return record
 
@@ -207,8 +243,12 @@ class BatchStore:
         for path in (self.root / folder).glob("*.json"):
             try:
                 yield kind.model_validate_json(path.read_bytes())
-            except (OSError, ValueError):
-                continue  # being replaced, or not ours
+            except OSError:
+                continue  # deleted since the listing
+            except ValueError as error:  # records are replaced whole, so this one was damaged
+                if path not in self._warned:
+                    self._warned.add(path)
+                    log.warning("skipping %s, a record that does not parse: %s", path, error)
 
 
 def _safe(identifier: str) -> str:
