@@ -711,24 +711,18 @@ class ErrorResponse(BaseModel):
 
     @classmethod
     def of(cls, status: int, message: str, *, param: str | None = None) -> ErrorResponse:
-        return cls(
-            error=ErrorBody(
-                message=message, type=_ERROR_TYPES.get(status, "server_error"), param=param, code=status
-            )
-        )
+        return cls(error=ErrorBody(message=message, type=_error_type(status), param=param, code=status))
 
 
 _ERROR_TYPES: dict[int, ErrorType] = {
-    400: "invalid_request_error",
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
-    405: "invalid_request_error",
-    408: "invalid_request_error",
-    413: "invalid_request_error",
-    415: "invalid_request_error",
-    422: "invalid_request_error",
-    431: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable",
 }
+
+
+def _error_type(status: int) -> ErrorType:
+    """OpenAI's error type for a status: any other 4xx (a 409 conflict) is the request's fault."""
+    return _ERROR_TYPES.get(status) or ("invalid_request_error" if 400 <= status < 500 else "server_error")

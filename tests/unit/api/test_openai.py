@@ -87,6 +87,7 @@ def test_completion_prompt_forms() -> None:
         (415, "invalid_request_error"),
         (429, "rate_limit_error"),
         (431, "invalid_request_error"),
+        (409, "invalid_request_error"),
         (503, "service_unavailable"),
         (500, "server_error"),
     ],
