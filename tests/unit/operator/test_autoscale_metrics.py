@@ -111,7 +111,7 @@ def test_observe_is_incomplete(previous: dict[str, str], current: dict[str, str 
 
 
 POD = {
-    "status": {"podIP": "10.0.0.7"},
+    "status": {"podIP": "127.0.0.7"},
     "spec": {
         "containers": [
             {"ports": [{"name": "internal", "containerPort": 9000}, {"name": "http", "containerPort": 8000}]}
@@ -121,5 +121,5 @@ POD = {
 
 
 def test_metrics_url_uses_the_port_named_http() -> None:
-    assert metrics_url(POD) == "http://10.0.0.7:8000/metrics"
+    assert metrics_url(POD) == "http://127.0.0.7:8000/metrics"
     assert metrics_url({**POD, "status": {}}) is None
