@@ -24,7 +24,7 @@ from herd.orchestrator.registry import RegistrySettings
 from herd.orchestrator.routing.headroom import IdleHeadroom
 from herd.orchestrator.routing.reserve import SlotReserve
 from herd.orchestrator.server import ServerLimits, run_server
-from herd.orchestrator.state import build_state
+from herd.orchestrator.state import REDIS_TIMEOUT_S, build_state
 
 __all__ = [
     "add_admission_arguments",
@@ -161,7 +161,7 @@ def add_source_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--redis-timeout",
         type=positive(float),
-        default=0.5,
+        default=REDIS_TIMEOUT_S,
         help="seconds a Redis call may take before this replica routes on local state until Redis answers",
     )
     parser.add_argument(

@@ -219,14 +219,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--tensor-parallel-size", type=int, help="ranks (processes) that split the model")
     group = parser.add_argument_group("a model over several pods (LeaderWorkerSet)")
     group.add_argument(
-        "--group-size",
-        type=int,
-        help="pods the model's ranks span (default: $LWS_GROUP_SIZE, else 1)",
+        "--group-size", type=int, help="pods the model's ranks span (default: $LWS_GROUP_SIZE, else 1)"
     )
     group.add_argument(
-        "--group-index",
-        type=int,
-        help="this pod's index, 0 the leader (default: $LWS_WORKER_INDEX, else 0)",
+        "--group-index", type=int, help="this pod's index, 0 the leader (default: $LWS_WORKER_INDEX, else 0)"
     )
     group.add_argument(
         "--leader-address", help="the leader pod's host, for followers (default: $LWS_LEADER_ADDRESS)"
@@ -238,10 +234,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help=f"the leader's rank rendezvous port (default {RENDEZVOUS_PORT})",
     )
     group.add_argument(
-        "--join-timeout",
-        type=float,
-        default=300.0,
-        help="seconds for every rank to join (default 300)",
+        "--join-timeout", type=float, default=300.0, help="seconds for every rank to join (default 300)"
     )
     parser.add_argument(
         "--max-body-bytes", type=positive(int), default=4 * 1024 * 1024, help="larger bodies get 413"

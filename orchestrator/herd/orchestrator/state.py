@@ -57,6 +57,7 @@ from herd.api.protocol import MAX_LOAD_COUNT, KVEventBatch, KVSnapshot
 
 __all__ = [
     "IN_FLIGHT_TTL_S",
+    "REDIS_TIMEOUT_S",
     "ExpectedBlocks",
     "InFlightCounts",
     "KVPayload",
@@ -100,6 +101,8 @@ _IN_FLIGHT_REFRESH_S = 1.0
 """Non-zero counts are written again this often, unchanged, so that receivers know they still hold."""
 IN_FLIGHT_TTL_S = 3.0
 """A replica's counts not refreshed for this long are dropped (the replica stopped or lost Redis)."""
+REDIS_TIMEOUT_S = 0.5
+"""How long one Redis call may take before the replica routes on its local state (``--redis-timeout``)."""
 _CLOSE_TIMEOUT_S = 3.0
 """How long close() waits for the KV consumer to finish its current read (250 ms) or retry pause."""
 
@@ -191,7 +194,9 @@ class MemoryState:
 class RedisState:
     """Pins and KV events in Redis, degrading to a local ``MemoryState`` while Redis is away."""
 
-    def __init__(self, url: str, *, retry_seconds: float = 1.0, timeout_seconds: float = 0.5) -> None:
+    def __init__(
+        self, url: str, *, retry_seconds: float = 1.0, timeout_seconds: float = REDIS_TIMEOUT_S
+    ) -> None:
         self.url = url
         self.retry_seconds = retry_seconds
         # One try per command within the timeout, then the local state: a request must not wait out
@@ -434,6 +439,6 @@ def _deliver(sink: KVSink, fields: dict[bytes, bytes]) -> None:
         log.exception("skipping a KV stream entry this replica could not apply", extra={"worker": worker_id})
 
 
-def build_state(redis_url: str | None, *, timeout_seconds: float = 0.5) -> State:
+def build_state(redis_url: str | None, *, timeout_seconds: float = REDIS_TIMEOUT_S) -> State:
     """``RedisState`` for a URL (each call waiting at most ``timeout_seconds``), else ``MemoryState``."""
     return MemoryState() if redis_url is None else RedisState(redis_url, timeout_seconds=timeout_seconds)
