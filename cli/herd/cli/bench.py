@@ -20,6 +20,7 @@ from herd.cli.loadgen import BenchConfig, Progress, format_table, run_benchmark
 from herd.cli.loadgen.config import describe_errors, parse_extra_body
 from herd.cli.loadgen.oracle import OracleRequest, oracle_report, oracle_request
 from herd.cli.loadgen.output import cannot_write, check_writable
+from herd.cli.loadgen.problems import problem_message
 from herd.cli.loadgen.traces import (
     TRACE_KINDS,
     TRACE_SPEC,
@@ -200,7 +201,7 @@ def run_trace(args: argparse.Namespace) -> int:
         spec = TRACE_SPEC.validate_python({"kind": args.kind, **given})
     except ValidationError as error:
         for problem in error.errors(include_input=False, include_url=False):
-            message = problem["msg"].removeprefix("Value error, ")
+            message = problem_message(problem)
             if problem["type"] == "extra_forbidden":
                 message = f"not a setting of --kind {args.kind}; see herd bench trace --help"
             # The location is (kind, field), or just (kind,) for a problem of several settings.

@@ -18,9 +18,10 @@ from pydantic import BaseModel, Field, ValidationError
 
 from herd.api.protocol import WORKER_HEADER
 from herd.cli.loadgen.config import BenchConfig
+from herd.cli.loadgen.problems import first_problem
 from herd.cli.loadgen.workloads import RequestSpec
 
-__all__ = ["RequestResult", "build_body", "describe_invalid", "path_for", "send"]
+__all__ = ["RequestResult", "build_body", "path_for", "send"]
 
 
 @dataclass(slots=True)
@@ -127,7 +128,7 @@ async def _read_stream(response: httpx.Response, result: RequestResult) -> None:
         try:
             chunk = _Chunk.model_validate_json(data)
         except ValidationError as error:
-            raise ValueError(describe_invalid(error)) from None
+            raise ValueError(first_problem(error)) from None  # never the value: like failures count as one
         _apply_chunk(chunk, result)
         if result.error is not None:
             return
@@ -154,15 +155,6 @@ def _apply_chunk(chunk: _Chunk, result: RequestResult) -> None:
         # A server that reports no cache details has an unknown hit rate, not a zero one.
         details = usage.prompt_tokens_details
         result.cached_tokens = details.cached_tokens if details else None
-
-
-def describe_invalid(error: ValidationError) -> str:
-    """The first problem of a server's malformed JSON, in one line that names where it is (never the
-    value, so that like failures count as one in a report's ``errors``)."""
-    problem = error.errors(include_input=False, include_url=False)[0]
-    where = ".".join(str(part) for part in problem["loc"])
-    message = "not a JSON object" if problem["type"] in {"model_type", "dict_type"} else problem["msg"]
-    return f"{where}: {message}" if where else message
 
 
 def _http_error(status: int, body: bytes) -> str:

@@ -8,6 +8,7 @@ from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from herd.cli.loadgen.problems import problem_message
 from herd.cli.loadgen.traces import TraceError, load_trace, trace_workload
 from herd.cli.loadgen.workloads import (
     MAX_SPAN_S,
@@ -132,7 +133,7 @@ def describe_errors(error: ValidationError) -> list[str]:
     """One line per problem, naming the command-line option (never echoing the input: it may hold a key)."""
     lines = []
     for problem in error.errors(include_input=False, include_url=False):
-        message = problem["msg"].removeprefix("Value error, ")
+        message = problem_message(problem)
         if problem["loc"]:
             option = "--" + str(problem["loc"][0]).removesuffix("_s").replace("_", "-")
             message = f"{option}: {message}"

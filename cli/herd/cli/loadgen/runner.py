@@ -13,8 +13,9 @@ from typing import Any
 import httpx
 from pydantic import BaseModel, Field, ValidationError
 
-from herd.cli.loadgen.client import RequestResult, describe_invalid, send
+from herd.cli.loadgen.client import RequestResult, send
 from herd.cli.loadgen.config import BenchConfig
+from herd.cli.loadgen.problems import first_problem
 from herd.cli.loadgen.progress import Progress
 from herd.cli.loadgen.stats import build_report
 from herd.cli.loadgen.workloads import Workload
@@ -64,7 +65,7 @@ async def first_model(client: httpx.AsyncClient) -> str:
     except httpx.HTTPError as error:
         problem = str(error)
     except ValidationError as error:
-        problem = describe_invalid(error)
+        problem = first_problem(error)
     raise RuntimeError(f"could not list models at {client.base_url}/v1/models ({problem}); pass --model")
 
 

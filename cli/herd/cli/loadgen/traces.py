@@ -36,6 +36,7 @@ from pydantic import (
     model_validator,
 )
 
+from herd.cli.loadgen.problems import first_problem
 from herd.cli.loadgen.workloads import (
     MAX_LENGTH,
     MAX_SPAN_S,
@@ -432,12 +433,8 @@ def parse_trace(lines: Iterable[str], source: str) -> list[TraceRequest]:
         try:
             requests.append(TraceRequest.model_validate_json(line))
         except ValidationError as error:
-            problem = error.errors(include_input=False, include_url=False)[0]
-            where = ".".join(str(part) for part in problem["loc"])
-            message = problem["msg"].removeprefix("Value error, ")
-            detail = f"{where}: {message}" if where else message
             raise TraceError(
-                f"{source} line {number}: {detail}; every line must be one request object "
+                f"{source} line {number}: {first_problem(error)}; every line must be one request object "
                 "as `herd bench trace` writes it (timestamp, session_id, messages, output_length, hash_ids)"
             ) from None
     if not requests:
