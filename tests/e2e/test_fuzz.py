@@ -25,6 +25,11 @@ import hypothesis
 import pytest
 import requests
 import schemathesis
+
+# Imported at collection, not lazily inside the fuzz run: pytest rewrites this plugin's modules as it
+# imports them, and CPython 3.11.7's ast.parse failed there once with "AST constructor recursion depth
+# mismatch" (a SystemError of the interpreter, not of herd).
+import schemathesis.specs.openapi.schemas
 from hypothesis import HealthCheck, Phase
 from schemathesis import Case, GenerationMode
 from schemathesis.schemas import APIOperation
